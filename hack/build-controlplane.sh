@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Build the real components of the local test control plane from Go modules, cached by version.
+#
+#   etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl   (k8s.io/kubernetes)
+#   kwok                                                                     (sigs.k8s.io/kwok)
+#   kuberay ray-operator + its CRDs                                          (github.com/ray-project/kuberay/ray-operator)
+#   helm                                                                     (helm.sh/helm/v3)
+#
+# Binaries land in $RLHF_CACHE/bin/<name>-<version>; a symlink farm in $RLHF_CACHE/bin/current/ points at
+# the versions pinned here. A version already built is never rebuilt, so reruns take seconds.
+# Usage: hack/build-controlplane.sh            (prints the bin dir on the last line)
+set -euo pipefail
+
+K8S_VERSION="${K8S_VERSION:-v1.36.3}"
+ETCD_VERSION="${ETCD_VERSION:-v3.6.7}"
+KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
+# v1.7.0 is the target, but proxy.golang.org answers 403 "This module version is not available" for its zip
+# (checked 2026-11-22); v1.6.1 is the newest KubeRay release the proxy serves.
+KUBERAY_VERSION="${KUBERAY_VERSION:-v1.6.1}"
+HELM_VERSION="${HELM_VERSION:-v3.19.5}"
+
+CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
+BIN="$CACHE/bin"
+WORK="$CACHE/build"
+mkdir -p "$BIN/current" "$WORK"
+export GOFLAGS="-buildvcs=false -trimpath"
+export CGO_ENABLED=0
+LDFLAGS="-s -w"
+
+log() { printf '[build-controlplane %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+have() { # have <name> <version>: true when every named binary exists
+  local v=$1; shift
+  for n in "$@"; do [ -x "$BIN/$n-$v" ] || return 1; done
+}
+
+link() { # link <name> <version>
+  ln -sfn "$BIN/$1-$2" "$BIN/current/$1"
+}
+
+# Write a wrapper go.mod in $1 requiring module $2@$3, with extra go.mod lines on stdin.
+wrapper() {
+  local dir=$1 mod=$2 ver=$3
+  mkdir -p "$dir"
+  {
+    echo "module rlhf.local/build"
+    echo "go 1.26"
+    echo "require $mod $ver"
+    cat
+  } >"$dir/go.mod"
+}
+
+build_k8s() {
+  local names=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
+  if have "$K8S_VERSION" "${names[@]}"; then log "kubernetes $K8S_VERSION cached"; else
+    log "building kubernetes $K8S_VERSION (kube-apiserver, kube-scheduler, kube-controller-manager, kubectl)"
+    local dir="$WORK/k8s-$K8S_VERSION" staging="v0${K8S_VERSION#v1}"
+    # k8s.io/kubernetes points its staging modules at ./staging; as a dependency they must be pinned.
+    local mods
+    mods=$(curl -fsSL "${GOPROXY_URL:-https://proxy.golang.org}/k8s.io/kubernetes/@v/$K8S_VERSION.mod" \
+      | sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p')
+    {
+      echo "replace ("
+      for m in $mods; do echo "  $m => $m $staging"; done
+      echo ")"
+    } | wrapper "$dir" k8s.io/kubernetes "$K8S_VERSION"
+    (
+      cd "$dir"
+      for n in "${names[@]}"; do go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION"; done
+      mkdir -p out
+      go build -ldflags "$LDFLAGS" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
+      for n in "${names[@]}"; do mv "out/$n" "$BIN/$n-$K8S_VERSION"; done
+    )
+  fi
+  for n in "${names[@]}"; do link "$n" "$K8S_VERSION"; done
+}
+
+build_etcd() {
+  if have "$ETCD_VERSION" etcd; then log "etcd $ETCD_VERSION cached"; else
+    log "building etcd $ETCD_VERSION"
+    local dir="$WORK/etcd-$ETCD_VERSION"
+    wrapper "$dir" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" </dev/null
+    (cd "$dir" && go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" && go build -ldflags "$LDFLAGS" -o "$BIN/etcd-$ETCD_VERSION" go.etcd.io/etcd/server/v3)
+  fi
+  link etcd "$ETCD_VERSION"
+}
+
+build_kwok() {
+  if have "$KWOK_VERSION" kwok; then log "kwok $KWOK_VERSION cached"; else
+    log "building kwok $KWOK_VERSION"
+    local dir="$WORK/kwok-$KWOK_VERSION"
+    wrapper "$dir" sigs.k8s.io/kwok "$KWOK_VERSION" </dev/null
+    (cd "$dir" && go get "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" && go build -ldflags "$LDFLAGS" -o "$BIN/kwok-$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok)
+  fi
+  link kwok "$KWOK_VERSION"
+}
+
+build_kuberay() {
+  local crds="$CACHE/kuberay-crds-$KUBERAY_VERSION"
+  if have "$KUBERAY_VERSION" kuberay-operator && [ -d "$crds" ]; then log "kuberay $KUBERAY_VERSION cached"; else
+    log "building kuberay ray-operator $KUBERAY_VERSION"
+    local dir="$WORK/kuberay-$KUBERAY_VERSION" mod=github.com/ray-project/kuberay/ray-operator
+    wrapper "$dir" "$mod" "$KUBERAY_VERSION" </dev/null
+    (
+      cd "$dir"
+      go get "$mod@$KUBERAY_VERSION"
+      go build -ldflags "$LDFLAGS" -o "$BIN/kuberay-operator-$KUBERAY_VERSION" "$mod"
+      src=$(go list -m -f '{{.Dir}}' "$mod")
+      rm -rf "$crds.tmp" && mkdir -p "$crds.tmp" && cp "$src"/config/crd/bases/*.yaml "$crds.tmp/" && chmod -R u+w "$crds.tmp"
+      rm -rf "$crds" && mv "$crds.tmp" "$crds"
+    )
+  fi
+  link kuberay-operator "$KUBERAY_VERSION"
+  ln -sfn "$crds" "$BIN/current/kuberay-crds"
+}
+
+build_helm() {
+  if have "$HELM_VERSION" helm; then log "helm $HELM_VERSION cached"; else
+    log "building helm $HELM_VERSION"
+    local dir="$WORK/helm-$HELM_VERSION"
+    wrapper "$dir" helm.sh/helm/v3 "$HELM_VERSION" </dev/null
+    (cd "$dir" && go get "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" && go build -ldflags "$LDFLAGS" -o "$BIN/helm-$HELM_VERSION" helm.sh/helm/v3/cmd/helm)
+  fi
+  link helm "$HELM_VERSION"
+}
+
+start=$(date +%s)
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(etcd kwok kuberay helm k8s)
+for t in "${targets[@]}"; do "build_$t"; done
+log "done in $(( $(date +%s) - start ))s"
+echo "$BIN/current"

@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""A real Kubernetes control plane on this machine, for tests and the demo (no Docker, kind or k3s).
+
+Processes: etcd, kube-apiserver (RBAC, audit log), kube-controller-manager, kube-scheduler, KWOK (fake GPU
+nodes that run no containers but go Ready and mark scheduled pods Running) and the real KubeRay operator.
+Binaries come from ``hack/build-controlplane.sh`` (built from Go modules, cached by version).
+
+    python3 hack/localcluster.py up   [--dir DIR] [--nodes 4] [--gpus-per-node 8]   # prints KUBECONFIG
+    python3 hack/localcluster.py down [--dir DIR]
+
+Only the standard library and the built binaries are used, so the same file serves pytest fixtures, the demo
+and CI. Every process is started in its own session and stopped by its pid file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", "/tmp/rlhf-cluster"))
+ADMIN_TOKEN = "rlhf-admin-token"  # test cluster on loopback only
+GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+    verbs: ["create", "update", "patch", "delete", "deletecollection"]
+  - level: None
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    print(f"[localcluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build() -> Path:
+    out = subprocess.run(
+        ["bash", str(REPO / "hack" / "build-controlplane.sh")], check=True, stdout=subprocess.PIPE, text=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    bin: Path
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "kubeconfig"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.dir / "audit.log"
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+            input=input,
+            text=True,
+            capture_output=True,
+            check=check,
+        )
+
+    # ---------------------------------------------------------------------------------------- processes
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        logf = open(self.dir / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+        (self.dir / f"{name}.pid").write_text(str(proc.pid))
+
+    def stop(self) -> None:
+        for pidfile in sorted(self.dir.glob("*.pid")):
+            try:
+                os.killpg(int(pidfile.read_text()), signal.SIGTERM)
+            except (ProcessLookupError, ValueError, PermissionError):
+                pass
+        deadline = time.time() + 20
+        for pidfile in sorted(self.dir.glob("*.pid")):
+            pid = int(pidfile.read_text() or 0)
+            while pid and time.time() < deadline:
+                try:
+                    os.killpg(pid, 0)
+                except (ProcessLookupError, PermissionError):
+                    break
+                time.sleep(0.1)
+            else:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            pidfile.unlink(missing_ok=True)
+
+    def _wait(self, what: str, ok, timeout: float = 120) -> None:
+        deadline = time.time() + timeout
+        last: Exception | None = None
+        while time.time() < deadline:
+            try:
+                if ok():
+                    return
+            except Exception as e:  # noqa: BLE001 - keep polling until the deadline
+                last = e
+            time.sleep(0.5)
+        raise TimeoutError(f"{what} not ready after {timeout}s (last error: {last}); logs in {self.dir}")
+
+    # ------------------------------------------------------------------------------------------------ up
+    def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.stop()
+        pki = self.dir / "pki"
+        pki.mkdir(exist_ok=True)
+        if not (pki / "sa.key").exists():
+            subprocess.run(["openssl", "genrsa", "-out", str(pki / "sa.key"), "2048"], check=True, capture_output=True)
+            subprocess.run(
+                ["openssl", "rsa", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub")],
+                check=True,
+                capture_output=True,
+            )
+        (self.dir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
+        (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
+        etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+        b = self.bin
+        self._start(
+            "etcd",
+            [
+                str(b / "etcd"),
+                "--data-dir", str(self.dir / "etcd"),
+                "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+                "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
+                "--unsafe-no-fsync", "--quota-backend-bytes", str(4 << 30),
+            ],
+        )
+        self._wait("etcd", lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=2).status == 200)
+        self._start(
+            "kube-apiserver",
+            [
+                str(b / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+                f"--cert-dir={pki}", f"--token-auth-file={self.dir / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--allow-privileged=true",
+                f"--audit-log-path={self.audit_log}", f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
+                "--audit-log-format=json", "--audit-log-mode=blocking",
+                "--enable-priority-and-fairness=false",
+            ],
+        )
+        server = f"https://127.0.0.1:{api_port}"
+        self.kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "local", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+                    "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
+                    "contexts": [{"name": "local", "context": {"cluster": "local", "user": "admin"}}],
+                    "current-context": "local",
+                }
+            )
+        )
+        ctx = ssl._create_unverified_context()
+
+        def healthy() -> bool:
+            req = urllib.request.Request(f"{server}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            return urllib.request.urlopen(req, timeout=3, context=ctx).status == 200
+
+        self._wait("kube-apiserver", healthy, timeout=180)
+        kc = f"--kubeconfig={self.kubeconfig}"
+        self._start(
+            "kube-controller-manager",
+            [
+                str(b / "kube-controller-manager"), kc, "--leader-elect=false", "--secure-port=0",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'apiserver.crt'}",
+                "--use-service-account-credentials=false",
+                "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,-route",
+                "--concurrent-gc-syncs=5",
+            ],
+        )
+        self._start("kube-scheduler", [str(b / "kube-scheduler"), kc, "--leader-elect=false", "--secure-port=0"])
+        self._start(
+            "kwok",
+            [
+                str(b / "kwok"), kc,
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--manage-nodes-with-label-selector=",
+                "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
+                "--disregard-status-with-label-selector=",
+                "--cidr=10.0.0.1/16",
+                "--node-ip=10.0.0.1",
+                "--node-lease-duration-seconds=40",
+            ],
+        )
+        self._wait("default service account", lambda: self.kubectl("get", "sa", "default").returncode == 0)
+        self.add_nodes(nodes, gpus_per_node)
+        if kuberay:
+            self.kubectl("apply", "--server-side", "-f", str(b / "kuberay-crds"))
+            self._wait(
+                "KubeRay CRDs",
+                lambda: self.kubectl("wait", "--for=condition=Established", "crd/rayjobs.ray.io", "--timeout=5s").returncode == 0,
+            )
+            self._start(
+                "kuberay-operator",
+                [str(b / "kuberay-operator"), "--enable-leader-election=false", "--metrics-addr=127.0.0.1:0",
+                 "--health-probe-bind-address=127.0.0.1:0"],
+                env={"KUBECONFIG": str(self.kubeconfig)},
+            )
+        self.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "rlhf.dev_rlhfjobs.yaml"))
+        self._wait(
+            "RLHFJob CRD",
+            lambda: self.kubectl("wait", "--for=condition=Established", "crd/rlhfjobs.rlhf.dev", "--timeout=5s").returncode == 0,
+        )
+        log(f"up: KUBECONFIG={self.kubeconfig}")
+
+    def add_nodes(self, count: int, gpus: int, prefix: str = "gpu-node") -> None:
+        items = []
+        for i in range(count):
+            items.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": f"{prefix}-{i}",
+                        "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                        "labels": {
+                            "type": "kwok",
+                            "kubernetes.io/hostname": f"{prefix}-{i}",
+                            "kubernetes.io/os": "linux",
+                            "kubernetes.io/arch": "amd64",
+                            "nvidia.com/gpu.product": GPU_PRODUCT,
+                            "nvidia.com/gpu.count": str(gpus),
+                        },
+                    },
+                    "status": {
+                        "capacity": {"cpu": "128", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)},
+                        "allocatable": {"cpu": "128", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)},
+                    },
+                }
+            )
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+
+        def ready() -> bool:
+            out = self.kubectl("get", "nodes", "-l", "type=kwok", "-o", "json").stdout
+            nodes = json.loads(out)["items"]
+            ok = [n for n in nodes if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))]
+            return len(ok) >= count
+
+        self._wait("KWOK nodes Ready", ready)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=["up", "down", "build"])
+    p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    args = p.parse_args()
+    binp = build() if args.action != "down" else Path("/nonexistent")
+    c = Cluster(args.dir, binp)
+    if args.action == "up":
+        c.up(args.nodes, args.gpus_per_node)
+        print(c.kubeconfig)
+    elif args.action == "down":
+        c.dir.mkdir(parents=True, exist_ok=True)
+        c.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

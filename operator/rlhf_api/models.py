@@ -1,0 +1,477 @@
+"""Typed models of the RLHFJob API (group ``rlhf.dev``, version ``v1alpha1``).
+
+These classes are the single source of truth for three things:
+
+* the CRD schema (``rlhf_api.crdgen`` renders ``crds/rlhf.dev_rlhfjobs.yaml`` from them, with the CEL rules
+  declared here, so admission and Python agree);
+* the operator's view of a job (``RLHFJobSpec.model_validate(body["spec"])``);
+* the contract with the in-pod runtime (``RuntimeConfig``, written by the operator into a ConfigMap and read
+  by the Ray driver). No second schema exists.
+
+Field names are snake_case in Python and camelCase on the wire (``by_alias=True``). This module imports only
+pydantic: the operator and the runtime both depend on it, neither drags the other in.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "rlhf.dev"
+VERSION = "v1alpha1"
+KIND = "RLHFJob"
+PLURAL = "rlhfjobs"
+SINGULAR = "rlhfjob"
+SHORT_NAMES = ["rlhf"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Longest RLHFJob name: children append suffixes and KubeRay appends more (cluster, group, pod hash).
+MAX_NAME_LENGTH = 40
+
+
+def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
+    """One ``x-kubernetes-validations`` entry."""
+    return {"rule": rule, "message": message, **extra}
+
+
+def immutable(what: str) -> dict[str, str]:
+    return cel("self == oldSelf", f"{what} is immutable: delete the RLHFJob and create a new one to change it")
+
+
+class Model(BaseModel):
+    """Base: camelCase on the wire, unknown fields rejected (the apiserver prunes them anyway)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def sub(model: type[Model], description: str) -> Any:
+    """A nested object that always exists (defaulted to ``{}`` by the apiserver, then its own defaults)."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+
+
+# ----------------------------------------------------------------------------------------------- model
+class ModelSource(Model):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [immutable("spec.model")]},
+    )
+    name: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Hugging Face model id (e.g. Qwen/Qwen3-1.7B) or an absolute path inside the pods "
+        "(a volume listed in spec.volumes and mounted with spec.volumeMounts).",
+    )
+    revision: str | None = Field(None, max_length=128, description="Hub revision (branch, tag or commit).")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Parameter dtype for trainer and engines; also the dtype of weight sync."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (trust_remote_code).")
+
+
+# --------------------------------------------------------------------------------------------- trainer
+class Optimizer(Model):
+    name: Literal["adamw"] = Field("adamw", description="Optimiser. Only AdamW for now.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
+
+
+class Resources(Model):
+    cpu: str = Field("8", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request per pod (e.g. 8 or 500m).")
+    memory: str = Field(
+        "64Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$", description="Memory request per pod."
+    )
+
+
+class Trainer(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                immutable("spec.trainer"),
+                cel(
+                    "self.strategy != 'single' || (self.replicas == 1 && self.gpusPerReplica <= 1)",
+                    "trainer.strategy 'single' trains in one process on one GPU: use replicas=1 and "
+                    "gpusPerReplica<=1, or strategy 'fsdp2'",
+                    fieldPath=".strategy",
+                ),
+            ]
+        }
+    )
+    replicas: int = Field(1, ge=1, le=512, description="Trainer pods (one Ray worker each).")
+    gpus_per_replica: int = Field(
+        1, ge=0, le=16, description="GPUs per trainer pod; one FSDP2 worker runs per GPU. 0 = CPU only (tests)."
+    )
+    strategy: Literal["single", "fsdp2"] = Field(
+        "single", description="single: one process, one GPU. fsdp2: FSDP2 sharding over all trainer GPUs."
+    )
+    optimizer: Optimizer = sub(Optimizer, "Optimiser settings (the learning rate is in spec.algorithm).")
+    resources: Resources = sub(Resources, "CPU and memory per trainer pod (GPUs come from gpusPerReplica).")
+    gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+
+
+# --------------------------------------------------------------------------------------------- rollout
+class Sampling(Model):
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature for rollouts; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_tokens: int = Field(256, ge=1, le=1_048_576, description="Maximum generated tokens per sample.")
+    samples_per_prompt: int = Field(
+        8, ge=1, le=1024, description="Samples per prompt; GRPO computes advantages within each group."
+    )
+
+
+class Rollout(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.engines == oldSelf.engines && self.tensorParallelSize == oldSelf.tensorParallelSize",
+                    "rollout.engines and rollout.tensorParallelSize are immutable: the Ray cluster is sized "
+                    "from them",
+                ),
+            ]
+        }
+    )
+    engines: int = Field(1, ge=1, le=1024, description="vLLM engines (data parallel size, DP).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="GPUs per engine (tensor parallel size, TP); an engine's GPUs share a node."
+    )
+    gpu_memory_utilization: float = Field(
+        0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may use (in colocated mode the trainer has the rest)."
+    )
+    max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len (prompt + generation).")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
+    sampling: Sampling = sub(Sampling, "Sampling parameters for rollouts.")
+    resources: Resources = sub(Resources, "CPU and memory per engine pod (separate placement).")
+
+
+# ------------------------------------------------------------------------------------------- placement
+class Placement(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [immutable("spec.placement")]})
+    mode: Literal["separate", "colocated"] = Field(
+        "separate",
+        description="separate: trainers and engines on different GPUs, weights move over NCCL. colocated: "
+        "trainer and engine share each GPU (sleep/wake), weights move over CUDA IPC.",
+    )
+    gpus_per_node: int = Field(
+        8, ge=1, le=64, description="GPUs per node in the target pool; a pod never asks for more than this."
+    )
+    gpu_product: str | None = Field(
+        None,
+        max_length=128,
+        description="If set, pods select nodes labelled nvidia.com/gpu.product=<value> (e.g. NVIDIA-H100-80GB-HBM3).",
+    )
+
+
+class WeightSync(Model):
+    backend: Literal["nccl", "ipc"] = Field(
+        "nccl", description="nccl (separate placement) or ipc (colocated placement, CUDA IPC handles)."
+    )
+    packed: bool = Field(True, description="Send weights packed into reused buffers instead of tensor by tensor.")
+    bucket_size_mb: int = Field(1024, alias="bucketSizeMB", ge=1, le=65536, description="Packed buffer size in MiB.")
+    every_n_steps: int = Field(1, ge=1, le=100000, description="Sync weights to the engines every N trainer steps.")
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: generation stops between steps. async: the next rollout runs while training, "
+        "generation is paused mid-request for the swap and resumed (tokens before/after are recorded).",
+    )
+
+
+# ------------------------------------------------------------------------------------------- algorithm
+class Algorithm(Model):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-relative advantages, no critic.")
+    steps: int = Field(100, ge=1, le=10_000_000, description="Training steps (may be raised on a running job).")
+    prompts_per_step: int = Field(32, ge=1, le=1_000_000, description="Prompts per step (each sampled samplesPerPrompt times).")
+    learning_rate: float = Field(1e-6, gt=0, le=1, description="Learning rate.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to a frozen reference policy; 0 disables the reference.")
+    clip_ratio: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip epsilon.")
+    epochs_per_step: int = Field(1, ge=1, le=64, description="Optimiser passes over each rollout batch.")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and init.")
+
+
+# ------------------------------------------------------------------------------------------ data/reward
+class ConfigMapKey(Model):
+    name: str = Field(min_length=1, max_length=253, description="ConfigMap name (same namespace).")
+    key: str = Field("prompts.jsonl", min_length=1, max_length=253, description="Key holding the prompts.")
+
+
+class Data(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "(has(self.prompts) ? 1 : 0) + (has(self.configMap) ? 1 : 0) + (has(self.path) ? 1 : 0) == 1",
+                    "data needs exactly one of prompts, configMap or path",
+                )
+            ]
+        }
+    )
+    prompts: list[str] | None = Field(
+        None, min_length=1, max_length=10000, description="Inline prompts (for small jobs and tests)."
+    )
+    config_map: ConfigMapKey | None = Field(
+        None, description="Prompts from a ConfigMap key (JSON lines with a 'prompt' field, or plain lines)."
+    )
+    path: str | None = Field(
+        None, pattern=r"^/", max_length=4096, description="Absolute path of a prompts file on a mounted volume."
+    )
+    answer_field: str = Field("answer", description="JSON-lines field with the reference answer, if any.")
+
+
+class Reward(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.rule) != has(self.function)", "reward needs exactly one of rule or function"),
+                cel(
+                    "!has(self.rule) || self.rule != 'regex' || has(self.pattern)",
+                    "reward.rule 'regex' needs reward.pattern",
+                ),
+                cel(
+                    "!has(self.rule) || self.rule != 'exactMatch' || has(self.target)",
+                    "reward.rule 'exactMatch' needs reward.target (or answers in the data)",
+                ),
+            ]
+        }
+    )
+    rule: Literal["exactMatch", "contains", "regex", "length"] | None = Field(
+        None,
+        description="Built-in rule: exactMatch/contains compare with target (or the sample's answer), regex "
+        "matches pattern, length rewards closeness to targetLength tokens.",
+    )
+    target: str | None = Field(None, max_length=65536, description="Target text for exactMatch/contains.")
+    pattern: str | None = Field(None, max_length=4096, description="Regular expression for the regex rule.")
+    target_length: int = Field(64, ge=1, description="Target completion length in tokens for the length rule.")
+    function: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="User hook 'module:function' importable in the runtime image; called as "
+        "fn(prompt: str, completion: str, answer: str | None) -> float.",
+    )
+
+
+class Checkpoint(Model):
+    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
+    path: str = Field(pattern=r"^/", max_length=4096, description="Directory inside the pods (mount it there).")
+    every_n_steps: int = Field(10, ge=1, description="Save every N steps; a restarted job resumes from the newest.")
+
+
+# ------------------------------------------------------------------------------------------ scheduling
+class Toleration(Model):
+    key: str | None = Field(None, description="Taint key.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal.")
+    value: str | None = Field(None, description="Taint value.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(None, description="Taint effect.")
+    toleration_seconds: int | None = Field(None, description="For NoExecute: how long to stay bound.")
+
+
+class Scheduling(Model):
+    node_selector: dict[str, str] | None = Field(None, description="Node labels every pod of the job requires.")
+    tolerations: list[Toleration] | None = Field(None, max_length=64, description="Tolerations for every pod.")
+    priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
+    queue_name: str | None = Field(
+        None, max_length=253, description="Kueue LocalQueue; sets kueue.x-k8s.io/queue-name on the RayJob."
+    )
+
+
+class EnvVar(Model):
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$", max_length=256, description="Variable name.")
+    value: str = Field("", description="Value.")
+
+
+class VolumeMount(Model):
+    name: str = Field(max_length=63, description="Volume name (from spec.volumes).")
+    mount_path: str = Field(pattern=r"^/", description="Where to mount it in every container.")
+    read_only: bool = Field(False, description="Mount read-only.")
+    sub_path: str | None = Field(None, description="Sub-path of the volume.")
+
+
+VOLUME_SCHEMA = {
+    "type": "object",
+    "x-kubernetes-preserve-unknown-fields": True,
+    "required": ["name"],
+    "properties": {"name": {"type": "string", "maxLength": 63, "description": "Volume name."}},
+    "description": "A core/v1 Volume (e.g. persistentVolumeClaim, hostPath, nfs), added to every pod.",
+}
+
+
+# ------------------------------------------------------------------------------------------------ spec
+SPEC_RULES = [
+    cel(
+        "self.rollout.tensorParallelSize <= self.placement.gpusPerNode",
+        "rollout.tensorParallelSize must not exceed placement.gpusPerNode: an engine's GPUs must share a node",
+        fieldPath=".rollout.tensorParallelSize",
+    ),
+    cel(
+        "self.trainer.gpusPerReplica <= self.placement.gpusPerNode",
+        "trainer.gpusPerReplica must not exceed placement.gpusPerNode",
+        fieldPath=".trainer.gpusPerReplica",
+    ),
+    cel(
+        "self.weightSync.backend != 'ipc' || self.placement.mode == 'colocated'",
+        "weightSync.backend 'ipc' needs placement.mode 'colocated' (CUDA IPC only works within a GPU's node "
+        "and process pair)",
+        fieldPath=".weightSync.backend",
+    ),
+    cel(
+        "self.placement.mode != 'colocated' || self.weightSync.backend == 'ipc'",
+        "placement.mode 'colocated' needs weightSync.backend 'ipc' (NCCL cannot connect two ranks on one GPU)",
+        fieldPath=".weightSync.backend",
+    ),
+    cel(
+        "self.placement.mode != 'colocated' || "
+        "self.trainer.replicas * self.trainer.gpusPerReplica == self.rollout.engines * self.rollout.tensorParallelSize",
+        "placement.mode 'colocated' needs as many trainer GPUs (replicas x gpusPerReplica) as engine GPUs "
+        "(engines x tensorParallelSize): each GPU holds one trainer worker and one engine shard",
+    ),
+    cel(
+        "self.weightSync.mode != 'async' || self.placement.mode == 'separate'",
+        "weightSync.mode 'async' (pause/resume mid-request) needs placement.mode 'separate': colocated engines "
+        "sleep during training",
+        fieldPath=".weightSync.mode",
+    ),
+    cel(
+        "self.algorithm.name != 'grpo' || self.rollout.sampling.samplesPerPrompt >= 2",
+        "GRPO needs rollout.sampling.samplesPerPrompt >= 2: advantages are relative within a prompt's group",
+        fieldPath=".rollout.sampling.samplesPerPrompt",
+    ),
+    cel(
+        "!has(self.checkpoint) || (has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
+        "checkpoint.volume must name a volume in spec.volumes",
+        fieldPath=".checkpoint.volume",
+    ),
+    cel(
+        "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+        "self.volumes.exists(v, v.name == m.name))",
+        "every volumeMounts[].name must name a volume in spec.volumes",
+        fieldPath=".volumeMounts",
+    ),
+    cel("self.image == oldSelf.image", "spec.image is immutable on a submitted job", fieldPath=".image"),
+    cel(
+        "oldSelf.algorithm.name == self.algorithm.name",
+        "algorithm.name is immutable",
+        fieldPath=".algorithm.name",
+    ),
+]
+
+
+class RLHFJobSpec(Model):
+    """What to train and how to lay it out on GPUs."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": SPEC_RULES})
+
+    model: ModelSource = Field(description="The policy model to train (also loaded by the vLLM engines).")
+    image: str = Field(
+        min_length=1, max_length=1024, description="Container image with Ray, vLLM, torch and rlhf_runtime."
+    )
+    trainer: Trainer = sub(Trainer, "Trainer layout: pods, GPUs each, and parallel strategy.")
+    rollout: Rollout = sub(Rollout, "vLLM rollout engines: DP engines x TP GPUs each, and sampling.")
+    placement: Placement = sub(Placement, "Where trainers and engines run relative to each other.")
+    weight_sync: WeightSync = sub(WeightSync, "How trainer weights reach the engines.")
+    algorithm: Algorithm = sub(Algorithm, "The RL algorithm and its hyper-parameters.")
+    data: Data = Field(description="Where the prompts come from.")
+    reward: Reward = Field(description="How completions are scored.")
+    checkpoint: Checkpoint | None = Field(None, description="Periodic checkpoints; the job resumes from the newest.")
+    scheduling: Scheduling = sub(Scheduling, "Node selection, tolerations, priority and Kueue queue.")
+    suspend: bool = Field(False, description="Suspend the job: its Ray cluster is deleted; resume by setting false.")
+    ttl_seconds_after_finished: int | None = Field(
+        None, ge=0, description="Delete the Ray cluster this long after the job finished (status is kept)."
+    )
+    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this many seconds.")
+    env: list[EnvVar] | None = Field(None, max_length=256, description="Extra environment for every container.")
+    volumes: list[dict[str, Any]] | None = Field(
+        None, max_length=64, description="Extra volumes for every pod.", json_schema_extra={"items": VOLUME_SCHEMA}
+    )
+    volume_mounts: list[VolumeMount] | None = Field(
+        None, max_length=64, description="Extra volume mounts for every container."
+    )
+
+    def trainer_gpus(self) -> int:
+        return self.trainer.replicas * self.trainer.gpus_per_replica
+
+    def engine_gpus(self) -> int:
+        return self.rollout.engines * self.rollout.tensor_parallel_size
+
+    def total_gpus(self) -> int:
+        if self.placement.mode == "colocated":
+            return self.trainer_gpus()
+        return self.trainer_gpus() + self.engine_gpus()
+
+
+# ---------------------------------------------------------------------------------------------- status
+PHASES = ("Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended")
+Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
+
+
+class Condition(Model):
+    """metav1.Condition."""
+
+    type: str = Field(description="Condition type, e.g. Ready, Reconciling, Stalled.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason.")
+    message: str = Field("", description="Human-readable details.")
+    last_transition_time: datetime = Field(description="When status last changed.")
+    observed_generation: int | None = Field(None, description="metadata.generation this condition is about.")
+
+
+class Children(Model):
+    config_map: str | None = Field(None, description="ConfigMap with the runtime's job configuration.")
+    ray_job: str | None = Field(None, description="KubeRay RayJob running the job.")
+    ray_cluster: str | None = Field(None, description="KubeRay RayCluster created for the RayJob.")
+
+
+class Throughput(Model):
+    rollout_tokens_per_second: float | None = Field(None, description="Generated tokens per second (last step).")
+    samples_per_second: float | None = Field(None, description="Scored samples per second (last step).")
+    step_seconds: float | None = Field(None, description="Wall time of the last step.")
+    rollout_seconds: float | None = Field(None, description="Generation time of the last step.")
+    train_seconds: float | None = Field(None, description="Training time of the last step.")
+    weight_sync_seconds: float | None = Field(None, description="Weight sync time of the last sync.")
+    weight_sync_gbps: float | None = Field(None, description="Weight sync effective GB/s of the last sync.")
+    reward_mean: float | None = Field(None, description="Mean reward of the last step.")
+
+
+class RuntimeReport(Model):
+    """What the in-pod runtime reports; the operator folds it into phase and conditions."""
+
+    state: Literal["Starting", "Running", "Succeeded", "Failed"] | None = Field(None, description="Runtime state.")
+    message: str | None = Field(None, description="Runtime message (e.g. the error of a failed run).")
+    heartbeat_time: datetime | None = Field(None, description="Last report from the runtime.")
+    resumed_from_step: int | None = Field(None, description="Checkpoint step the runtime resumed from.")
+
+
+class RLHFJobStatus(Model):
+    phase: Phase | None = Field(None, description="Pending, Provisioning, Running, Succeeded, Failed or Suspended.")
+    message: str | None = Field(None, description="Why the job is in this phase.")
+    observed_generation: int | None = Field(None, description="Last metadata.generation the operator acted on.")
+    conditions: list[Condition] | None = Field(
+        None,
+        description="Ready, Reconciling, Stalled (kstatus), PodsScheduled, RayClusterReady, Complete, InvalidSpec.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    children: Children | None = Field(None, description="Objects the operator owns for this job.")
+    step: int | None = Field(None, description="Last completed training step.")
+    total_steps: int | None = Field(None, description="spec.algorithm.steps.")
+    throughput: Throughput | None = Field(None, description="Throughput of the last step.")
+    runtime: RuntimeReport | None = Field(None, description="The runtime's own report.")
+    start_time: datetime | None = Field(None, description="When the job started running.")
+    completion_time: datetime | None = Field(None, description="When the job finished.")
+
+
+# ------------------------------------------------------------------------------ operator <-> runtime
+class RuntimeConfig(Model):
+    """The job configuration the operator hands to the runtime (ConfigMap key ``job.json``)."""
+
+    api_version: str = Field(API_VERSION, description="API version of the spec below.")
+    name: str = Field(description="RLHFJob name.")
+    namespace: str = Field(description="RLHFJob namespace.")
+    uid: str | None = Field(None, description="RLHFJob uid; reports for another uid are refused.")
+    spec: RLHFJobSpec
+
+
+RLHFJobSpec.model_rebuild()

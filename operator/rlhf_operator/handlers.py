@@ -1,0 +1,158 @@
+"""Kopf handlers: thin, level-based, idempotent.
+
+Every trigger (an RLHFJob event, a RayJob event, a periodic timer) runs the same ``reconcile``: parse the
+spec, save child names to status, create what is missing (owned via ``kopf.adopt``), patch what may change,
+observe children, compute status with the pure ``status.compute`` and write it only if it changed.
+No create/update handlers: Kopf then keeps no progress annotations, so an unchanged object is never written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from typing import Any
+
+import kopf
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
+
+from rlhf_api import models as m
+from rlhf_operator import kube, naming, render, status
+
+log = logging.getLogger("rlhf_operator")
+RESYNC_SECONDS = float(os.environ.get("RLHF_RESYNC_SECONDS", "5"))
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = naming.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=m.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=m.GROUP)
+    settings.posting.level = logging.WARNING  # only our own events, not Kopf's handler chatter
+    settings.watching.server_timeout = 60
+    settings.execution.max_workers = int(os.environ.get("RLHF_WORKERS", "8"))
+
+
+def _spec_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        where = ".".join(str(x) for x in err["loc"])
+        parts.append(f"spec.{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _event(body: Any, reason: str, message: str, warning: bool = False) -> None:
+    try:
+        kopf.event(body, type="Warning" if warning else "Normal", reason=reason, message=message[:1000])
+    except Exception:  # events are best effort; never fail a reconcile over one
+        log.exception("could not post event %s", reason)
+
+
+def _ensure_children(job: render.Job, body: Any) -> None:
+    cm = render.render_config_map(job)
+    kopf.adopt(cm, owner=body)
+    existing = kube.get_config_map(job.namespace, cm["metadata"]["name"])
+    if existing is None:
+        if kube.create_config_map(cm):
+            _event(body, "Created", f"ConfigMap {cm['metadata']['name']}")
+    elif (existing.get("data") or {}) != cm["data"]:
+        kube.replace_config_map_data(job.namespace, cm["metadata"]["name"], cm["data"])
+
+    rj = render.render_ray_job(job)
+    kopf.adopt(rj, owner=body)
+    live = kube.get_ray_job(job.namespace, rj["metadata"]["name"])
+    if live is None:
+        if kube.create_ray_job(rj):
+            _event(body, "Created", f"RayJob {rj['metadata']['name']} ({_layout(job.spec)})")
+    else:
+        patch = render.ray_job_mutable_patch(rj)
+        if bool(live.get("spec", {}).get("suspend", False)) != patch["spec"]["suspend"]:
+            kube.patch_ray_job(job.namespace, rj["metadata"]["name"], patch)
+            _event(body, "Suspended" if job.spec.suspend else "Resumed", f"RayJob {rj['metadata']['name']}")
+
+
+def _layout(spec: m.RLHFJobSpec) -> str:
+    return (
+        f"{spec.placement.mode}, trainer {spec.trainer.replicas}x{spec.trainer.gpus_per_replica} GPU, "
+        f"{spec.rollout.engines} engine(s) x TP{spec.rollout.tensor_parallel_size}, sync {spec.weight_sync.backend}"
+    )
+
+
+def reconcile(body: Any, now: dt.datetime | None = None) -> None:
+    meta, name, ns = body["metadata"], body["metadata"]["name"], body["metadata"]["namespace"]
+    old_status = dict(body.get("status") or {})
+    obs = status.Observed(generation=meta.get("generation", 1), old_status=old_status)
+    if meta.get("deletionTimestamp"):
+        return
+    try:
+        spec = m.RLHFJobSpec.model_validate(dict(body.get("spec") or {}))
+    except ValidationError as e:
+        obs.invalid = _spec_error(e)
+        spec = None
+    if spec is not None:
+        obs.total_steps = spec.algorithm.steps
+        obs.suspend = spec.suspend
+        names = naming.child_names(name)
+        if (old_status.get("children") or {}).get("rayJob") != names.ray_job:
+            # Names are saved before anything is created: a restarted operator finds, never duplicates.
+            kube.patch_status(ns, name, {"children": names.as_status()})
+            old_status["children"] = {**(old_status.get("children") or {}), **names.as_status()}
+        if old_status.get("phase") not in status.TERMINAL:
+            obs.kuberay_missing = kube.kuberay_missing()
+            if not obs.kuberay_missing:
+                _ensure_children(render.Job(name, ns, meta["uid"], spec), body)
+        if not obs.kuberay_missing:
+            obs.ray_job = kube.get_ray_job(ns, names.ray_job)
+            cluster = ((obs.ray_job or {}).get("status") or {}).get("rayClusterName")
+            if cluster:
+                obs.ray_cluster = kube.get_ray_cluster(ns, cluster)
+                obs.pods = kube.list_pods(ns, f"ray.io/cluster={cluster}")
+    new = status.compute(obs, now or dt.datetime.now(dt.timezone.utc))
+    patch = status.changed(old_status, new)
+    if not patch:
+        return
+    kube.patch_status(ns, name, patch)
+    old_phase = old_status.get("phase")
+    if new["phase"] != old_phase or "message" in patch and new["phase"] in ("Pending", "Failed"):
+        warn = new["phase"] == "Failed" or new["message"].startswith("pod ") or bool(obs.kuberay_missing)
+        _event(body, new["phase"], new["message"] or new["phase"], warning=warn)
+
+
+def _safe_reconcile(body: Any) -> None:
+    try:
+        reconcile(body)
+    except ApiException as e:
+        # Transient API trouble (conflict, throttling, apiserver restart): retry on the next trigger.
+        raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
+
+
+@kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
+def rlhfjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    if type == "DELETED":
+        return
+    _safe_reconcile(body)
+
+
+@kopf.timer(m.GROUP, m.VERSION, m.PLURAL, interval=RESYNC_SECONDS, sharp=False)
+def rlhfjob_resync(body: kopf.Body, **_: Any) -> None:
+    _safe_reconcile(body)
+
+
+@kopf.on.event("ray.io", "v1", "rayjobs", labels={naming.LABEL_JOB: kopf.PRESENT})
+def rayjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A RayJob changed: reconcile its RLHFJob now instead of at the next resync."""
+    owner = body["metadata"]["labels"][naming.LABEL_JOB]
+    ns = body["metadata"]["namespace"]
+    try:
+        job = kube.custom().get_namespaced_custom_object(m.GROUP, m.VERSION, ns, m.PLURAL, owner)
+    except ApiException as e:
+        if e.status == 404:
+            return
+        raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
+    _safe_reconcile(job)
+
+
+@kopf.on.probe(id="kuberay")
+def kuberay_probe(**_: Any) -> str:
+    return kube.kuberay_missing() or "ok"

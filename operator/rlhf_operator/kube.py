@@ -1,0 +1,112 @@
+"""The operator's Kubernetes I/O: small, idempotent calls over the official client.
+
+Create calls tolerate ``409 AlreadyExists`` (another replica or a previous life of this process got there
+first); reads tolerate ``404``. Nothing here decides anything: that is ``render`` and ``status``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from rlhf_api import models as m
+
+RAY_GROUP, RAY_VERSION = "ray.io", "v1"
+
+
+@functools.cache
+def api() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def core() -> client.CoreV1Api:
+    return client.CoreV1Api(api())
+
+
+def custom() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api())
+
+
+def _missing_ok(call: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return call(*args, **kwargs)
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return api().sanitize_for_serialization(obj)
+
+
+def get_config_map(ns: str, name: str) -> dict[str, Any] | None:
+    cm = _missing_ok(core().read_namespaced_config_map, name, ns)
+    return to_dict(cm) if cm is not None else None
+
+
+def create_config_map(body: dict[str, Any]) -> bool:
+    """True when created, False when it already existed."""
+    try:
+        core().create_namespaced_config_map(body["metadata"]["namespace"], body)
+        return True
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+
+
+def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> None:
+    core().patch_namespaced_config_map(name, ns, {"data": data})
+
+
+def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:
+    return _missing_ok(custom().get_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayjobs", name)
+
+
+def create_ray_job(body: dict[str, Any]) -> bool:
+    try:
+        custom().create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, body["metadata"]["namespace"], "rayjobs", body)
+        return True
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+
+
+def patch_ray_job(ns: str, name: str, patch: dict[str, Any]) -> None:
+    custom().patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, "rayjobs", name, patch)
+
+
+def get_ray_cluster(ns: str, name: str) -> dict[str, Any] | None:
+    return _missing_ok(custom().get_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayclusters", name)
+
+
+def list_pods(ns: str, selector: str) -> list[dict[str, Any]]:
+    return [to_dict(p) for p in core().list_namespaced_pod(ns, label_selector=selector).items]
+
+
+def kuberay_missing() -> str | None:
+    """None when the KubeRay CRDs the operator needs are served, else a message saying what is missing."""
+    try:
+        resources = client.CustomObjectsApi(api()).get_api_resources(RAY_GROUP, RAY_VERSION)
+    except ApiException as e:
+        if e.status == 404:
+            return "the KubeRay CRDs (ray.io/v1) are not installed: install the KubeRay operator first"
+        raise
+    names = {r.name for r in resources.resources}
+    lacking = sorted({"rayjobs", "rayclusters"} - names)
+    if lacking:
+        return f"KubeRay CRDs missing: {', '.join(lacking)}.ray.io: install the KubeRay operator first"
+    return None
+
+
+def patch_status(ns: str, name: str, status: dict[str, Any]) -> None:
+    custom().patch_namespaced_custom_object_status(m.GROUP, m.VERSION, ns, m.PLURAL, name, {"status": status})

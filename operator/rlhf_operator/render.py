@@ -1,0 +1,189 @@
+"""Pure rendering: an RLHFJob spec -> the ConfigMap and KubeRay RayJob that run it.
+
+Why a RayJob (with an embedded RayCluster spec) rather than a RayCluster plus our own submitter: KubeRay then
+owns the driver's lifecycle (submission, retries, ``activeDeadlineSeconds``, deleting the cluster when the
+job ends so GPUs are freed), and Kueue admits RayJobs natively (queue label + ``suspend``). The operator keeps
+what KubeRay does not know: GPU layout per role, the runtime's configuration, and RL-level status.
+
+Layout (GPUs per pod = ``nvidia.com/gpu`` request = Ray ``num-gpus``):
+
+* head: no GPUs, ``num-cpus: 0`` so no actor lands on it; the driver runs there.
+* ``separate``: group ``trainer`` (``trainer.replicas`` pods x ``gpusPerReplica``) and group ``rollout``
+  (``rollout.engines`` pods x ``tensorParallelSize``: one pod per engine keeps a TP group on one node).
+* ``colocated``: one group ``colocated`` (``trainer.replicas`` pods x ``gpusPerReplica``); each GPU holds a
+  trainer worker and an engine shard, Ray shares it with fractional GPUs.
+
+Each worker advertises a Ray custom resource (``rlhf_trainer`` / ``rlhf_rollout`` / ``rlhf_colocated``) equal
+to its GPU count, so the runtime's placement groups land on the pods meant for them.
+Nothing here reads the environment or the cluster: same input, same output (golden-tested).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+from rlhf_operator import naming
+
+RAY_API_VERSION = "ray.io/v1"
+RAY_VERSION = "2.60.0"
+GPU = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+SHM_SIZE = "16Gi"
+DRIVER_CMD = f"python -m rlhf_runtime.driver --config {naming.CONFIG_MOUNT}/{naming.CONFIG_KEY}"
+
+#: Environment every container gets before the user's own ``spec.env`` (which wins on a clash).
+BASE_ENV = {
+    "RLHF_JOB_CONFIG": f"{naming.CONFIG_MOUNT}/{naming.CONFIG_KEY}",
+    "NCCL_DEBUG": "WARN",
+    "NCCL_CUMEM_ENABLE": "0",  # NCCL's cuMem allocator and CUDA IPC handles do not mix
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in the Ray actor's process
+    "RAY_DEDUP_LOGS": "0",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """The identity and spec of one RLHFJob, all the renderers need."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: RLHFJobSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    replicas: int
+    gpus: int
+    cpu: str
+    memory: str
+
+
+def worker_groups(spec: RLHFJobSpec) -> list[Group]:
+    """The Ray worker groups for a spec's placement (see module docstring)."""
+    t, r = spec.trainer, spec.rollout
+    if spec.placement.mode == "colocated":
+        return [Group("colocated", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory)]
+    return [
+        Group("trainer", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory),
+        Group("rollout", r.engines, r.tensor_parallel_size, r.resources.cpu, r.resources.memory),
+    ]
+
+
+def runtime_config(job: Job) -> RuntimeConfig:
+    return RuntimeConfig(name=job.name, namespace=job.namespace, uid=job.uid, spec=job.spec)
+
+
+def render_config_map(job: Job) -> dict[str, Any]:
+    names = naming.child_names(job.name)
+    payload = json.dumps(runtime_config(job).wire(), indent=2, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": names.config_map, "namespace": job.namespace, "labels": naming.labels(job.name)},
+        "data": {naming.CONFIG_KEY: payload},
+    }
+
+
+def _env(spec: RLHFJobSpec) -> list[dict[str, str]]:
+    env = dict(BASE_ENV)
+    for e in spec.env or []:
+        env[e.name] = e.value
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memory: str) -> dict[str, Any]:
+    spec = job.spec
+    names = naming.child_names(job.name)
+    resources: dict[str, dict[str, Any]] = {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}
+    if gpus:
+        resources["requests"][GPU] = gpus
+        resources["limits"][GPU] = gpus
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "rlhf-config", "mountPath": naming.CONFIG_MOUNT, "readOnly": True},
+    ]
+    mounts += [m.wire() for m in spec.volume_mounts or []]
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
+        {"name": "rlhf-config", "configMap": {"name": names.config_map}},
+    ]
+    volumes += [dict(v) for v in spec.volumes or []]
+    pod: dict[str, Any] = {
+        "containers": [
+            {
+                "name": container,
+                "image": spec.image,
+                "imagePullPolicy": "IfNotPresent",
+                "env": _env(spec),
+                "resources": resources,
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    selector = dict(spec.scheduling.node_selector or {})
+    if gpus and spec.placement.gpu_product:
+        selector[GPU_PRODUCT_LABEL] = spec.placement.gpu_product
+    if selector:
+        pod["nodeSelector"] = dict(sorted(selector.items()))
+    if spec.scheduling.tolerations:
+        pod["tolerations"] = [t.wire() for t in spec.scheduling.tolerations]
+    if spec.scheduling.priority_class_name:
+        pod["priorityClassName"] = spec.scheduling.priority_class_name
+    return {"metadata": {"labels": naming.labels(job.name, role)}, "spec": pod}
+
+
+def _ray_resources(group: Group) -> str:
+    # rayStartParams wants a quoted JSON string for custom resources.
+    return json.dumps(json.dumps({f"rlhf_{group.name}": group.gpus or 1}))
+
+
+def render_ray_job(job: Job) -> dict[str, Any]:
+    spec = job.spec
+    names = naming.child_names(job.name)
+    meta_labels = naming.labels(job.name)
+    if spec.scheduling.queue_name:
+        meta_labels[naming.KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
+    head = {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
+        "template": _pod_template(job, "head", "ray-head", 0, "2", "8Gi"),
+    }
+    workers = [
+        {
+            "groupName": g.name,
+            "replicas": g.replicas,
+            "minReplicas": g.replicas,
+            "maxReplicas": g.replicas,
+            "rayStartParams": {"num-gpus": str(g.gpus), "resources": _ray_resources(g)},
+            "template": _pod_template(job, g.name, "ray-worker", g.gpus, g.cpu, g.memory),
+        }
+        for g in worker_groups(spec)
+    ]
+    ray_job: dict[str, Any] = {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayJob",
+        "metadata": {"name": names.ray_job, "namespace": job.namespace, "labels": meta_labels},
+        "spec": {
+            "entrypoint": DRIVER_CMD,
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished or 0,
+            "suspend": spec.suspend,
+            "rayClusterSpec": {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": workers},
+        },
+    }
+    if spec.active_deadline_seconds:
+        ray_job["spec"]["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    return ray_job
+
+
+def ray_job_mutable_patch(desired: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a rendered RayJob that may change on a live RayJob (everything else is immutable)."""
+    return {"spec": {"suspend": desired["spec"]["suspend"]}}
