@@ -1,0 +1,110 @@
+"""Table tests of the pure status computation (observed KubeRay state -> phase + conditions)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from rlhf_operator import status as st
+
+NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.timezone.utc)
+LATER = NOW + dt.timedelta(minutes=5)
+
+
+def rayjob(deploy=None, job=None, cluster="j-abcde", message=None):
+    s = {"rayClusterName": cluster}
+    if deploy:
+        s["jobDeploymentStatus"] = deploy
+    if job:
+        s["jobStatus"] = job
+    if message:
+        s["message"] = message
+    return {"metadata": {"name": "j"}, "status": s}
+
+
+READY_CLUSTER = {"status": {"state": "ready"}}
+UNSCHEDULABLE = {
+    "metadata": {"name": "j-abcde-trainer-x"},
+    "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                               "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]},
+}
+SCHEDULED = {"metadata": {"name": "p"}, "status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}
+
+
+def obs(**kw) -> st.Observed:
+    base = dict(generation=3, old_status={}, total_steps=10)
+    base.update(kw)
+    return st.Observed(**base)
+
+
+CASES = [
+    ("no rayjob yet", obs(), "Pending", "CreatingRayJob"),
+    ("kuberay missing", obs(kuberay_missing="KubeRay CRDs missing"), "Pending", "KubeRayMissing"),
+    ("invalid spec", obs(invalid="spec.x: bad"), "Failed", "InvalidSpec"),
+    ("initializing", obs(ray_job=rayjob("Initializing")), "Provisioning", "ProvisioningRayCluster"),
+    ("unschedulable", obs(ray_job=rayjob("Initializing"), pods=[UNSCHEDULABLE]), "Pending", "Unschedulable"),
+    ("running", obs(ray_job=rayjob("Running", "RUNNING"), ray_cluster=READY_CLUSTER, pods=[SCHEDULED]), "Running", "RayJobRunning"),
+    ("running but cluster not ready", obs(ray_job=rayjob("Running"), ray_cluster={"status": {}}), "Provisioning", "ProvisioningRayCluster"),
+    ("training", obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER,
+                     old_status={"runtime": {"state": "Running"}, "step": 4}), "Running", "Training"),
+    ("complete", obs(ray_job=rayjob("Complete", "SUCCEEDED")), "Succeeded", "RayJobSucceeded"),
+    ("ray job failed", obs(ray_job=rayjob("Failed", "FAILED", message="driver exited 1")), "Failed", "RayJobFailed"),
+    ("validation failed", obs(ray_job=rayjob("ValidationFailed", message="bad spec")), "Failed", "RayJobFailed"),
+    ("runtime failed", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Failed", "message": "OOM"}}), "Failed", "RuntimeFailed"),
+    ("runtime succeeded", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Succeeded"}, "step": 10}), "Succeeded", "RuntimeSucceeded"),
+    ("suspended", obs(suspend=True, ray_job=rayjob("Suspended")), "Suspended", "Suspended"),
+    ("suspending", obs(suspend=True, ray_job=rayjob("Running")), "Suspended", "Suspending"),
+]
+
+
+@pytest.mark.parametrize("name,o,phase,reason", CASES, ids=[c[0] for c in CASES])
+def test_phase_table(name, o, phase, reason) -> None:
+    v = st.verdict(o)
+    assert (v.phase, v.reason) == (phase, reason)
+    out = st.compute(o, NOW)
+    conds = {c["type"]: c for c in out["conditions"]}
+    assert all(c["observedGeneration"] == 3 for c in conds.values())
+    assert conds["Ready"]["status"] == ("True" if phase in ("Running", "Succeeded") else "False")
+    stalled = phase == "Failed" or reason in ("Unschedulable", "KubeRayMissing")
+    assert conds["Stalled"]["status"] == ("True" if stalled else "False")
+    assert conds["Reconciling"]["status"] == ("True" if phase in ("Pending", "Provisioning") and not stalled else "False")
+    assert conds["Complete"]["status"] == ("True" if phase == "Succeeded" else "False")
+
+
+def test_unschedulable_message_names_the_pod_and_reason() -> None:
+    v = st.verdict(obs(ray_job=rayjob("Initializing"), pods=[SCHEDULED, UNSCHEDULABLE]))
+    assert "j-abcde-trainer-x" in v.message and "Insufficient nvidia.com/gpu" in v.message
+    conds = {c["type"]: c for c in st.compute(obs(ray_job=rayjob("Initializing"), pods=[UNSCHEDULABLE]), NOW)["conditions"]}
+    assert conds["PodsScheduled"]["status"] == "False"
+
+
+def test_recompute_is_stable_and_keeps_transition_times() -> None:
+    o = obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER)
+    first = st.compute(o, NOW)
+    again = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=first), LATER)
+    assert st.changed(first, again) == {}
+    assert again["startTime"] == first["startTime"] == "2026-11-22T12:00:00Z"
+
+
+def test_transition_time_moves_only_on_flip() -> None:
+    first = st.compute(obs(ray_job=rayjob("Initializing")), NOW)
+    second = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=first), LATER)
+    t1 = {c["type"]: c["lastTransitionTime"] for c in first["conditions"]}
+    t2 = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
+    assert t2["Ready"] != t1["Ready"]  # flipped False -> True
+    assert t2["InvalidSpec"] == t1["InvalidSpec"]  # stayed False
+
+
+def test_terminal_phases_are_sticky() -> None:
+    done = st.compute(obs(ray_job=rayjob("Complete", "SUCCEEDED")), NOW)
+    # KubeRay deleted the cluster and the RayJob reports nothing useful any more.
+    after = st.compute(obs(ray_job=None, old_status=done), LATER)
+    assert after["phase"] == "Succeeded" and after["completionTime"] == done["completionTime"]
+    assert st.changed(done, after) == {}
+
+
+def test_operator_never_writes_runtime_fields() -> None:
+    old = {"step": 7, "throughput": {"rewardMean": 0.5}, "runtime": {"state": "Running"}}
+    out = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=old), NOW)
+    assert not {"step", "throughput", "runtime"} & out.keys()
