@@ -19,8 +19,9 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 FINALIZER = f"{GROUP}/finalizer"
 CONFIG_KEY = "job.json"
 CONFIG_MOUNT = "/etc/rlhf"
-#: Where a ConfigMap named by spec.data.configMap is mounted; the runtime reads <DATA_MOUNT>/<key>.
-DATA_MOUNT = "/etc/rlhf/data"
+#: Where a ConfigMap named by spec.data.configMap is mounted; the runtime reads <DATA_MOUNT>/<key>
+#: (not under CONFIG_MOUNT: a configMap volume is read-only and cannot hold a nested mount point).
+DATA_MOUNT = "/etc/rlhf-data"
 
 
 @dataclass(frozen=True)

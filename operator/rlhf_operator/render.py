@@ -113,7 +113,7 @@ def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memo
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
         {"name": "rlhf-config", "configMap": {"name": names.config_map}},
     ]
-    if spec.data.config_map:  # prompts from a ConfigMap appear at /etc/rlhf/data/<key>
+    if spec.data.config_map:  # prompts from a ConfigMap appear at /etc/rlhf-data/<key>
         mounts.append({"name": "rlhf-data", "mountPath": naming.DATA_MOUNT, "readOnly": True})
         volumes.append({"name": "rlhf-data", "configMap": {"name": spec.data.config_map.name}})
     mounts += [m.wire() for m in spec.volume_mounts or []]
