@@ -86,13 +86,25 @@ build_etcd() {
 }
 
 build_kwok() {
-  if have "$KWOK_VERSION" kwok; then log "kwok $KWOK_VERSION cached"; else
+  local stages="$CACHE/kwok-stages-$KWOK_VERSION.yaml"
+  if have "$KWOK_VERSION" kwok && [ -s "$stages" ]; then log "kwok $KWOK_VERSION cached"; else
     log "building kwok $KWOK_VERSION"
     local dir="$WORK/kwok-$KWOK_VERSION"
     wrapper "$dir" sigs.k8s.io/kwok "$KWOK_VERSION" </dev/null
-    (cd "$dir" && go get "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" && go build -ldflags "$LDFLAGS" -o "$BIN/kwok-$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok)
+    (
+      cd "$dir"
+      go get "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+      go build -ldflags "$LDFLAGS" -o "$BIN/kwok-$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok
+      # KWOK's own "fast" stages: nodes become Ready, pods become Running/Ready and go away when deleted.
+      # pod-complete is left out on purpose: the RayJob submitter pod then stays Running, like a live driver.
+      src=$(go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)/kustomize/stage
+      for f in node/fast/node-initialize.yaml pod/fast/pod-ready.yaml pod/fast/pod-delete.yaml; do
+        echo "---"; cat "$src/$f"
+      done >"$stages.tmp" && mv "$stages.tmp" "$stages"
+    )
   fi
   link kwok "$KWOK_VERSION"
+  ln -sfn "$stages" "$BIN/current/kwok-stages.yaml"
 }
 
 build_kuberay() {

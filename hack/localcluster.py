@@ -83,7 +83,7 @@ class Cluster:
 
     # ---------------------------------------------------------------------------------------- processes
     def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        logf = open(self.dir / f"{name}.log", "ab")
+        logf = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child process
         proc = subprocess.Popen(
             argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
         )
@@ -208,12 +208,9 @@ class Cluster:
         self._start(
             "kwok",
             [
-                str(b / "kwok"), kc,
+                str(b / "kwok"), kc, f"--config={b / 'kwok-stages.yaml'}",
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                "--manage-nodes-with-label-selector=",
-                "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
-                "--disregard-status-with-label-selector=",
                 "--cidr=10.0.0.1/16",
                 "--node-ip=10.0.0.1",
                 "--node-lease-duration-seconds=40",

@@ -16,12 +16,12 @@ from typing import Any
 import kopf
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
-
 from rlhf_api import models as m
+
 from rlhf_operator import kube, naming, render, status
 
 log = logging.getLogger("rlhf_operator")
-RESYNC_SECONDS = float(os.environ.get("RLHF_RESYNC_SECONDS", "5"))
+RESYNC_SECONDS = float(os.environ.get("RLHF_RESYNC_SECONDS", "10"))
 
 
 @kopf.on.startup()
@@ -50,6 +50,9 @@ def _event(body: Any, reason: str, message: str, warning: bool = False) -> None:
 
 
 def _ensure_children(job: render.Job, body: Any) -> None:
+    for obj in render.render_runtime_rbac(job):
+        kopf.adopt(obj, owner=body)
+        kube.ensure_object(obj)
     cm = render.render_config_map(job)
     kopf.adopt(cm, owner=body)
     existing = kube.get_config_map(job.namespace, cm["metadata"]["name"])
@@ -108,7 +111,7 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
             if cluster:
                 obs.ray_cluster = kube.get_ray_cluster(ns, cluster)
                 obs.pods = kube.list_pods(ns, f"ray.io/cluster={cluster}")
-    new = status.compute(obs, now or dt.datetime.now(dt.timezone.utc))
+    new = status.compute(obs, now or dt.datetime.now(dt.UTC))
     patch = status.changed(old_status, new)
     if not patch:
         return

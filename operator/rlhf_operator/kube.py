@@ -11,7 +11,6 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
-
 from rlhf_api import models as m
 
 RAY_GROUP, RAY_VERSION = "ray.io", "v1"
@@ -28,6 +27,10 @@ def api() -> client.ApiClient:
 
 def core() -> client.CoreV1Api:
     return client.CoreV1Api(api())
+
+
+def rbac() -> client.RbacAuthorizationV1Api:
+    return client.RbacAuthorizationV1Api(api())
 
 
 def custom() -> client.CustomObjectsApi:
@@ -65,6 +68,28 @@ def create_config_map(body: dict[str, Any]) -> bool:
 
 def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> None:
     core().patch_namespaced_config_map(name, ns, {"data": data})
+
+
+def ensure_object(body: dict[str, Any]) -> bool:
+    """Create a ServiceAccount/Role/RoleBinding if absent (GET first: no write when it exists). True if created."""
+    kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+    if kind == "ServiceAccount":
+        read, create = core().read_namespaced_service_account, core().create_namespaced_service_account
+    elif kind == "Role":
+        read, create = rbac().read_namespaced_role, rbac().create_namespaced_role
+    elif kind == "RoleBinding":
+        read, create = rbac().read_namespaced_role_binding, rbac().create_namespaced_role_binding
+    else:
+        raise ValueError(f"unsupported kind {kind}")
+    if _missing_ok(read, name, ns) is not None:
+        return False
+    try:
+        create(ns, body)
+        return True
+    except ApiException as e:
+        if e.status == 409:
+            return False
+        raise
 
 
 def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:

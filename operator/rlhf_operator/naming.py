@@ -28,13 +28,14 @@ DATA_MOUNT = "/etc/rlhf-data"
 class ChildNames:
     config_map: str
     ray_job: str
+    runtime_identity: str  # ServiceAccount, Role and RoleBinding of the job's runtime
 
     def as_status(self) -> dict[str, str]:
         return {"configMap": self.config_map, "rayJob": self.ray_job}
 
 
 def child_names(job_name: str) -> ChildNames:
-    return ChildNames(config_map=f"{job_name}-config", ray_job=job_name)
+    return ChildNames(config_map=f"{job_name}-config", ray_job=job_name, runtime_identity=f"{job_name}-runtime")
 
 
 def labels(job_name: str, role: str | None = None) -> dict[str, str]:

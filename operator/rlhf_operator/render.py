@@ -24,7 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+from rlhf_api.models import GROUP, PLURAL, RLHFJobSpec, RuntimeConfig
+
 from rlhf_operator import naming
 
 RAY_API_VERSION = "ray.io/v1"
@@ -119,6 +120,7 @@ def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memo
     mounts += [m.wire() for m in spec.volume_mounts or []]
     volumes += [dict(v) for v in spec.volumes or []]
     pod: dict[str, Any] = {
+        "serviceAccountName": names.runtime_identity,
         "containers": [
             {
                 "name": container,
@@ -185,6 +187,38 @@ def render_ray_job(job: Job) -> dict[str, Any]:
     if spec.active_deadline_seconds:
         ray_job["spec"]["activeDeadlineSeconds"] = spec.active_deadline_seconds
     return ray_job
+
+
+def render_runtime_rbac(job: Job) -> list[dict[str, Any]]:
+    """ServiceAccount + Role + RoleBinding for the job's pods.
+
+    The runtime may patch the status of its own RLHFJob and nothing else (``resourceNames``), so a
+    compromised or buggy driver cannot touch other jobs; it may read its own ConfigMap.
+    """
+    names = naming.child_names(job.name)
+    ident, ns, lbl = names.runtime_identity, job.namespace, naming.labels(job.name)
+    meta = {"name": ident, "namespace": ns, "labels": lbl}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta), "automountServiceAccountToken": True},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": dict(meta),
+            "rules": [
+                {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [job.name],
+                 "verbs": ["get", "patch"]},
+                {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [job.name], "verbs": ["get"]},
+                {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [names.config_map], "verbs": ["get"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": dict(meta),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ident},
+            "subjects": [{"kind": "ServiceAccount", "name": ident, "namespace": ns}],
+        },
+    ]
 
 
 def ray_job_mutable_patch(desired: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import yaml
-
 from rlhf_api import crdgen
 from rlhf_api import models as m
 

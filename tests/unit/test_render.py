@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from rlhf_api import models as m
 from rlhf_operator import naming, render
 
@@ -109,3 +108,19 @@ def test_render_is_deterministic() -> None:
     job = job_of(SAMPLES[0])
     assert render.render_ray_job(job) == render.render_ray_job(job)
     assert naming.child_names("a") != naming.child_names("b")
+
+
+def test_runtime_identity_can_only_touch_its_own_job() -> None:
+    job = job_of(SAMPLES[0])
+    sa, role, binding = render.render_runtime_rbac(job)
+    names = naming.child_names(job.name)
+    assert sa["metadata"]["name"] == role["metadata"]["name"] == binding["metadata"]["name"] == names.runtime_identity
+    for rule in role["rules"]:
+        assert rule["resourceNames"], rule  # never a blanket grant
+        assert set(rule["verbs"]) <= {"get", "patch"}
+    status_rule = next(r for r in role["rules"] if r["resources"] == ["rlhfjobs/status"])
+    assert status_rule["resourceNames"] == [job.name]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": names.runtime_identity, "namespace": "team-a"}]
+    rj = render.render_ray_job(job)
+    pods = [rj["spec"]["rayClusterSpec"]["headGroupSpec"]] + rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert all(p["template"]["spec"]["serviceAccountName"] == names.runtime_identity for p in pods)

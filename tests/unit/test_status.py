@@ -5,10 +5,9 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-
 from rlhf_operator import status as st
 
-NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
 LATER = NOW + dt.timedelta(minutes=5)
 
 
@@ -33,7 +32,7 @@ SCHEDULED = {"metadata": {"name": "p"}, "status": {"conditions": [{"type": "PodS
 
 
 def obs(**kw) -> st.Observed:
-    base = dict(generation=3, old_status={}, total_steps=10)
+    base = {"generation": 3, "old_status": {}, "total_steps": 10}
     base.update(kw)
     return st.Observed(**base)
 

@@ -1,0 +1,92 @@
+"""Fixtures for the integration tier: a real control plane (etcd, kube-apiserver, scheduler,
+controller-manager), KWOK GPU nodes, the real KubeRay operator, and our operator as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, config
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "hack"))
+import localcluster
+
+from tests.helpers import wait_for
+
+NODES = 5
+GPUS_PER_NODE = 8
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> localcluster.Cluster:
+    c = localcluster.Cluster(tmp_path_factory.mktemp("cluster"), localcluster.build())
+    try:
+        c.up(nodes=NODES, gpus_per_node=GPUS_PER_NODE)
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
+def api(cluster) -> client.ApiClient:
+    return config.new_client_from_config(str(cluster.kubeconfig))
+
+
+class Operator:
+    """Our operator as a child process (so tests can kill -9 and restart it)."""
+
+    def __init__(self, cluster: localcluster.Cluster, args: list[str], log: Path):
+        self.cluster, self.args, self.log, self.proc = cluster, args, log, None
+
+    def start(self) -> Operator:
+        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig), "RLHF_RESYNC_SECONDS": "2"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_operator.main", "--liveness", "", *self.args],
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,  # noqa: SIM115
+        )
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, tmp_path_factory):
+    """One operator for the session, watching namespaces named it-*."""
+    op = Operator(cluster, ["--namespace", "it-*"], tmp_path_factory.mktemp("op") / "operator.log").start()
+    yield op
+    op.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def namespace(cluster, api) -> str:
+    name = f"it-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: _has_default_sa(api, name), 60, "default service account")
+    yield name
+    client.CoreV1Api(api).delete_namespace(name, propagation_policy="Foreground")
+
+
+def _has_default_sa(api, ns: str) -> bool:
+    return any(sa.metadata.name == "default" for sa in client.CoreV1Api(api).list_namespaced_service_account(ns).items)
+
+
+def load_sample(name: str) -> dict:
+    return yaml.safe_load((REPO / "crds" / "samples" / f"{name}.yaml").read_text())
+
+
+def apply(cluster, obj: dict, ns: str, *extra: str, check: bool = True):
+    return cluster.kubectl("apply", "-n", ns, *extra, "-f", "-", input=json.dumps(obj), check=check)

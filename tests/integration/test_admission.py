@@ -1,0 +1,111 @@
+"""Bad specs are refused by the real kube-apiserver at `kubectl apply`, with the message the CRD declares."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.integration.conftest import apply, load_sample
+
+pytestmark = pytest.mark.cluster
+
+
+def base() -> dict:
+    job = load_sample("separate-nccl-tp2")
+    job["metadata"]["name"] = "bad"
+    return job
+
+
+def with_spec(**patch) -> dict:
+    job = base()
+    spec = job["spec"]
+    for path, value in patch.items():
+        node = spec
+        keys = path.split("__")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        if value is DELETE:
+            node.pop(keys[-1], None)
+        else:
+            node[keys[-1]] = value
+    return job
+
+
+DELETE = object()
+
+INVALID = [
+    ("tp above gpus per node", with_spec(rollout__tensorParallelSize=16),
+     "rollout.tensorParallelSize must not exceed placement.gpusPerNode"),
+    ("trainer gpus above gpus per node", with_spec(trainer__gpusPerReplica=9, trainer__strategy="fsdp2"),
+     "trainer.gpusPerReplica must not exceed placement.gpusPerNode"),
+    ("ipc with separate placement", with_spec(weightSync__backend="ipc"), "weightSync.backend 'ipc' needs placement.mode 'colocated'"),
+    ("colocated with nccl", with_spec(placement__mode="colocated", rollout__tensorParallelSize=1),
+     "placement.mode 'colocated' needs weightSync.backend 'ipc'"),
+    ("colocated gpu mismatch", with_spec(placement__mode="colocated", weightSync__backend="ipc", rollout__engines=2),
+     "needs as many trainer GPUs"),
+    ("async with colocated", with_spec(placement__mode="colocated", weightSync__backend="ipc", weightSync__mode="async",
+                                       rollout__tensorParallelSize=1),
+     "weightSync.mode 'async' (pause/resume mid-request) needs placement.mode 'separate'"),
+    ("zero engines", with_spec(rollout__engines=0), "spec.rollout.engines: Invalid value: 0"),
+    ("zero tensor parallel", with_spec(rollout__tensorParallelSize=0), "spec.rollout.tensorParallelSize: Invalid value: 0"),
+    ("unknown backend", with_spec(weightSync__backend="rdma"), 'Unsupported value: "rdma"'),
+    ("unknown placement", with_spec(placement__mode="mixed"), 'Unsupported value: "mixed"'),
+    ("single strategy with many gpus", with_spec(trainer__gpusPerReplica=4), "trainer.strategy 'single' trains in one process"),
+    ("grpo needs groups", with_spec(rollout__sampling__samplesPerPrompt=1), "GRPO needs rollout.sampling.samplesPerPrompt >= 2"),
+    ("two data sources", with_spec(data__prompts=["hi"]), "data needs exactly one of prompts, configMap or path"),
+    ("no data source", with_spec(data={}), "data needs exactly one of prompts, configMap or path"),
+    ("reward rule and function", with_spec(reward__function="m:f"), "reward needs exactly one of rule or function"),
+    ("regex without pattern", with_spec(reward={"rule": "regex"}), "reward.rule 'regex' needs reward.pattern"),
+    ("bad reward hook", with_spec(reward={"function": "not a hook"}), "spec.reward.function: Invalid value"),
+    ("checkpoint volume missing", with_spec(checkpoint={"volume": "ckpt", "path": "/ckpt"}),
+     "checkpoint.volume must name a volume in spec.volumes"),
+    ("gpu memory above 1", with_spec(rollout__gpuMemoryUtilization=1.5), "spec.rollout.gpuMemoryUtilization: Invalid value: 1.5"),
+    ("negative temperature", with_spec(rollout__sampling__temperature=-1), "spec.rollout.sampling.temperature: Invalid value: -1"),
+    ("missing model", with_spec(model=DELETE), "spec.model: Required value"),
+    ("missing image", with_spec(image=DELETE), "spec.image: Required value"),
+]
+
+
+@pytest.mark.parametrize("name,obj,message", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_spec_is_rejected(cluster, name, obj, message) -> None:
+    out = apply(cluster, obj, "default", "--dry-run=server", check=False)
+    assert out.returncode != 0, f"{name}: accepted but should be rejected"
+    assert message in out.stderr, f"{name}: expected {message!r} in:\n{out.stderr}"
+
+
+def test_long_name_is_rejected(cluster) -> None:
+    job = base()
+    job["metadata"]["name"] = "x" * 41
+    out = apply(cluster, job, "default", "--dry-run=server", check=False)
+    assert out.returncode != 0 and "RLHFJob names are at most 40 characters" in out.stderr
+
+
+def test_valid_samples_pass_admission(cluster) -> None:
+    for sample in ("separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer"):
+        out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
+        assert out.returncode == 0, f"{sample}: {out.stderr}"
+
+
+def test_immutable_fields_are_rejected_on_update(cluster) -> None:
+    job = base()
+    job["metadata"]["name"] = "immut"
+    apply(cluster, job, "default")
+    try:
+        for field, value, message in [
+            ("rollout", {"engines": 1, "tensorParallelSize": 1}, "rollout.engines and rollout.tensorParallelSize are immutable"),
+            ("placement", {"mode": "separate", "gpusPerNode": 4}, "spec.placement is immutable"),
+            ("model", {"name": "other/model"}, "spec.model is immutable"),
+            ("image", "other:1", "spec.image is immutable"),
+        ]:
+            changed = copy.deepcopy(job)
+            changed["spec"][field] = value
+            out = apply(cluster, changed, "default", check=False)
+            assert out.returncode != 0 and message in out.stderr, (field, out.stderr)
+        # An allowed change goes through.
+        more = copy.deepcopy(job)
+        more["spec"]["algorithm"]["steps"] = 400
+        more["spec"]["suspend"] = True
+        assert apply(cluster, more, "default", check=False).returncode == 0
+    finally:
+        cluster.kubectl("delete", "rlhfjob", "immut", "-n", "default", "--wait=false", check=False)

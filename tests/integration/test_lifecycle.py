@@ -1,0 +1,172 @@
+"""RLHFJobs on the real control plane: placement by the real scheduler on KWOK GPU nodes, ownership,
+cascading delete, crash-restart idempotency, suspend, and honest Pending when a job cannot fit."""
+
+from __future__ import annotations
+
+import collections
+import signal
+
+import pytest
+from kubernetes import client
+from rlhf_api import models as m
+from rlhf_operator import render
+
+from tests.helpers import wait_for
+from tests.integration.conftest import Operator, apply, load_sample
+
+pytestmark = pytest.mark.cluster
+SAMPLES = ["separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer"]
+
+
+def get_job(api, ns: str, name: str) -> dict:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(m.GROUP, m.VERSION, ns, m.PLURAL, name)
+
+
+def ray_objects(api, ns: str, plural: str) -> list[dict]:
+    return client.CustomObjectsApi(api).list_namespaced_custom_object("ray.io", "v1", ns, plural)["items"]
+
+
+def pods(api, ns: str) -> list[client.V1Pod]:
+    return client.CoreV1Api(api).list_namespaced_pod(ns).items
+
+
+def ray_pods(api, ns: str) -> list[client.V1Pod]:
+    return [p for p in pods(api, ns) if "ray.io/cluster" in (p.metadata.labels or {})]
+
+
+def phase(api, ns: str, name: str) -> str | None:
+    return (get_job(api, ns, name).get("status") or {}).get("phase")
+
+
+def condition(job: dict, ctype: str) -> dict:
+    return next(c for c in job["status"]["conditions"] if c["type"] == ctype)
+
+
+def gpus(pod: client.V1Pod) -> int:
+    limits = pod.spec.containers[0].resources.limits or {}
+    return int(limits.get(render.GPU, 0))
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_sample_is_placed_on_gpu_nodes(cluster, api, operator, namespace, sample) -> None:
+    job = load_sample(sample)
+    name = job["metadata"]["name"]
+    spec = m.RLHFJobSpec.model_validate(job["spec"])
+    apply(cluster, job, namespace)
+
+    body = wait_for(lambda: (get_job(api, namespace, name).get("status") or {}).get("children"), 60, "child names in status")
+    assert body == {"configMap": f"{name}-config", "rayJob": name} or body.get("rayJob") == name
+
+    rj = wait_for(lambda: ray_objects(api, namespace, "rayjobs"), 60, "RayJob")
+    assert len(rj) == 1
+    owner = rj[0]["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("RLHFJob", name, True)
+
+    expected_pods = 1 + sum(g.replicas for g in render.worker_groups(spec))
+    wait_for(lambda: len(ray_pods(api, namespace)) == expected_pods, 120, f"{expected_pods} Ray pods")
+    placed = wait_for(
+        lambda: all(p.spec.node_name for p in ray_pods(api, namespace)) and ray_pods(api, namespace),
+        120, "all Ray pods scheduled",
+    )
+    by_group = collections.Counter()
+    per_node = collections.Counter()
+    for p in placed:
+        group = p.metadata.labels.get("ray.io/group", "head")
+        by_group[group] += gpus(p)
+        per_node[p.spec.node_name] += gpus(p)
+        assert p.spec.node_name.startswith("gpu-node-")
+    want = {g.name: g.replicas * g.gpus for g in render.worker_groups(spec)}
+    assert {g: n for g, n in by_group.items() if g != "headgroup" and n} == {g: n for g, n in want.items() if n}
+    assert all(n <= 8 for n in per_node.values()), per_node
+    assert sum(by_group.values()) == spec.total_gpus()
+
+    wait_for(lambda: all(p.status.phase == "Running" for p in ray_pods(api, namespace)), 120, "pods Running (KWOK)")
+    wait_for(lambda: phase(api, namespace, name) == "Running", 120, "phase Running")
+    got = get_job(api, namespace, name)
+    assert condition(got, "Ready")["status"] == "True"
+    assert condition(got, "RayClusterReady")["status"] == "True"
+    assert all(c["observedGeneration"] == got["metadata"]["generation"] for c in got["status"]["conditions"])
+    table = cluster.kubectl("get", "rlhfjobs", "-n", namespace).stdout
+    assert "Running" in table and name in table
+    events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    assert any(e.reason == "Created" and "RayJob" in e.message for e in events)
+
+
+def test_job_that_cannot_fit_stays_pending_with_reason(cluster, api, operator, namespace) -> None:
+    job = load_sample("multinode-trainer")
+    job["metadata"]["name"] = "too-big"
+    job["spec"]["placement"]["gpusPerNode"] = 16  # the user claims 16-GPU nodes; the pool has 8-GPU nodes
+    job["spec"]["trainer"]["gpusPerReplica"] = 16
+    apply(cluster, job, namespace)
+
+    def blocked():
+        j = get_job(api, namespace, "too-big")
+        return j if (j.get("status") or {}).get("phase") == "Pending" and "Insufficient nvidia.com/gpu" in j["status"].get("message", "") else None
+
+    j = wait_for(blocked, 120, "Pending with Insufficient nvidia.com/gpu")
+    assert condition(j, "PodsScheduled")["status"] == "False"
+    assert condition(j, "Stalled")["status"] == "True"
+    assert condition(j, "Ready")["status"] == "False"
+
+
+def test_delete_removes_all_children(cluster, api, operator, namespace) -> None:
+    job = load_sample("separate-nccl-tp2")
+    apply(cluster, job, namespace)
+    name = job["metadata"]["name"]
+    wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running")
+    assert ray_objects(api, namespace, "rayclusters")
+    cluster.kubectl("delete", "rlhfjob", name, "-n", namespace)
+    wait_for(lambda: not ray_objects(api, namespace, "rayjobs"), 60, "RayJob gone")
+    wait_for(lambda: not ray_objects(api, namespace, "rayclusters"), 60, "RayCluster gone")
+    wait_for(lambda: not ray_pods(api, namespace), 120, "Ray pods gone")
+    cms = client.CoreV1Api(api).list_namespaced_config_map(namespace, label_selector=f"rlhf.dev/job={name}").items
+    wait_for(lambda: not client.CoreV1Api(api).list_namespaced_config_map(namespace, label_selector=f"rlhf.dev/job={name}").items,
+             60, f"ConfigMap gone (had {len(cms)})")
+
+
+def test_operator_killed_mid_reconcile_creates_no_duplicates(cluster, api, namespace, tmp_path) -> None:
+    # A dedicated operator for this namespace only (the session operator watches it-* and this is rs-*).
+    ns = "rs-" + namespace[3:]
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": ns}})
+    op = Operator(cluster, ["--namespace", ns], tmp_path / "op.log").start()
+    try:
+        names = []
+        for i in range(3):
+            job = load_sample("separate-nccl-tp2")
+            job["metadata"]["name"] = f"crash-{i}"
+            names.append(job["metadata"]["name"])
+            apply(cluster, job, ns)
+        # Kill -9 as soon as the first child exists: the others are mid-flight.
+        wait_for(lambda: ray_objects(api, ns, "rayjobs") or
+                 client.CoreV1Api(api).list_namespaced_config_map(ns, label_selector="rlhf.dev/job").items,
+                 60, "first child")
+        op.kill(signal.SIGKILL)
+        op.start()
+        for n in names:
+            wait_for(lambda n=n: phase(api, ns, n) == "Running", 240, f"{n} Running after restart")
+        op.kill(signal.SIGKILL)  # and once more while everything is running
+        op.start()
+        wait_for(lambda: all(phase(api, ns, n) == "Running" for n in names), 60, "still Running")
+        rjs = ray_objects(api, ns, "rayjobs")
+        assert sorted(r["metadata"]["name"] for r in rjs) == names
+        rcs = ray_objects(api, ns, "rayclusters")
+        assert len(rcs) == 3, [r["metadata"]["name"] for r in rcs]
+        cms = client.CoreV1Api(api).list_namespaced_config_map(ns, label_selector="rlhf.dev/job").items
+        assert sorted(c.metadata.name for c in cms) == [f"{n}-config" for n in names]
+    finally:
+        op.kill(signal.SIGTERM)
+        client.CoreV1Api(api).delete_namespace(ns)
+
+
+def test_suspend_and_resume(cluster, api, operator, namespace) -> None:
+    job = load_sample("separate-nccl-tp2")
+    name = job["metadata"]["name"]
+    apply(cluster, job, namespace)
+    wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running")
+    job["spec"]["suspend"] = True
+    apply(cluster, job, namespace)
+    wait_for(lambda: phase(api, namespace, name) == "Suspended", 120, "Suspended")
+    wait_for(lambda: not ray_pods(api, namespace), 120, "Ray pods released while suspended")
+    job["spec"]["suspend"] = False
+    apply(cluster, job, namespace)
+    wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running again after resume")
