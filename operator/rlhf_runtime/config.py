@@ -1,0 +1,79 @@
+"""The runtime's view of a job: ``RuntimeConfig`` (from the operator's ConfigMap) plus derived settings.
+
+Pure: no torch, vLLM or Ray. The config file is ``RuntimeConfig`` JSON (camelCase), by default at
+``$RLHF_JOB_CONFIG`` (the operator mounts it at ``/etc/rlhf/job.json``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+
+CONFIG_ENV = "RLHF_JOB_CONFIG"
+
+#: Environment for every runtime process (engine and trainer actors). Offline: there is no hub.
+ACTOR_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+#: Extra environment on CPU-only jobs (the KV cache on CPU is RAM, in GiB).
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> RuntimeConfig:
+    path = path or os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ValueError(f"no job config: pass --config or set {CONFIG_ENV}")
+    return RuntimeConfig.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+
+def resolve_backend(spec: RLHFJobSpec, gpu: bool) -> str:
+    """The weight-transfer backend actually used: the spec's on GPUs, ``gloo`` whenever there are none."""
+    return spec.weight_sync.backend if gpu else "gloo"
+
+
+def engine_kwargs(
+    spec: RLHFJobSpec, model: str, backend: str, executor: str, gpu: bool, seed: int = 0
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` (``weight_transfer_config`` is added by the
+    engine actor from ``weight_transfer_backend``, since it is a vLLM object)."""
+    r = spec.rollout
+    kw: dict[str, Any] = {
+        "model": model,
+        "dtype": spec.model.dtype,
+        "tensor_parallel_size": r.tensor_parallel_size,
+        "distributed_executor_backend": executor,
+        "load_format": "dummy",  # real weights arrive with the first sync, before the first rollout
+        "skip_tokenizer_init": True,
+        "enforce_eager": r.enforce_eager or not gpu,
+        "gpu_memory_utilization": r.gpu_memory_utilization,
+        "seed": seed,
+        "weight_transfer_backend": backend,
+    }
+    if spec.model.revision:
+        kw["revision"] = spec.model.revision
+    if spec.model.trust_remote_code:
+        kw["trust_remote_code"] = True
+    if r.max_model_len:
+        kw["max_model_len"] = r.max_model_len
+    if spec.placement.mode == "colocated" and gpu:
+        kw["enable_sleep_mode"] = True
+    return kw
+
+
+def sampling_kwargs(spec: RLHFJobSpec) -> dict[str, Any]:
+    s = spec.rollout.sampling
+    return {
+        "n": s.samples_per_prompt,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "max_tokens": s.max_tokens,
+    }

@@ -1,0 +1,294 @@
+"""``gloo``: a CPU weight-transfer backend for vLLM's native weight-transfer API.
+
+vLLM ships ``nccl`` and ``ipc`` backends, both GPU-only. This backend speaks the same engine protocol
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``)
+over a torch gloo ``ProcessGroup`` with its own ``TCPStore``, so CPU CI drives exactly the engine calls the
+GPU path drives. It is registered in every vLLM process by the plugin entry point
+(``rlhf_runtime.vllm_plugin:register``) and selected with ``WeightTransferConfig(backend="gloo")``.
+
+Wire format (both sides derive it from the same metadata, so they always agree):
+
+* rank 0 is the trainer; an engine's workers sit at ``rank_offset + data_parallel_index * world + rank``;
+* ``packed``: parameters are concatenated as raw bytes into uint8 buckets of at most
+  ``packed_buffer_size_bytes`` (a larger single tensor gets its own bucket), one broadcast per bucket;
+  otherwise one broadcast per parameter.
+
+Received weights go through ``model.load_weights`` inside vLLM's layerwise reload (initialised in
+``start_weight_update``, finalised in ``finish_weight_update``), which is what lets a ``load_format="dummy"``
+engine take checkpoint-format (HF) weights. A parameter that is never sent keeps its previous value.
+
+The module imports torch and vLLM: import it only in processes that run engines or trainers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+try:  # vLLM >= 0.28 has a trainer-side engine API; 0.24 does not (the runtime then drives the round trip).
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+    HAS_TRAINER_API = True
+except ImportError:  # pragma: no cover - GPU image (vLLM 0.24)
+    HAS_TRAINER_API = False
+
+BACKEND = "gloo"
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+TIMEOUT = timedelta(minutes=10)
+
+
+# ------------------------------------------------------------------------------------------ wire format
+def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
+    """Split parameters (by byte size, in order) into ``[start, end)`` index ranges of at most
+    ``bucket_bytes`` each; a parameter larger than a bucket gets a bucket of its own."""
+    out: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and acc + size > bucket_bytes:
+            out.append((start, i))
+            start, acc = i, 0
+        acc += size
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
+
+
+def _process_group(address: str, port: int, rank: int, world_size: int, is_master: bool) -> Any:
+    store = dist.TCPStore(address, port, world_size, is_master, timeout=TIMEOUT, wait_for_workers=False)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("rlhf-weights", store), rank, world_size, opts)
+    return store, pg
+
+
+# ------------------------------------------------------------------------------------------- worker side
+@dataclass
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise ValueError("names, dtype_names and shapes must have the same length")
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Worker side (runs inside each vLLM worker)."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.store: Any = None
+        self.group: Any = None
+        self.packed = True
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.packed = init_info.packed
+        self.bucket_bytes = init_info.packed_buffer_size_bytes
+        self.store, self.group = _process_group(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, is_master=False
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class synchronises the accelerator afterwards, which a CPU build does not need.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
+        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        shapes = [tuple(s) for s in update_info.shapes]
+        sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes)]
+        if not self.packed:
+            for name, shape, dtype in zip(update_info.names, shapes, dtypes):
+                t = torch.empty(shape, dtype=dtype)
+                self.group.broadcast(t, 0).wait()
+                self.model.load_weights([(name, t)])
+            return
+        for start, end in buckets(sizes, self.bucket_bytes):
+            buf = torch.empty(sum(sizes[start:end]), dtype=torch.uint8)
+            self.group.broadcast(buf, 0).wait()
+            parts = buf.split(sizes[start:end])
+            self.model.load_weights(
+                [
+                    (update_info.names[i], p.view(dtypes[i]).view(shapes[i]))
+                    for i, p in zip(range(start, end), parts)
+                ]
+            )
+
+    def shutdown(self) -> None:
+        self.group = None
+        self.store = None
+
+
+# ------------------------------------------------------------------------------------------ trainer side
+def send(group: Any, pairs: Iterator[tuple[str, torch.Tensor]], packed: bool, bucket_bytes: int) -> int:
+    """Broadcast ``pairs`` from rank 0 in the wire format above; returns the bytes sent."""
+    total = 0
+    if not packed:
+        for _, t in pairs:
+            t = t.detach().contiguous()
+            group.broadcast(t, 0).wait()
+            total += t.numel() * t.element_size()
+        return total
+    pending: list[torch.Tensor] = []
+    acc = 0
+
+    def flush() -> None:
+        if pending:
+            buf = torch.cat([p.view(-1).view(torch.uint8) for p in pending])
+            group.broadcast(buf, 0).wait()
+            pending.clear()
+
+    for _, t in pairs:
+        t = t.detach().contiguous()
+        size = t.numel() * t.element_size()
+        if pending and acc + size > bucket_bytes:
+            flush()
+            acc = 0
+        pending.append(t)
+        acc += size
+        total += size
+    flush()
+    return total
+
+
+if HAS_TRAINER_API:
+
+    @dataclass
+    class GlooTrainerInitInfo(TrainerInitInfo):
+        """Trainer init info (vLLM >= 0.28 trainer-engine API)."""
+
+        backend: ClassVar[str] = BACKEND
+
+        master_address: str
+        master_port: int
+        world_size: int
+        packed: bool = True
+        packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+
+
+    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+        """Trainer side: rank 0 of the gloo group; drives the engines through ``client``."""
+
+        init_info_cls = GlooTrainerInitInfo
+
+        def __init__(self, *, client: Any, source: Any, is_sender: bool = True, packed: bool = True,
+                     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.packed = packed
+            self.bucket_bytes = packed_buffer_size_bytes
+            self.store: Any = None
+            self.group: Any = None
+            self.bytes_sent = 0
+
+        @classmethod
+        def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: Any = None) -> GlooTrainerWeightTransferEngine:
+            if source is None:
+                raise ValueError("gloo trainer weight transfer needs a WeightSource")
+            engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=init_info.packed,
+                         packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+            if not engine.is_sender:
+                return engine
+            worker_info = GlooWeightTransferInitInfo(
+                master_address=init_info.master_address,
+                master_port=init_info.master_port,
+                rank_offset=1,
+                world_size=init_info.world_size,
+                packed=init_info.packed,
+                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            )
+            # The workers block in init until every rank joined: run their RPC beside our own join.
+            with ThreadPoolExecutor(max_workers=1) as exe:
+                fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
+                engine.store, engine.group = _process_group(
+                    init_info.master_address, init_info.master_port, 0, init_info.world_size, is_master=True
+                )
+                fut.result()
+            return engine
+
+        def send_weights(self) -> None:
+            meta = self.source.metadata()
+            if not self.is_sender:
+                for _ in self.source:
+                    pass
+                return
+            update = GlooWeightTransferUpdateInfo(
+                names=[m.name for m in meta],
+                dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
+                shapes=[list(m.shape) for m in meta],
+            )
+            self.client.start_weight_update()
+            exe = ThreadPoolExecutor(max_workers=1)
+            try:
+                fut = exe.submit(self.client.update_weights, asdict(update))
+                self.bytes_sent = send(self.group, iter(self.source), self.packed, self.bucket_bytes)
+                fut.result()
+            finally:
+                exe.shutdown(wait=False)
+            self.client.finish_weight_update()
+
+        def shutdown(self) -> None:
+            self.group = None
+            self.store = None
+
+
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """Register both sides with vLLM's factories (idempotent)."""
+    from vllm.distributed.weight_transfer import factory
+
+    with _lock:
+        if BACKEND not in factory.WeightTransferEngineFactory._registry:
+            factory.WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+        trainer_factory = getattr(factory, "WeightTransferTrainerFactory", None)
+        if HAS_TRAINER_API and trainer_factory is not None and BACKEND not in trainer_factory._registry:
+            trainer_factory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)

@@ -1,0 +1,135 @@
+"""Pure placement: an RLHFJob spec -> the Ray placement groups and actor options that run it.
+
+Nothing here imports Ray: the driver turns a ``Layout`` into placement groups and actor options. Same spec,
+same layout (unit-tested).
+
+Bundles ask for the Ray custom resource of the worker group meant to host them (``rlhf_trainer``,
+``rlhf_rollout``, ``rlhf_colocated``; see ``rlhf_operator.render``: each worker advertises one unit per GPU,
+or one per pod when it has no GPU), so a bundle can only land on its own group's pods.
+
+* ``separate``: one placement group ``trainer`` (one bundle per trainer GPU, ``PACK``) and one per engine
+  (``tensorParallelSize`` bundles, ``STRICT_PACK``: a TP group shares a node). TP=1 engines run vLLM
+  in-process in their actor (``uni`` executor) holding the bundle's GPU; TP>1 engines use the ``ray``
+  executor, whose workers take bundles ``VLLM_RAY_BUNDLE_INDICES`` while the engine actor holds none.
+* ``colocated``: one placement group per engine; trainer worker ``w`` shares engine ``w // TP``'s bundle
+  ``w % TP`` (one GPU) with that engine's shard, each with a fractional GPU share.
+* CPU (``trainer.gpusPerReplica == 0``): the same shapes with CPUs only, one bundle per pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_api.models import RLHFJobSpec
+
+#: Fractional GPU shares of a colocated GPU (Ray scheduling tokens; memory is set by gpuMemoryUtilization).
+COLOCATED_TRAINER_SHARE = 0.5
+COLOCATED_ENGINE_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class PlacementGroupSpec:
+    name: str
+    bundles: list[dict[str, float]]
+    strategy: str
+
+
+@dataclass(frozen=True)
+class ActorPlacement:
+    """Where one actor goes: bundle ``bundle`` of placement group ``group`` with these resources."""
+
+    group: int
+    bundle: int
+    num_cpus: float
+    num_gpus: float
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EnginePlacement(ActorPlacement):
+    executor: str = "uni"
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: list[PlacementGroupSpec]
+    trainers: list[ActorPlacement]
+    engines: list[EnginePlacement]
+    gpu: bool
+
+    def totals(self) -> dict[str, float]:
+        """Resources of all bundles together (what a local Ray must offer)."""
+        out: dict[str, float] = {}
+        for g in self.groups:
+            for b in g.bundles:
+                for k, v in b.items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
+
+class PlacementError(ValueError):
+    """The spec cannot be laid out (e.g. FSDP2 or TP>1 without GPUs)."""
+
+
+def _bundle(resource: str, gpu: bool, cpus: float = 1) -> dict[str, float]:
+    b: dict[str, float] = {"CPU": cpus, resource: 1}
+    if gpu:
+        b["GPU"] = 1
+    return b
+
+
+def compute_layout(spec: RLHFJobSpec) -> Layout:
+    t, r = spec.trainer, spec.rollout
+    gpu = t.gpus_per_replica > 0
+    tp = r.tensor_parallel_size
+    if not gpu:
+        if t.strategy == "fsdp2" or t.replicas != 1:
+            raise PlacementError("CPU jobs (trainer.gpusPerReplica 0) train in one process: use strategy single")
+        if tp != 1:
+            raise PlacementError("CPU jobs need rollout.tensorParallelSize 1")
+    workers = t.replicas * t.gpus_per_replica if gpu else 1
+    bundle_indices = ",".join(str(i) for i in range(tp))
+
+    if spec.placement.mode == "colocated":
+        if gpu and workers != r.engines * tp:
+            raise PlacementError("colocated needs trainer GPUs == engines x tensorParallelSize")
+        if not gpu and r.engines != 1:
+            raise PlacementError("colocated CPU jobs need exactly one engine")
+        groups = [
+            PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_colocated", gpu, 2) for _ in range(tp)], "STRICT_PACK")
+            for e in range(r.engines)
+        ]
+        trainers = [
+            ActorPlacement(w // tp, w % tp, 1, COLOCATED_TRAINER_SHARE if gpu else 0) for w in range(workers)
+        ]
+        engines = []
+        for e in range(r.engines):
+            if tp == 1:
+                engines.append(EnginePlacement(e, 0, 1, COLOCATED_ENGINE_SHARE if gpu else 0))
+            else:
+                env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(COLOCATED_ENGINE_SHARE)}
+                engines.append(EnginePlacement(e, 0, 0, 0, env, executor="ray"))
+        return Layout(groups, trainers, engines, gpu)
+
+    groups = [PlacementGroupSpec("trainer", [_bundle("rlhf_trainer", gpu) for _ in range(workers)], "PACK")]
+    groups += [
+        PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_rollout", gpu) for _ in range(tp)], "STRICT_PACK")
+        for e in range(r.engines)
+    ]
+    trainers = [ActorPlacement(0, w, 1, 1 if gpu else 0) for w in range(workers)]
+    engines = []
+    for e in range(r.engines):
+        if tp == 1:
+            engines.append(EnginePlacement(1 + e, 0, 1, 1 if gpu else 0))
+        else:
+            engines.append(EnginePlacement(1 + e, 0, 0, 0, {"VLLM_RAY_BUNDLE_INDICES": bundle_indices}, "ray"))
+    return Layout(groups, trainers, engines, gpu)
+
+
+def spread(items: list[Any], n: int) -> list[list[int]]:
+    """Indices of ``items`` dealt round-robin over ``n`` engines (DP)."""
+    out: list[list[int]] = [[] for _ in range(n)]
+    for i in range(len(items)):
+        out[i % n].append(i)
+    return out

@@ -1,0 +1,73 @@
+"""Tiny, locally built models for tests, demos and CPU benchmarks (no Hugging Face hub needed).
+
+``build_tiny_model(path)`` writes a random-init Qwen2 causal LM (a few hundred thousand parameters) and a
+character-level tokenizer to ``path`` with ``save_pretrained``, so both HF Transformers and vLLM load it
+like any checkpoint. Embeddings are untied by default: with tied embeddings HF's ``named_parameters()``
+yields the shared tensor once, which is the pitfall the weight sync handles by sending every alias
+(``named_parameters(remove_duplicate=False)``).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+#: Characters the tokenizer knows, one token each, after the special tokens.
+CHARS = string.ascii_lowercase + string.digits + " .,:;!?+-=*/()"
+SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
+
+
+def build_tokenizer(path: str | Path, vocab_size: int = 64) -> None:
+    """A character-level ``PreTrainedTokenizerFast`` saved to ``path``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = SPECIAL + list(CHARS)
+    if len(tokens) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} < {len(tokens)} tokens")
+    tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>", eos_token="<eos>"
+    )
+    fast.save_pretrained(str(path))
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 128,
+    layers: int = 2,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random-init tiny Qwen2 and its tokenizer to ``path``; returns the path."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=2,
+        eos_token_id=3,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(str(path))
+    build_tokenizer(path, vocab_size)
+    return path
