@@ -68,7 +68,12 @@ build_k8s() {
       cd "$dir"
       for n in "${names[@]}"; do go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION"; done
       mkdir -p out
-      go build -ldflags "$LDFLAGS" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
+      # Stamp the version as the release build does (helm and kubectl read it from /version).
+      local minor=${K8S_VERSION#v1.}; minor=${minor%%.*} x=""
+      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        x+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+      done
+      go build -ldflags "$LDFLAGS$x" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
       for n in "${names[@]}"; do mv "out/$n" "$BIN/$n-$K8S_VERSION"; done
     )
   fi
@@ -136,6 +141,9 @@ build_helm() {
   link helm "$HELM_VERSION"
 }
 
+# One build at a time (pytest fixtures and the demo may call this concurrently).
+exec 9>"$CACHE/.lock"
+flock 9
 start=$(date +%s)
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok kuberay helm k8s)

@@ -73,13 +73,15 @@ class Cluster:
         return self.dir / "audit.log"
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(
+        out = subprocess.run(
             [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
             input=input,
             text=True,
             capture_output=True,
-            check=check,
         )
+        if check and out.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return out
 
     # ---------------------------------------------------------------------------------------- processes
     def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
@@ -170,6 +172,8 @@ class Cluster:
                 f"--audit-log-path={self.audit_log}", f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
                 "--audit-log-format=json", "--audit-log-mode=blocking",
                 "--enable-priority-and-fairness=false",
+                # KWOK nodes have no node-lifecycle controller to lift the not-ready taint this plugin adds.
+                "--disable-admission-plugins=TaintNodesByCondition",
             ],
         )
         server = f"https://127.0.0.1:{api_port}"
@@ -219,7 +223,7 @@ class Cluster:
         self._wait("default service account", lambda: self.kubectl("get", "sa", "default").returncode == 0)
         self.add_nodes(nodes, gpus_per_node)
         if kuberay:
-            self.kubectl("apply", "--server-side", "-f", str(b / "kuberay-crds"))
+            self.kubectl("apply", "--server-side", "-f", str((b / "kuberay-crds").resolve()))
             self._wait(
                 "KubeRay CRDs",
                 lambda: self.kubectl("wait", "--for=condition=Established", "crd/rayjobs.ray.io", "--timeout=5s").returncode == 0,

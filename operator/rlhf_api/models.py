@@ -51,8 +51,9 @@ class Model(BaseModel):
 
 
 def sub(model: type[Model], description: str) -> Any:
-    """A nested object that always exists (defaulted to ``{}`` by the apiserver, then its own defaults)."""
-    return Field(default_factory=model, description=description, json_schema_extra={"default": {}})
+    """A nested object that always exists: the apiserver defaults it to the model's full default (the CEL rules
+    on the object are checked against that default, so it must be complete, not ``{}``)."""
+    return Field(default_factory=model, description=description, json_schema_extra={"default": model().wire()})
 
 
 # ----------------------------------------------------------------------------------------------- model

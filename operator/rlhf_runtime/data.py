@@ -4,9 +4,9 @@ Sources (``spec.data``, exactly one):
 
 * ``prompts``: inline list;
 * ``path``: a file on a mounted volume;
-* ``configMap``: the runtime reads the ConfigMap as a file at ``/etc/rlhf/data/<configMap.name>/<key>``
-  (``DATA_MOUNT``; overridable with ``RLHF_DATA_DIR`` for local runs). The operator mounts ConfigMap
-  ``<configMap.name>`` at ``/etc/rlhf/data/<configMap.name>`` in every container.
+* ``configMap``: the runtime reads the ConfigMap as a file at ``/etc/rlhf-data/<key>`` (``DATA_MOUNT``;
+  overridable with ``RLHF_DATA_DIR`` for local runs). The operator mounts ConfigMap ``<configMap.name>``
+  read-only at ``/etc/rlhf-data`` in every container (outside the read-only config volume).
 
 File format: JSON lines with a ``"prompt"`` field (and optionally the answer field, ``data.answerField``,
 default ``"answer"``), or plain text with one prompt per non-empty line. A line that starts with ``{`` must
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rlhf_api.models import Data
 
-DATA_MOUNT = "/etc/rlhf/data"
+DATA_MOUNT = "/etc/rlhf-data"
 
 
 class DataError(ValueError):
@@ -40,8 +40,8 @@ class Sample:
     answer: str | None = None
 
 
-def config_map_path(name: str, key: str) -> Path:
-    return Path(os.environ.get("RLHF_DATA_DIR", DATA_MOUNT)) / name / key
+def config_map_path(key: str) -> Path:
+    return Path(os.environ.get("RLHF_DATA_DIR", DATA_MOUNT)) / key
 
 
 def parse_lines(text: str, answer_field: str = "answer") -> list[Sample]:
@@ -71,7 +71,7 @@ def load_samples(data: Data) -> list[Sample]:
         if data.path:
             path = Path(data.path)
         elif data.config_map:
-            path = config_map_path(data.config_map.name, data.config_map.key)
+            path = config_map_path(data.config_map.key)
         else:
             raise DataError("data needs exactly one of prompts, configMap or path")
         try:

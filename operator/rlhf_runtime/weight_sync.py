@@ -164,7 +164,7 @@ class TrainerEngineSender(Sender):
             info: Any = GlooTrainerInitInfo(
                 master_address=init["master_address"], master_port=init["master_port"],
                 world_size=init["world_size"], packed=init["packed"],
-                packed_buffer_size_bytes=init["bucket_bytes"], rank=0,
+                packed_buffer_size_bytes=init["bucket_bytes"], rank=init.get("rank", 0),
             )
         elif backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -172,12 +172,12 @@ class TrainerEngineSender(Sender):
             info = NCCLTrainerInitInfo(
                 master_address=init["master_address"], master_port=init["master_port"],
                 world_size=init["world_size"], packed=init["packed"],
-                packed_buffer_size_bytes=init["bucket_bytes"], rank=0,
+                packed_buffer_size_bytes=init["bucket_bytes"], rank=init.get("rank", 0),
             )
         elif backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-            info = IPCTrainerInitInfo(packed=init["packed"], packed_buffer_size_bytes=init["bucket_bytes"], rank=0)
+            info = IPCTrainerInitInfo(packed=init["packed"], packed_buffer_size_bytes=init["bucket_bytes"], rank=init.get("rank", 0))
         else:
             raise ValueError(f"unknown weight-transfer backend {backend!r}")
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=_as_weight_source(source))

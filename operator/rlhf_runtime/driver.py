@@ -1,0 +1,467 @@
+"""The Ray driver: runs one RLHFJob from its ``RuntimeConfig``.
+
+Invocation::
+
+    python -m rlhf_runtime.driver --config /etc/rlhf/job.json      # or RLHF_JOB_CONFIG; console: rlhf-runtime
+        [--local] [--num-cpus N]           # own local Ray instead of ray.init(address="auto")
+        [--kubeconfig PATH | --no-report]  # status reports (default: in-cluster config)
+        [--validate] [--debug-skip-tensor NAME]
+        [--progress-file PATH] [--metrics-port PORT]
+
+Without ``--local`` the driver joins the Ray cluster it runs in; if none is reachable it starts a local one.
+
+A step (``weightSync.mode: sync``): sync weights to the engines if due (every ``everyNSteps`` steps and
+always before the first rollout of a run, since engines start with dummy weights) -> rollout of
+``promptsPerStep`` prompts x ``samplesPerPrompt`` samples spread over the engines -> rewards -> GRPO
+advantages -> one trainer update -> checkpoint if due -> report. In ``async`` mode the rollout of the next
+step runs on ``AsyncLLM`` engines while the trainer trains; the sync pauses those requests mid-generation
+(``pause_generation(mode="keep")``), swaps the weights and resumes them, and every sample records how many of
+its tokens came before the swap. Colocated engines sleep (level 1) while the trainer trains and wake
+weights -> sync -> wake KV cache (GPU; CPU vLLM ignores sleep).
+
+Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
+whenever the trainer has no GPUs, through the same vLLM engine calls.
+
+``--validate``: after the first sync, the engine's greedy output for the first prompts must equal, token
+for token, that of a fresh engine loaded from the trainer's weights (saved under the checkpoint path, or a
+temporary directory when there is none); otherwise the run fails with "weight-sync validation failed".
+``--debug-skip-tensor NAME`` leaves one tensor out of every sync, which validation must catch.
+
+Exit status: 0 succeeded, 1 failed, 3 validation failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_api.models import RuntimeConfig
+
+from rlhf_runtime import config as rc
+from rlhf_runtime.data import load_samples, step_batch
+from rlhf_runtime.grpo import group_advantages
+from rlhf_runtime.placement import compute_layout, spread
+from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient
+from rlhf_runtime.rewards import make_reward
+
+log = logging.getLogger("rlhf_runtime")
+VALIDATION_PROMPTS = 8
+EXIT_FAILED, EXIT_VALIDATION = 1, 3
+
+
+class ValidationError(RuntimeError):
+    pass
+
+
+@dataclass
+class Options:
+    config: str | None = None
+    local: bool = False
+    num_cpus: int | None = None
+    kubeconfig: str | None = None
+    report: bool = True
+    validate: bool = False
+    skip_tensor: str | None = None
+    progress_file: str | None = None
+    metrics_port: int = 0
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    p = argparse.ArgumentParser(prog="rlhf-runtime", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.environ.get(rc.CONFIG_ENV), help="RuntimeConfig JSON file")
+    p.add_argument("--local", action="store_true", help="start a local Ray instead of joining a cluster")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: what the layout needs + 1)")
+    p.add_argument("--kubeconfig", help="report through this kubeconfig instead of the in-cluster config")
+    p.add_argument("--no-report", action="store_true", help="do not patch the RLHFJob status")
+    p.add_argument("--validate", action="store_true", default=os.environ.get("RLHF_VALIDATE") == "1")
+    p.add_argument("--debug-skip-tensor", default=os.environ.get("RLHF_DEBUG_SKIP_TENSOR"),
+                   help="debug: leave this tensor out of every weight sync")
+    p.add_argument("--progress-file", default=os.environ.get("RLHF_PROGRESS_FILE"))
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("RLHF_METRICS_PORT", "0")))
+    a = p.parse_args(argv)
+    return Options(a.config, a.local, a.num_cpus, a.kubeconfig, not a.no_report, a.validate,
+                   a.debug_skip_tensor, a.progress_file, a.metrics_port)
+
+
+def _throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, samples: int,
+                sync: dict[str, float] | None, reward_mean: float) -> dict[str, float]:
+    out = {
+        "rollout_tokens_per_second": tokens / rollout_s if rollout_s > 0 else 0.0,
+        "samples_per_second": samples / step_s if step_s > 0 else 0.0,
+        "step_seconds": step_s,
+        "rollout_seconds": rollout_s,
+        "train_seconds": train_s,
+        "reward_mean": reward_mean,
+    }
+    if sync:
+        out["weight_sync_seconds"] = sync["total_s"]
+        out["weight_sync_gbps"] = sync["gbps"]
+    return out
+
+
+class Runtime:
+    def __init__(self, cfg: RuntimeConfig, opts: Options, reporter: Reporter) -> None:
+        self.cfg, self.spec, self.opts, self.reporter = cfg, cfg.spec, opts, reporter
+        self.layout = compute_layout(self.spec)
+        self.gpu = self.layout.gpu
+        self.backend = rc.resolve_backend(self.spec, self.gpu)
+        self.async_mode = self.spec.weight_sync.mode == "async"
+        self.colocated = self.spec.placement.mode == "colocated"
+        self.env = {**rc.ACTOR_ENV, **({} if self.gpu else rc.CPU_ENV)}
+        self.pgs: list[Any] = []
+        self.trainers: list[Any] = []
+        self.engines: list[Any] = []
+        self.engine_kwargs: list[dict[str, Any]] = []
+        self.asleep = False  # colocated engines sleep while the trainer trains
+
+    # ----------------------------------------------------------------------------------- setup
+    def connect(self) -> None:
+        import ray
+
+        env = {"env_vars": {**self.env, **{k: v for k, v in os.environ.items() if k.startswith("RLHF_")}}}
+        if not self.opts.local:
+            try:
+                ray.init(address="auto", runtime_env=env, log_to_driver=True)
+                return
+            except ConnectionError:
+                log.warning("no Ray cluster reachable: starting a local one")
+        totals = self.layout.totals()
+        resources = {k: v for k, v in totals.items() if k.startswith("rlhf_")}
+        cpus = self.opts.num_cpus or math.ceil(totals.get("CPU", 1)) + 1
+        ray.init(num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
+
+    def place(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.pgs = [
+            placement_group(g.bundles, strategy=g.strategy, name=f"{self.cfg.name}-{g.name}-{os.getpid()}")
+            for g in self.layout.groups
+        ]
+        deadline = time.time() + 600
+        pending = [pg.ready() for pg in self.pgs]
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=10)
+            if pending and time.time() > deadline:
+                raise TimeoutError("placement groups not ready after 600 s: not enough GPUs/CPUs in the cluster")
+
+    def _strategy(self, group: int, bundle: int) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pgs[group], placement_group_bundle_index=bundle,
+            placement_group_capture_child_tasks=True,
+        )
+
+    def start_trainers(self) -> dict[str, Any]:
+        import ray
+
+        from rlhf_runtime.trainer import Trainer
+
+        cfg_json = self.cfg.model_dump_json(by_alias=True)
+        n = len(self.layout.trainers)
+        addr = port = None
+        if n > 1:
+            from ray.util import get_node_ip_address
+
+            addr, port = get_node_ip_address(), 29500 + os.getpid() % 1000
+        for rank, a in enumerate(self.layout.trainers):
+            actor = ray.remote(Trainer).options(
+                num_cpus=a.num_cpus, num_gpus=a.num_gpus, scheduling_strategy=self._strategy(a.group, a.bundle),
+                runtime_env={"env_vars": {**self.env, **a.env}},
+            ).remote(cfg_json, rank, n, addr, port)
+            self.trainers.append(actor)
+        infos = ray.get([t.info.remote() for t in self.trainers])
+        return infos[0]
+
+    def start_engines(self) -> None:
+        import ray
+
+        from rlhf_runtime.engines import AsyncEngine, Engine
+
+        cls = AsyncEngine if self.async_mode else Engine
+        for i, e in enumerate(self.layout.engines):
+            kw = rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor, self.gpu,
+                                  seed=self.spec.algorithm.seed + i)
+            self.engine_kwargs.append(kw)
+            actor = ray.remote(cls).options(
+                num_cpus=e.num_cpus, num_gpus=e.num_gpus, scheduling_strategy=self._strategy(e.group, e.bundle),
+                runtime_env={"env_vars": {**self.env, **e.env}}, max_concurrency=16 if self.async_mode else 1,
+            ).remote(kw, {**self.env, **e.env})
+            self.engines.append(actor)
+        ray.get([e.ready.remote() for e in self.engines])
+
+    def init_sync(self) -> None:
+        import ray
+
+        worlds = ray.get([e.world_size.remote() for e in self.engines])
+        ws = self.spec.weight_sync
+        skip = [self.opts.skip_tensor] if self.opts.skip_tensor else None
+        ray.get([
+            t.init_weight_sync.remote(self.engines if r == 0 else [], worlds, self.backend, ws.packed,
+                                      ws.bucket_size_mb * 1024 * 1024, skip)
+            for r, t in enumerate(self.trainers)
+        ])
+
+    # -------------------------------------------------------------------------------- operations
+    def sync(self) -> dict[str, float]:
+        """Pause/sleep -> transfer through the weight-transfer API -> resume/wake; timings and GB/s."""
+        import ray
+
+        t0 = time.perf_counter()
+        if self.async_mode:
+            ray.get([e.pause.remote() for e in self.engines])
+        elif self.asleep:
+            ray.get([e.wake_up.remote(["weights"]) for e in self.engines])
+        t1 = time.perf_counter()
+        results = ray.get([t.sync_weights.remote() for t in self.trainers])
+        t2 = time.perf_counter()
+        if self.async_mode:
+            ray.get([e.resume.remote() for e in self.engines])
+        elif self.asleep:
+            ray.get([e.wake_up.remote(["kv_cache"]) for e in self.engines])
+            self.asleep = False
+        t3 = time.perf_counter()
+        r = dict(results[0])
+        r.update(pause_s=t1 - t0, resume_s=t3 - t2, total_s=t3 - t0)
+        r["gbps"] = r["bytes"] / r["total_s"] / 1e9 if r["total_s"] > 0 else 0.0
+        r["transfer_gbps"] = r["bytes"] / r["send_s"] / 1e9 if r["send_s"] > 0 else 0.0
+        return r
+
+    def launch_rollout(self, tokenizer: Any, batch: list[Any], sampling: dict[str, Any]) -> tuple:
+        """Start generation for ``batch`` on the engines (round-robin DP); returns what ``collect`` needs."""
+        prompt_ids = [self.encode(tokenizer, s.prompt) for s in batch]
+        parts = [idx for idx in spread(prompt_ids, len(self.engines))]
+        refs = [
+            e.generate.remote([prompt_ids[i] for i in idx], sampling)
+            for e, idx in zip(self.engines, parts) if idx
+        ]
+        return refs, [idx for idx in parts if idx], prompt_ids, batch, time.perf_counter()
+
+    def collect(self, refs: list, parts: list, n: int) -> list[dict[str, Any]]:
+        import ray
+
+        outs: list[Any] = [None] * n
+        for res, idx in zip(ray.get(refs), parts):
+            for r, i in zip(res, idx):
+                outs[i] = r
+        return outs
+
+    def validate(self, tokenizer: Any, samples: list[Any]) -> dict[str, Any]:
+        import ray
+
+        from rlhf_runtime.engines import Engine
+
+        prompts = [self.encode(tokenizer, s.prompt) for s in samples[:VALIDATION_PROMPTS]]
+        greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
+        synced = [o["samples"][0] for o in ray.get(self.engines[0].generate.remote(prompts, greedy))]
+        base = Path(self.spec.checkpoint.path) if self.spec.checkpoint else Path(tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=".validate-", dir=base)
+        ray.get(self.trainers[0].save_weights.remote(path))
+        kw = dict(self.engine_kwargs[0], model=path, load_format="auto")
+        e = self.layout.engines[0]
+        fresh_actor = ray.remote(Engine).options(
+            num_cpus=0, num_gpus=0, scheduling_strategy=self._strategy(e.group, e.bundle),
+            runtime_env={"env_vars": {**self.env, **e.env}},
+        ).remote(kw, {**self.env, **e.env})
+        try:
+            fresh = [o["samples"][0] for o in ray.get(fresh_actor.generate.remote(prompts, greedy))]
+        finally:
+            ray.kill(fresh_actor)
+        mismatched = [i for i, (a, b) in enumerate(zip(synced, fresh)) if a != b]
+        result = {"validated": not mismatched, "prompts": len(prompts), "mismatched": mismatched,
+                  "synced": synced, "fresh": fresh, "weights": path}
+        self.reporter._write_progress({"validation": result})
+        if mismatched:
+            i = mismatched[0]
+            raise ValidationError(
+                f"weight-sync validation failed: {len(mismatched)}/{len(prompts)} prompts differ from a fresh "
+                f"engine; first: prompt {i}: synced {synced[i][:16]} vs fresh {fresh[i][:16]}"
+            )
+        log.info("weight-sync validation passed: %d prompts token for token", len(prompts))
+        return result
+
+    @staticmethod
+    def encode(tokenizer: Any, text: str) -> list[int]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
+        return ids
+
+    # --------------------------------------------------------------------------------------- loop
+    def run(self) -> None:
+        import ray
+        from transformers import AutoTokenizer
+
+        spec, a = self.spec, self.spec.algorithm
+        samples = load_samples(spec.data)
+        reward_fn = make_reward(spec.reward)
+        tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
+        if spec.model.revision:
+            tok_kw["revision"] = spec.model.revision
+        tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
+        self.reporter.report("Starting", message="starting Ray actors")
+        self.connect()
+        self.place()
+        info = self.start_trainers()
+        done = int(info["step"])
+        resumed = info["resumed_from"]
+        msg = f"resumed from checkpoint step {resumed}" if resumed is not None else "starting engines"
+        self.reporter.report("Starting", step=done, message=msg, resumed_from_step=resumed)
+        self.start_engines()
+        self.init_sync()
+        sampling = rc.sampling_kwargs(spec)
+        n = spec.rollout.sampling.samples_per_prompt
+        total = a.steps
+        last_sync = self.sync()  # engines start with dummy weights
+        synced_at = done
+        if self.opts.validate:
+            self.validate(tokenizer, samples)
+        self.reporter.report("Running", step=done, message=f"training: step {done}/{total}",
+                             resumed_from_step=resumed, extra={"sync": last_sync})
+        every = spec.weight_sync.every_n_steps
+        pending = None
+        tp: dict[str, float] = {}
+        while done < total:
+            t_step = time.perf_counter()
+            if not self.async_mode and done - synced_at >= every:
+                last_sync = self.sync()
+                synced_at = done
+            elif self.asleep:
+                ray.get([e.wake_up.remote(None) for e in self.engines])
+                self.asleep = False
+            if pending is None:
+                batch = step_batch(samples, done, a.prompts_per_step, a.seed)
+                pending = self.launch_rollout(tokenizer, batch, sampling)
+            refs, parts, prompt_ids, batch, t_launch = pending
+            outs = self.collect(refs, parts, len(prompt_ids))
+            rollout_s = time.perf_counter() - t_launch
+            pending = None
+            if self.async_mode and done + 1 < total:  # the next rollout runs while this step trains
+                pending = self.launch_rollout(
+                    tokenizer, step_batch(samples, done + 1, a.prompts_per_step, a.seed), sampling
+                )
+            if self.colocated and self.gpu:  # free the GPU for training
+                ray.get([e.sleep.remote(1) for e in self.engines])
+                self.asleep = True
+
+            rewards: list[float] = []
+            t_prompts: list[list[int]] = []
+            t_completions: list[list[int]] = []
+            tokens = 0
+            swap = {"mixed_samples": 0, "tokens_before_swap": 0, "tokens_after_swap": 0}
+            for s, pids, o in zip(batch, prompt_ids, outs):
+                for k, comp in enumerate(o["samples"]):
+                    text = tokenizer.decode(comp, skip_special_tokens=True)
+                    rewards.append(float(reward_fn(s.prompt, text, s.answer, len(comp))))
+                    t_prompts.append(pids)
+                    t_completions.append(comp)
+                    tokens += len(comp)
+                    si = o.get("swap_index", [-1] * n)[k]
+                    if si >= 0:
+                        swap["tokens_before_swap"] += si
+                        swap["tokens_after_swap"] += len(comp) - si
+                        swap["mixed_samples"] += int(0 < si < len(comp))
+            advantages = group_advantages(rewards, n)
+            t_train = time.perf_counter()
+            w = len(self.trainers)
+            stats = ray.get([
+                t.train.remote({"prompts": t_prompts[r::w], "completions": t_completions[r::w],
+                                "advantages": advantages[r::w]})
+                for r, t in enumerate(self.trainers)
+            ])[0]
+            train_s = time.perf_counter() - t_train
+            done = int(stats["step"])
+            if spec.checkpoint and (done % spec.checkpoint.every_n_steps == 0 or done == total):
+                ray.get([t.save_checkpoint.remote() for t in self.trainers])
+            if self.async_mode and done < total and done - synced_at >= every:
+                last_sync = self.sync()  # pauses the next rollout mid-request
+                synced_at = done
+            step_s = time.perf_counter() - t_step
+            reward_mean = sum(rewards) / len(rewards)
+            tp = _throughput(step_s, rollout_s, train_s, tokens, len(rewards), last_sync, reward_mean)
+            extra: dict[str, Any] = {"train": stats, "sync": last_sync, "tokens": tokens}
+            if self.async_mode:
+                extra["swap"] = swap
+            log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", done, total, reward_mean,
+                     rollout_s, train_s, step_s)
+            self.reporter.report("Running", step=done, throughput=tp, message=f"training: step {done}/{total}",
+                                 resumed_from_step=resumed, extra=extra)
+        self.reporter.report("Succeeded", step=done, throughput=tp or None, message=f"completed {done} steps",
+                             resumed_from_step=resumed)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.engines + self.trainers:
+            try:
+                ray.kill(actor)
+            except ValueError as e:  # not an actor handle any more
+                log.debug("kill: %s", e)
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:  # noqa: BLE001 - best effort cleanup, Ray may already be gone
+                log.debug("remove placement group: %s", e)
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    opts = parse_args(argv)
+    cfg = rc.load_config(opts.config)
+    status = None
+    if opts.report:
+        status = StatusClient(cfg.name, cfg.namespace, cfg.uid, opts.kubeconfig)
+    metrics = Metrics(cfg.name, cfg.namespace)
+    if opts.metrics_port:
+        metrics.serve(opts.metrics_port)
+    reporter = Reporter(status, metrics, opts.progress_file)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(f"terminated by signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    runtime = Runtime(cfg, opts, reporter)
+    code = 0
+    try:
+        reporter.start_heartbeat()
+        runtime.run()
+    except ForeignJobError as e:
+        log.error("%s", e)
+        code = EXIT_FAILED
+    except ValidationError as e:
+        log.error("%s", e)
+        reporter.report("Failed", message=str(e))
+        code = EXIT_VALIDATION
+    except BaseException as e:  # noqa: BLE001 - report every failure, including SIGTERM, before exiting
+        log.error("run failed:\n%s", traceback.format_exc())
+        msg = f"{type(e).__name__}: {e}"[:1000]
+        try:
+            reporter.report("Failed", message=msg)
+        except ForeignJobError:
+            pass
+        code = EXIT_FAILED
+    finally:
+        reporter.close()
+        runtime.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The trainer: an HF Transformers causal-LM policy trained with GRPO, in a Ray actor.
+
+One ``Trainer`` actor per trainer worker. ``strategy: single`` is one worker (GPU or CPU). ``strategy: fsdp2``
+runs one worker per trainer GPU, each joining a torch.distributed NCCL group (rank 0's address is handed out
+by the driver) and sharding every decoder layer and then the whole model with ``fully_shard``; every worker
+runs ``train`` on its slice of the batch and all of them iterate the weights for a sync (``full_tensor()``
+is a collective), while only rank 0 sends (GPU only; not exercised by the CPU tests).
+
+Guarantees:
+
+* Optimiser: AdamW with ``algorithm.learningRate`` and ``trainer.optimizer`` (betas, weight decay), gradient
+  clipping at ``maxGradNorm`` (0 disables it).
+* Loss: ``rlhf_runtime.grpo`` (clipped policy gradient, optional k3 KL to a frozen copy of the initial
+  policy when ``klCoef > 0``), token-averaged over the batch, ``epochsPerStep`` passes, micro-batches of
+  ``MICRO_BATCH`` sequences with gradient accumulation.
+* Checkpoints (``rlhf_runtime.checkpoint``): the model (``save_pretrained``), the optimiser state and the
+  step, written atomically; a new actor resumes from the newest one, so the step counter continues.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rlhf_api.models import RuntimeConfig
+
+from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime.grpo import grpo_loss, token_logprobs
+
+MICRO_BATCH = 64
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+class Trainer:
+    def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
+                 dist_addr: str | None = None, dist_port: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        cfg = RuntimeConfig.model_validate_json(config_json)
+        self.spec = spec = cfg.spec
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() and spec.trainer.gpus_per_replica else torch.device("cpu")
+        self.dtype = getattr(torch, spec.model.dtype)
+        torch.manual_seed(spec.algorithm.seed)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(dist_addr), str(dist_port)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size)
+
+        self.step = 0
+        self.resumed_from: int | None = None
+        source = spec.model.name
+        opt_state = None
+        found = ckpt.latest(spec.checkpoint.path) if spec.checkpoint else None
+        if found:
+            self.step, path = found
+            self.resumed_from = self.step
+            source = str(path / "model")
+            opt_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+        self.base_model = spec.model.name
+        kw: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": spec.model.trust_remote_code}
+        if spec.model.revision and not found:
+            kw["revision"] = spec.model.revision
+        self.model = AutoModelForCausalLM.from_pretrained(source, **kw).to(self.device)
+        if spec.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref = None
+        if spec.algorithm.kl_coef > 0:
+            # The reference is the initial policy (the base model), also after a resume.
+            self.ref = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device).eval()
+            self.ref.requires_grad_(False)
+        if world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            fully_shard(self.model)
+        o = spec.trainer.optimizer
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.algorithm.learning_rate, betas=(o.beta1, o.beta2),
+            weight_decay=o.weight_decay,
+        )
+        if opt_state is not None:
+            self.opt.load_state_dict(opt_state)
+        self.sender: Any = None
+        self.param_bytes = sum(p.numel() * self.dtype.itemsize for p in self.model.parameters())
+
+    # ------------------------------------------------------------------------------------------ info
+    def info(self) -> dict[str, Any]:
+        return {"step": self.step, "resumed_from": self.resumed_from, "param_bytes": self.param_bytes,
+                "device": str(self.device)}
+
+    def address(self) -> tuple[str, int]:
+        from vllm.utils.network_utils import get_ip, get_open_port
+
+        return get_ip(), get_open_port()
+
+    # ----------------------------------------------------------------------------------- weight sync
+    def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool,
+                         bucket_bytes: int, skip: list[str] | None = None) -> None:
+        from rlhf_runtime.weight_sync import EngineFanOut, ParamSource, make_sender
+
+        addr, port = self.address()
+        init = {"master_address": addr, "master_port": port, "world_size": 1 + sum(worlds),
+                "packed": packed, "bucket_bytes": bucket_bytes, "rank": self.rank}
+        source = ParamSource(self.model, self.dtype, set(skip or []))
+        self.sender = make_sender(backend, EngineFanOut(handles, worlds), source, init)
+
+    def sync_weights(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return self.sender.send()
+
+    # -------------------------------------------------------------------------------------- training
+    def _batch(self, seqs: list[list[int]], prompt_lens: list[int]) -> tuple[torch.Tensor, ...]:
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        attn = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width)
+        for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+            ids[i, : len(s)] = torch.tensor(s)
+            attn[i, : len(s)] = 1
+            mask[i, p : len(s)] = 1  # completion tokens only
+        return ids.to(self.device), attn.to(self.device), mask.to(self.device)
+
+    def train(self, batch: dict[str, Any]) -> dict[str, float]:
+        """``batch``: ``prompts`` (token ids per sample), ``completions`` (token ids per sample),
+        ``advantages`` (one float per sample). Returns loss statistics and the step counter."""
+        t0 = time.perf_counter()
+        a = self.spec.algorithm
+        temp = self.spec.rollout.sampling.temperature or 1.0
+        seqs = [p + c for p, c in zip(batch["prompts"], batch["completions"])]
+        plens = [len(p) for p in batch["prompts"]]
+        adv_all = torch.tensor(batch["advantages"], dtype=torch.float32, device=self.device)
+        chunks = [list(range(i, min(i + MICRO_BATCH, len(seqs)))) for i in range(0, len(seqs), MICRO_BATCH)]
+        prepared = []
+        total_tokens = 0.0
+        self.model.eval()
+        with torch.no_grad():
+            for idx in chunks:
+                ids, attn, mask = self._batch([seqs[i] for i in idx], [plens[i] for i in idx])
+                old = token_logprobs(self.model, ids, attn, temp)
+                ref = token_logprobs(self.ref, ids, attn, temp) if self.ref is not None else None
+                prepared.append((ids, attn, mask, old, ref, adv_all[idx]))
+                total_tokens += float(mask.sum())
+        self.model.train()
+        stats: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        for _ in range(a.epochs_per_step):
+            self.opt.zero_grad(set_to_none=True)
+            for ids, attn, mask, old, ref, adv in prepared:
+                logp = token_logprobs(self.model, ids, attn, temp)
+                loss, st = grpo_loss(logp, old, adv, mask, a.clip_ratio, ref, a.kl_coef)
+                share = float(mask.sum()) / max(total_tokens, 1.0)
+                (loss * share).backward()
+                for k in stats:
+                    stats[k] += st[k] * share / a.epochs_per_step
+            max_norm = self.spec.trainer.optimizer.max_grad_norm
+            if max_norm > 0:
+                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            self.opt.step()
+        self.model.eval()
+        self.step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats["step"] = self.step
+        stats["train_s"] = time.perf_counter() - t0
+        return stats
+
+    # ----------------------------------------------------------------------------------- persistence
+    def save_checkpoint(self) -> str | None:
+        c = self.spec.checkpoint
+        if c is None or self.rank != 0:
+            return None
+        Path(c.path).mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.tmp_dir(c.path, self.step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(str(tmp / "model"))
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model})
+        ckpt.prune(c.path, keep=2)
+        return str(final)
+
+    def save_weights(self, path: str) -> str:
+        """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``."""
+        out = Path(path)
+        self.model.save_pretrained(str(out))
+        base = Path(self.base_model)
+        for name in TOKENIZER_FILES:
+            if (base / name).is_file() and not (out / name).exists():
+                shutil.copy(base / name, out / name)
+        return str(out)
