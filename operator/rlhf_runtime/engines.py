@@ -114,22 +114,21 @@ class AsyncEngine:
         return self.llm.vllm_config.parallel_config.world_size
 
     async def _one(self, prompt: list[int], sp: Any, rid: str) -> dict[str, Any]:
-        final = None
+        latest: dict[int, Any] = {}  # sample index -> its newest (cumulative) output
+        prompt_ids: list[int] = list(prompt)
         counts = self._live[rid] = [0] * sp.n
         self._swaps[rid] = [-1] * sp.n
         try:
             async for out in self.llm.generate({"prompt_token_ids": prompt}, sp, request_id=rid):
-                final = out
                 for c in out.outputs:
+                    latest[c.index] = c
                     counts[c.index] = len(c.token_ids)
         finally:
             self._live.pop(rid, None)
             swap = self._swaps.pop(rid)
-        assert final is not None
-        # With n > 1 the final output holds every sample, sorted by index.
-        outs = sorted(final.outputs, key=lambda c: c.index)
+        outs = [latest[i] for i in range(sp.n)]
         return {
-            "prompt_token_ids": list(final.prompt_token_ids),
+            "prompt_token_ids": prompt_ids,
             "samples": [list(c.token_ids) for c in outs],
             "finish_reasons": [c.finish_reason for c in outs],
             "swap_index": swap,

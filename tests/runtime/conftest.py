@@ -1,0 +1,104 @@
+"""Shared fixtures of the runtime tier: a tiny model built once per session, job configs, driver runs.
+
+Every driver run is a real subprocess (``python -m rlhf_runtime.driver --local``) with its own local Ray, real
+vLLM (CPU) engines and the real ``gloo`` weight-transfer backend; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf_api.models import RuntimeConfig
+
+PROMPTS = ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen2 (untied embeddings) and a char-level tokenizer, built locally."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    code = f"from rlhf_runtime.tiny import build_tiny_model; build_tiny_model({str(path)!r}, seed=0)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)  # keeps torch out of pytest
+    return path
+
+
+def job_config(model: Path, **over: Any) -> dict[str, Any]:
+    """A tiny CPU job: 1 trainer (CPU), 1 engine, reward for emitting '7'; ``over`` patches spec keys."""
+    spec: dict[str, Any] = {
+        "model": {"name": str(model), "dtype": "float32"},
+        "image": "local",
+        "trainer": {"replicas": 1, "gpusPerReplica": 0},
+        "rollout": {
+            "engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
+            "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 8},
+        },
+        "placement": {"mode": "separate"},
+        "weightSync": {"backend": "nccl", "mode": "sync"},
+        "algorithm": {"steps": 20, "promptsPerStep": 8, "learningRate": 3e-3, "seed": 0},
+        "data": {"prompts": PROMPTS},
+        "reward": {"rule": "contains", "target": "7"},
+    }
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict):
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def write_config(path: Path, spec: dict[str, Any], uid: str = "uid-1") -> Path:
+    cfg = RuntimeConfig(name="tiny", namespace="default", uid=uid, spec=spec)
+    path.write_text(cfg.model_dump_json(by_alias=True))
+    return path
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    progress: Path
+    log: Path
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.progress.exists():
+            return []
+        return [json.loads(line) for line in self.progress.read_text().splitlines() if line.strip()]
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for r in self.records() if "throughput" in r and r["runtime"]["state"] == "Running"]
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill_group()
+
+    def kill_group(self) -> None:
+        """Kill what this run started (the driver's session: its local Ray and actors)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+
+
+def start_driver(tmp: Path, config: Path, *args: str, name: str = "run") -> Run:
+    progress = tmp / f"{name}.progress.jsonl"
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local", "--no-report",
+           "--progress-file", str(progress), *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Run(proc, progress, log)
