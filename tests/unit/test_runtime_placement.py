@@ -1,0 +1,83 @@
+"""Placement groups and actor options computed from a spec (pure, no Ray)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlhf_api.models import RLHFJobSpec
+from rlhf_runtime.placement import PlacementError, compute_layout, spread
+
+
+def spec(**over: Any) -> RLHFJobSpec:
+    base: dict[str, Any] = {
+        "model": {"name": "m"}, "image": "i", "data": {"prompts": ["p"]}, "reward": {"rule": "contains", "target": "x"},
+    }
+    base.update(over)
+    return RLHFJobSpec.model_validate(base)
+
+
+def test_separate_gpu_trainer_and_tp2_engines() -> None:
+    s = spec(trainer={"replicas": 2, "gpusPerReplica": 4, "strategy": "fsdp2"},
+             rollout={"engines": 3, "tensorParallelSize": 2})
+    lay = compute_layout(s)
+    assert lay.gpu
+    assert [g.name for g in lay.groups] == ["trainer", "engine-0", "engine-1", "engine-2"]
+    assert lay.groups[0].bundles == [{"CPU": 1, "GPU": 1, "rlhf_trainer": 1}] * 8
+    assert lay.groups[0].strategy == "PACK"
+    for g in lay.groups[1:]:
+        assert g.bundles == [{"CPU": 1, "GPU": 1, "rlhf_rollout": 1}] * 2
+        assert g.strategy == "STRICT_PACK"
+    assert [(t.group, t.bundle, t.num_gpus) for t in lay.trainers] == [(0, b, 1) for b in range(8)]
+    assert [(e.group, e.executor, e.num_gpus) for e in lay.engines] == [(1, "ray", 0), (2, "ray", 0), (3, "ray", 0)]
+    assert all(e.env == {"VLLM_RAY_BUNDLE_INDICES": "0,1"} for e in lay.engines)
+    assert lay.totals() == {"CPU": 14, "GPU": 14, "rlhf_trainer": 8, "rlhf_rollout": 6}
+
+
+def test_separate_tp1_engine_holds_its_gpu_in_process() -> None:
+    lay = compute_layout(spec(rollout={"engines": 2, "tensorParallelSize": 1}))
+    assert [(e.group, e.bundle, e.num_gpus, e.executor, e.env) for e in lay.engines] == [
+        (1, 0, 1, "uni", {}), (2, 0, 1, "uni", {}),
+    ]
+
+
+def test_colocated_shares_each_gpu_between_trainer_worker_and_engine_shard() -> None:
+    s = spec(trainer={"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2"},
+             rollout={"engines": 2, "tensorParallelSize": 2},
+             placement={"mode": "colocated"}, weightSync={"backend": "ipc"})
+    lay = compute_layout(s)
+    assert [g.name for g in lay.groups] == ["engine-0", "engine-1"]
+    assert all(g.bundles == [{"CPU": 2, "GPU": 1, "rlhf_colocated": 1}] * 2 for g in lay.groups)
+    assert [(t.group, t.bundle) for t in lay.trainers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(0 < t.num_gpus < 1 for t in lay.trainers)
+    for e in lay.engines:
+        assert e.executor == "ray"
+        assert e.env["VLLM_RAY_BUNDLE_INDICES"] == "0,1"
+        assert 0 < float(e.env["VLLM_RAY_PER_WORKER_GPUS"]) + lay.trainers[0].num_gpus <= 1
+
+
+def test_cpu_job_uses_cpu_bundles_only() -> None:
+    lay = compute_layout(spec(trainer={"gpusPerReplica": 0}, rollout={"engines": 2}))
+    assert not lay.gpu
+    assert lay.groups[0].bundles == [{"CPU": 1, "rlhf_trainer": 1}]
+    assert [g.bundles for g in lay.groups[1:]] == [[{"CPU": 1, "rlhf_rollout": 1}]] * 2
+    assert all(a.num_gpus == 0 for a in [*lay.trainers, *lay.engines])
+    assert "GPU" not in lay.totals()
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"trainer": {"gpusPerReplica": 0}, "rollout": {"tensorParallelSize": 2}},
+        {"trainer": {"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2"}},
+    ],
+)
+def test_cpu_layouts_that_cannot_run_are_refused(over: dict[str, Any]) -> None:
+    with pytest.raises(PlacementError):
+        compute_layout(spec(**over))
+
+
+def test_spread_deals_prompts_round_robin() -> None:
+    assert spread(list("abcde"), 2) == [[0, 2, 4], [1, 3]]
+    assert spread(list("ab"), 3) == [[0], [1], []]

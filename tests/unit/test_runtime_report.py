@@ -1,0 +1,131 @@
+"""Status reporting: the merge-patch body, the uid guard, and the real kubernetes client against a local
+HTTP endpoint that records what it receives (no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, status_patch
+
+PATH = "/apis/rlhf.dev/v1alpha1/namespaces/ns1/rlhfjobs/job1/status"
+
+
+def test_patch_body_holds_only_step_throughput_and_runtime() -> None:
+    body = status_patch(
+        "Running", step=3, message="m", resumed_from_step=2, heartbeat="2026-01-01T00:00:00Z",
+        throughput={"rollout_tokens_per_second": 10.0, "samples_per_second": 1.0, "step_seconds": 2.0,
+                    "rollout_seconds": 1.0, "train_seconds": 0.5, "weight_sync_seconds": 0.1,
+                    "weight_sync_gbps": 3.0, "reward_mean": 0.25},
+    )
+    assert body == {"status": {
+        "step": 3,
+        "throughput": {"rolloutTokensPerSecond": 10.0, "samplesPerSecond": 1.0, "stepSeconds": 2.0,
+                       "rolloutSeconds": 1.0, "trainSeconds": 0.5, "weightSyncSeconds": 0.1,
+                       "weightSyncGbps": 3.0, "rewardMean": 0.25},
+        "runtime": {"state": "Running", "message": "m", "heartbeatTime": "2026-01-01T00:00:00Z",
+                    "resumedFromStep": 2},
+    }}
+    assert set(status_patch("Starting")["status"]) == {"runtime"}
+    with pytest.raises(ValueError):
+        status_patch("Pending")
+
+
+class FakeAPI:
+    def __init__(self, uid: str) -> None:
+        self.uid = uid
+        self.requests: list[tuple[str, str, str, Any]] = []
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        api = self
+
+        class H(BaseHTTPRequestHandler):
+            def _reply(self) -> None:
+                if self.path != PATH:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                obj = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+                       "metadata": {"name": "job1", "namespace": "ns1", "uid": api.uid}, "status": {}}
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                api.requests.append(("GET", self.path, "", None))
+                self._reply()
+
+            def do_PATCH(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                api.requests.append(("PATCH", self.path, self.headers["Content-Type"], body))
+                self._reply()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        return H
+
+
+@pytest.fixture
+def fake_api(tmp_path: Path) -> Iterator[tuple[FakeAPI, Path]]:
+    api = FakeAPI(uid="uid-1")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), api.handler())
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))
+    yield api, kubeconfig
+    server.shutdown()
+
+
+def test_reports_are_merge_patches_on_the_status_subresource(fake_api: tuple[FakeAPI, Path], tmp_path: Path) -> None:
+    api, kubeconfig = fake_api
+    progress = tmp_path / "progress.jsonl"
+    reporter = Reporter(StatusClient("job1", "ns1", "uid-1", str(kubeconfig)), Metrics("job1", "ns1"), str(progress))
+    reporter.report("Starting", message="starting")
+    reporter.report("Running", step=1, throughput={"reward_mean": 0.5, "step_seconds": 1.0})
+    assert [r[0] for r in api.requests] == ["GET", "PATCH", "PATCH"]  # uid checked once, before the first report
+    patches = [r for r in api.requests if r[0] == "PATCH"]
+    assert all(r[2] == "application/merge-patch+json" for r in patches)
+    assert all(set(r[3]) == {"status"} for r in patches)
+    assert patches[1][3]["status"]["step"] == 1
+    assert patches[1][3]["status"]["throughput"] == {"rewardMean": 0.5, "stepSeconds": 1.0}
+    assert patches[1][3]["status"]["runtime"]["state"] == "Running"
+    assert [json.loads(line)["runtime"]["state"] for line in progress.read_text().splitlines()] == ["Starting", "Running"]
+    value = reporter.metrics.registry.get_sample_value("rlhf_reward_mean", {"job": "job1", "namespace": "ns1"})
+    assert value == 0.5
+
+
+def test_refuses_to_report_into_another_job_with_the_same_name(fake_api: tuple[FakeAPI, Path]) -> None:
+    api, kubeconfig = fake_api
+    reporter = Reporter(StatusClient("job1", "ns1", "uid-OLD", str(kubeconfig)))
+    with pytest.raises(ForeignJobError, match="refusing"):
+        reporter.report("Running", step=1)
+    assert [r[0] for r in api.requests] == ["GET"]  # nothing was patched
+    reporter.report("Running", step=2)  # API reporting stays off for good
+    assert [r[0] for r in api.requests] == ["GET"]
+
+
+def test_reporting_module_imports_without_torch_vllm_or_ray() -> None:
+    code = ("import sys, rlhf_runtime.report, rlhf_runtime.placement, rlhf_runtime.rewards, rlhf_runtime.data, "
+            "rlhf_runtime.config, rlhf_runtime.checkpoint, rlhf_runtime.grpo; "
+            "print(' '.join(sorted({k.split('.')[0] for k in sys.modules})))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                text=True).stdout.split())
+    assert not loaded & {"torch", "vllm", "ray", "transformers", "kopf"}, loaded & {"torch", "vllm", "ray", "kopf"}
