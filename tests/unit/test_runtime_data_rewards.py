@@ -8,9 +8,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from rlhf_api.models import Data, Reward
-from rlhf_runtime.data import DATA_MOUNT, DataError, Sample, config_map_path, load_samples, parse_lines, step_batch
+from rlhf_runtime.data import (
+    DATA_MOUNT,
+    DataError,
+    Sample,
+    config_map_path,
+    load_samples,
+    parse_lines,
+    step_batch,
+)
 from rlhf_runtime.rewards import RewardError, make_reward
 
 

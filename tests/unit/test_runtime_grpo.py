@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from rlhf_runtime.grpo import group_advantages, grpo_loss
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, status_patch
 
 PATH = "/apis/rlhf.dev/v1alpha1/namespaces/ns1/rlhfjobs/job1/status"
@@ -62,11 +61,11 @@ class FakeAPI:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 api.requests.append(("GET", self.path, "", None))
                 self._reply()
 
-            def do_PATCH(self) -> None:  # noqa: N802
+            def do_PATCH(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 api.requests.append(("PATCH", self.path, self.headers["Content-Type"], body))
                 self._reply()
