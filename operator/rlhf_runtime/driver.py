@@ -6,7 +6,7 @@ Invocation::
         [--local] [--num-cpus N]           # own local Ray instead of ray.init(address="auto")
         [--kubeconfig PATH | --no-report]  # status reports (default: in-cluster config)
         [--validate] [--debug-skip-tensor NAME]
-        [--progress-file PATH] [--metrics-port PORT]
+        [--progress-file PATH] [--metrics-port PORT] [--async-pause-after-tokens N]
 
 Without ``--local`` the driver joins the Ray cluster it runs in; if none is reachable it starts a local one.
 
@@ -74,6 +74,7 @@ class Options:
     skip_tensor: str | None = None
     progress_file: str | None = None
     metrics_port: int = 0
+    pause_after_tokens: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -88,9 +89,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
                    help="debug: leave this tensor out of every weight sync")
     p.add_argument("--progress-file", default=os.environ.get("RLHF_PROGRESS_FILE"))
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("RLHF_METRICS_PORT", "0")))
+    p.add_argument("--async-pause-after-tokens", type=int,
+                   default=int(os.environ.get("RLHF_ASYNC_PAUSE_AFTER_TOKENS", "0")),
+                   help="async mode: before a sync, wait until a live sample has this many tokens")
     a = p.parse_args(argv)
     return Options(a.config, a.local, a.num_cpus, a.kubeconfig, not a.no_report, a.validate,
-                   a.debug_skip_tensor, a.progress_file, a.metrics_port)
+                   a.debug_skip_tensor, a.progress_file, a.metrics_port, a.async_pause_after_tokens)
 
 
 def _throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, samples: int,
@@ -220,7 +224,7 @@ class Runtime:
 
         t0 = time.perf_counter()
         if self.async_mode:
-            ray.get([e.pause.remote() for e in self.engines])
+            ray.get([e.pause.remote(self.opts.pause_after_tokens) for e in self.engines])
         elif self.asleep:
             ray.get([e.wake_up.remote(["weights"]) for e in self.engines])
         t1 = time.perf_counter()

@@ -144,7 +144,13 @@ class AsyncEngine:
         sp = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sampling)
         return list(await asyncio.gather(*(self._one(p, sp, uuid.uuid4().hex) for p in prompts)))
 
-    async def pause(self) -> None:
+    async def pause(self, after_tokens: int = 0) -> None:
+        """Freeze in-flight requests; with ``after_tokens``, first wait until some live sample has that many
+        tokens (or nothing is live), as the vLLM async RLHF example does."""
+        import asyncio
+
+        while after_tokens and self._live and max(max(c) for c in self._live.values()) < after_tokens:
+            await asyncio.sleep(0.002)
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         # Paused: whatever each live sample has now was generated with the old weights.
         for rid, counts in self._live.items():

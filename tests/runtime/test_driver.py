@@ -88,11 +88,13 @@ def test_async_mode_pauses_mid_request_and_matches_fresh_engine(tiny_model: Path
     spec = job_config(
         tiny_model,
         weightSync={"backend": "nccl", "mode": "async"},
-        algorithm={"steps": 4, "promptsPerStep": 16},
-        rollout={"maxModelLen": 160, "sampling": {"temperature": 1.0, "maxTokens": 96, "samplesPerPrompt": 8}},
+        # Few, long samples: decoding them takes far longer than training on them, so the next rollout is
+        # still running when the trainer finishes and the sync has to pause it mid-request.
+        algorithm={"steps": 4, "promptsPerStep": 4},
+        rollout={"maxModelLen": 200, "sampling": {"temperature": 1.0, "maxTokens": 160, "samplesPerPrompt": 2}},
     )
     cfg = write_config(tmp_path / "job.json", spec)
-    run = start_driver(tmp_path, cfg, "--validate")
+    run = start_driver(tmp_path, cfg, "--validate", "--async-pause-after-tokens", "4")
     t = time.monotonic()
     assert run.wait(timeout=300) == 0, run.tail()
     assert time.monotonic() - t < 300
