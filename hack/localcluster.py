@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -129,6 +130,7 @@ class Cluster:
     def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stop()
+        shutil.rmtree(self.dir / "etcd", ignore_errors=True)  # every `up` is a fresh cluster
         pki = self.dir / "pki"
         pki.mkdir(exist_ok=True)
         if not (pki / "sa.key").exists():

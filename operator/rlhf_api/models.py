@@ -272,6 +272,7 @@ class Toleration(Model):
 
 
 class Scheduling(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [immutable("spec.scheduling")]})
     node_selector: dict[str, str] | None = Field(None, description="Node labels every pod of the job requires.")
     tolerations: list[Toleration] | None = Field(None, max_length=64, description="Tolerations for every pod.")
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")

@@ -34,6 +34,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = int(os.environ.get("RLHF_WORKERS", "8"))
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Authenticate Kopf exactly like our own client (in-cluster ServiceAccount, else KUBECONFIG)."""
+    kube.api()  # loads the configuration once
+    return kopf.login_via_client(**kwargs)
+
+
 def _spec_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors()[:5]:

@@ -29,6 +29,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not args.verbose:  # Kopf logs every timer run at INFO; keep the operator log about our own decisions
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     import rlhf_operator.handlers  # noqa: F401  (registers the handlers)
 
     asyncio.run(

@@ -17,6 +17,8 @@ from datetime import datetime
 from typing import Any
 
 TERMINAL = ("Succeeded", "Failed")
+#: Non-terminal reasons that need a human: kstatus Stalled=True, Argo CD Degraded.
+STALLED_REASONS = ("Unschedulable", "KubeRayMissing", "PodCreationFailed")
 
 
 @dataclass
@@ -58,6 +60,15 @@ def _cluster_ready(cluster: dict[str, Any] | None) -> bool:
     )
 
 
+def _replica_failure(cluster: dict[str, Any] | None) -> str | None:
+    """KubeRay could not create pods (quota, missing PriorityClass, admission webhook...)."""
+    for c in ((cluster or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") in ("ReplicaFailure", "RayClusterReplicaFailure") and c.get("status") == "True":
+            message = " ".join((c.get("message") or "").split())  # KubeRay puts the reason and a newline first
+            return f"RayCluster {(cluster or {}).get('metadata', {}).get('name', '')}: {message}".strip()
+    return None
+
+
 def verdict(obs: Observed) -> Verdict:
     """The phase, with a CamelCase reason and a message a user can act on."""
     old_phase = obs.old_status.get("phase")
@@ -92,6 +103,9 @@ def verdict(obs: Observed) -> Verdict:
     blocked = _unschedulable(obs.pods)
     if blocked:
         return Verdict("Pending", "Unschedulable", blocked)
+    failure = _replica_failure(obs.ray_cluster)
+    if failure:
+        return Verdict("Pending", "PodCreationFailed", failure)
     if _cluster_ready(obs.ray_cluster) and deploy in ("Running", "Retrying"):
         if runtime.get("state") == "Running":
             return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
@@ -107,7 +121,7 @@ def _condition(ctype: str, ok: bool | None, reason: str, message: str, gen: int)
 
 def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
     gen = obs.generation
-    stalled = v.phase == "Failed" or v.reason in ("Unschedulable", "KubeRayMissing")
+    stalled = v.phase == "Failed" or v.reason in STALLED_REASONS
     converging = v.phase in ("Pending", "Provisioning") and not stalled
     blocked = _unschedulable(obs.pods)
     pods_scheduled: bool | None = None if not obs.pods else blocked is None

@@ -431,7 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = rc.load_config(opts.config)
     status = None
     if opts.report:
-        status = StatusClient(cfg.name, cfg.namespace, cfg.uid, opts.kubeconfig)
+        from kubernetes.config import ConfigException
+
+        try:
+            status = StatusClient(cfg.name, cfg.namespace, cfg.uid, opts.kubeconfig)
+        except ConfigException as e:  # not in a pod and no --kubeconfig: run, but report nowhere
+            log.warning("status reporting disabled: %s", e)
     metrics = Metrics(cfg.name, cfg.namespace)
     if opts.metrics_port:
         metrics.serve(opts.metrics_port)

@@ -47,11 +47,35 @@ def gpus(pod: client.V1Pod) -> int:
     return int(limits.get(render.GPU, 0))
 
 
+def make_bound_pvc(api, ns: str, claim: str) -> None:
+    """A PVC bound (by the real PV controller) to a pre-made PV, as a storage class would provide."""
+    pv = f"{ns}-{claim}"
+    client.CoreV1Api(api).create_persistent_volume({
+        "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "manual",
+                 "hostPath": {"path": f"/tmp/{pv}"}, "claimRef": {"namespace": ns, "name": claim}},
+    })
+    client.CoreV1Api(api).create_namespaced_persistent_volume_claim(ns, {
+        "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "manual", "volumeName": pv,
+                 "resources": {"requests": {"storage": "10Gi"}}},
+    })
+    wait_for(lambda: client.CoreV1Api(api).read_namespaced_persistent_volume_claim(claim, ns).status.phase == "Bound",
+             60, f"PVC {claim} Bound")
+
+
 @pytest.mark.parametrize("sample", SAMPLES)
 def test_sample_is_placed_on_gpu_nodes(cluster, api, operator, namespace, sample) -> None:
     job = load_sample(sample)
     name = job["metadata"]["name"]
     spec = m.RLHFJobSpec.model_validate(job["spec"])
+    for vol in job["spec"].get("volumes", []):
+        if "persistentVolumeClaim" in vol:
+            make_bound_pvc(api, namespace, vol["persistentVolumeClaim"]["claimName"])
+    pc = job["spec"].get("scheduling", {}).get("priorityClassName")
+    if pc:
+        apply(cluster, {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                        "metadata": {"name": pc}, "value": 1000}, namespace)
     apply(cluster, job, namespace)
 
     body = wait_for(lambda: (get_job(api, namespace, name).get("status") or {}).get("children"), 60, "child names in status")
@@ -107,6 +131,21 @@ def test_job_that_cannot_fit_stays_pending_with_reason(cluster, api, operator, n
     assert condition(j, "PodsScheduled")["status"] == "False"
     assert condition(j, "Stalled")["status"] == "True"
     assert condition(j, "Ready")["status"] == "False"
+
+
+def test_missing_priority_class_is_reported(cluster, api, operator, namespace) -> None:
+    job = load_sample("separate-nccl-tp2")
+    job["spec"]["scheduling"] = {"priorityClassName": "no-such-class"}
+    apply(cluster, job, namespace)
+    name = job["metadata"]["name"]
+
+    def reported():
+        j = get_job(api, namespace, name)
+        return j if "no-such-class" in (j.get("status") or {}).get("message", "") else None
+
+    j = wait_for(reported, 120, "a status message naming the missing PriorityClass")
+    assert j["status"]["phase"] == "Pending"
+    assert condition(j, "Stalled")["status"] == "True"
 
 
 def test_delete_removes_all_children(cluster, api, operator, namespace) -> None:

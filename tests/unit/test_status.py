@@ -52,6 +52,9 @@ CASES = [
     ("validation failed", obs(ray_job=rayjob("ValidationFailed", message="bad spec")), "Failed", "RayJobFailed"),
     ("runtime failed", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Failed", "message": "OOM"}}), "Failed", "RuntimeFailed"),
     ("runtime succeeded", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Succeeded"}, "step": 10}), "Succeeded", "RuntimeSucceeded"),
+    ("pod creation failed", obs(ray_job=rayjob("Initializing"), ray_cluster={"status": {"conditions": [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateHeadPod",
+         "message": "FailedCreateHeadPod\\nno PriorityClass with name x was found"}]}}), "Pending", "PodCreationFailed"),
     ("suspended", obs(suspend=True, ray_job=rayjob("Suspended")), "Suspended", "Suspended"),
     ("suspending", obs(suspend=True, ray_job=rayjob("Running")), "Suspended", "Suspending"),
 ]
@@ -65,7 +68,7 @@ def test_phase_table(name, o, phase, reason) -> None:
     conds = {c["type"]: c for c in out["conditions"]}
     assert all(c["observedGeneration"] == 3 for c in conds.values())
     assert conds["Ready"]["status"] == ("True" if phase in ("Running", "Succeeded") else "False")
-    stalled = phase == "Failed" or reason in ("Unschedulable", "KubeRayMissing")
+    stalled = phase == "Failed" or reason in st.STALLED_REASONS
     assert conds["Stalled"]["status"] == ("True" if stalled else "False")
     assert conds["Reconciling"]["status"] == ("True" if phase in ("Pending", "Provisioning") and not stalled else "False")
     assert conds["Complete"]["status"] == ("True" if phase == "Succeeded" else "False")
