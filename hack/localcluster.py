@@ -37,8 +37,13 @@ AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived"]
 rules:
+  - level: Request
+    verbs: ["patch"]
+    resources: [{group: "rlhf.dev"}]
   - level: Metadata
     verbs: ["create", "update", "patch", "delete", "deletecollection"]
+  - level: Metadata
+    resources: [{group: "rlhf.dev"}, {group: "ray.io"}]
   - level: None
 """
 

@@ -43,7 +43,7 @@ def test_chart_crds_match_top_level() -> None:
 def test_default_render_is_hardened_cluster_scoped(helm) -> None:
     docs = render(helm)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -54,8 +54,8 @@ def test_default_render_is_hardened_cluster_scoped(helm) -> None:
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]
     assert "--all-namespaces" in c["args"]
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    for rule in role["rules"]:
+    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert "delete" not in rule["verbs"], rule  # children go away by owner references
 
@@ -63,7 +63,10 @@ def test_default_render_is_hardened_cluster_scoped(helm) -> None:
 def test_namespaced_scope_uses_roles_only(helm) -> None:
     docs = render(helm, "--set", "watch.scope=namespaces", "--set", "watch.watchNamespaces={team-a,team-b}")
     kinds = sorted(d["kind"] for d in docs)
-    assert "ClusterRole" not in kinds and kinds.count("Role") == 2 and kinds.count("RoleBinding") == 2
+    assert kinds.count("Role") == 2 and kinds.count("RoleBinding") == 2
+    observe = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert len(observe) == 1  # cluster-wide it may only list/watch CRDs and namespaces
+    assert all(set(r["verbs"]) == {"list", "watch"} for r in observe[0]["rules"])
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
 

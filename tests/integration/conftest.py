@@ -43,11 +43,12 @@ def api(cluster) -> client.ApiClient:
 class Operator:
     """Our operator as a child process (so tests can kill -9 and restart it)."""
 
-    def __init__(self, cluster: localcluster.Cluster, args: list[str], log: Path):
-        self.cluster, self.args, self.log, self.proc = cluster, args, log, None
+    def __init__(self, cluster: localcluster.Cluster, args: list[str], log: Path, kubeconfig: Path | None = None):
+        self.kubeconfig = kubeconfig or cluster.kubeconfig
+        self.args, self.log, self.proc = args, log, None
 
     def start(self) -> Operator:
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig), "RLHF_RESYNC_SECONDS": "2"}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "RLHF_RESYNC_SECONDS": "2"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlhf_operator.main", "--liveness", "", *self.args],
             stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,  # noqa: SIM115

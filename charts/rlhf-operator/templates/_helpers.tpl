@@ -24,7 +24,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "rlhf-operator.rules" -}}
 - apiGroups: ["rlhf.dev"]
   resources: ["rlhfjobs"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "patch"]   # patch: Kopf's finalizer (rlhf.dev/finalizer) for the resync timer
 - apiGroups: ["rlhf.dev"]
   resources: ["rlhfjobs/status"]
   verbs: ["get", "patch"]
