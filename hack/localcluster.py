@@ -82,6 +82,7 @@ class Cluster:
         out = subprocess.run(
             [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
             input=input,
+            check=False,
             text=True,
             capture_output=True,
         )

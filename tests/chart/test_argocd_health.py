@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 from lupa import LuaRuntime
-
 from rlhf_operator import status as st
 
 SCRIPT = (Path(__file__).resolve().parents[2] / "charts/rlhf-operator/files/argocd-health.lua").read_text()
-NOW = dt.datetime(2026, 11, 22, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 22, tzinfo=dt.UTC)
 
 
 def health(obj: dict) -> tuple[str, str]:
