@@ -68,7 +68,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in progress.read_text().splitlines()]
     steps = [r for r in records if "throughput" in r and r["runtime"]["state"] == "Running"][a.warmup:]
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = lambda xs: statistics.median(xs)
     tp = {k: med([r["throughput"][k] for r in steps]) for k in steps[0]["throughput"]}
     syncs = [r["sync"] for r in steps]
     sync = {k: med([s[k] for s in syncs]) for k in syncs[0]}
