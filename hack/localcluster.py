@@ -249,6 +249,14 @@ class Cluster:
         )
         log(f"up: KUBECONFIG={self.kubeconfig}")
 
+    def token_kubeconfig(self, namespace: str, service_account: str, path: Path) -> Path:
+        """A kubeconfig that authenticates as a ServiceAccount (TokenRequest), to act with exactly its RBAC."""
+        token = self.kubectl("create", "token", service_account, "-n", namespace, "--duration=2h").stdout.strip()
+        cfg = json.loads(self.kubeconfig.read_text())
+        cfg["users"] = [{"name": "admin", "user": {"token": token}}]
+        path.write_text(json.dumps(cfg))
+        return path
+
     def add_nodes(self, count: int, gpus: int, prefix: str = "gpu-node") -> None:
         items = []
         for i in range(count):

@@ -16,8 +16,8 @@ from typing import Any
 import kopf
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
-from rlhf_api import models as m
 
+from rlhf_api import models as m
 from rlhf_operator import kube, naming, render, status
 
 log = logging.getLogger("rlhf_operator")

@@ -11,6 +11,7 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+
 from rlhf_api import models as m
 
 RAY_GROUP, RAY_VERSION = "ray.io", "v1"

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_api.models import GROUP, PLURAL, RLHFJobSpec, RuntimeConfig
-
 from rlhf_operator import naming
 
 RAY_API_VERSION = "ray.io/v1"

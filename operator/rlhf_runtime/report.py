@@ -95,7 +95,9 @@ def status_patch(
     if step is not None:
         status["step"] = step
     if throughput:
-        status["throughput"] = Throughput(**throughput).wire()
+        # 4 significant digits: what `kubectl get rlhfjobs` shows is read by people, not by a profiler.
+        rounded = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in throughput.items()}
+        status["throughput"] = Throughput(**rounded).wire()
     runtime = RuntimeReport(
         state=state, message=message, resumed_from_step=resumed_from_step
     ).wire()

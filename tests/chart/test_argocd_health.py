@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from lupa import LuaRuntime
+
 from rlhf_operator import status as st
 
 SCRIPT = (Path(__file__).resolve().parents[2] / "charts/rlhf-operator/files/argocd-health.lua").read_text()

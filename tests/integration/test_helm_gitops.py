@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -29,14 +28,6 @@ def helm(cluster, *args: str, check: bool = True):
     return out
 
 
-def sa_kubeconfig(cluster, ns: str, sa: str, path: Path) -> Path:
-    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=2h").stdout.strip()
-    admin = json.loads(cluster.kubeconfig.read_text())
-    admin["users"] = [{"name": "admin", "user": {"token": token}}]
-    path.write_text(json.dumps(admin))
-    return path
-
-
 def test_operator_runs_with_only_the_charts_rbac(cluster, api, tmp_path) -> None:
     suffix = uuid.uuid4().hex[:6]
     system, team = f"rlhf-system-{suffix}", f"team-{suffix}"
@@ -49,7 +40,7 @@ def test_operator_runs_with_only_the_charts_rbac(cluster, api, tmp_path) -> None
         dep = client.AppsV1Api(api).read_namespaced_deployment(f"{release}-rlhf-operator", system)
         assert dep.spec.template.spec.containers[0].args[0] == f"--namespace={team}"
         # Our operator process, authenticated as the chart's ServiceAccount and nothing else.
-        kc = sa_kubeconfig(cluster, system, f"{release}-rlhf-operator", tmp_path / "sa.kubeconfig")
+        kc = cluster.token_kubeconfig(system, f"{release}-rlhf-operator", tmp_path / "sa.kubeconfig")
         denied = cluster.kubectl("--kubeconfig", str(kc), "auth", "can-i", "delete", "rayjobs", "-n", team, check=False)
         assert denied.stdout.strip() == "no"
         op = Operator(cluster, ["--namespace", team], tmp_path / "op.log", kubeconfig=kc).start()

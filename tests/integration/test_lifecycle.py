@@ -8,9 +8,9 @@ import signal
 
 import pytest
 from kubernetes import client
+
 from rlhf_api import models as m
 from rlhf_operator import render
-
 from tests.helpers import wait_for
 from tests.integration.conftest import Operator, apply, load_sample
 

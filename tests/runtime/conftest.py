@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rlhf_api.models import RuntimeConfig
 
 PROMPTS = ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import yaml
+
 from rlhf_api import crdgen
 from rlhf_api import models as m
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from rlhf_api import models as m
 from rlhf_operator import naming, render
 

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from rlhf_api.models import Data, Reward
 from rlhf_runtime.data import (
     DATA_MOUNT,

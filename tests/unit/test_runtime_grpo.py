@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlhf_runtime.grpo import group_advantages, grpo_loss
 
 

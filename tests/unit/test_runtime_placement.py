@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from rlhf_api.models import RLHFJobSpec
 from rlhf_runtime.placement import PlacementError, compute_layout, spread
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, status_patch
 
 PATH = "/apis/rlhf.dev/v1alpha1/namespaces/ns1/rlhfjobs/job1/status"
