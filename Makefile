@@ -14,7 +14,7 @@ demo: setup
 	$(PY) hack/demo.py
 
 demo-down:
-	$(PY) hack/localcluster.py down
+	$(PY) hack/localcluster.py down --dir /tmp/rlhf-demo
 
 crds:
 	$(PY) -m rlhf_api.crdgen --write
