@@ -231,23 +231,28 @@ class Cluster:
         self._wait("default service account", lambda: self.kubectl("get", "sa", "default").returncode == 0)
         self.add_nodes(nodes, gpus_per_node)
         if kuberay:
-            self.kubectl("apply", "--server-side", "-f", str((b / "kuberay-crds").resolve()))
-            self._wait(
-                "KubeRay CRDs",
-                lambda: self.kubectl("wait", "--for=condition=Established", "crd/rayjobs.ray.io", "--timeout=5s").returncode == 0,
-            )
-            self._start(
-                "kuberay-operator",
-                [str(b / "kuberay-operator"), "--enable-leader-election=false", "--metrics-addr=127.0.0.1:0",
-                 "--health-probe-bind-address=127.0.0.1:0"],
-                env={"KUBECONFIG": str(self.kubeconfig)},
-            )
+            self.install_kuberay()
         self.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "rlhf.dev_rlhfjobs.yaml"))
         self._wait(
             "RLHFJob CRD",
             lambda: self.kubectl("wait", "--for=condition=Established", "crd/rlhfjobs.rlhf.dev", "--timeout=5s").returncode == 0,
         )
         log(f"up: KUBECONFIG={self.kubeconfig}")
+
+    def install_kuberay(self) -> None:
+        """KubeRay's own CRDs (from its Go module) and the real KubeRay operator."""
+        b = self.bin
+        self.kubectl("apply", "--server-side", "-f", str((b / "kuberay-crds").resolve()))
+        self._wait(
+            "KubeRay CRDs",
+            lambda: self.kubectl("wait", "--for=condition=Established", "crd/rayjobs.ray.io", "--timeout=5s", check=False).returncode == 0,
+        )
+        self._start(
+            "kuberay-operator",
+            [str(b / "kuberay-operator"), "--enable-leader-election=false", "--metrics-addr=127.0.0.1:0",
+             "--health-probe-bind-address=127.0.0.1:0"],
+            env={"KUBECONFIG": str(self.kubeconfig)},
+        )
 
     def token_kubeconfig(self, namespace: str, service_account: str, path: Path) -> Path:
         """A kubeconfig that authenticates as a ServiceAccount (TokenRequest), to act with exactly its RBAC."""
