@@ -25,7 +25,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "hack"))
-import localcluster  # noqa: E402
+import localcluster
 
 DIR = Path(os.environ.get("RLHF_DEMO_DIR", "/tmp/rlhf-demo"))
 NS = "demo"

@@ -18,7 +18,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from rlhf_api import models as m
-from rlhf_operator import kube, naming, render, status
+from rlhf_operator import kube, metrics, naming, render, status
 
 log = logging.getLogger("rlhf_operator")
 RESYNC_SECONDS = float(os.environ.get("RLHF_RESYNC_SECONDS", "10"))
@@ -132,7 +132,9 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
 def _safe_reconcile(body: Any) -> None:
     try:
         reconcile(body)
+        metrics.RECONCILES.labels("ok").inc()
     except ApiException as e:
+        metrics.RECONCILES.labels("api_error").inc()
         # Transient API trouble (conflict, throttling, apiserver restart): retry on the next trigger.
         raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
 
@@ -140,6 +142,7 @@ def _safe_reconcile(body: Any) -> None:
 @kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
 def rlhfjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     if type == "DELETED":
+        metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
         return
     _safe_reconcile(body)
 

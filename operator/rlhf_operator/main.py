@@ -22,6 +22,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (default)")
     p.add_argument("--peering", help="Kopf peering name (several replicas); default: standalone")
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL, '' to disable")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.verbose:  # Kopf logs every timer run at INFO; keep the operator log about our own decisions
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     import rlhf_operator.handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port:
+        from rlhf_operator import metrics
+
+        metrics.serve(args.metrics_port)
 
     asyncio.run(
         kopf.operator(

@@ -74,6 +74,13 @@ def test_namespaced_scope_uses_roles_only(helm) -> None:
 def test_metrics_service_and_monitor(helm) -> None:
     docs = render(helm, "--set", "metrics.service.enabled=true", "--set", "metrics.serviceMonitor.enabled=true")
     assert {"Service", "ServiceMonitor"} <= {d["kind"] for d in docs}
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "--metrics-port=9090" in c["args"] and {"name": "metrics", "containerPort": 9090} in c["ports"]
+    mon = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert mon["spec"]["endpoints"][0]["port"] == "metrics"
+    off = render(helm, "--set", "metrics.enabled=false", "--set", "metrics.service.enabled=true")
+    assert "Service" not in {d["kind"] for d in off}
 
 
 @pytest.mark.parametrize(

@@ -64,10 +64,17 @@ class Operator:
         return self.proc is not None and self.proc.poll() is None
 
 
+def free_port() -> int:
+    return localcluster.free_port()
+
+
 @pytest.fixture(scope="session")
 def operator(cluster, tmp_path_factory):
-    """One operator for the session, watching namespaces named it-*."""
-    op = Operator(cluster, ["--namespace", "it-*"], tmp_path_factory.mktemp("op") / "operator.log").start()
+    """One operator for the session, watching namespaces named it-*, serving metrics on ``op.metrics_port``."""
+    port = free_port()
+    op = Operator(cluster, ["--namespace", "it-*", "--metrics-port", str(port)],
+                  tmp_path_factory.mktemp("op") / "operator.log").start()
+    op.metrics_port = port
     yield op
     op.kill(signal.SIGTERM)
 

@@ -104,6 +104,14 @@ def test_runtime_reports_progress_into_the_rlhfjob(cluster, api, operator, names
         assert done["status"]["step"] == STEPS and done["status"]["totalSteps"] == STEPS
         assert done["status"]["completionTime"]
         assert seen_steps == sorted(seen_steps)
+        # The operator exports what the runtime reported, for every job, on its own /metrics.
+        import urllib.request
+
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
+        label = f'job="tiny",namespace="{namespace}"'
+        tokens = [ln for ln in scrape.splitlines() if ln.startswith("rlhf_job_rollout_tokens_per_second{") and label in ln]
+        assert tokens and float(tokens[0].split()[-1]) > 0, scrape[-2000:]
+        assert f'rlhf_job_phase{{{label},phase="Succeeded"}} 1.0' in scrape
         # The other job was never touched by the runtime.
         assert "runtime" not in (get_job(api, namespace, "other").get("status") or {})
         print(json.dumps({"steps_seen": seen_steps, "throughput": done["status"]["throughput"]}))

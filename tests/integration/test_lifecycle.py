@@ -209,3 +209,38 @@ def test_suspend_and_resume(cluster, api, operator, namespace) -> None:
     job["spec"]["suspend"] = False
     apply(cluster, job, namespace)
     wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running again after resume")
+
+
+def test_allowed_spec_change_reaches_config_and_status(cluster, api, operator, namespace) -> None:
+    job = load_sample("separate-nccl-tp2")
+    name = job["metadata"]["name"]
+    apply(cluster, job, namespace)
+    wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running")
+    job["spec"]["algorithm"]["steps"] = 321
+    apply(cluster, job, namespace)
+
+    def propagated() -> bool:
+        st = get_job(api, namespace, name)["status"]
+        cm = client.CoreV1Api(api).read_namespaced_config_map(f"{name}-config", namespace)
+        cfg = m.RuntimeConfig.model_validate_json(cm.data["job.json"])
+        return st["totalSteps"] == 321 and cfg.spec.algorithm.steps == 321 and st["observedGeneration"] == 2
+
+    wait_for(propagated, 60, "steps=321 in status and in the runtime's ConfigMap")
+
+
+def test_liveness_endpoint_reports_kuberay(cluster, tmp_path) -> None:
+    import json as _json
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    op = Operator(cluster, ["--namespace", "liveness-only", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+                  tmp_path / "op.log").start()
+    try:
+        body = wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).read(), 60,
+                        "liveness endpoint")
+        assert _json.loads(body)["kuberay"] == "ok"
+    finally:
+        op.kill()
