@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import random
 
 import kopf
 
@@ -21,6 +22,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     scope.add_argument("-n", "--namespace", action="append", help="watch this namespace (repeatable)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (default)")
     p.add_argument("--peering", help="Kopf peering name (several replicas); default: standalone")
+    p.add_argument(
+        "--priority", type=int, help="peering priority; default: random, so identical replicas never tie (a tie pauses all)"
+    )
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL, '' to disable")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--verbose", action="store_true")
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         kopf.operator(
             standalone=not args.peering,
             peering_name=args.peering,
-            priority=0,
+            priority=args.priority if args.priority is not None else random.randint(1, 1_000_000),
             clusterwide=not args.namespace,
             namespaces=args.namespace or (),
             liveness_endpoint=args.liveness or None,

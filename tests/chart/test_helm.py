@@ -99,3 +99,16 @@ def test_bad_values_are_rejected_by_schema(helm, sets, message) -> None:
     out = run(helm, "template", "r", str(CHART), "--kube-version", "1.36.3", *sets)
     assert out.returncode != 0, f"{sets} accepted"
     assert "values don't meet the specifications of the schema" in out.stderr and message in out.stderr, out.stderr
+
+
+def test_peering_renders_the_peering_object_and_its_rbac(helm) -> None:
+    docs = render(helm, "--set", "replicaCount=2", "--set", "peering.enabled=true")
+    peering = [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+    assert [p["metadata"]["name"] for p in peering] == ["rlhf-operator"]
+    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    assert any(r["resources"] == ["clusterkopfpeerings"] for r in rules)
+    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--peering=rlhf-operator" in args
+    ns_docs = render(helm, "--set", "peering.enabled=true", "--set", "watch.scope=namespaces",
+                     "--set", "watch.watchNamespaces={a,b}")
+    assert sorted(d["metadata"]["namespace"] for d in ns_docs if d["kind"] == "KopfPeering") == ["a", "b"]

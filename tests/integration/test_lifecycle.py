@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import signal
+import uuid
 
 import pytest
 from kubernetes import client
@@ -12,7 +13,7 @@ from kubernetes import client
 from rlhf_api import models as m
 from rlhf_operator import render
 from tests.helpers import wait_for
-from tests.integration.conftest import Operator, apply, load_sample
+from tests.integration.conftest import REPO, Operator, apply, load_sample
 
 pytestmark = pytest.mark.cluster
 SAMPLES = ["separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer"]
@@ -244,3 +245,30 @@ def test_liveness_endpoint_reports_kuberay(cluster, tmp_path) -> None:
         assert _json.loads(body)["kuberay"] == "ok"
     finally:
         op.kill()
+
+
+def test_two_peered_replicas_one_active_no_duplicates(cluster, api, tmp_path) -> None:
+    ns = f"peer-{uuid.uuid4().hex[:6]}"
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": ns}})
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "kopf-peering.yaml"))
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
+                                     "--timeout=5s", check=False).returncode == 0, 60, "peering CRD")
+    apply(cluster, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlhf"}}, ns)
+    ops = [Operator(cluster, ["--namespace", ns, "--peering", "rlhf", "--priority", str(p)], tmp_path / f"op{p}.log").start()
+           for p in (10, 20)]
+    try:
+        wait_for(lambda: "Pausing operations in favour of" in (tmp_path / "op10.log").read_text(), 60,
+                 "the lower-priority replica to pause")
+        for i in range(2):
+            job = load_sample("separate-nccl-tp2")
+            job["metadata"]["name"] = f"peer-{i}"
+            apply(cluster, job, ns)
+        for i in range(2):
+            wait_for(lambda i=i: phase(api, ns, f"peer-{i}") == "Running", 180, f"peer-{i} Running")
+        assert sorted(r["metadata"]["name"] for r in ray_objects(api, ns, "rayjobs")) == ["peer-0", "peer-1"]
+        assert len(ray_objects(api, ns, "rayclusters")) == 2
+        assert "Pausing operations" not in (tmp_path / "op20.log").read_text()
+    finally:
+        for op in ops:
+            op.kill()
+        client.CoreV1Api(api).delete_namespace(ns)
