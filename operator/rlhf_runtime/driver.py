@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
-
 from rlhf_runtime import config as rc
 from rlhf_runtime.data import load_samples, step_batch
 from rlhf_runtime.grpo import group_advantages
@@ -272,13 +271,24 @@ class Runtime:
         base = Path(self.spec.checkpoint.path) if self.spec.checkpoint else Path(tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         path = tempfile.mkdtemp(prefix=".validate-", dir=base)
-        ray.get(self.trainers[0].save_weights.remote(path))
+        ray.get([t.save_weights.remote(path) for t in self.trainers])  # FSDP: every rank gathers
         kw = dict(self.engine_kwargs[0], model=path, load_format="auto")
         e = self.layout.engines[0]
+        env = {**self.env, **e.env}
+        if self.gpu:
+            # The fresh engine holds no GPU of its own (the synced one keeps its bundle): put it on the synced
+            # engine's GPU (Ray leaves CUDA_VISIBLE_DEVICES alone for num_gpus=0) and size it to the memory
+            # that is still free there (vLLM refuses to start when free < gpu_memory_utilization x total).
+            dev = ray.get(self.engines[0].device_info.remote())
+            if dev.get("cuda_visible_devices"):
+                env["CUDA_VISIBLE_DEVICES"] = dev["cuda_visible_devices"]
+            if dev.get("total"):
+                share = math.floor(dev["free"] / dev["total"] * 90) / 100
+                kw["gpu_memory_utilization"] = min(kw["gpu_memory_utilization"], share)
         fresh_actor = ray.remote(Engine).options(
             num_cpus=0, num_gpus=0, scheduling_strategy=self._strategy(e.group, e.bundle),
-            runtime_env={"env_vars": {**self.env, **e.env}},
-        ).remote(kw, {**self.env, **e.env})
+            runtime_env={"env_vars": env},
+        ).remote(kw, env)
         try:
             fresh = [o["samples"][0] for o in ray.get(fresh_actor.generate.remote(prompts, greedy))]
         finally:

@@ -33,6 +33,56 @@ def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _worker_param_layout(worker: Any) -> dict[str, Any]:
+    """(collective_rpc) The worker's own parameters and fused-module mapping (``weight_sync.KernelPlan``)."""
+    model = worker.model_runner.model
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    return {
+        "params": [(n, list(p.shape)) for n, p in model.named_parameters()],
+        "packed_modules_mapping": {k: list(v) for k, v in dict(mapping).items()},
+        "world_size": worker.vllm_config.parallel_config.world_size,
+    }
+
+
+def _worker_time_loads(worker: Any, reset: bool = False) -> dict[str, float]:
+    """(collective_rpc) Wrap the model's ``load_weights`` once with a host-side timer; return and reset the
+    accumulated seconds and calls (the time vLLM's receive path spends in ``load_weights``)."""
+    model = worker.model_runner.model
+    stats = model.__dict__.get("_rlhf_load_stats")
+    if stats is None:
+        stats = model.__dict__["_rlhf_load_stats"] = {"load_s": 0.0, "calls": 0}
+        original = model.load_weights
+
+        def timed(weights: Any, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(weights, *args, **kwargs)
+            finally:
+                stats["load_s"] += time.perf_counter() - t
+                stats["calls"] += 1
+
+        model.__dict__["load_weights"] = timed
+    out = dict(stats)
+    if reset:
+        stats.update(load_s=0.0, calls=0)
+    return out
+
+
+def _worker_scramble(worker: Any, seed: int = 0) -> int:
+    """(collective_rpc, benchmarks/debugging) Overwrite every parameter with noise: a sync that misses a
+    tensor then shows in the greedy tokens. Returns the number of parameters touched."""
+    import torch
+
+    gen = torch.Generator(device=next(worker.model_runner.model.parameters()).device).manual_seed(seed)
+    n = 0
+    with torch.no_grad():
+        for p in worker.model_runner.model.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)
+                n += 1
+    return n
+
+
 def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
     return [
         {
@@ -73,8 +123,34 @@ class Engine:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update(**self._start_kwargs)
+    def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        self.llm.start_weight_update(**self._start_args(checkpoint_format))
+
+    def _start_args(self, checkpoint_format: bool) -> dict[str, Any]:
+        if not self._start_kwargs:
+            if not checkpoint_format:
+                raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
+            return {}
+        return {"is_checkpoint_format": checkpoint_format}
+
+    def param_layout(self) -> dict[str, Any]:
+        return self.llm.collective_rpc(_worker_param_layout)[0]
+
+    def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
+        """Per worker: seconds spent in ``model.load_weights`` since the last reset (installs the timer)."""
+        return self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset})
+
+    def scramble_weights(self, seed: int = 0) -> list[int]:
+        return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
+
+    def device_info(self) -> dict[str, Any]:
+        """The actor's visible GPUs and the free/total memory of its first one (for a validation engine)."""
+        info: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        import torch
+
+        if torch.cuda.is_available():
+            info["free"], info["total"] = torch.cuda.mem_get_info()
+        return info
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
@@ -165,8 +241,27 @@ class AsyncEngine:
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         await self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
-    async def start_weight_update(self) -> None:
-        await self.llm.start_weight_update(**self._start_kwargs)
+    async def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        if not checkpoint_format and not self._start_kwargs:
+            raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
+        await self.llm.start_weight_update(**({"is_checkpoint_format": checkpoint_format} if self._start_kwargs else {}))
+
+    async def param_layout(self) -> dict[str, Any]:
+        return (await self.llm.collective_rpc(_worker_param_layout))[0]
+
+    async def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
+        return await self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset})
+
+    async def scramble_weights(self, seed: int = 0) -> list[int]:
+        return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
+
+    async def device_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        import torch
+
+        if torch.cuda.is_available():
+            info["free"], info["total"] = torch.cuda.mem_get_info()
+        return info
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})

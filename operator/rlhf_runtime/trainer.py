@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rlhf_api.models import RuntimeConfig
 
+from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import checkpoint as ckpt
 from rlhf_runtime.grpo import grpo_loss, token_logprobs
 
@@ -47,11 +47,13 @@ class Trainer:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() and spec.trainer.gpus_per_replica else torch.device("cpu")
         self.dtype = getattr(torch, spec.model.dtype)
         torch.manual_seed(spec.algorithm.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the actor sees only its own GPU(s): cuda:0
         if world_size > 1:
             import torch.distributed as dist
 
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(dist_addr), str(dist_port)
-            dist.init_process_group("nccl", rank=rank, world_size=world_size)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device)
 
         self.step = 0
         self.resumed_from: int | None = None
@@ -108,14 +110,31 @@ class Trainer:
 
         addr, port = self.address()
         init = {"master_address": addr, "master_port": port, "world_size": 1 + sum(worlds),
-                "packed": packed, "bucket_bytes": bucket_bytes, "rank": self.rank}
+                "packed": packed, "bucket_bytes": bucket_bytes, "rank": self.rank,
+                "trainer_world": self.world_size}
         source = ParamSource(self.model, self.dtype, set(skip or []))
         self.sender = make_sender(backend, EngineFanOut(handles, worlds), source, init)
+
+    def configure_sync(self, **options: Any) -> dict[str, Any]:
+        """Sender options for later syncs (vLLM 0.24 sender: ``producer``, ``format``, ``packed``,
+        ``bucket_bytes``); returns the options in force."""
+        configure = getattr(self.sender, "configure", None)
+        if configure is None:
+            return {"unsupported": sorted(options)}
+        return configure(**options)
 
     def sync_weights(self) -> dict[str, float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return self.sender.send()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """FSDP2: the full (unsharded) state dict on CPU, gathered by every rank; None without FSDP."""
+        if self.world_size == 1:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # -------------------------------------------------------------------------------------- training
     def _batch(self, seqs: list[list[int]], prompt_lens: list[int]) -> tuple[torch.Tensor, ...]:
@@ -175,12 +194,15 @@ class Trainer:
     # ----------------------------------------------------------------------------------- persistence
     def save_checkpoint(self) -> str | None:
         c = self.spec.checkpoint
-        if c is None or self.rank != 0:
+        if c is None:
+            return None
+        state = self._full_state_dict()  # a collective under FSDP: every rank takes part
+        if self.rank != 0:
             return None
         Path(c.path).mkdir(parents=True, exist_ok=True)
         tmp = ckpt.tmp_dir(c.path, self.step)
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(str(tmp / "model"))
+        self.model.save_pretrained(str(tmp / "model"), state_dict=state)
         torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
         final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model})
         ckpt.prune(c.path, keep=2)
@@ -189,7 +211,10 @@ class Trainer:
     def save_weights(self, path: str) -> str:
         """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``."""
         out = Path(path)
-        self.model.save_pretrained(str(out))
+        state = self._full_state_dict()  # a collective under FSDP: the driver calls every rank
+        if self.rank != 0:
+            return str(out)
+        self.model.save_pretrained(str(out), state_dict=state)
         base = Path(self.base_model)
         for name in TOKENIZER_FILES:
             if (base / name).is_file() and not (out / name).exists():

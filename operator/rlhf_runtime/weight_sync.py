@@ -22,8 +22,10 @@ engine's old value), cast to the spec dtype; ``skip`` drops names on purpose (th
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -62,14 +64,20 @@ class EngineFanOut:
             offset += w
         self._all("init_weight_transfer_engine", infos)
 
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update", [()] * len(self.handles))
+    def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        self._all("start_weight_update", [(checkpoint_format,)] * len(self.handles))
 
     def update_weights(self, update_info: Any) -> None:
         self._all("update_weights", [(update_info,)] * len(self.handles))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("finish_weight_update", [()] * len(self.handles))
+
+    def engine_params(self) -> dict[str, Any]:
+        """The first engine's own parameters (name, shape), fused-module mapping and world size."""
+        import ray
+
+        return ray.get(self.handles[0].param_layout.remote())
 
 
 class ParamSource:
@@ -189,13 +197,41 @@ class TrainerEngineSender(Sender):
         return self._result(time.perf_counter() - t)
 
 
+#: Default sender options of the vLLM 0.24 path (``LegacySender.configure`` changes them per trainer).
+DEFAULT_OPTIONS: dict[str, Any] = {"producer": "vllm", "format": "checkpoint"}
+
+
 class LegacySender(Sender):
-    """vLLM 0.24: the runtime drives start -> update (beside the trainer send) -> finish itself."""
+    """vLLM 0.24: the runtime drives start -> update (beside the trainer send) -> finish itself.
+
+    Only rank 0 joins the engines' NCCL group and talks to the engines; other FSDP ranks iterate the source
+    beside it (``full_tensor()`` is a collective) and, for IPC, contribute their GPU's handles (vLLM
+    all-gathers them; rank 0 sends the merged handles to every engine).
+
+    ``options`` (``configure``) pick the NCCL producer and the weight format:
+
+    * ``producer``: ``"runtime"``: ``PackedProducer`` below, persistent double buffers reused across
+      syncs, packing of chunk k+1 overlapped with the broadcast of chunk k; ``"vllm"``: vLLM's
+      ``packed_nccl_broadcast_producer`` (fresh ``torch.cat`` buffers every chunk). Both produce the wire
+      format vLLM's consumer expects (chunks cut after the first tensor that takes them past the bucket).
+    * ``format``: ``"checkpoint"`` (default): HF names, loaded through vLLM's layerwise reload;
+      ``"kernel"``: the engines' own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` /
+      ``gate_up_proj`` written side by side into the packed buffer), loaded by a plain ``param.copy_``
+      (``start_weight_update(is_checkpoint_format=False)``); falls back to ``checkpoint`` when the plan
+      does not cover the engine's parameters.
+    """
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any]) -> None:
         self.backend, self.client, self.source, self.init = backend, client, source, init
+        self.rank = int(init.get("rank", 0))
+        self.is_sender = self.rank == 0
         self.group: Any = None
+        self.options: dict[str, Any] = dict(DEFAULT_OPTIONS)
+        self.producer: PackedProducer | None = None
+        self.plan: KernelPlan | None = None
         if backend == "nccl":
+            if not self.is_sender:
+                return
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
             worker = {k: init[k] for k in ("master_address", "master_port", "world_size")}
@@ -204,52 +240,251 @@ class LegacySender(Sender):
                 self.group = NCCLWeightTransferEngine.trainer_init(worker)
                 fut.result()
         elif backend == "ipc":
-            client.init_weight_transfer_engine({})
+            if self.is_sender:
+                client.init_weight_transfer_engine({})
         else:
             raise ValueError(f"backend {backend!r} needs vLLM >= 0.28 (trainer-side weight-transfer engines)")
 
+    def configure(self, **options: Any) -> dict[str, Any]:
+        """Change sender options (``producer``, ``format``, ``packed``, ``bucket_bytes``) for later syncs."""
+        for k in ("packed", "bucket_bytes"):
+            if k in options:
+                self.init[k] = options.pop(k)
+        self.options.update(options)
+        if self.options.get("format") == "kernel" and self.plan is None:
+            if self.backend == "ipc" and int(self.init.get("trainer_world", 1)) > 1:
+                # every IPC rank packs the same chunks; only rank 0 can ask the engines for their layout
+                self.plan = KernelPlan([], False, "kernel format with IPC needs a single trainer worker")
+            elif self.is_sender:
+                self.plan = KernelPlan.build(self.source, self.client.engine_params())
+            if self.plan is not None and not self.plan.ok:
+                self.options["format"] = "checkpoint"
+        return {**self.options, "packed": self.init["packed"], "bucket_bytes": self.init["bucket_bytes"],
+                "kernel_plan": None if self.plan is None else self.plan.reason}
+
+    def _stream(self) -> tuple[Any, list[str], list[str], list[list[int]]]:
+        """(iterator of (name, tensor), names, dtype names, shapes) in the chosen weight format."""
+        if self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok:
+            runtime_producer = self.backend == "nccl" and self.init["packed"] and (
+                self.options.get("producer", "runtime") == "runtime")
+            return self.plan.iterate(self.source, fuse=not runtime_producer), *self.plan.metadata(self.source.dtype)
+        names, dtypes, shapes = self.source.legacy_metadata()
+        return iter(self.source), names, dtypes, shapes
+
     def send(self) -> dict[str, float]:
         self.client.timings = {}
-        names, dtypes, shapes = self.source.legacy_metadata()
         packed = self.init["packed"]
+        kernel = self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok
         t = time.perf_counter()
-        self.client.start_weight_update()
+        if not self.is_sender and self.backend == "nccl":
+            for _ in self.source:  # take part in the FSDP gathers; rank 0 sends
+                pass
+            return self._result(time.perf_counter() - t)
+        stream, names, dtypes, shapes = self._stream()
+        item = self.source.dtype.itemsize
+        self.sent_bytes = sum(math.prod(sh) * item for sh in shapes)
+        self.client.start_weight_update(checkpoint_format=not kernel)
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerSendWeightsArgs,
                 NCCLWeightTransferEngine,
+                NCCLWeightTransferUpdateInfo,
             )
 
-            update = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": packed}
+            update: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": packed}
+            fields = NCCLWeightTransferUpdateInfo.__dataclass_fields__
+            if "packed_buffer_size_bytes" in fields:  # both sides must cut the same chunks
+                update["packed_buffer_size_bytes"] = self.init["bucket_bytes"]
             exe = ThreadPoolExecutor(max_workers=1)
             try:
                 fut = exe.submit(self.client.update_weights, update)
-                kw: dict[str, Any] = {"group": self.group, "packed": packed}
-                if "packed_buffer_size_bytes" in inspect.signature(NCCLTrainerSendWeightsArgs).parameters:
-                    kw["packed_buffer_size_bytes"] = self.init["bucket_bytes"]
-                NCCLWeightTransferEngine.trainer_send_weights(
-                    iterator=iter(self.source), trainer_args=NCCLTrainerSendWeightsArgs(**kw)
-                )
+                t0 = time.perf_counter()
+                if packed and self.options.get("producer", "runtime") == "runtime":
+                    if self.producer is None or self.producer.bucket_bytes != self.init["bucket_bytes"]:
+                        self.producer = PackedProducer(self.init["bucket_bytes"])
+                    self.pack_s = self.producer.send(self.group, stream)
+                else:
+                    kw: dict[str, Any] = {"group": self.group, "packed": packed}
+                    if "packed_buffer_size_bytes" in inspect.signature(NCCLTrainerSendWeightsArgs).parameters:
+                        kw["packed_buffer_size_bytes"] = self.init["bucket_bytes"]
+                    NCCLWeightTransferEngine.trainer_send_weights(
+                        iterator=stream, trainer_args=NCCLTrainerSendWeightsArgs(**kw)
+                    )
+                    self.pack_s = 0.0
+                torch.cuda.synchronize()
+                self.trainer_send_s = time.perf_counter() - t0
                 fut.result()
             finally:
                 exe.shutdown(wait=False)
-        else:  # ipc, send_mode "ray": the trainer calls update_weights on its colocated engine actor itself
+        else:  # ipc: every rank calls the sender (handles are all-gathered); rank 0 sends to every engine
             from vllm.distributed.weight_transfer.ipc_engine import (
                 IPCTrainerSendWeightsArgs,
                 IPCWeightTransferEngine,
             )
 
+            def deliver(info: Any) -> None:  # one update_weights per chunk, fanned out to all engines
+                self.client.update_weights(asdict(info))
+
             t0 = time.perf_counter()
             IPCWeightTransferEngine.trainer_send_weights(
-                iterator=iter(self.source),
+                iterator=stream,
                 trainer_args=IPCTrainerSendWeightsArgs(
-                    send_mode="ray", llm_handle=self.client.handles[0], packed=packed,
-                    packed_buffer_size_bytes=self.init["bucket_bytes"],
+                    send_mode=deliver, packed=packed, packed_buffer_size_bytes=self.init["bucket_bytes"],
                 ),
             )
-            self.client.timings["update_weights"] = time.perf_counter() - t0
+            self.trainer_send_s = time.perf_counter() - t0
+            self.pack_s = 0.0
         self.client.finish_weight_update()
         return self._result(time.perf_counter() - t)
+
+    def _result(self, wall: float) -> dict[str, float]:
+        r = super()._result(wall)
+        if self.is_sender and getattr(self, "sent_bytes", None) is not None:
+            r["bytes"] = float(self.sent_bytes)  # what went over the wire (the kernel format drops aliases)
+        r["trainer_send_s"] = getattr(self, "trainer_send_s", 0.0)
+        r["pack_s"] = getattr(self, "pack_s", 0.0)
+        r["format"] = self.options.get("format", "checkpoint")  # type: ignore[assignment]
+        return r
+
+
+class PackedProducer:
+    """Trainer side of vLLM's packed NCCL wire format with two persistent buffers.
+
+    vLLM's consumer (``packed_nccl_broadcast_consumer``) cuts a chunk after the first tensor that takes it
+    past ``bucket_bytes`` (or at the end); so does this producer. Buffers are allocated once (grown when a
+    chunk needs more) and reused across syncs; chunk k+1 is packed on the copy stream while chunk k is
+    broadcast on the NCCL stream, ordered by events.
+    """
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.buffers: list[torch.Tensor] = []
+        self.copy_stream: Any = None
+        self.comm_stream: Any = None
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        while len(self.buffers) <= i:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device="cuda"))
+        if self.buffers[i].numel() < size:
+            self.buffers[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
+        return self.buffers[i]
+
+    def send(self, group: Any, stream: Any) -> float:
+        """Broadcast every tensor of ``stream`` from rank 0; returns host seconds spent packing."""
+        if self.copy_stream is None:
+            self.copy_stream, self.comm_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        packed_ev = [torch.cuda.Event(), torch.cuda.Event()]
+        sent_ev: list[Any] = [None, None]
+        pack_s = 0.0
+        slot = 0
+        pending: list[torch.Tensor] = []
+        size = 0
+        main = torch.cuda.current_stream()
+
+        def flush(pending: list[torch.Tensor], size: int, slot: int) -> None:
+            nonlocal pack_s
+            t = time.perf_counter()
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_stream(main)  # the tensors were produced on the main stream
+                if sent_ev[slot] is not None:  # the buffer's previous broadcast must be done
+                    self.copy_stream.wait_event(sent_ev[slot])
+                buf = self._buffer(slot, size)
+                off = 0
+                for p in pending:
+                    n = p.numel()
+                    buf[off : off + n].copy_(p, non_blocking=True)
+                    off += n
+                    p.record_stream(self.copy_stream)
+                packed_ev[slot].record(self.copy_stream)
+            pack_s += time.perf_counter() - t
+            with torch.cuda.stream(self.comm_stream):
+                self.comm_stream.wait_event(packed_ev[slot])
+                group.broadcast(buf[:size], src=0, stream=self.comm_stream)
+                ev = torch.cuda.Event()
+                ev.record(self.comm_stream)
+                sent_ev[slot] = ev
+
+        for _, t in stream:
+            for part in t if isinstance(t, list) else [t]:  # a fused parameter's parts go side by side
+                flat = part.detach().contiguous().view(-1).view(torch.uint8)
+                pending.append(flat)
+                size += flat.numel()
+            if size > self.bucket_bytes:
+                flush(pending, size, slot)
+                pending, size, slot = [], 0, 1 - slot
+        if pending:
+            flush(pending, size, slot)
+        self.comm_stream.synchronize()
+        return pack_s
+
+
+class KernelPlan:
+    """HF (checkpoint) tensors -> the engine's own parameters, for ``start_weight_update(False)``.
+
+    For each engine parameter (name, shape, dtype, from the engine): the HF tensor of the same name and
+    shape, or the HF tensors whose names substitute a fused module's parts (vLLM's
+    ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj, k_proj, v_proj``; ``gate_up_proj`` <-
+    ``gate_proj, up_proj``), concatenated along dim 0 (TP=1: vLLM's fused layout). Packing writes the
+    parts side by side, so the fusion costs no extra copy. ``ok`` is False (``reason`` says why) when an
+    engine parameter has no such source; the sender then keeps the checkpoint format.
+    """
+
+    def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str) -> None:
+        self.entries, self.ok, self.reason = entries, ok, reason
+
+    @classmethod
+    def build(cls, source: ParamSource, engine: dict[str, Any]) -> KernelPlan:
+        hf = {n: tuple(p.shape) for n, p in source._named()}
+        mapping: dict[str, list[str]] = engine.get("packed_modules_mapping") or {}
+        if engine.get("world_size", 1) != 1:
+            return cls([], False, "kernel format needs tensor_parallel_size 1")
+        entries: list[tuple[str, list[int], list[str]]] = []
+        for name, shape in engine["params"]:
+            if name in hf and list(hf[name]) == list(shape):
+                entries.append((name, list(shape), [name]))
+                continue
+            found = None
+            for fused, parts in mapping.items():
+                key = f".{fused}."
+                if key in f".{name}":
+                    srcs = [name.replace(f"{fused}.", f"{part}.", 1) for part in parts]
+                    if all(s in hf for s in srcs) and sum(hf[s][0] for s in srcs) == shape[0] and all(
+                        list(hf[s][1:]) == list(shape[1:]) for s in srcs
+                    ):
+                        found = srcs
+                        break
+            if found is None:
+                return cls([], False, f"no HF source for engine parameter {name} {list(shape)}")
+            entries.append((name, list(shape), found))
+        # Emit each engine parameter as soon as the HF stream has produced all its parts, so that the
+        # send stays lazy (one HF tensor gathered at a time) and every rank iterates the same order.
+        order = {n: i for i, n in enumerate(hf)}
+        entries.sort(key=lambda e: (max(order[s] for s in e[2]), order[e[2][0]]))
+        used = {s for e in entries for s in e[2]}
+        reason = f"{len(entries)} engine parameters from {len(used)} of {len(hf)} HF tensors"
+        return cls(entries, True, reason)
+
+    def metadata(self, dtype: torch.dtype) -> tuple[list[str], list[str], list[list[int]]]:
+        d = str(dtype).split(".")[-1]
+        return [e[0] for e in self.entries], [d] * len(self.entries), [e[1] for e in self.entries]
+
+    def iterate(self, source: ParamSource, fuse: bool = True):
+        """Yields (engine name, tensor) in ``entries`` order, pulling HF tensors from ``source`` lazily.
+        ``fuse=False`` yields fused parameters as a list of parts (``PackedProducer`` writes them side by
+        side in its buffer, which is the fused layout, without a ``torch.cat``)."""
+        it = iter(source)
+        have: dict[str, torch.Tensor] = {}
+        for name, _, srcs in self.entries:
+            while not all(s in have for s in srcs):
+                n, t = next(it)
+                have[n] = t
+            parts = [have.pop(s) for s in srcs]
+            if len(parts) == 1:
+                yield name, parts[0]
+            else:
+                yield name, torch.cat(parts, dim=0) if fuse else parts
+        for _ in it:  # HF tensors the engine does not take (e.g. a tied alias): still gathered on every rank
+            pass
 
 
 def make_sender(backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any]) -> Sender:

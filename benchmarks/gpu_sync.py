@@ -1,0 +1,559 @@
+"""GPU weight-sync benchmark: the runtime's own components (``rlhf_runtime.driver.Runtime``, its trainer and
+engine actors, ``rlhf_runtime.weight_sync``) on real GPUs, one layout and model size per child process.
+
+For each ``LAYOUT:MODEL`` (e.g. ``separate-nccl:qwen2-0.5b``) a child process
+
+1. builds a random-init model from a real architecture config with ``save_pretrained`` (no hub) and a
+   character-level tokenizer of the model's vocabulary size;
+2. measures the floor for the same bytes: a raw NCCL broadcast GPU0 -> GPU1 (``torch.distributed``, two
+   processes) for NCCL layouts, a device-to-device copy on one GPU for IPC layouts;
+3. starts the runtime exactly as the driver does (local Ray, placement groups, trainer and vLLM engine
+   actors, ``init_sync``), syncs once (engines start with dummy weights) and runs the driver's validation
+   (the synced engine's greedy tokens == a fresh engine loaded from the trainer's weights);
+4. times ``--syncs`` steady-state syncs per sender variant (colocated: the engine sleeps first, as after a
+   rollout, and the sync wakes it), with the engine-side ``load_weights`` time; before each variant the
+   engine's weights are scrambled and after it the greedy tokens must equal the validated ones again;
+5. times a rollout (tokens/s; after one warm-up rollout) and one GRPO training step followed by a sync.
+
+Writes ``<out>/gpu_<layout>_<model>.json`` (device kind, date, exact command, every number) and prints a
+table at the end. ``--cpu`` runs the same code on CPU (tiny model, gloo backend) as a smoke test.
+
+    PYTHONPATH=/tmp/site:$PWD/operator python3 benchmarks/gpu_sync.py --kind nvidia-h200-x2 --out $OUT \\
+        separate-nccl:qwen2-0.5b colocated-ipc:qwen2-0.5b separate-nccl:qwen3-1.7b colocated-ipc:qwen3-1.7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+
+#: Real architecture configs (Qwen2.5-0.5B, Qwen3-1.7B, as published), random-initialised here.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2-0.5b": ("Qwen2", {
+        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "qwen3-1.7b": ("Qwen3", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "tiny": ("Qwen2", {
+        "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
+        "tie_word_embeddings": True}),
+}
+
+#: Spec overrides per layout (on top of ``base_spec``).
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "separate-nccl": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
+                      "rollout": {"gpuMemoryUtilization": 0.5}},
+    "colocated-ipc": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
+                      "rollout": {"gpuMemoryUtilization": 0.3}},
+    "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
+                            "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                            "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
+    "separate-nccl-async": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "mode": "async"},
+                            "rollout": {"gpuMemoryUtilization": 0.5}},
+    "cpu-gloo": {"placement": {"mode": "separate"}, "trainer": {"replicas": 1, "gpusPerReplica": 0},
+                 "rollout": {"gpuMemoryUtilization": 0.05}},
+}
+
+#: Sender variants timed after the default one (vLLM 0.24 sender only; ``configure_sync`` options).
+VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "nccl": [
+        ("vllm-producer", {"producer": "vllm", "format": "checkpoint"}),
+        ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
+        ("kernel-format", {"producer": "runtime", "format": "kernel"}),
+        ("kernel-format-256MB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 256 << 20}),
+        ("kernel-format-4GB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 4 << 30}),
+    ],
+    "ipc": [
+        ("packed", {"packed": True, "format": "checkpoint"}),
+        ("unpacked", {"packed": False, "format": "checkpoint"}),
+        ("kernel-format-unpacked", {"packed": False, "format": "kernel"}),
+        ("kernel-format-packed", {"packed": True, "format": "kernel"}),
+    ],
+}
+
+#: Environment recorded with every result (the device's README asks for these on every command).
+ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
+                "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_NO_USAGE_STATS", "NCCL_NVLS_ENABLE",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "VLLM_BATCH_INVARIANT")
+
+#: Never turn NVLink multicast on (the lent multi-GPU machines require it off).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def base_spec(model_path: str, gpu: bool) -> dict[str, Any]:
+    return {
+        "model": {"name": model_path, "dtype": "bfloat16" if gpu else "float32"},
+        "image": "local",
+        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0},
+        "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 1024 if gpu else 96,
+                    "enforceEager": True,
+                    "sampling": {"temperature": 1.0, "maxTokens": 128 if gpu else 8, "samplesPerPrompt": 8}},
+        "placement": {"mode": "separate"},
+        "weightSync": {"backend": "nccl", "mode": "sync", "bucketSizeMB": 1024},
+        "algorithm": {"steps": 1, "promptsPerStep": 64 if gpu else 8, "learningRate": 1e-6, "seed": 0},
+        "data": {"prompts": [f"prompt {i}: count to {i % 10}" for i in range(256)]},
+        "reward": {"rule": "length", "targetLength": 64},
+    }
+
+
+def merge(spec: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(spec)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+# ------------------------------------------------------------------------------------------------ model
+def build_model(path: Path, name: str, gpu: bool) -> dict[str, Any]:
+    """Random-init model from the architecture config, saved in bf16 (GPU) / fp32 (CPU), plus tokenizer."""
+    import torch
+    import transformers
+
+    from rlhf_runtime.tiny import build_tokenizer
+
+    arch, cfg_kw = MODELS[name]
+    cfg = getattr(transformers, f"{arch}Config")(**cfg_kw, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    with torch.device("cuda" if gpu else "cpu"):
+        model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(dtype)
+    model.save_pretrained(str(path))
+    build_tokenizer(path, cfg_kw["vocab_size"])
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if gpu:
+        torch.cuda.empty_cache()
+    return {"architecture": f"{arch}ForCausalLM", "config": cfg_kw, "params": params,
+            "param_bytes": params * dtype.itemsize, "dtype": str(dtype).split(".")[-1]}
+
+
+# ------------------------------------------------------------------------------------------------ floors
+def _nccl_floor_rank(rank: int, port: int, nbytes: int, chunk: int, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(SAFE_ENV)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    if rank == 0:
+        buf.random_(0, 255)
+
+    def timed(fn: Any, n: int = 10) -> list[float]:
+        out = []
+        for i in range(n + 3):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= 3:
+                out.append(time.perf_counter() - t)
+        return out
+
+    whole = timed(lambda: dist.broadcast(buf, 0))
+    chunked = timed(lambda: [dist.broadcast(buf[i:i + chunk], 0) for i in range(0, nbytes, chunk)])
+    if rank == 0:
+        q.put({"whole_s": whole, "chunked_s": chunked, "chunk_bytes": chunk})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def nccl_floor(nbytes: int, chunk: int) -> dict[str, Any]:
+    """A raw NCCL broadcast of ``nbytes`` from GPU0 to GPU1 (two processes), whole and in ``chunk`` pieces."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_floor_rank, args=(r, port, nbytes, chunk, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=180)
+    for p in procs:
+        p.join(60)
+    w, c = median(res["whole_s"]), median(res["chunked_s"])
+    return {"kind": "nccl_broadcast_gpu0_to_gpu1", "bytes": nbytes, "whole_s": w, "whole_gbps": nbytes / w / 1e9,
+            "chunked_s": c, "chunked_gbps": nbytes / c / 1e9, "chunk_bytes": chunk, "samples": res}
+
+
+def copy_floor(nbytes: int) -> dict[str, Any]:
+    """A device-to-device copy of ``nbytes`` on one GPU (what an IPC sync must at least do once)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ts = []
+    for i in range(13):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        if i >= 3:
+            ts.append(time.perf_counter() - t)
+    m = median(ts)
+    return {"kind": "device_to_device_copy", "bytes": nbytes, "copy_s": m, "copy_gbps": nbytes / m / 1e9,
+            "samples": ts}
+
+
+# ------------------------------------------------------------------------------------------------ runtime
+def greedy(rt: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import ray
+
+    sp = {"n": 1, "temperature": 0.0, "max_tokens": max_tokens}
+    outs = ray.get([e.generate.remote(prompts, sp) for e in rt.engines])
+    return [[o["samples"][0] for o in out] for out in outs]
+
+
+def timed_sync(rt: Any) -> dict[str, Any]:
+    """One steady-state sync as the driver does it; colocated engines sleep first (as after a rollout)."""
+    import ray
+
+    sleep_s = 0.0
+    if rt.colocated and rt.gpu:
+        t = time.perf_counter()
+        ray.get([e.sleep.remote(1) for e in rt.engines])
+        sleep_s = time.perf_counter() - t
+        rt.asleep = True
+    r = rt.sync()
+    loads = ray.get([e.load_stats.remote(True) for e in rt.engines])
+    r["engine_load_s"] = max(w["load_s"] for ws in loads for w in ws)
+    r["engine_load_calls"] = max(w["calls"] for ws in loads for w in ws)
+    r["sleep_s"] = sleep_s
+    return r
+
+
+def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ["total_s", "pause_s", "start_s", "transfer_s", "trainer_send_s", "pack_s", "gather_s",
+            "engine_load_s", "finish_s", "resume_s", "send_s", "sleep_s"]
+    out = {f"median_{k}": median([s.get(k, 0.0) for s in syncs]) for k in keys}
+    out["bytes"] = syncs[0]["bytes"] if syncs else 0
+    out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
+    out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
+    return out
+
+
+OUT_FILE: Path | None = None
+
+
+def save(result: dict[str, Any]) -> None:
+    """Write the result so far (a run killed at its time limit still leaves what it measured)."""
+    if OUT_FILE is not None:
+        OUT_FILE.parent.mkdir(parents=True, exist_ok=True)
+        OUT_FILE.write_text(json.dumps(result, indent=1, default=str))
+
+
+def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    import ray
+    from transformers import AutoTokenizer
+
+    from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime.data import load_samples, step_batch
+    from rlhf_runtime.driver import Options, Runtime, ValidationError
+    from rlhf_runtime.report import Metrics, Reporter
+
+    gpu = not args.cpu
+    work = Path(args.work) / f"{layout}_{model_name}"
+    work.mkdir(parents=True, exist_ok=True)
+    model_path = work / "model"
+    t = time.perf_counter()
+    result["model"] = build_model(model_path, model_name, gpu)
+    result["model"]["build_s"] = time.perf_counter() - t
+    print(f"[{layout}:{model_name}] model {result['model']['params'] / 1e9:.3f}B params built", flush=True)
+
+    spec = merge(base_spec(str(model_path), gpu), LAYOUTS[layout])
+    result["spec"] = spec
+    backend = spec["weightSync"]["backend"] if gpu else "gloo"
+    cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
+    opts = Options(local=True, report=False, validate=True, progress_file=str(work / "progress.jsonl"))
+    rt = Runtime(cfg, opts, Reporter(None, Metrics(cfg.name, cfg.namespace), opts.progress_file))
+    rt.env.update(SAFE_ENV)
+    if layout.endswith("async"):
+        rt.env["VLLM_BATCH_INVARIANT"] = "1"
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    samples = load_samples(cfg.spec.data)
+    stages: dict[str, float] = {}
+    try:
+        t = time.perf_counter()
+        rt.connect()
+        rt.place()
+        rt.start_trainers()
+        stages["trainers_start_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rt.start_engines()
+        stages["engines_start_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rt.init_sync()
+        stages["init_sync_s"] = time.perf_counter() - t
+        ray.get([e.load_stats.remote(True) for e in rt.engines])  # installs the load_weights timers
+        t = time.perf_counter()
+        result["first_sync"] = rt.sync()
+        stages["first_sync_s"] = time.perf_counter() - t
+        print(f"[{layout}:{model_name}] first sync {result['first_sync']}", flush=True)
+        save(result)
+        t = time.perf_counter()
+        try:
+            v = rt.validate(tokenizer, samples)
+            result["validation"] = {k: v[k] for k in ("validated", "prompts", "mismatched")}
+        except ValidationError as e:
+            result["validation"] = {"validated": False, "error": str(e)}
+        stages["validate_s"] = time.perf_counter() - t
+        print(f"[{layout}:{model_name}] validation {result['validation']}", flush=True)
+        save(result)
+        prompts = [rt.encode(tokenizer, s.prompt) for s in samples[:8]]
+        max_new = cfg.spec.rollout.sampling.max_tokens
+        reference = greedy(rt, prompts, max_new)
+
+        # steady-state syncs, default sender settings (what the driver uses)
+        ray.get([e.load_stats.remote(True) for e in rt.engines])
+        result["syncs"] = {"default": [timed_sync(rt) for _ in range(args.syncs)]}
+        result["summary"] = {"default": summarize(result["syncs"]["default"])}
+        print(f"[{layout}:{model_name}] default {result['summary']['default']}", flush=True)
+        save(result)
+        result["variant_checks"] = {}
+        if gpu and not args.no_variants:
+            for name, options in VARIANTS.get(backend, []):
+                try:
+                    applied = ray.get([t.configure_sync.remote(**options) for t in rt.trainers])[0]
+                    ray.get([e.scramble_weights.remote(1234) for e in rt.engines])
+                    ray.get([e.load_stats.remote(True) for e in rt.engines])
+                    syncs = [timed_sync(rt) for _ in range(args.syncs)]
+                    if rt.asleep:
+                        ray.get([e.wake_up.remote(None) for e in rt.engines])
+                        rt.asleep = False
+                    same = greedy(rt, prompts, max_new) == reference
+                    result["syncs"][name] = syncs
+                    result["summary"][name] = {**summarize(syncs), "options": applied,
+                                               "greedy_equals_validated": same}
+                    print(f"[{layout}:{model_name}] {name} {result['summary'][name]}", flush=True)
+                    save(result)
+                except Exception as e:  # noqa: BLE001 - a variant failing must not hide the others
+                    result["summary"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                    print(f"[{layout}:{model_name}] {name} FAILED {traceback.format_exc()}", flush=True)
+                    break  # the engine may be mid-update: later variants would only hang
+            from rlhf_runtime.weight_sync import DEFAULT_OPTIONS
+
+            ray.get([t.configure_sync.remote(**DEFAULT_OPTIONS, packed=spec["weightSync"].get("packed", True),
+                                             bucket_bytes=spec["weightSync"]["bucketSizeMB"] << 20)
+                     for t in rt.trainers])
+
+        # rollout throughput (one warm-up), as the driver launches it
+        if rt.asleep:
+            ray.get([e.wake_up.remote(None) for e in rt.engines])
+            rt.asleep = False
+        from rlhf_runtime import config as rc
+
+        sampling = rc.sampling_kwargs(cfg.spec)
+        rollouts = []
+        for i in range(2):
+            batch = step_batch(samples, i, cfg.spec.algorithm.prompts_per_step, 0)
+            refs, parts, pids, batch, t0 = rt.launch_rollout(tokenizer, batch, sampling)
+            outs = rt.collect(refs, parts, len(pids))
+            dt = time.perf_counter() - t0
+            tokens = sum(len(c) for o in outs for c in o["samples"])
+            rollouts.append({"seconds": dt, "tokens": tokens, "samples": sum(len(o["samples"]) for o in outs),
+                             "tokens_per_second": tokens / dt})
+        result["rollout"] = {"runs": rollouts, "tokens_per_second": rollouts[-1]["tokens_per_second"],
+                             "sampling": sampling, "prompts": cfg.spec.algorithm.prompts_per_step,
+                             "enforce_eager": cfg.spec.rollout.enforce_eager}
+        print(f"[{layout}:{model_name}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
+
+        # one GRPO step on the last rollout, then the sync the driver would do
+        if rt.colocated and rt.gpu:
+            ray.get([e.sleep.remote(1) for e in rt.engines])
+            rt.asleep = True
+        w = len(rt.trainers)
+        pr = [pids[i] for i, o in enumerate(outs) for _ in o["samples"]]
+        comps = [c for o in outs for c in o["samples"]]
+        adv = [((i % 8) - 3.5) / 2.3 for i in range(len(comps))]
+        t = time.perf_counter()
+        stats = ray.get([tr.train.remote({"prompts": pr[r::w], "completions": comps[r::w], "advantages": adv[r::w]})
+                         for r, tr in enumerate(rt.trainers)])[0]
+        result["train"] = {"seconds": time.perf_counter() - t, "stats": stats}
+        result["sync_after_train"] = rt.sync()
+        after = greedy(rt, prompts, max_new)
+        result["sync_after_train"]["greedy_changed"] = after != reference
+        print(f"[{layout}:{model_name}] train {result['train']['seconds']:.2f}s, sync after train "
+              f"{result['sync_after_train']['total_s'] * 1e3:.1f} ms", flush=True)
+    finally:
+        result["stages"] = stages
+        rt.shutdown()
+
+
+def child(args: argparse.Namespace) -> int:
+    layout, model_name = args.one.split(":")
+    gpu = not args.cpu
+    result: dict[str, Any] = {
+        "layout": layout, "model_name": model_name, "device_kind": args.kind,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": args.command,
+        "status": "running",
+        "env": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ},
+    }
+    out = Path(args.out) / f"gpu_{layout}_{model_name}.json"
+    global OUT_FILE
+    OUT_FILE = out
+    try:
+        import torch
+
+        result["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+        try:
+            import ray
+            import vllm
+
+            result["versions"].update(vllm=vllm.__version__, ray=ray.__version__)
+        except Exception as e:  # noqa: BLE001
+            result["versions"]["import_error"] = repr(e)
+        if gpu:
+            result["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        # the floor comes first (no Ray, no engines on the GPUs yet); bytes as the default sync sends them
+        from transformers import AutoConfig  # noqa: F401 - warm import
+
+        arch, cfg_kw = MODELS[model_name]
+        if gpu:
+            import transformers
+
+            with torch.device("meta"):
+                m = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**cfg_kw))
+            nbytes = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) * 2
+            del m
+            if "nccl" in layout:
+                result["floor"] = nccl_floor(nbytes, 1 << 30)
+            else:
+                result["floor"] = copy_floor(nbytes)
+                torch.cuda.empty_cache()
+            print(f"[{layout}:{model_name}] floor {({k: v for k, v in result['floor'].items() if k != 'samples'})}",
+                  flush=True)
+            save(result)
+        run_one(layout, model_name, args, result)
+        result["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - record every failure in the result file
+        result["status"] = "failed"
+        result["error"] = f"{type(e).__name__}: {e}"[:4000]
+        result["traceback"] = traceback.format_exc()[-8000:]
+        print(result["traceback"], flush=True)
+    finally:
+        save(result)
+    return 0 if result["status"] == "ok" else 1
+
+
+# ------------------------------------------------------------------------------------------------ parent
+def table(out: Path, names: list[str]) -> str:
+    lines = ["layout:model | status | valid | sync ms (default) | GB/s | best variant ms | best GB/s | floor GB/s | tok/s"]
+    for name in names:
+        layout, model_name = name.split(":")
+        f = out / f"gpu_{layout}_{model_name}.json"
+        if not f.exists():
+            lines.append(f"{name} | not run")
+            continue
+        r = json.loads(f.read_text())
+        s = r.get("summary", {})
+        d = s.get("default", {})
+        best = min((v for v in s.values() if v.get("median_total_s")), key=lambda v: v["median_total_s"], default={})
+        fl = r.get("floor", {})
+        fg = fl.get("whole_gbps", fl.get("copy_gbps", 0))
+        lines.append(
+            f"{name} | {r.get('status')} {r.get('error', '')[:80]} | {r.get('validation', {}).get('validated')} | "
+            f"{d.get('median_total_s', 0) * 1e3:.1f} | {d.get('gbps', 0):.1f} | "
+            f"{best.get('median_total_s', 0) * 1e3:.1f} | {best.get('gbps', 0):.1f} | {fg:.0f} | "
+            f"{r.get('rollout', {}).get('tokens_per_second', 0):.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="*", help="LAYOUT:MODEL, e.g. separate-nccl:qwen2-0.5b")
+    p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
+    p.add_argument("--out", default=str(ROOT / "results"))
+    p.add_argument("--work", default="/tmp/rlhf-gpu-bench")
+    p.add_argument("--syncs", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    p.add_argument("--deadline", type=float, default=0, help="skip runs that would start after this many seconds")
+    p.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model, gloo)")
+    p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--command", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        return child(args)
+
+    env_prefix = " ".join(f"{k}={os.environ[k]}" for k in sorted(SAFE_ENV) if k in os.environ)
+    command = (env_prefix + " " if env_prefix else "") + " ".join(shlex.quote(x) for x in ["python3", *sys.argv])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "gpu_sync.log"
+    start = time.time()
+    codes = {}
+    for name in args.runs:
+        elapsed = time.time() - start
+        if args.deadline and elapsed + 60 > args.deadline:
+            print(f"skip {name}: {elapsed:.0f}s spent of the {args.deadline:.0f}s deadline", flush=True)
+            continue
+        limit = args.timeout if not args.deadline else min(args.timeout, args.deadline - elapsed)
+        cmd = [sys.executable, __file__, "--one", name, "--kind", args.kind, "--out", str(out), "--work", args.work,
+               "--syncs", str(args.syncs), "--command", command]
+        cmd += ["--cpu"] if args.cpu else []
+        cmd += ["--no-variants"] if args.no_variants else []
+        print(f"=== {name} (limit {limit:.0f}s)", flush=True)
+        t = time.time()
+        with open(log, "ab") as f:
+            f.write(f"\n=== {name}\n".encode())
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                assert proc.stdout is not None
+                deadline = time.time() + limit
+                os.set_blocking(proc.stdout.fileno(), False)
+                while proc.poll() is None and time.time() < deadline:
+                    chunk = proc.stdout.read() or b""
+                    f.write(chunk)
+                    for line in chunk.decode(errors="replace").splitlines():
+                        if line.startswith("[") or "Error" in line or "error" in line[:200]:
+                            print("   ", line[:400], flush=True)
+                    time.sleep(0.5)
+                if proc.poll() is None:
+                    print(f"TIMEOUT {name} after {limit:.0f}s", flush=True)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    res = out / f"gpu_{name.replace(':', '_')}.json"
+                    r = json.loads(res.read_text()) if res.exists() else {"layout": name}
+                    r.update(status="timeout", error=f"no result within {limit:.0f}s")
+                    res.write_text(json.dumps(r, indent=1))
+                f.write(proc.stdout.read() or b"")
+            finally:
+                subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                               capture_output=True, timeout=60, check=False)
+        codes[name] = proc.returncode
+        print(f"=== {name}: exit {proc.returncode} in {time.time() - t:.0f}s", flush=True)
+    print(table(out, args.runs))
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
