@@ -86,15 +86,21 @@ def main() -> int:
         return out.stdout
 
     last = ""
-    deadline = time.time() + 180
-    while phase("tiny-grpo") != "Running":
-        if time.time() > deadline:
-            raise SystemExit(f"tiny-grpo did not reach Running; see {DIR}/operator.log")
-        cur = table()
-        if key(cur) != last:
-            print(cur, flush=True)
-            last = key(cur)
-        time.sleep(1)
+
+    def watch_until(done, seconds: float, what: str) -> None:
+        """Print `kubectl get rlhfjobs` whenever it changes, until ``done()`` or the deadline."""
+        nonlocal last
+        deadline = time.time() + seconds
+        while not done():
+            if time.time() > deadline:
+                raise SystemExit(f"{what} did not happen within {seconds}s; logs in {DIR}")
+            cur = table()
+            if key(cur) != last:
+                print(cur, flush=True)
+                last = key(cur)
+            time.sleep(1)
+
+    watch_until(lambda: phase("tiny-grpo") == "Running", 180, "tiny-grpo Running")
     print(table())
     print(cluster.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout)
 
@@ -108,15 +114,7 @@ def main() -> int:
             [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local", "--kubeconfig", str(kc)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    deadline = time.time() + 600
-    while phase("tiny-grpo") not in ("Succeeded", "Failed"):
-        if time.time() > deadline:
-            raise SystemExit(f"tiny-grpo did not finish; see {DIR}/driver.log")
-        cur = table()
-        if key(cur) != last:
-            print(cur, flush=True)
-            last = key(cur)
-        time.sleep(1)
+    watch_until(lambda: phase("tiny-grpo") in ("Succeeded", "Failed"), 600, "tiny-grpo finishing")
     driver.wait(timeout=60)
     print(table())
     say("done")

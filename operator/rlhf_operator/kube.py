@@ -56,15 +56,19 @@ def get_config_map(ns: str, name: str) -> dict[str, Any] | None:
     return to_dict(cm) if cm is not None else None
 
 
-def create_config_map(body: dict[str, Any]) -> bool:
-    """True when created, False when it already existed."""
+def _created(call: Any, *args: Any) -> bool:
+    """Run a create call: True when created, False when it already existed (409)."""
     try:
-        core().create_namespaced_config_map(body["metadata"]["namespace"], body)
+        call(*args)
         return True
     except ApiException as e:
         if e.status == 409:
             return False
         raise
+
+
+def create_config_map(body: dict[str, Any]) -> bool:
+    return _created(core().create_namespaced_config_map, body["metadata"]["namespace"], body)
 
 
 def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> None:
@@ -84,13 +88,7 @@ def ensure_object(body: dict[str, Any]) -> bool:
         raise ValueError(f"unsupported kind {kind}")
     if _missing_ok(read, name, ns) is not None:
         return False
-    try:
-        create(ns, body)
-        return True
-    except ApiException as e:
-        if e.status == 409:
-            return False
-        raise
+    return _created(create, ns, body)
 
 
 def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:
@@ -98,13 +96,8 @@ def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:
 
 
 def create_ray_job(body: dict[str, Any]) -> bool:
-    try:
-        custom().create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, body["metadata"]["namespace"], "rayjobs", body)
-        return True
-    except ApiException as e:
-        if e.status == 409:
-            return False
-        raise
+    ns = body["metadata"]["namespace"]
+    return _created(custom().create_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayjobs", body)
 
 
 def patch_ray_job(ns: str, name: str, patch: dict[str, Any]) -> None:
