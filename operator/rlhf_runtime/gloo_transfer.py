@@ -103,6 +103,26 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError("names, dtype_names and shapes must have the same length")
 
 
+def _reprepack_cpu_moe(model: torch.nn.Module) -> int:
+    """Work around vLLM 0.32's CPU MoE path for weight updates; returns the layers fixed.
+
+    On the first load, CPU experts prepack ``w13_weight``/``w2_weight`` into their grouped-GEMM layout
+    (``CPUUnquantizedExperts.process_weights_after_loading``). A later reload (RL weight update) copies the new,
+    plain-layout weights into that storage but skips the prepack (it only runs when ``moe_kernel`` is None),
+    so the kernel reads unpacked data: the synced engine then disagreed with a fresh one (seen on 2026-11-22,
+    3/8 prompts). Prepacking again after the reload restores the layout the kernel expects. GPU kernels do
+    not prepack this way, so this runs only for the CPU experts classes.
+    """
+    fixed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__name__.endswith("CPUUnquantizedExperts"):
+            experts.process_weights_after_loading(module)
+            fixed += 1
+    return fixed
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Worker side (runs inside each vLLM worker)."""
 
@@ -134,6 +154,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        _reprepack_cpu_moe(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronises the accelerator afterwards, which a CPU build does not need.

@@ -45,13 +45,43 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     dtype: str = "float32",
+    arch: str = "qwen2",
+    experts: int = 4,
 ) -> Path:
-    """Write a random-init tiny Qwen2 and its tokenizer to ``path``; returns the path."""
+    """Write a random-init tiny model and its tokenizer to ``path``; returns the path.
+
+    ``arch="qwen2"``: dense Qwen2. ``arch="qwen3_moe"``: Qwen3-MoE with ``experts`` experts (2 active), whose
+    HF layout fuses each layer's experts into 3-D tensors (the runtime un-fuses them for vLLM, ``moe.py``).
+    """
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3MoeConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            moe_intermediate_size=hidden_size // 4,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=hidden_size // 2,  # vLLM's CPU attention supports 64, 128, ...
+            max_position_embeddings=512,
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=2,
+            eos_token_id=3,
+            pad_token_id=0,
+        )
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).save_pretrained(str(path))
+        build_tokenizer(path, vocab_size)
+        return path
+    if arch != "qwen2":
+        raise ValueError(f"unknown tiny arch {arch!r}")
     cfg = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -67,7 +97,7 @@ def build_tiny_model(
         pad_token_id=0,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
     model.save_pretrained(str(path))
     build_tokenizer(path, vocab_size)
     return path

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from rlhf_runtime import moe
+
 
 def vllm_has_trainer_api() -> bool:
     try:
@@ -93,22 +95,30 @@ class ParamSource:
     def _named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters(remove_duplicate=False) if n not in self.skip]
 
+    def _wire_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and shapes as sent: fused HF MoE experts appear per expert (``moe.unfused_shapes``)."""
+        return [pair for n, p in self._named() for pair in moe.unfused_shapes(n, tuple(p.shape))]
+
     def metadata(self) -> list[Any]:
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        return [ParamMeta(n, self.dtype, tuple(p.shape)) for n, p in self._named()]
+        return [ParamMeta(n, self.dtype, shape) for n, shape in self._wire_shapes()]
 
     def legacy_metadata(self) -> tuple[list[str], list[str], list[list[int]]]:
-        named = self._named()
-        return [n for n, _ in named], [str(self.dtype).split(".")[-1]] * len(named), [list(p.shape) for _, p in named]
+        wire = self._wire_shapes()
+        return [n for n, _ in wire], [str(self.dtype).split(".")[-1]] * len(wire), [list(s) for _, s in wire]
 
-    def __iter__(self):
-        self.gather_s, self.bytes = 0.0, 0
+    def _gathered(self):
         for name, p in self._named():
             t = time.perf_counter()
             full = p.full_tensor() if callable(getattr(p, "full_tensor", None)) else p
             tensor = full.detach().to(self.dtype).contiguous()
             self.gather_s += time.perf_counter() - t
+            yield name, tensor
+
+    def __iter__(self):
+        self.gather_s, self.bytes = 0.0, 0
+        for name, tensor in moe.unfuse(self._gathered()):
             self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
@@ -119,7 +129,7 @@ class ParamSource:
     def groups(self) -> list[list[str]]:
         from vllm.distributed.weight_transfer.base import layerwise_groups
 
-        return layerwise_groups([n for n, _ in self._named()])
+        return layerwise_groups([n for n, _ in self._wire_shapes()])
 
 
 def _as_weight_source(src: ParamSource) -> Any:
@@ -434,7 +444,7 @@ class KernelPlan:
 
     @classmethod
     def build(cls, source: ParamSource, engine: dict[str, Any]) -> KernelPlan:
-        hf = {n: tuple(p.shape) for n, p in source._named()}
+        hf = dict(source._wire_shapes())  # names and shapes as the stream yields them
         mapping: dict[str, list[str]] = engine.get("packed_modules_mapping") or {}
         if engine.get("world_size", 1) != 1:
             return cls([], False, "kernel format needs tensor_parallel_size 1")
