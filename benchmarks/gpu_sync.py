@@ -74,7 +74,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 #: Sender variants timed after the default one (vLLM 0.24 sender only; ``configure_sync`` options).
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
-        ("vllm-producer", {"producer": "vllm", "format": "checkpoint"}),
         ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
         ("kernel-format", {"producer": "runtime", "format": "kernel"}),
         ("kernel-format-256MB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 256 << 20}),
@@ -227,6 +226,8 @@ def greedy(rt: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]
     import ray
 
     sp = {"n": 1, "temperature": 0.0, "max_tokens": max_tokens}
+    # a cold prefix cache every time: a cached prefix takes another prefill path (not bitwise equal)
+    ray.get([e.reset_prefix_cache.remote() for e in rt.engines])
     outs = ray.get([e.generate.remote(prompts, sp) for e in rt.engines])
     return [[o["samples"][0] for o in out] for out in outs]
 
@@ -237,10 +238,7 @@ def timed_sync(rt: Any) -> dict[str, Any]:
 
     sleep_s = 0.0
     if rt.colocated and rt.gpu:
-        t = time.perf_counter()
-        ray.get([e.sleep.remote(1) for e in rt.engines])
-        sleep_s = time.perf_counter() - t
-        rt.asleep = True
+        sleep_s = rt.sleep_engines(next_syncs=True)  # the driver's choice when a sync follows
     r = rt.sync()
     loads = ray.get([e.load_stats.remote(True) for e in rt.engines])
     r["engine_load_s"] = max(w["load_s"] for ws in loads for w in ws)
@@ -330,10 +328,13 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         max_new = cfg.spec.rollout.sampling.max_tokens
         reference = greedy(rt, prompts, max_new)
 
-        # steady-state syncs, default sender settings (what the driver uses)
+        # steady-state syncs, default sender settings (what the driver uses); one warm-up sync first
+        time.sleep(2)  # let the killed validation engine go
+        timed_sync(rt)
         ray.get([e.load_stats.remote(True) for e in rt.engines])
         result["syncs"] = {"default": [timed_sync(rt) for _ in range(args.syncs)]}
-        result["summary"] = {"default": summarize(result["syncs"]["default"])}
+        result["summary"] = {"default": {**summarize(result["syncs"]["default"]),
+                                         "greedy_equals_validated": greedy(rt, prompts, max_new) == reference}}
         print(f"[{layout}:{model_name}] default {result['summary']['default']}", flush=True)
         save(result)
         result["variant_checks"] = {}
@@ -359,6 +360,24 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                     break  # the engine may be mid-update: later variants would only hang
             from rlhf_runtime.weight_sync import DEFAULT_OPTIONS
 
+            if args.revalidate:  # the fastest path again under the driver's fresh-engine validation
+                fastest = min((n for n, v in result["summary"].items() if v.get("greedy_equals_validated")),
+                              key=lambda n: result["summary"][n]["median_total_s"], default=None)
+                options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
+                if options:
+                    ray.get([t.configure_sync.remote(**options) for t in rt.trainers])
+                    ray.get([e.scramble_weights.remote(99) for e in rt.engines])
+                    sync = timed_sync(rt)
+                    t = time.perf_counter()
+                    try:
+                        v = rt.validate(tokenizer, samples)
+                        check = {k: v[k] for k in ("validated", "prompts", "mismatched")}
+                    except ValidationError as e:
+                        check = {"validated": False, "error": str(e)}
+                    result["validation_fastest"] = {"variant": fastest, "options": options, "sync": sync,
+                                                    **check, "seconds": time.perf_counter() - t}
+                    print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
+                    save(result)
             ray.get([t.configure_sync.remote(**DEFAULT_OPTIONS, packed=spec["weightSync"].get("packed", True),
                                              bucket_bytes=spec["weightSync"]["bucketSizeMB"] << 20)
                      for t in rt.trainers])
@@ -386,8 +405,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
 
         # one GRPO step on the last rollout, then the sync the driver would do
         if rt.colocated and rt.gpu:
-            ray.get([e.sleep.remote(1) for e in rt.engines])
-            rt.asleep = True
+            rt.sleep_engines(next_syncs=True)
         w = len(rt.trainers)
         pr = [pids[i] for i, o in enumerate(outs) for _ in o["samples"]]
         comps = [c for o in outs for c in o["samples"]]
@@ -497,6 +515,8 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=0, help="skip runs that would start after this many seconds")
     p.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model, gloo)")
     p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--revalidate", action="store_true",
+                   help="after the variants, sync with the fastest one and run the fresh-engine validation again")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -520,6 +540,7 @@ def main() -> int:
                "--syncs", str(args.syncs), "--command", command]
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--no-variants"] if args.no_variants else []
+        cmd += ["--revalidate"] if args.revalidate else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()
         with open(log, "ab") as f:

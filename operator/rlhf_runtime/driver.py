@@ -16,8 +16,9 @@ always before the first rollout of a run, since engines start with dummy weights
 advantages -> one trainer update -> checkpoint if due -> report. In ``async`` mode the rollout of the next
 step runs on ``AsyncLLM`` engines while the trainer trains; the sync pauses those requests mid-generation
 (``pause_generation(mode="keep")``), swaps the weights and resumes them, and every sample records how many of
-its tokens came before the swap. Colocated engines sleep (level 1) while the trainer trains and wake
-weights -> sync -> wake KV cache (GPU; CPU vLLM ignores sleep).
+its tokens came before the swap. Colocated engines sleep while the trainer trains (level 2, weights
+discarded, when a full sync follows the wake; level 1 otherwise, or with RLHF_COLOCATED_SLEEP_LEVEL=1) and
+wake weights -> sync -> wake KV cache (GPU; CPU vLLM ignores sleep).
 
 Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
@@ -241,6 +242,18 @@ class Runtime:
         r["transfer_gbps"] = r["bytes"] / r["send_s"] / 1e9 if r["send_s"] > 0 else 0.0
         return r
 
+    def sleep_engines(self, next_syncs: bool) -> float:
+        """Colocated: put the engines to sleep while the trainer trains. Level 2 (weights discarded, nothing
+        copied to the CPU) when the next wake is followed by a full weight sync, which overwrites every
+        weight anyway; level 1 (weights offloaded to CPU) otherwise. Returns the seconds it took."""
+        import ray
+
+        t = time.perf_counter()
+        level = 2 if next_syncs and os.environ.get("RLHF_COLOCATED_SLEEP_LEVEL", "auto") == "auto" else 1
+        ray.get([e.sleep.remote(level) for e in self.engines])
+        self.asleep = True
+        return time.perf_counter() - t
+
     def launch_rollout(self, tokenizer: Any, batch: list[Any], sampling: dict[str, Any]) -> tuple:
         """Start generation for ``batch`` on the engines (round-robin DP); returns what ``collect`` needs."""
         prompt_ids = [self.encode(tokenizer, s.prompt) for s in batch]
@@ -367,8 +380,7 @@ class Runtime:
                     tokenizer, step_batch(samples, done + 1, a.prompts_per_step, a.seed), sampling
                 )
             if self.colocated and self.gpu:  # free the GPU for training
-                ray.get([e.sleep.remote(1) for e in self.engines])
-                self.asleep = True
+                self.sleep_engines(next_syncs=not self.async_mode and done + 1 - synced_at >= every)
 
             rewards: list[float] = []
             t_prompts: list[list[int]] = []

@@ -6,6 +6,10 @@ Both expose the same weight-transfer surface (``init_weight_transfer_engine(init
 hide vLLM's version differences: 0.24's ``start_weight_update`` needs ``is_checkpoint_format=True``, 0.32's
 takes nothing (checked on the signature). Results come back as plain lists, not vLLM objects.
 
+After every weight update the prefix cache is reset before the next ``generate`` (its KV blocks were
+computed with the old weights; a cached prefix would also take a different prefill path than a fresh
+engine, which breaks token-for-token validation).
+
 ``AsyncEngine.generate`` runs while the trainer trains; ``pause()`` freezes in-flight requests
 (``pause_generation(mode="keep")``), the weight sync runs, ``resume()`` continues them. Each sample records
 ``swap_index``: how many of its tokens were generated before the swap (``-1`` if it finished before it).
@@ -68,6 +72,17 @@ def _worker_time_loads(worker: Any, reset: bool = False) -> dict[str, float]:
     return out
 
 
+def _worker_freeze(worker: Any) -> int:
+    """(collective_rpc) ``requires_grad=False`` on every parameter: vLLM 0.24's kernel-format update copies
+    into them in place outside ``no_grad``, which autograd refuses for leaves that require grad."""
+    n = 0
+    for p in worker.model_runner.model.parameters():
+        if p.requires_grad:
+            p.requires_grad_(False)
+            n += 1
+    return n
+
+
 def _worker_scramble(worker: Any, seed: int = 0) -> int:
     """(collective_rpc, benchmarks/debugging) Overwrite every parameter with noise: a sync that misses a
     tensor then shows in the greedy tokens. Returns the number of parameters touched."""
@@ -106,6 +121,7 @@ class Engine:
         self.start_seconds = time.perf_counter() - t
         params = inspect.signature(self.llm.start_weight_update).parameters
         self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
+        self._stale_cache = False  # prefix-cache KV computed with weights that a sync has since replaced
 
     def ready(self) -> float:
         return self.start_seconds
@@ -116,6 +132,8 @@ class Engine:
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[dict[str, Any]]:
         from vllm import SamplingParams
 
+        if self._stale_cache:  # never serve KV of the old weights to a prompt of the new ones
+            self._stale_cache = not self.llm.reset_prefix_cache()
         sp = SamplingParams(detokenize=False, **sampling)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return _pack(outs)
@@ -124,6 +142,8 @@ class Engine:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        if not checkpoint_format:
+            self.llm.collective_rpc(_worker_freeze)
         self.llm.start_weight_update(**self._start_args(checkpoint_format))
 
     def _start_args(self, checkpoint_format: bool) -> dict[str, Any]:
@@ -157,6 +177,11 @@ class Engine:
 
     def finish_weight_update(self) -> None:
         self.llm.finish_weight_update()
+        self._stale_cache = True  # reset before the next generate (keeps the reset out of the sync's time)
+
+    def reset_prefix_cache(self) -> bool:
+        self._stale_cache = False
+        return bool(self.llm.reset_prefix_cache())
 
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
@@ -178,6 +203,7 @@ class AsyncEngine:
         self.start_seconds = time.perf_counter() - t
         params = inspect.signature(self.llm.start_weight_update).parameters
         self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
+        self._stale_cache = False  # see Engine
         self.version = 0  # bumped by resume() after a swap
         self._paused = False
         self._live: dict[str, list[int]] = {}
@@ -217,6 +243,8 @@ class AsyncEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if self._stale_cache:  # fails (and is retried next time) while paused requests still hold blocks
+            self._stale_cache = not await self.llm.reset_prefix_cache()
         sp = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sampling)
         return list(await asyncio.gather(*(self._one(p, sp, uuid.uuid4().hex) for p in prompts)))
 
@@ -244,6 +272,8 @@ class AsyncEngine:
     async def start_weight_update(self, checkpoint_format: bool = True) -> None:
         if not checkpoint_format and not self._start_kwargs:
             raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
+        if not checkpoint_format:
+            await self.llm.collective_rpc(_worker_freeze)
         await self.llm.start_weight_update(**({"is_checkpoint_format": checkpoint_format} if self._start_kwargs else {}))
 
     async def param_layout(self) -> dict[str, Any]:
@@ -268,6 +298,11 @@ class AsyncEngine:
 
     async def finish_weight_update(self) -> None:
         await self.llm.finish_weight_update()
+        self._stale_cache = True
+
+    async def reset_prefix_cache(self) -> bool:
+        self._stale_cache = False
+        return bool(await self.llm.reset_prefix_cache())
 
     async def sleep(self, level: int) -> None:
         await self.llm.sleep(level=level)

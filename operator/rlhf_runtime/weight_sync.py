@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -207,8 +208,24 @@ class TrainerEngineSender(Sender):
         return self._result(time.perf_counter() - t)
 
 
-#: Default sender options of the vLLM 0.24 path (``LegacySender.configure`` changes them per trainer).
+#: Default sender options of the vLLM 0.24 path (``LegacySender.configure`` changes them per trainer);
+#: ``RLHF_WEIGHT_SYNC_FORMAT`` / ``RLHF_WEIGHT_SYNC_PRODUCER`` in the trainer's environment override them.
 DEFAULT_OPTIONS: dict[str, Any] = {"producer": "vllm", "format": "checkpoint"}
+
+
+def _env_options() -> dict[str, Any]:
+    out = dict(DEFAULT_OPTIONS)
+    fmt = os.environ.get("RLHF_WEIGHT_SYNC_FORMAT")
+    producer = os.environ.get("RLHF_WEIGHT_SYNC_PRODUCER")
+    if fmt:
+        if fmt not in ("checkpoint", "kernel"):
+            raise ValueError(f"RLHF_WEIGHT_SYNC_FORMAT must be checkpoint or kernel, not {fmt!r}")
+        out["format"] = fmt
+    if producer:
+        if producer not in ("vllm", "runtime"):
+            raise ValueError(f"RLHF_WEIGHT_SYNC_PRODUCER must be vllm or runtime, not {producer!r}")
+        out["producer"] = producer
+    return out
 
 
 class LegacySender(Sender):
@@ -229,6 +246,10 @@ class LegacySender(Sender):
       ``gate_up_proj`` written side by side into the packed buffer), loaded by a plain ``param.copy_``
       (``start_weight_update(is_checkpoint_format=False)``); falls back to ``checkpoint`` when the plan
       does not cover the engine's parameters.
+
+    Defaults: ``producer=vllm``, ``format=checkpoint``; ``RLHF_WEIGHT_SYNC_FORMAT=kernel`` and
+    ``RLHF_WEIGHT_SYNC_PRODUCER=runtime`` (driver environment, passed to the actors) opt into the fast path
+    measured in ``benchmarks/README.md``.
     """
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any]) -> None:
@@ -236,11 +257,13 @@ class LegacySender(Sender):
         self.rank = int(init.get("rank", 0))
         self.is_sender = self.rank == 0
         self.group: Any = None
-        self.options: dict[str, Any] = dict(DEFAULT_OPTIONS)
+        self.options: dict[str, Any] = {"producer": DEFAULT_OPTIONS["producer"], "format": "checkpoint"}
+        env_options = _env_options()
         self.producer: PackedProducer | None = None
         self.plan: KernelPlan | None = None
         if backend == "nccl":
             if not self.is_sender:
+                self.configure(**env_options)  # every rank must iterate the same tensors
                 return
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -254,6 +277,7 @@ class LegacySender(Sender):
                 client.init_weight_transfer_engine({})
         else:
             raise ValueError(f"backend {backend!r} needs vLLM >= 0.28 (trainer-side weight-transfer engines)")
+        self.configure(**env_options)  # the kernel format asks the engines for their layout once, here
 
     def configure(self, **options: Any) -> dict[str, Any]:
         """Change sender options (``producer``, ``format``, ``packed``, ``bucket_bytes``) for later syncs."""
