@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "hack"))
 import localcluster
 
+from rlhf_runtime.tiny import tiny_job_spec
+
 DIR = Path(os.environ.get("RLHF_DEMO_DIR", "/tmp/rlhf-demo"))
 NS = "demo"
 STEPS = 20
@@ -57,19 +59,8 @@ def main() -> int:
         check=True, capture_output=True,
     )
     cluster.kubectl("create", "namespace", NS)
-    tiny = {
-        "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "tiny-grpo"},
-        "spec": {
-            "model": {"name": str(model), "dtype": "float32"},
-            "image": "ghcr.io/rlhf-operator/runtime:0.1.0",
-            "trainer": {"replicas": 1, "gpusPerReplica": 0},
-            "rollout": {"engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
-                        "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 8}},
-            "algorithm": {"steps": STEPS, "promptsPerStep": 8, "learningRate": 3e-3},
-            "data": {"prompts": ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]},
-            "reward": {"rule": "contains", "target": "7"},
-        },
-    }
+    tiny = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "tiny-grpo"},
+            "spec": tiny_job_spec(model, STEPS)}
     manifest = DIR / "tiny-grpo.yaml"
     manifest.write_text(yaml.safe_dump(tiny, sort_keys=False))
     say(f"kubectl apply -f crds/samples/separate-nccl-tp2.yaml -f {manifest}")

@@ -119,10 +119,12 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
                 obs.ray_cluster = kube.get_ray_cluster(ns, cluster)
                 obs.pods = kube.list_pods(ns, f"ray.io/cluster={cluster}")
     new = status.compute(obs, now or dt.datetime.now(dt.UTC))
+    metrics.observe(ns, name, {**old_status, **new})
     patch = status.changed(old_status, new)
     if not patch:
         return
     kube.patch_status(ns, name, patch)
+    metrics.STATUS_WRITES.inc()
     old_phase = old_status.get("phase")
     if new["phase"] != old_phase or "message" in patch and new["phase"] in ("Pending", "Failed"):
         warn = new["phase"] == "Failed" or new["message"].startswith("pod ") or bool(obs.kuberay_missing)

@@ -101,3 +101,20 @@ def build_tiny_model(
     model.save_pretrained(str(path))
     build_tokenizer(path, vocab_size)
     return path
+
+
+def tiny_job_spec(model: str | Path, steps: int) -> dict:
+    """An RLHFJob spec (wire form) that trains a tiny model on CPU in seconds: 1 CPU trainer, 1 engine, GRPO
+    with a rule reward for emitting '7'. Used by the demo and the end-to-end test."""
+    return {
+        "model": {"name": str(model), "dtype": "float32"},
+        "image": "ghcr.io/rlhf-operator/runtime:0.1.0",
+        "trainer": {"replicas": 1, "gpusPerReplica": 0},
+        "rollout": {
+            "engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
+            "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 8},
+        },
+        "algorithm": {"steps": steps, "promptsPerStep": 8, "learningRate": 3e-3},
+        "data": {"prompts": ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]},
+        "reward": {"rule": "contains", "target": "7"},
+    }

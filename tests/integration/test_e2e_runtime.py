@@ -18,6 +18,7 @@ import pytest
 from kubernetes import client
 
 from rlhf_operator import naming
+from rlhf_runtime.tiny import tiny_job_spec
 from tests.helpers import wait_for
 from tests.integration.conftest import apply
 from tests.integration.test_lifecycle import get_job, phase
@@ -35,21 +36,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def tiny_job(model: Path) -> dict:
-    return {
-        "apiVersion": "rlhf.dev/v1alpha1",
-        "kind": "RLHFJob",
-        "metadata": {"name": "tiny"},
-        "spec": {
-            "model": {"name": str(model), "dtype": "float32"},
-            "image": "ghcr.io/rlhf-operator/runtime:0.1.0",
-            "trainer": {"replicas": 1, "gpusPerReplica": 0},
-            "rollout": {"engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
-                        "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 8}},
-            "algorithm": {"steps": STEPS, "promptsPerStep": 8, "learningRate": 3e-3},
-            "data": {"prompts": ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]},
-            "reward": {"rule": "contains", "target": "7"},
-        },
-    }
+    return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "tiny"},
+            "spec": tiny_job_spec(model, STEPS)}
 
 
 def test_runtime_reports_progress_into_the_rlhfjob(cluster, api, operator, namespace, tiny_model, tmp_path) -> None:
@@ -108,7 +96,7 @@ def test_runtime_reports_progress_into_the_rlhfjob(cluster, api, operator, names
         import urllib.request
 
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
-        label = f'job="tiny",namespace="{namespace}"'
+        label = f'job="tiny",namespace="{namespace}"'  # exposition sorts labels by name
         tokens = [ln for ln in scrape.splitlines() if ln.startswith("rlhf_job_rollout_tokens_per_second{") and label in ln]
         assert tokens and float(tokens[0].split()[-1]) > 0, scrape[-2000:]
         assert f'rlhf_job_phase{{{label},phase="Succeeded"}} 1.0' in scrape
