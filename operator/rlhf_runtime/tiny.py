@@ -58,47 +58,30 @@ def build_tiny_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": hidden_size // 2,  # vLLM's CPU attention supports 64, 128, ...
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": 2,
+        "eos_token_id": 3,
+        "pad_token_id": 0,
+    }
     if arch == "qwen3_moe":
         cfg = Qwen3MoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=2 * hidden_size,
-            moe_intermediate_size=hidden_size // 4,
-            num_experts=experts,
-            num_experts_per_tok=2,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=hidden_size // 2,  # vLLM's CPU attention supports 64, 128, ...
-            max_position_embeddings=512,
-            tie_word_embeddings=tie_word_embeddings,
-            bos_token_id=2,
-            eos_token_id=3,
-            pad_token_id=0,
+            **common, moe_intermediate_size=hidden_size // 4, num_experts=experts, num_experts_per_tok=2
         )
-        torch.manual_seed(seed)
-        AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).save_pretrained(str(path))
-        build_tokenizer(path, vocab_size)
-        return path
-    if arch != "qwen2":
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common)
+    else:
         raise ValueError(f"unknown tiny arch {arch!r}")
-    cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden_size // 2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=2,
-        eos_token_id=3,
-        pad_token_id=0,
-    )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(str(path))
+    AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype)).save_pretrained(str(path))
     build_tokenizer(path, vocab_size)
     return path
 

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from rlhf_api.models import RuntimeConfig
-
-PROMPTS = ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]
+from rlhf_runtime.tiny import tiny_job_spec
 
 
 @pytest.fixture(scope="session")
@@ -33,20 +32,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def job_config(model: Path, **over: Any) -> dict[str, Any]:
     """A tiny CPU job: 1 trainer (CPU), 1 engine, reward for emitting '7'; ``over`` patches spec keys."""
-    spec: dict[str, Any] = {
-        "model": {"name": str(model), "dtype": "float32"},
-        "image": "local",
-        "trainer": {"replicas": 1, "gpusPerReplica": 0},
-        "rollout": {
-            "engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
-            "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 8},
-        },
-        "placement": {"mode": "separate"},
-        "weightSync": {"backend": "nccl", "mode": "sync"},
-        "algorithm": {"steps": 20, "promptsPerStep": 8, "learningRate": 3e-3, "seed": 0},
-        "data": {"prompts": PROMPTS},
-        "reward": {"rule": "contains", "target": "7"},
-    }
+    spec: dict[str, Any] = tiny_job_spec(model, steps=20)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(spec.get(key), dict):
             spec[key] = {**spec[key], **value}
