@@ -56,7 +56,8 @@ def _event(body: Any, reason: str, message: str, warning: bool = False) -> None:
         log.exception("could not post event %s", reason)
 
 
-def _ensure_children(job: render.Job, body: Any) -> None:
+def _ensure_children(job: render.Job, body: Any) -> dict[str, Any] | None:
+    """Create what is missing, patch what may change; returns the live RayJob (None if just created)."""
     for obj in render.render_runtime_rbac(job):
         kopf.adopt(obj, owner=body)
         kube.ensure_object(obj)
@@ -80,6 +81,7 @@ def _ensure_children(job: render.Job, body: Any) -> None:
         if bool(live.get("spec", {}).get("suspend", False)) != patch["spec"]["suspend"]:
             kube.patch_ray_job(job.namespace, rj["metadata"]["name"], patch)
             _event(body, "Suspended" if job.spec.suspend else "Resumed", f"RayJob {rj['metadata']['name']}")
+    return live
 
 
 def _layout(spec: m.RLHFJobSpec) -> str:
@@ -108,12 +110,12 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
             # Names are saved before anything is created: a restarted operator finds, never duplicates.
             kube.patch_status(ns, name, {"children": names.as_status()})
             old_status["children"] = {**(old_status.get("children") or {}), **names.as_status()}
-        if old_status.get("phase") not in status.TERMINAL:
-            obs.kuberay_missing = kube.kuberay_missing()
-            if not obs.kuberay_missing:
-                _ensure_children(render.Job(name, ns, meta["uid"], spec), body)
+        obs.kuberay_missing = kube.kuberay_missing()
         if not obs.kuberay_missing:
-            obs.ray_job = kube.get_ray_job(ns, names.ray_job)
+            if old_status.get("phase") not in status.TERMINAL:
+                obs.ray_job = _ensure_children(render.Job(name, ns, meta["uid"], spec), body)
+            else:
+                obs.ray_job = kube.get_ray_job(ns, names.ray_job)
             cluster = ((obs.ray_job or {}).get("status") or {}).get("rayClusterName")
             if cluster:
                 obs.ray_cluster = kube.get_ray_cluster(ns, cluster)

@@ -7,6 +7,7 @@ first); reads tolerate ``404``. Nothing here decides anything: that is ``render`
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 from kubernetes import client, config
@@ -112,8 +113,26 @@ def list_pods(ns: str, selector: str) -> list[dict[str, Any]]:
     return [to_dict(p) for p in core().list_namespaced_pod(ns, label_selector=selector).items]
 
 
+_KUBERAY_SEEN_AT = 0.0
+KUBERAY_RECHECK_SECONDS = 60.0
+
+
 def kuberay_missing() -> str | None:
-    """None when the KubeRay CRDs the operator needs are served, else a message saying what is missing."""
+    """None when the KubeRay CRDs the operator needs are served, else a message saying what is missing.
+
+    A positive answer is trusted for ``KUBERAY_RECHECK_SECONDS`` (one discovery call a minute, not one per
+    reconcile); a missing KubeRay is checked again on every reconcile, so jobs proceed as soon as it appears.
+    """
+    global _KUBERAY_SEEN_AT
+    if time.monotonic() - _KUBERAY_SEEN_AT < KUBERAY_RECHECK_SECONDS:
+        return None
+    missing = _discover_kuberay()
+    if missing is None:
+        _KUBERAY_SEEN_AT = time.monotonic()
+    return missing
+
+
+def _discover_kuberay() -> str | None:
     try:
         resources = client.CustomObjectsApi(api()).get_api_resources(RAY_GROUP, RAY_VERSION)
     except ApiException as e:
