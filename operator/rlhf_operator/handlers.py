@@ -110,6 +110,7 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
             # Names are saved before anything is created: a restarted operator finds, never duplicates.
             kube.patch_status(ns, name, {"children": names.as_status()})
             old_status["children"] = {**(old_status.get("children") or {}), **names.as_status()}
+        obs.data_missing = _data_missing(ns, spec)
         obs.kuberay_missing = kube.kuberay_missing()
         if not obs.kuberay_missing:
             if old_status.get("phase") not in status.TERMINAL:
@@ -131,6 +132,28 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
     if new["phase"] != old_phase or "message" in patch and new["phase"] in ("Pending", "Failed"):
         warn = new["phase"] == "Failed" or new["message"].startswith("pod ") or bool(obs.kuberay_missing)
         _event(body, new["phase"], new["message"] or new["phase"], warning=warn)
+    if obs.data_missing and _condition_flipped(old_status, new, "DataAvailable"):
+        _event(body, "DataConfigMapMissing", obs.data_missing, warning=True)
+
+
+def _condition_flipped(old: dict[str, Any], new: dict[str, Any], ctype: str) -> bool:
+    def of(st: dict[str, Any]) -> str | None:
+        return next((c["status"] for c in st.get("conditions") or [] if c["type"] == ctype), None)
+
+    return of(old) != of(new)
+
+
+def _data_missing(ns: str, spec: m.RLHFJobSpec) -> str | None:
+    """The prompts ConfigMap must exist and hold its key, or the pods cannot mount it."""
+    ref = spec.data.config_map
+    if ref is None:
+        return None
+    cm = kube.get_config_map(ns, ref.name)
+    if cm is None:
+        return f"ConfigMap {ref.name} (spec.data.configMap) not found in namespace {ns}"
+    if ref.key not in (cm.get("data") or {}) and ref.key not in (cm.get("binaryData") or {}):
+        return f"ConfigMap {ref.name} has no key {ref.key} (spec.data.configMap.key)"
+    return None
 
 
 def _safe_reconcile(body: Any) -> None:

@@ -29,6 +29,7 @@ class Observed:
     suspend: bool = False
     invalid: str | None = None  # why the spec is invalid (defence behind admission), else None
     kuberay_missing: str | None = None  # why KubeRay cannot be used, else None
+    data_missing: str | None = None  # why spec.data.configMap cannot be mounted, else None
     ray_job: dict[str, Any] | None = None
     ray_cluster: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
@@ -121,14 +122,19 @@ def _condition(ctype: str, ok: bool | None, reason: str, message: str, gen: int)
 
 def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
     gen = obs.generation
-    stalled = v.phase == "Failed" or v.reason in STALLED_REASONS
+    stalled = v.phase == "Failed" or v.reason in STALLED_REASONS or bool(obs.data_missing)
     converging = v.phase in ("Pending", "Provisioning") and not stalled
+    stall_reason, stall_message = (
+        ("DataConfigMapMissing", obs.data_missing)
+        if obs.data_missing and not (v.phase == "Failed" or v.reason in STALLED_REASONS)
+        else (v.reason, v.message)
+    )
     blocked = _unschedulable(obs.pods)
     pods_scheduled: bool | None = None if not obs.pods else blocked is None
     out = [
         _condition("Ready", v.phase in ("Running", "Succeeded"), v.reason, v.message, gen),
         _condition("Reconciling", converging, v.reason if converging else "Stable", v.message if converging else "", gen),
-        _condition("Stalled", stalled, v.reason if stalled else "NotStalled", v.message if stalled else "", gen),
+        _condition("Stalled", stalled, stall_reason if stalled else "NotStalled", stall_message if stalled else "", gen),
         _condition(
             "PodsScheduled",
             pods_scheduled,
@@ -145,6 +151,13 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
         ),
         _condition("Complete", v.phase == "Succeeded", v.reason if v.phase in TERMINAL else "NotFinished", "", gen),
         _condition("InvalidSpec", bool(obs.invalid), "InvalidSpec" if obs.invalid else "Valid", obs.invalid or "", gen),
+        _condition(
+            "DataAvailable",
+            not obs.data_missing,
+            "DataConfigMapMissing" if obs.data_missing else "Available",
+            obs.data_missing or "",
+            gen,
+        ),
     ]
     return out
 

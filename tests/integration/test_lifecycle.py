@@ -254,10 +254,20 @@ def test_two_peered_replicas_one_active_no_duplicates(cluster, api, tmp_path) ->
     wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
                                      "--timeout=5s", check=False).returncode == 0, 60, "peering CRD")
     apply(cluster, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlhf"}}, ns)
-    ops = [Operator(cluster, ["--namespace", ns, "--peering", "rlhf", "--priority", str(p)], tmp_path / f"op{p}.log").start()
+    ops = [Operator(cluster, ["--namespace", ns, "--peering", "rlhf", "--priority", str(p)], tmp_path / f"op{p}.log")
            for p in (10, 20)]
+
+    def peers() -> int:
+        obj = client.CustomObjectsApi(api).get_namespaced_custom_object("kopf.dev", "v1", ns, "kopfpeerings", "rlhf")
+        return len([v for v in (obj.get("status") or {}).values() if v])
+
     try:
-        wait_for(lambda: "Pausing operations in favour of" in (tmp_path / "op10.log").read_text(), 60,
+        # Start the second replica once the first has announced itself, so the first sees it arrive (a peer
+        # that joins unseen is only noticed at its next keep-alive).
+        ops[0].start()
+        wait_for(lambda: peers() == 1, 60, "the first replica in the peering object")
+        ops[1].start()
+        wait_for(lambda: "Pausing operations in favour of" in (tmp_path / "op10.log").read_text(), 120,
                  "the lower-priority replica to pause")
         for i in range(2):
             job = load_sample("separate-nccl-tp2")
@@ -272,3 +282,24 @@ def test_two_peered_replicas_one_active_no_duplicates(cluster, api, tmp_path) ->
         for op in ops:
             op.kill()
         client.CoreV1Api(api).delete_namespace(ns)
+
+
+def test_missing_data_config_map_is_reported_until_it_exists(cluster, api, operator, namespace) -> None:
+    job = load_sample("separate-nccl-tp2")  # data.configMap: gsm8k-prompts / prompts.jsonl
+    name = job["metadata"]["name"]
+    apply(cluster, job, namespace)
+
+    def cond(ctype: str) -> dict:
+        return condition(get_job(api, namespace, name), ctype)
+
+    wait_for(lambda: cond("DataAvailable")["status"] == "False", 60, "DataAvailable=False")
+    assert "gsm8k-prompts" in cond("DataAvailable")["message"]
+    assert cond("Stalled")["reason"] == "DataConfigMapMissing"
+    events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    assert any(e.type == "Warning" and e.reason == "DataConfigMapMissing" for e in events)
+
+    client.CoreV1Api(api).create_namespaced_config_map(
+        namespace, {"metadata": {"name": "gsm8k-prompts"}, "data": {"prompts.jsonl": '{"prompt": "1+1?"}\n'}}
+    )
+    wait_for(lambda: cond("DataAvailable")["status"] == "True" and cond("Stalled")["status"] == "False", 60,
+             "DataAvailable=True once the ConfigMap exists")

@@ -111,3 +111,14 @@ def test_operator_never_writes_runtime_fields() -> None:
     old = {"step": 7, "throughput": {"rewardMean": 0.5}, "runtime": {"state": "Running"}}
     out = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=old), NOW)
     assert not {"step", "throughput", "runtime"} & out.keys()
+
+
+def test_missing_data_config_map_stalls_and_says_why() -> None:
+    o = obs(ray_job=rayjob("Initializing"), data_missing="ConfigMap prompts (spec.data.configMap) not found")
+    conds = {c["type"]: c for c in st.compute(o, NOW)["conditions"]}
+    assert conds["DataAvailable"]["status"] == "False"
+    assert conds["Stalled"]["status"] == "True" and conds["Stalled"]["reason"] == "DataConfigMapMissing"
+    assert "ConfigMap prompts" in conds["Stalled"]["message"]
+    assert conds["Reconciling"]["status"] == "False"
+    fine = {c["type"]: c for c in st.compute(obs(ray_job=rayjob("Initializing")), NOW)["conditions"]}
+    assert fine["DataAvailable"]["status"] == "True" and fine["Stalled"]["status"] == "False"
