@@ -122,15 +122,14 @@ def _condition(ctype: str, ok: bool | None, reason: str, message: str, gen: int)
 
 def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
     gen = obs.generation
-    stalled = v.phase == "Failed" or v.reason in STALLED_REASONS or bool(obs.data_missing)
+    verdict_stalled = v.phase == "Failed" or v.reason in STALLED_REASONS
+    stalled = verdict_stalled or bool(obs.data_missing)
     converging = v.phase in ("Pending", "Provisioning") and not stalled
-    stall_reason, stall_message = (
-        ("DataConfigMapMissing", obs.data_missing)
-        if obs.data_missing and not (v.phase == "Failed" or v.reason in STALLED_REASONS)
-        else (v.reason, v.message)
-    )
+    # The verdict's own stall explains more (it blocks the phase); a missing data ConfigMap comes next.
+    stall_reason, stall_message = (v.reason, v.message) if verdict_stalled else ("DataConfigMapMissing", obs.data_missing)
     blocked = _unschedulable(obs.pods)
     pods_scheduled: bool | None = None if not obs.pods else blocked is None
+    cluster_ready = _cluster_ready(obs.ray_cluster)
     out = [
         _condition("Ready", v.phase in ("Running", "Succeeded"), v.reason, v.message, gen),
         _condition("Reconciling", converging, v.reason if converging else "Stable", v.message if converging else "", gen),
@@ -144,8 +143,8 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
         ),
         _condition(
             "RayClusterReady",
-            _cluster_ready(obs.ray_cluster),
-            "Ready" if _cluster_ready(obs.ray_cluster) else "NotReady",
+            cluster_ready,
+            "Ready" if cluster_ready else "NotReady",
             "",
             gen,
         ),
