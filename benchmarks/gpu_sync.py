@@ -50,6 +50,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
         "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    # Qwen3-30B-A3B's published layer shapes (128 experts of 768, top-8, untied embeddings), 4 of its 48 layers.
+    "qwen3-moe-a3b-4l": ("Qwen3Moe", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
     "tiny": ("Qwen2", {
         "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
@@ -65,10 +71,24 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                             "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                             "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
+    "separate-nccl-tp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
+                          "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
+    "separate-nccl-dp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
+                          "rollout": {"engines": 2, "gpuMemoryUtilization": 0.5}},
+    "separate-nccl-dp3": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
+                          "rollout": {"engines": 3, "gpuMemoryUtilization": 0.5}},
+    "colocated-ipc-fsdp2-ep2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
+                                "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                "rollout": {"engines": 2, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
+    "colocated-ipc-fsdp4-ep4": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
+                                "trainer": {"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2"},
+                                "rollout": {"engines": 4, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
     "separate-nccl-async": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "mode": "async"},
                             "rollout": {"gpuMemoryUtilization": 0.5}},
     "cpu-gloo": {"placement": {"mode": "separate"}, "trainer": {"replicas": 1, "gpusPerReplica": 0},
                  "rollout": {"gpuMemoryUtilization": 0.05}},
+    "cpu-gloo-dp2": {"placement": {"mode": "separate"}, "trainer": {"replicas": 1, "gpusPerReplica": 0},
+                     "rollout": {"engines": 2, "gpuMemoryUtilization": 0.05}},
 }
 
 #: Sender variants timed after the default one (vLLM 0.24 sender only; ``configure_sync`` options).
@@ -148,13 +168,13 @@ def build_model(path: Path, name: str, gpu: bool) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ floors
-def _nccl_floor_rank(rank: int, port: int, nbytes: int, chunk: int, q: Any) -> None:
+def _nccl_floor_rank(rank: int, port: int, nbytes: int, chunk: int, q: Any, world: int = 2) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(SAFE_ENV)
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     if rank == 0:
@@ -180,8 +200,9 @@ def _nccl_floor_rank(rank: int, port: int, nbytes: int, chunk: int, q: Any) -> N
     dist.destroy_process_group()
 
 
-def nccl_floor(nbytes: int, chunk: int) -> dict[str, Any]:
-    """A raw NCCL broadcast of ``nbytes`` from GPU0 to GPU1 (two processes), whole and in ``chunk`` pieces."""
+def nccl_floor(nbytes: int, chunk: int, world: int = 2) -> dict[str, Any]:
+    """A raw NCCL broadcast of ``nbytes`` from GPU0 to GPUs 1..world-1 (one process each), whole and in
+    ``chunk`` pieces: the same GPUs and group size as the trainer -> engines sync."""
     import socket
 
     import torch.multiprocessing as mp
@@ -191,14 +212,14 @@ def nccl_floor(nbytes: int, chunk: int) -> dict[str, Any]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_floor_rank, args=(r, port, nbytes, chunk, q)) for r in range(2)]
+    procs = [ctx.Process(target=_nccl_floor_rank, args=(r, port, nbytes, chunk, q, world)) for r in range(world)]
     for p in procs:
         p.start()
     res = q.get(timeout=180)
     for p in procs:
         p.join(60)
     w, c = median(res["whole_s"]), median(res["chunked_s"])
-    return {"kind": "nccl_broadcast_gpu0_to_gpu1", "bytes": nbytes, "whole_s": w, "whole_gbps": nbytes / w / 1e9,
+    return {"kind": f"nccl_broadcast_gpu0_to_gpu1-{world - 1}", "world": world, "bytes": nbytes, "whole_s": w, "whole_gbps": nbytes / w / 1e9,
             "chunked_s": c, "chunked_gbps": nbytes / c / 1e9, "chunk_bytes": chunk, "samples": res}
 
 
@@ -318,7 +339,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         t = time.perf_counter()
         try:
             v = rt.validate(tokenizer, samples)
-            result["validation"] = {k: v[k] for k in ("validated", "prompts", "mismatched")}
+            result["validation"] = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched",
+                                                       "mismatched_by_engine")}
         except ValidationError as e:
             result["validation"] = {"validated": False, "error": str(e)}
         stages["validate_s"] = time.perf_counter() - t
@@ -340,6 +362,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         result["variant_checks"] = {}
         if gpu and not args.no_variants:
             for name, options in VARIANTS.get(backend, []):
+                if args.variants and name not in args.variants.split(","):
+                    continue
                 try:
                     applied = ray.get([t.configure_sync.remote(**options) for t in rt.trainers])[0]
                     ray.get([e.scramble_weights.remote(1234) for e in rt.engines])
@@ -371,7 +395,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                     t = time.perf_counter()
                     try:
                         v = rt.validate(tokenizer, samples)
-                        check = {k: v[k] for k in ("validated", "prompts", "mismatched")}
+                        check = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched")}
                     except ValidationError as e:
                         check = {"validated": False, "error": str(e)}
                     result["validation_fastest"] = {"variant": fastest, "options": options, "sync": sync,
@@ -400,8 +424,26 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                              "tokens_per_second": tokens / dt})
         result["rollout"] = {"runs": rollouts, "tokens_per_second": rollouts[-1]["tokens_per_second"],
                              "sampling": sampling, "prompts": cfg.spec.algorithm.prompts_per_step,
-                             "enforce_eager": cfg.spec.rollout.enforce_eager}
+                             "enforce_eager": cfg.spec.rollout.enforce_eager, "engines": len(rt.engines)}
         print(f"[{layout}:{model_name}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
+        save(result)
+        if len(rt.engines) > 1 and not rt.layout.dp_group:
+            # the same batch on the first k engines (independent replicas), k = 1..N: DP scaling
+            engines, scaling = rt.engines, []
+            try:
+                for k in range(1, len(engines) + 1):
+                    rt.engines = engines[:k]
+                    batch = step_batch(samples, 1, cfg.spec.algorithm.prompts_per_step, 0)
+                    refs, parts, pids, batch, t0 = rt.launch_rollout(tokenizer, batch, sampling)
+                    outs = rt.collect(refs, parts, len(pids))
+                    dt = time.perf_counter() - t0
+                    tokens = sum(len(c) for o in outs for c in o["samples"])
+                    scaling.append({"engines": k, "seconds": dt, "tokens": tokens, "tokens_per_second": tokens / dt})
+                    print(f"[{layout}:{model_name}] rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
+            finally:
+                rt.engines = engines
+            result["rollout"]["scaling"] = scaling
+            save(result)
 
         # one GRPO step on the last rollout, then the sync the driver would do
         if rt.colocated and rt.gpu:
@@ -461,7 +503,9 @@ def child(args: argparse.Namespace) -> int:
             nbytes = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) * 2
             del m
             if "nccl" in layout:
-                result["floor"] = nccl_floor(nbytes, 1 << 30)
+                r = merge(base_spec("m", True), LAYOUTS[layout])["rollout"]
+                world = 1 + r["engines"] * r["tensorParallelSize"]
+                result["floor"] = nccl_floor(nbytes, 1 << 30, world)
             else:
                 result["floor"] = copy_floor(nbytes)
                 torch.cuda.empty_cache()
@@ -515,6 +559,7 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=0, help="skip runs that would start after this many seconds")
     p.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model, gloo)")
     p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -540,6 +585,7 @@ def main() -> int:
                "--syncs", str(args.syncs), "--command", command]
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--no-variants"] if args.no_variants else []
+        cmd += ["--variants", args.variants] if args.variants else []
         cmd += ["--revalidate"] if args.revalidate else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()

@@ -135,6 +135,17 @@ class Rollout(Model):
                     "rollout.engines and rollout.tensorParallelSize are immutable: the Ray cluster is sized "
                     "from them",
                 ),
+                cel(
+                    "self.expertParallel == oldSelf.expertParallel",
+                    "rollout.expertParallel is immutable: the engines' expert sharding is fixed at start",
+                    fieldPath=".expertParallel",
+                ),
+                cel(
+                    "!self.expertParallel || self.engines * self.tensorParallelSize >= 2",
+                    "rollout.expertParallel needs at least 2 engine GPUs (engines x tensorParallelSize) to shard "
+                    "the experts over",
+                    fieldPath=".expertParallel",
+                ),
             ]
         }
     )
@@ -147,6 +158,12 @@ class Rollout(Model):
     )
     max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len (prompt + generation).")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
+    expert_parallel: bool = Field(
+        False,
+        description="MoE models: the engines form one vLLM data-parallel group with expert parallelism (EP size = "
+        "engines x tensorParallelSize); each engine GPU holds its share of the experts and all engines step "
+        "together. Dense models: leave false (engines are independent replicas).",
+    )
     sampling: Sampling = sub(Sampling, "Sampling parameters for rollouts.")
     resources: Resources = sub(Resources, "CPU and memory per engine pod (separate placement).")
 
@@ -336,6 +353,12 @@ SPEC_RULES = [
         "weightSync.mode 'async' (pause/resume mid-request) needs placement.mode 'separate': colocated engines "
         "sleep during training",
         fieldPath=".weightSync.mode",
+    ),
+    cel(
+        "!self.rollout.expertParallel || self.weightSync.mode == 'sync'",
+        "rollout.expertParallel needs weightSync.mode 'sync': expert-parallel engines step together and cannot be "
+        "paused one by one",
+        fieldPath=".rollout.expertParallel",
     ),
     cel(
         "self.algorithm.name != 'grpo' || self.rollout.sampling.samplesPerPrompt >= 2",

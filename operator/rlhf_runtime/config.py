@@ -66,6 +66,8 @@ def engine_kwargs(
         kw["max_model_len"] = r.max_model_len
     if spec.placement.mode == "colocated" and gpu:
         kw["enable_sleep_mode"] = True
+    if r.expert_parallel:
+        kw["enable_expert_parallel"] = True
     return kw
 
 

@@ -59,8 +59,36 @@ VALIDATION_PROMPTS = 8
 EXIT_FAILED, EXIT_VALIDATION = 1, 3
 
 
+#: Consecutive ports a vLLM data-parallel group uses from its master port (engine and worker groups).
+DP_PORTS = 16
+
+
 class ValidationError(RuntimeError):
     pass
+
+
+def _node_address(ports: int = 1) -> tuple[str, int]:
+    """(Ray task) This node's IP and the first of ``ports`` consecutive TCP ports that are free on it."""
+    import random
+    import socket
+
+    from ray.util import get_node_ip_address
+
+    for _ in range(200):
+        base = random.randint(20000, 60000 - ports)
+        socks = []
+        try:
+            for p in range(base, base + ports):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", p))
+            return get_node_ip_address(), base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {ports} consecutive free ports on this node")
 
 
 @dataclass
@@ -194,16 +222,33 @@ class Runtime:
         from rlhf_runtime.engines import AsyncEngine, Engine
 
         cls = AsyncEngine if self.async_mode else Engine
+        dp = self._dp_address() if self.layout.dp_group else None
         for i, e in enumerate(self.layout.engines):
-            kw = rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor, self.gpu,
-                                  seed=self.spec.algorithm.seed + i)
+            # one vLLM DP group (expert parallel): same seed on every rank, they step together
+            seed = self.spec.algorithm.seed + (0 if dp else i)
+            kw = rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor, self.gpu, seed=seed)
             self.engine_kwargs.append(kw)
+            env = {**self.env, **e.env, **(self._dp_env(i, dp) if dp else {})}
             actor = ray.remote(cls).options(
                 num_cpus=e.num_cpus, num_gpus=e.num_gpus, scheduling_strategy=self._strategy(e.group, e.bundle),
-                runtime_env={"env_vars": {**self.env, **e.env}}, max_concurrency=16 if self.async_mode else 1,
-            ).remote(kw, {**self.env, **e.env})
+                runtime_env={"env_vars": env}, max_concurrency=16 if self.async_mode else 1,
+            ).remote(kw, env)
             self.engines.append(actor)
-        ray.get([e.ready.remote() for e in self.engines])
+        ray.get([e.ready.remote() for e in self.engines])  # a DP group starts together
+
+    def _dp_address(self) -> tuple[str, int]:
+        """Engine 0's node IP and a free port block there: the master of the engines' vLLM DP group."""
+        import ray
+
+        e = self.layout.engines[0]
+        task = ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=self._strategy(e.group, e.bundle))
+        return tuple(ray.get(task.remote(DP_PORTS)))  # type: ignore[return-value]
+
+    def _dp_env(self, rank: int, address: tuple[str, int]) -> dict[str, str]:
+        """vLLM's offline SPMD data-parallel settings for engine ``rank`` (each engine sees only its own GPUs,
+        so its local DP rank is 0)."""
+        return {"VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": "0", "VLLM_DP_SIZE": str(len(self.layout.engines)),
+                "VLLM_DP_MASTER_IP": address[0], "VLLM_DP_MASTER_PORT": str(address[1])}
 
     def init_sync(self) -> None:
         import ray
@@ -258,6 +303,13 @@ class Runtime:
         """Start generation for ``batch`` on the engines (round-robin DP); returns what ``collect`` needs."""
         prompt_ids = [self.encode(tokenizer, s.prompt) for s in batch]
         parts = [idx for idx in spread(prompt_ids, len(self.engines))]
+        if self.layout.dp_group:  # every rank of a DP group must step: idle ranks get a 1-token placeholder
+            refs = [
+                e.generate.remote([prompt_ids[i] for i in idx], sampling) if idx
+                else e.generate.remote([prompt_ids[0]], {**sampling, "n": 1, "max_tokens": 1})
+                for e, idx in zip(self.engines, parts)
+            ]
+            return refs, parts, prompt_ids, batch, time.perf_counter()
         refs = [
             e.generate.remote([prompt_ids[i] for i in idx], sampling)
             for e, idx in zip(self.engines, parts) if idx
@@ -274,50 +326,79 @@ class Runtime:
         return outs
 
     def validate(self, tokenizer: Any, samples: list[Any]) -> dict[str, Any]:
+        """Every engine's greedy tokens for the first prompts == those of a fresh engine (same shape, on the
+        same GPUs) loaded from the trainer's weights. Engines of a DP (expert-parallel) group are compared
+        rank by rank with a fresh DP group of the same size."""
         import ray
-
-        from rlhf_runtime.engines import Engine
 
         prompts = [self.encode(tokenizer, s.prompt) for s in samples[:VALIDATION_PROMPTS]]
         greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
-        synced = [o["samples"][0] for o in ray.get(self.engines[0].generate.remote(prompts, greedy))]
+        synced = [[o["samples"][0] for o in out]
+                  for out in ray.get([e.generate.remote(prompts, greedy) for e in self.engines])]
         base = Path(self.spec.checkpoint.path) if self.spec.checkpoint else Path(tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         path = tempfile.mkdtemp(prefix=".validate-", dir=base)
         ray.get([t.save_weights.remote(path) for t in self.trainers])  # FSDP: every rank gathers
-        kw = dict(self.engine_kwargs[0], model=path, load_format="auto")
-        e = self.layout.engines[0]
-        env = {**self.env, **e.env}
+        ranks = range(len(self.engines)) if self.layout.dp_group else range(1)
+        dp = self._dp_address() if self.layout.dp_group else None
+        fresh_actors = [self._fresh_engine(i, path, dp) for i in ranks]
+        try:
+            outs = ray.get([a.generate.remote(prompts, greedy) for a in fresh_actors])
+        finally:
+            for a in fresh_actors:
+                ray.kill(a)
+        fresh = [[o["samples"][0] for o in out] for out in outs]
+        # independent engines (no DP group) are all compared with the one fresh engine
+        mismatched_by_engine = {
+            i: [k for k, (a, b) in enumerate(zip(synced[i], fresh[i if dp else 0])) if a != b]
+            for i in range(len(self.engines))
+        }
+        mismatched = mismatched_by_engine[0]
+        bad = {i: m for i, m in mismatched_by_engine.items() if m}
+        result = {"validated": not bad, "prompts": len(prompts), "engines": len(self.engines),
+                  "mismatched": mismatched, "mismatched_by_engine": bad, "synced": synced[0], "fresh": fresh[0],
+                  "weights": path}
+        self.reporter._write_progress({"validation": result})
+        if bad:
+            i = next(iter(bad))
+            k = bad[i][0]
+            f = fresh[i if dp else 0]
+            raise ValidationError(
+                f"weight-sync validation failed: {len(bad[i])}/{len(prompts)} prompts of engine {i} differ from a "
+                f"fresh engine ({len(bad)}/{len(self.engines)} engines differ); first: prompt {k}: synced "
+                f"{synced[i][k][:16]} vs fresh {f[k][:16]}"
+            )
+        log.info("weight-sync validation passed: %d prompts token for token on %d engine(s)", len(prompts),
+                 len(self.engines))
+        return result
+
+    def _fresh_engine(self, i: int, path: str, dp: tuple[str, int] | None) -> Any:
+        """A fresh engine shaped like engine ``i`` (rank ``i`` of a new DP group when ``dp``) that loads
+        ``path``. It takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (Ray leaves
+        CUDA_VISIBLE_DEVICES alone for num_gpus=0, the engine's is set explicitly); TP>1 workers take the
+        ``VALIDATION_SHARE`` every bundle keeps free. Memory: what is still free on that GPU (vLLM refuses to
+        start when free < gpu_memory_utilization x total)."""
+        import ray
+
+        from rlhf_runtime.engines import Engine
+        from rlhf_runtime.placement import VALIDATION_SHARE
+
+        kw = dict(self.engine_kwargs[i], model=str(path), load_format="auto")
+        e = self.layout.engines[i]
+        env = {**self.env, **e.env, **(self._dp_env(i, dp) if dp else {})}
         if self.gpu:
-            # The fresh engine holds no GPU of its own (the synced one keeps its bundle): put it on the synced
-            # engine's GPU (Ray leaves CUDA_VISIBLE_DEVICES alone for num_gpus=0) and size it to the memory
-            # that is still free there (vLLM refuses to start when free < gpu_memory_utilization x total).
-            dev = ray.get(self.engines[0].device_info.remote())
-            if dev.get("cuda_visible_devices"):
+            dev = ray.get(self.engines[i].device_info.remote())
+            if e.executor == "ray":
+                env["VLLM_RAY_PER_WORKER_GPUS"] = str(VALIDATION_SHARE)
+            elif dev.get("cuda_visible_devices"):
                 env["CUDA_VISIBLE_DEVICES"] = dev["cuda_visible_devices"]
             if dev.get("total"):
                 share = math.floor(dev["free"] / dev["total"] * 90) / 100
                 kw["gpu_memory_utilization"] = min(kw["gpu_memory_utilization"], share)
-        fresh_actor = ray.remote(Engine).options(
+        return ray.remote(Engine).options(
             num_cpus=0, num_gpus=0, scheduling_strategy=self._strategy(e.group, e.bundle),
             runtime_env={"env_vars": env},
         ).remote(kw, env)
-        try:
-            fresh = [o["samples"][0] for o in ray.get(fresh_actor.generate.remote(prompts, greedy))]
-        finally:
-            ray.kill(fresh_actor)
-        mismatched = [i for i, (a, b) in enumerate(zip(synced, fresh)) if a != b]
-        result = {"validated": not mismatched, "prompts": len(prompts), "mismatched": mismatched,
-                  "synced": synced, "fresh": fresh, "weights": path}
-        self.reporter._write_progress({"validation": result})
-        if mismatched:
-            i = mismatched[0]
-            raise ValidationError(
-                f"weight-sync validation failed: {len(mismatched)}/{len(prompts)} prompts differ from a fresh "
-                f"engine; first: prompt {i}: synced {synced[i][:16]} vs fresh {fresh[i][:16]}"
-            )
-        log.info("weight-sync validation passed: %d prompts token for token", len(prompts))
-        return result
 
     @staticmethod
     def encode(tokenizer: Any, text: str) -> list[int]:

@@ -26,6 +26,15 @@ import time
 from typing import Any
 
 
+def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
+    """The actor's environment before vLLM is imported. An engine whose workers are Ray actors (TP>1) holds
+    no GPU itself, and Ray hides every GPU from such an actor (``CUDA_VISIBLE_DEVICES=""``); the engine
+    process must still see the node's GPUs (platform and device checks), as vLLM's RLHF examples do."""
+    os.environ.update(env or {})
+    if kwargs.get("distributed_executor_backend") == "ray" and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+
+
 def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import WeightTransferConfig
 
@@ -113,7 +122,7 @@ class Engine:
     """A vLLM ``LLM`` in a Ray actor (separate or colocated placement, sync weight sync)."""
 
     def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        os.environ.update(env or {})
+        _prepare_env(kwargs, env)
         from vllm import LLM
 
         t = time.perf_counter()
@@ -194,7 +203,7 @@ class AsyncEngine:
     """A vLLM ``AsyncLLM`` in an async Ray actor: generation can be paused mid-request for a weight swap."""
 
     def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        os.environ.update(env or {})
+        _prepare_env(kwargs, env)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -14,6 +14,13 @@ or one per pod when it has no GPU), so a bundle can only land on its own group's
 * ``colocated``: one placement group per engine; trainer worker ``w`` shares engine ``w // TP``'s bundle
   ``w % TP`` (one GPU) with that engine's shard, each with a fractional GPU share.
 * CPU (``trainer.gpusPerReplica == 0``): the same shapes with CPUs only, one bundle per pod.
+* ``rollout.expertParallel``: the same shapes; ``Layout.dp_group`` tells the driver that the engines form one
+  vLLM data-parallel group (``VLLM_DP_RANK`` / ``VLLM_DP_SIZE`` / ``VLLM_DP_MASTER_*`` per engine, set by the
+  driver once it knows engine 0's node) whose ranks step together.
+
+GPU shares are Ray scheduling tokens (memory is set by ``gpuMemoryUtilization``). They never add up to a
+whole GPU per bundle: ``VALIDATION_SHARE`` stays free so that ``--validate`` can start a fresh engine of the
+same shape (TP>1: its Ray workers) on the same GPUs.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from typing import Any
 
 from rlhf_api.models import RLHFJobSpec
 
-#: Fractional GPU shares of a colocated GPU (Ray scheduling tokens; memory is set by gpuMemoryUtilization).
-COLOCATED_TRAINER_SHARE = 0.5
-COLOCATED_ENGINE_SHARE = 0.5
+#: Fractional GPU shares (Ray scheduling tokens; memory is set by gpuMemoryUtilization). Each bundle keeps
+#: VALIDATION_SHARE free for the fresh engine (or its TP workers) of the validation mode.
+VALIDATION_SHARE = 0.1
+COLOCATED_TRAINER_SHARE = 0.45
+COLOCATED_ENGINE_SHARE = 0.45
+SEPARATE_TP_WORKER_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class Layout:
     trainers: list[ActorPlacement]
     engines: list[EnginePlacement]
     gpu: bool
+    dp_group: bool = False  # engines form one vLLM data-parallel (expert-parallel) group
 
     def totals(self) -> dict[str, float]:
         """Resources of all bundles together (what a local Ray must offer)."""
@@ -89,6 +100,9 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
         if tp != 1:
             raise PlacementError("CPU jobs need rollout.tensorParallelSize 1")
     workers = t.replicas * t.gpus_per_replica if gpu else 1
+    dp_group = r.expert_parallel and r.engines > 1
+    if r.expert_parallel and not gpu:
+        raise PlacementError("rollout.expertParallel needs GPUs (vLLM's CPU backend has no expert-parallel all-gather)")
     bundle_indices = ",".join(str(i) for i in range(tp))
 
     if spec.placement.mode == "colocated":
@@ -110,7 +124,7 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
             else:
                 env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(COLOCATED_ENGINE_SHARE)}
                 engines.append(EnginePlacement(e, 0, 0, 0, env, executor="ray"))
-        return Layout(groups, trainers, engines, gpu)
+        return Layout(groups, trainers, engines, gpu, dp_group)
 
     groups = [PlacementGroupSpec("trainer", [_bundle("rlhf_trainer", gpu) for _ in range(workers)], "PACK")]
     groups += [
@@ -123,8 +137,9 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
         if tp == 1:
             engines.append(EnginePlacement(1 + e, 0, 1, 1 if gpu else 0))
         else:
-            engines.append(EnginePlacement(1 + e, 0, 0, 0, {"VLLM_RAY_BUNDLE_INDICES": bundle_indices}, "ray"))
-    return Layout(groups, trainers, engines, gpu)
+            env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(SEPARATE_TP_WORKER_SHARE)}
+            engines.append(EnginePlacement(1 + e, 0, 0, 0, env, "ray"))
+    return Layout(groups, trainers, engines, gpu, dp_group)
 
 
 def spread(items: list[Any], n: int) -> list[list[int]]:

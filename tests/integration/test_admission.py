@@ -47,6 +47,10 @@ INVALID = [
     ("async with colocated", with_spec(placement__mode="colocated", weightSync__backend="ipc", weightSync__mode="async",
                                        rollout__tensorParallelSize=1),
      "weightSync.mode 'async' (pause/resume mid-request) needs placement.mode 'separate'"),
+    ("expert parallel on one gpu", with_spec(rollout__tensorParallelSize=1, rollout__expertParallel=True),
+     "rollout.expertParallel needs at least 2 engine GPUs"),
+    ("expert parallel with async", with_spec(rollout__expertParallel=True, weightSync__mode="async"),
+     "rollout.expertParallel needs weightSync.mode 'sync'"),
     ("zero engines", with_spec(rollout__engines=0), "spec.rollout.engines: Invalid value: 0"),
     ("zero tensor parallel", with_spec(rollout__tensorParallelSize=0), "spec.rollout.tensorParallelSize: Invalid value: 0"),
     ("unknown backend", with_spec(weightSync__backend="rdma"), 'Unsupported value: "rdma"'),
@@ -94,6 +98,7 @@ def test_immutable_fields_are_rejected_on_update(cluster) -> None:
     try:
         for field, value, message in [
             ("rollout", {"engines": 1, "tensorParallelSize": 1}, "rollout.engines and rollout.tensorParallelSize are immutable"),
+            ("rollout", {**job["spec"]["rollout"], "expertParallel": True}, "rollout.expertParallel is immutable"),
             ("placement", {"mode": "separate", "gpusPerNode": 4}, "spec.placement is immutable"),
             ("model", {"name": "other/model"}, "spec.model is immutable"),
             ("image", "other:1", "spec.image is immutable"),

@@ -39,13 +39,16 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "job.json", job_config(tiny_model, algorithm={"steps": 2}))
+    # two engines (DP=2, one gloo group of 3 ranks): validation compares every engine with a fresh one
+    cfg = write_config(tmp_path / "job.json", job_config(tiny_model, algorithm={"steps": 2}, rollout={"engines": 2}))
     run = start_driver(tmp_path, cfg, "--validate", "--debug-skip-tensor", "lm_head.weight")
     assert run.wait(timeout=300) == 3, run.tail()
     records = run.records()
     validation = [r["validation"] for r in records if "validation" in r]
     assert validation and not validation[0]["validated"]
     assert validation[0]["mismatched"]
+    assert validation[0]["engines"] == 2
+    assert sorted(validation[0]["mismatched_by_engine"]) == ["0", "1"]  # both engines missed the tensor
     assert records[-1]["runtime"]["state"] == "Failed"
     assert "weight-sync validation failed" in records[-1]["runtime"]["message"]
     assert not run.steps()  # it stopped before training on a bad engine

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from rlhf_api.models import RLHFJobSpec
-from rlhf_runtime.placement import PlacementError, compute_layout, spread
+from rlhf_runtime.config import engine_kwargs
+from rlhf_runtime.placement import VALIDATION_SHARE, PlacementError, compute_layout, spread
 
 
 def spec(**over: Any) -> RLHFJobSpec:
@@ -31,7 +32,9 @@ def test_separate_gpu_trainer_and_tp2_engines() -> None:
         assert g.strategy == "STRICT_PACK"
     assert [(t.group, t.bundle, t.num_gpus) for t in lay.trainers] == [(0, b, 1) for b in range(8)]
     assert [(e.group, e.executor, e.num_gpus) for e in lay.engines] == [(1, "ray", 0), (2, "ray", 0), (3, "ray", 0)]
-    assert all(e.env == {"VLLM_RAY_BUNDLE_INDICES": "0,1"} for e in lay.engines)
+    # TP workers take SEPARATE_TP_WORKER_SHARE of their bundle's GPU: the rest is for a validation engine
+    assert all(e.env == {"VLLM_RAY_BUNDLE_INDICES": "0,1", "VLLM_RAY_PER_WORKER_GPUS": "0.9"} for e in lay.engines)
+    assert not lay.dp_group
     assert lay.totals() == {"CPU": 14, "GPU": 14, "rlhf_trainer": 8, "rlhf_rollout": 6}
 
 
@@ -54,7 +57,24 @@ def test_colocated_shares_each_gpu_between_trainer_worker_and_engine_shard() -> 
     for e in lay.engines:
         assert e.executor == "ray"
         assert e.env["VLLM_RAY_BUNDLE_INDICES"] == "0,1"
-        assert 0 < float(e.env["VLLM_RAY_PER_WORKER_GPUS"]) + lay.trainers[0].num_gpus <= 1
+        # trainer + engine shares leave VALIDATION_SHARE free on every GPU
+        assert float(e.env["VLLM_RAY_PER_WORKER_GPUS"]) + lay.trainers[0].num_gpus + VALIDATION_SHARE <= 1
+
+
+def test_expert_parallel_engines_form_one_dp_group() -> None:
+    s = spec(trainer={"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2"},
+             rollout={"engines": 4, "tensorParallelSize": 1, "expertParallel": True},
+             placement={"mode": "colocated"}, weightSync={"backend": "ipc"})
+    lay = compute_layout(s)
+    assert lay.dp_group
+    assert [(e.group, e.bundle, e.executor) for e in lay.engines] == [(g, 0, "uni") for g in range(4)]
+    assert [(t.group, t.bundle) for t in lay.trainers] == [(g, 0) for g in range(4)]
+    kw = engine_kwargs(s, "m", "ipc", "uni", True)
+    assert kw["enable_expert_parallel"] is True and kw["enable_sleep_mode"] is True
+    # one engine has no group to form; dense engines stay independent replicas
+    assert not compute_layout(spec(rollout={"engines": 1, "tensorParallelSize": 2, "expertParallel": True})).dp_group
+    assert not compute_layout(spec(rollout={"engines": 4})).dp_group
+    assert "enable_expert_parallel" not in engine_kwargs(spec(rollout={"engines": 4}), "m", "nccl", "uni", True)
 
 
 def test_cpu_job_uses_cpu_bundles_only() -> None:
@@ -71,6 +91,7 @@ def test_cpu_job_uses_cpu_bundles_only() -> None:
     [
         {"trainer": {"gpusPerReplica": 0}, "rollout": {"tensorParallelSize": 2}},
         {"trainer": {"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2"}},
+        {"trainer": {"gpusPerReplica": 0}, "rollout": {"engines": 2, "expertParallel": True}},
     ],
 )
 def test_cpu_layouts_that_cannot_run_are_refused(over: dict[str, Any]) -> None:
