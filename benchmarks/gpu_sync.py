@@ -91,9 +91,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                      "rollout": {"engines": 2, "gpuMemoryUtilization": 0.05}},
 }
 
-#: Sender variants timed after the default one (vLLM 0.24 sender only; ``configure_sync`` options).
+#: Sender variants timed after the default one (vLLM 0.24 sender only; ``configure_sync`` options). The default
+#: is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22 evening: vLLM producer + checkpoint format).
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
+        ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
         ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
         ("kernel-format", {"producer": "runtime", "format": "kernel"}),
         ("kernel-format-256MB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 256 << 20}),
@@ -307,6 +309,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     print(f"[{layout}:{model_name}] model {result['model']['params'] / 1e9:.3f}B params built", flush=True)
 
     spec = merge(base_spec(str(model_path), gpu), LAYOUTS[layout])
+    if args.prompts:
+        spec = merge(spec, {"algorithm": {"promptsPerStep": args.prompts}})
     result["spec"] = spec
     backend = spec["weightSync"]["backend"] if gpu else "gloo"
     cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
@@ -559,6 +563,7 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=0, help="skip runs that would start after this many seconds")
     p.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model, gloo)")
     p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--prompts", type=int, default=0, help="prompts per rollout (default: the base spec's 64)")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
@@ -586,6 +591,7 @@ def main() -> int:
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--no-variants"] if args.no_variants else []
         cmd += ["--variants", args.variants] if args.variants else []
+        cmd += ["--prompts", str(args.prompts)] if args.prompts else []
         cmd += ["--revalidate"] if args.revalidate else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()

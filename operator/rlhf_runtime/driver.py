@@ -16,9 +16,11 @@ always before the first rollout of a run, since engines start with dummy weights
 advantages -> one trainer update -> checkpoint if due -> report. In ``async`` mode the rollout of the next
 step runs on ``AsyncLLM`` engines while the trainer trains; the sync pauses those requests mid-generation
 (``pause_generation(mode="keep")``), swaps the weights and resumes them, and every sample records how many of
-its tokens came before the swap. Colocated engines sleep while the trainer trains (level 2, weights
-discarded, when a full sync follows the wake; level 1 otherwise, or with RLHF_COLOCATED_SLEEP_LEVEL=1) and
-wake weights -> sync -> wake KV cache (GPU; CPU vLLM ignores sleep).
+its tokens came before the swap. RLHF_ASYNC_ENGINE=stepped runs async mode on ``SteppedEngine`` instead,
+which steps an in-process vLLM ``LLM`` itself (for machines where AsyncLLM's engine-core subprocess cannot
+start); the default, ``asyncllm``, is ``AsyncEngine``. Colocated engines sleep while the trainer trains
+(level 2, weights discarded, when a full sync follows the wake; level 1 otherwise, or with
+RLHF_COLOCATED_SLEEP_LEVEL=1) and wake weights -> sync -> wake KV cache (GPU; CPU vLLM ignores sleep).
 
 Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
@@ -219,9 +221,10 @@ class Runtime:
     def start_engines(self) -> None:
         import ray
 
-        from rlhf_runtime.engines import AsyncEngine, Engine
+        from rlhf_runtime.engines import Engine
+        from rlhf_runtime.stepped_engine import async_engine_class
 
-        cls = AsyncEngine if self.async_mode else Engine
+        cls = async_engine_class() if self.async_mode else Engine
         dp = self._dp_address() if self.layout.dp_group else None
         for i, e in enumerate(self.layout.engines):
             # one vLLM DP group (expert parallel): same seed on every rank, they step together

@@ -81,6 +81,21 @@ def _worker_time_loads(worker: Any, reset: bool = False) -> dict[str, float]:
     return out
 
 
+def _worker_memory(worker: Any) -> tuple[int, int]:
+    """(collective_rpc) Free and total bytes of the worker's GPU."""
+    import torch
+
+    return torch.cuda.mem_get_info(getattr(worker, "device", None))
+
+
+def _device_info(rpc: Any) -> dict[str, Any]:
+    """(GPU engines) The actor's visible GPUs and the least free/total memory over its engine's workers' GPUs
+    (for a validation engine; a TP>1 engine's workers are other processes, on other GPUs than the actor's)."""
+    mem = rpc(_worker_memory)
+    return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "free": min(m[0] for m in mem), "total": min(m[1] for m in mem)}
+
+
 def _worker_freeze(worker: Any) -> int:
     """(collective_rpc) ``requires_grad=False`` on every parameter: vLLM 0.24's kernel-format update copies
     into them in place outside ``no_grad``, which autograd refuses for leaves that require grad."""
@@ -173,13 +188,8 @@ class Engine:
         return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
     def device_info(self) -> dict[str, Any]:
-        """The actor's visible GPUs and the free/total memory of its first one (for a validation engine)."""
-        info: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-        import torch
-
-        if torch.cuda.is_available():
-            info["free"], info["total"] = torch.cuda.mem_get_info()
-        return info
+        """(GPU) The actor's visible GPUs and the least free/total memory over its workers' GPUs."""
+        return _device_info(self.llm.collective_rpc)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})

@@ -210,7 +210,10 @@ class TrainerEngineSender(Sender):
 
 #: Default sender options of the vLLM 0.24 path (``LegacySender.configure`` changes them per trainer);
 #: ``RLHF_WEIGHT_SYNC_FORMAT`` / ``RLHF_WEIGHT_SYNC_PRODUCER`` in the trainer's environment override them.
-DEFAULT_OPTIONS: dict[str, Any] = {"producer": "vllm", "format": "checkpoint"}
+#: The kernel format is the default since it passed the fresh-engine validation on GPUs (NCCL 1.7B with
+#: 3 engines, IPC 0.5B; ``benchmarks/README.md``); it falls back to the checkpoint format by itself where
+#: its plan does not apply (TP>1 engines, several IPC trainer ranks, expert parallelism).
+DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "kernel"}
 
 
 def _env_options() -> dict[str, Any]:
@@ -241,15 +244,15 @@ class LegacySender(Sender):
       syncs, packing of chunk k+1 overlapped with the broadcast of chunk k; ``"vllm"``: vLLM's
       ``packed_nccl_broadcast_producer`` (fresh ``torch.cat`` buffers every chunk). Both produce the wire
       format vLLM's consumer expects (chunks cut after the first tensor that takes them past the bucket).
-    * ``format``: ``"checkpoint"`` (default): HF names, loaded through vLLM's layerwise reload;
-      ``"kernel"``: the engines' own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` /
+    * ``format``: ``"checkpoint"``: HF names, loaded through vLLM's layerwise reload;
+      ``"kernel"`` (default): the engines' own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` /
       ``gate_up_proj`` written side by side into the packed buffer), loaded by a plain ``param.copy_``
       (``start_weight_update(is_checkpoint_format=False)``); falls back to ``checkpoint`` when the plan
       does not cover the engine's parameters.
 
-    Defaults: ``producer=vllm``, ``format=checkpoint``; ``RLHF_WEIGHT_SYNC_FORMAT=kernel`` and
-    ``RLHF_WEIGHT_SYNC_PRODUCER=runtime`` (driver environment, passed to the actors) opt into the fast path
-    measured in ``benchmarks/README.md``.
+    Defaults (``DEFAULT_OPTIONS``): ``producer=runtime``, ``format=kernel``, the fast path measured in
+    ``benchmarks/README.md``; ``RLHF_WEIGHT_SYNC_FORMAT=checkpoint`` / ``RLHF_WEIGHT_SYNC_PRODUCER=vllm``
+    (driver environment, passed to the actors) go back to vLLM's own producer and layerwise reload.
     """
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any]) -> None:

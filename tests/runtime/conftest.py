@@ -79,10 +79,13 @@ class Run:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
 
-def start_driver(tmp: Path, config: Path, *args: str, name: str = "run") -> Run:
+def start_driver(
+    tmp: Path, config: Path, *args: str, name: str = "run", env: dict[str, str] | None = None
+) -> Run:
+    """Start the driver on ``config``; ``env`` adds to (or overrides) this process's environment."""
     progress = tmp / f"{name}.progress.jsonl"
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **(env or {})}
     cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local", "--no-report",
            "--progress-file", str(progress), *args]
     with log.open("w") as out:

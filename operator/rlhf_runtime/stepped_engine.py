@@ -1,0 +1,352 @@
+"""``SteppedEngine``: the async-mode engine actor with vLLM **in-process** (for ``weightSync.mode: async``).
+
+Same methods, arguments, results and semantics as ``engines.AsyncEngine``, which is built on ``AsyncLLM``;
+but ``AsyncLLM`` always runs its engine core in a spawned subprocess, which some machines cannot start. This
+one builds a sync ``vllm.LLM`` in the actor process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and drives its
+V1 ``LLMEngine`` itself (``add_request`` / ``step`` / ``has_unfinished_requests``) on one dedicated thread:
+
+* Every call into vLLM (construction, add, step, abort, ``collective_rpc``, the weight-transfer calls, prefix
+  cache reset, sleep/wake) runs on that thread, since vLLM's engine is not thread-safe. The actor's async
+  methods queue a command for it and await the result, so they never block the actor's event loop.
+* Between commands the thread steps the engine while requests are unfinished; ``generate`` awaits futures
+  the stepping thread resolves when a request finishes.
+* ``pause(after_tokens)`` (optionally after some live sample reached ``after_tokens`` tokens, checked after
+  every step) pauses the engine core's scheduler in vLLM's ``"keep"`` mode (in-flight requests keep their
+  KV cache and are not scheduled), steps out any batch still in flight (async scheduling), then records
+  every live sample's token count as its ``swap_index``. ``resume()`` unpauses the scheduler.
+
+Not supported: vLLM data parallelism (``VLLM_DP_SIZE`` > 1, expert-parallel DP groups), whose ranks would
+have to pause at the same step.
+
+Selected by ``RLHF_ASYNC_ENGINE=stepped`` (``async_engine_class``). Import only inside Ray actors, like
+``engines`` (vLLM is imported in ``__init__``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from rlhf_runtime.engines import (
+    _llm_args,
+    _prepare_env,
+    _worker_freeze,
+    _worker_param_layout,
+    _worker_scramble,
+    _worker_time_loads,
+)
+
+#: Which engine async mode uses: ``asyncllm`` (``engines.AsyncEngine``, the default) or ``stepped``.
+ASYNC_ENGINE_ENV = "RLHF_ASYNC_ENGINE"
+
+
+def async_engine_class(name: str | None = None) -> type:
+    """The async-mode engine actor class ``name`` (default: ``$RLHF_ASYNC_ENGINE``, else ``asyncllm``)."""
+    from rlhf_runtime.engines import AsyncEngine
+
+    name = name if name is not None else os.environ.get(ASYNC_ENGINE_ENV, "asyncllm")
+    classes: dict[str, type] = {"asyncllm": AsyncEngine, "stepped": SteppedEngine}
+    if name not in classes:
+        raise ValueError(f"{ASYNC_ENGINE_ENV}={name!r}: expected one of {', '.join(classes)}")
+    return classes[name]
+
+
+class _Request:
+    """One prompt's request (``n`` samples) as the stepping thread tracks it."""
+
+    __slots__ = ("counts", "future", "latest", "prompt", "swap")
+
+    def __init__(self, prompt: list[int], n: int) -> None:
+        self.prompt = prompt
+        self.latest: dict[int, Any] = {}  # sample index -> its newest (cumulative) CompletionOutput
+        self.counts = [0] * n
+        self.swap = [-1] * n
+        self.future: Future[dict[str, Any]] = Future()
+
+    def result(self, abort: bool = False) -> dict[str, Any]:
+        n = len(self.counts)
+        outs = [self.latest.get(i) for i in range(n)]
+        return {
+            "prompt_token_ids": list(self.prompt),
+            "samples": [list(c.token_ids) if c is not None else [] for c in outs],
+            "finish_reasons": [
+                c.finish_reason
+                if c is not None and c.finish_reason is not None
+                else ("abort" if abort else None)
+                for c in outs
+            ],
+            "swap_index": list(self.swap),
+        }
+
+
+class SteppedEngine:
+    """An in-process vLLM ``LLM`` stepped by one background thread, in an async Ray actor; generation can be
+    paused mid-request for a weight swap (the ``AsyncEngine`` surface)."""
+
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        _prepare_env(kwargs, env)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the whole point: the engine core in this process
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._live: dict[str, _Request] = {}
+        self._paused = False
+        self._pause_waiter: tuple[int, Future[None]] | None = None  # pause(after_tokens) not yet reached
+        self._stale_cache = False  # see engines.Engine
+        self._error: BaseException | None = None  # the engine failed in step(): nothing is stepped any more
+        self.version = 0  # bumped by resume() after a swap
+        self._thread = threading.Thread(target=self._loop, name="vllm-stepped-engine", daemon=True)
+        self._thread.start()
+        t = time.perf_counter()
+        self._submit(lambda: self._build(kwargs)).result()  # built on the thread that later drives it
+        self.start_seconds = time.perf_counter() - t
+
+    # ------------------------------------------------------------------------ the engine thread
+    def _build(self, kwargs: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(**_llm_args(kwargs))
+        self.engine = self.llm.llm_engine
+        self.core = getattr(self.engine.engine_core, "engine_core", None)  # InprocClient -> EngineCore
+        if self.core is None or not hasattr(self.core, "pause_scheduler"):
+            raise RuntimeError(
+                "SteppedEngine needs vLLM's in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
+        if self.engine.vllm_config.parallel_config.data_parallel_size > 1:
+            raise NotImplementedError(
+                "SteppedEngine does not support vLLM data parallelism (VLLM_DP_SIZE > 1)"
+            )
+        params = inspect.signature(self.llm.start_weight_update).parameters
+        self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
+
+    def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._cmds.put((fn, fut))
+        return fut
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the engine thread (queued at once, in call order) and await it."""
+        return await asyncio.wrap_future(self._submit(lambda: fn(*args, **kwargs)))
+
+    def _loop(self) -> None:
+        while True:
+            # Commands first; wait for one while there is nothing to step.
+            while True:
+                try:
+                    cmd = self._cmds.get(block=not self._should_step())
+                except queue.Empty:
+                    break
+                if cmd is None:
+                    return
+                fn, fut = cmd
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                        fut.set_exception(e)
+            try:
+                self._dispatch(self.engine.step())
+                if not self._live:
+                    self._maybe_reset_cache()
+            except BaseException as e:  # noqa: BLE001 - fail the waiting generate calls, serve commands
+                self._error = e
+                self._fail_live(e)
+                continue
+            self._check_pause()
+
+    def _should_step(self) -> bool:
+        return (
+            self._error is None
+            and not self._paused
+            and hasattr(self, "engine")
+            and self.engine.has_unfinished_requests()
+        )
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            req = self._live.get(out.request_id)
+            if req is None:
+                continue
+            for c in out.outputs:
+                req.latest[c.index] = c
+                req.counts[c.index] = len(c.token_ids)
+            if out.finished:
+                del self._live[out.request_id]
+                req.future.set_result(req.result())
+
+    def _fail_live(self, error: BaseException) -> None:
+        live, self._live = self._live, {}
+        for req in live.values():
+            req.future.set_exception(error)
+        if self._pause_waiter is not None:
+            self._pause_waiter[1].set_exception(error)
+            self._pause_waiter = None
+
+    def _drain(self) -> None:
+        """Collect the batch that async scheduling keeps in flight after a step. Only while the scheduler
+        schedules nothing new (paused, or no unfinished request): then the queue empties."""
+        while getattr(self.core, "batch_queue", None):
+            self._dispatch(self.engine.step())
+
+    def _maybe_reset_cache(self) -> None:
+        """Reset the prefix cache after a weight update, once no request holds blocks (it fails before)."""
+        if self._stale_cache and not self._live:
+            self._drain()  # a batch still in flight holds (deferred) blocks
+            self._stale_cache = not self.engine.reset_prefix_cache()
+
+    def _add(self, prompts: list[list[int]], sp: Any) -> list[Future[dict[str, Any]]]:
+        if self._error is not None:
+            raise RuntimeError("the vLLM engine failed") from self._error
+        self._maybe_reset_cache()  # never serve KV of the old weights to a prompt of the new ones
+        futures = []
+        for prompt in prompts:
+            rid = uuid.uuid4().hex
+            req = self._live[rid] = _Request(list(prompt), sp.n)
+            try:
+                self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, sp)
+            except BaseException:
+                del self._live[rid]
+                raise
+            futures.append(req.future)
+        return futures
+
+    def _check_pause(self) -> None:
+        """Pause once the pending ``pause(after_tokens)`` condition holds (or nothing is live)."""
+        if self._pause_waiter is None:
+            return
+        after, fut = self._pause_waiter
+        if self._live and max(max(r.counts) for r in self._live.values()) < after:
+            return
+        self._pause_waiter = None
+        try:
+            self._pause_now()
+        except BaseException as e:  # noqa: BLE001 - handed to pause()'s caller
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+
+    def _pause_now(self) -> None:
+        self.core.pause_scheduler(mode="keep", clear_cache=False)
+        self._drain()  # the paused scheduler adds no batch
+        self._paused = True
+        # Paused: whatever each live sample has now was generated with the old weights.
+        for req in self._live.values():
+            req.swap = list(req.counts)
+
+    def _request_pause(self, after_tokens: int) -> Future[None]:
+        if self._pause_waiter is not None:  # a second pause while one waits: both end together
+            return self._pause_waiter[1]
+        fut: Future[None] = Future()
+        self._pause_waiter = (after_tokens if not self._paused else 0, fut)
+        self._check_pause()
+        return fut
+
+    def _resume(self) -> None:
+        self.core.resume_scheduler()
+        self._paused = False
+
+    def _finish_weight_update(self) -> None:
+        self.llm.finish_weight_update()
+        self._stale_cache = True  # reset before the next generate (keeps the reset out of the sync's time)
+
+    def _reset_prefix_cache(self) -> bool:
+        self._stale_cache = False
+        return bool(self.engine.reset_prefix_cache())
+
+    def _sleep(self, level: int) -> None:
+        # vLLM's sleep aborts in-flight requests (as AsyncLLM.sleep does): end them with what they have.
+        if self._live:
+            live, self._live = self._live, {}
+            self.engine.abort_request(list(live))
+            for req in live.values():
+                req.future.set_result(req.result(abort=True))
+        self._drain()
+        self.llm.sleep(level=level)
+
+    def _wake_up(self, tags: list[str] | None) -> None:
+        self.llm.wake_up(tags=tags)
+        if self._paused:  # a full wake resumes vLLM's scheduler: keep our pause
+            self.core.pause_scheduler(mode="keep", clear_cache=False)
+
+    # ----------------------------------------------------------------------- the actor's methods
+    async def ready(self) -> float:
+        return self.start_seconds
+
+    async def world_size(self) -> int:
+        return self.engine.vllm_config.parallel_config.world_size
+
+    async def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sampling)
+        futures = await self._call(self._add, prompts, sp)
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def pause(self, after_tokens: int = 0) -> None:
+        """Freeze in-flight requests; with ``after_tokens``, first let the engine step until some live sample
+        has that many tokens (or nothing is live)."""
+        fut = await self._call(self._request_pause, after_tokens)
+        await asyncio.wrap_future(fut)
+
+    async def resume(self) -> None:
+        self.version += 1
+        await self._call(self._resume)
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        await self._call(self.llm.init_weight_transfer_engine, {"init_info": init_info})
+
+    async def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        if not checkpoint_format and not self._start_kwargs:
+            raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
+        if not checkpoint_format:
+            await self._call(self.llm.collective_rpc, _worker_freeze)
+        kw = {"is_checkpoint_format": checkpoint_format} if self._start_kwargs else {}
+        await self._call(self.llm.start_weight_update, **kw)
+
+    async def param_layout(self) -> dict[str, Any]:
+        return (await self._call(self.llm.collective_rpc, _worker_param_layout))[0]
+
+    async def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
+        return await self._call(self.llm.collective_rpc, _worker_time_loads, kwargs={"reset": reset})
+
+    async def scramble_weights(self, seed: int = 0) -> list[int]:
+        return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
+
+    async def device_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        import torch
+
+        if torch.cuda.is_available():
+            info["free"], info["total"] = torch.cuda.mem_get_info()
+        return info
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        await self._call(self.llm.update_weights, {"update_info": update_info})
+
+    async def finish_weight_update(self) -> None:
+        await self._call(self._finish_weight_update)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(self._reset_prefix_cache)
+
+    async def sleep(self, level: int) -> None:
+        await self._call(self._sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(self._wake_up, tags)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after the commands queued so far (the actor's process exit also ends it)."""
+        if self._thread.is_alive():
+            self._cmds.put(None)
+            self._thread.join(timeout)
+
+    def __ray_shutdown__(self) -> None:  # called by Ray when the actor exits gracefully
+        self.shutdown()
