@@ -36,10 +36,30 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
+def match_engine_nccl_settings() -> bool:
+    """Batch-invariant vLLM engines (``VLLM_BATCH_INVARIANT=1``) switch their process to deterministic NCCL
+    settings (one channel, Simple protocol, one thread, ...). The trainer shares a weight-transfer
+    communicator with them, so it takes the same settings, before its first NCCL communicator (NCCL reads
+    them once per process). Returns whether they were applied."""
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") in ("", "0"):
+        return False
+    try:  # vLLM 0.24
+        from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
+    except ImportError:
+        try:  # vLLM >= 0.28
+            from vllm.model_executor.determinism.batch_invariant import override_envs_for_invariance
+        except ImportError:
+            return False
+    override_envs_for_invariance()
+    return True
+
+
 class Trainer:
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
                  dist_addr: str | None = None, dist_port: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
+
+        match_engine_nccl_settings()
 
         cfg = RuntimeConfig.model_validate_json(config_json)
         self.spec = spec = cfg.spec
