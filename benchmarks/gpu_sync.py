@@ -426,6 +426,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
             tokens = sum(len(c) for o in outs for c in o["samples"])
             rollouts.append({"seconds": dt, "tokens": tokens, "samples": sum(len(o["samples"]) for o in outs),
                              "tokens_per_second": tokens / dt})
+        BARE_INPUTS.update(prompts=[rt.encode(tokenizer, x.prompt) for x in batch], sampling=sampling,
+                           kwargs=dict(rt.engine_kwargs[0], model=str(model_path), load_format="auto"),
+                           env=dict(rt.env), engine_gpu=0 if rt.colocated else 1, engines=len(rt.engines))
         result["rollout"] = {"runs": rollouts, "tokens_per_second": rollouts[-1]["tokens_per_second"],
                              "sampling": sampling, "prompts": cfg.spec.algorithm.prompts_per_step,
                              "enforce_eager": cfg.spec.rollout.enforce_eager, "engines": len(rt.engines)}
@@ -468,6 +471,54 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     finally:
         result["stages"] = stages
         rt.shutdown()
+
+
+#: What the runtime's last timed rollout ran (filled by ``run_one``), for ``bare_rollout``.
+BARE_INPUTS: dict[str, Any] = {}
+
+
+def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
+    os.environ.update(inputs["env"])
+    if gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(inputs["engine_gpu"])
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+
+    kw = dict(inputs["kwargs"])
+    kw["weight_transfer_config"] = WeightTransferConfig(backend=kw.pop("weight_transfer_backend"))
+    if kw["weight_transfer_config"].backend == "gloo":  # the runtime's CPU plugin; a bare engine needs none
+        kw.pop("weight_transfer_config")
+    llm = LLM(**kw)
+    sp = SamplingParams(detokenize=False, **inputs["sampling"])
+    prompts = [{"prompt_token_ids": p} for p in inputs["prompts"]]
+    runs = []
+    for _ in range(2):  # warm-up, then timed (as the runtime's rollout)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        runs.append({"seconds": dt, "tokens": tokens, "tokens_per_second": tokens / dt})
+    q.put(runs)
+
+
+def bare_rollout(gpu: bool) -> dict[str, Any]:
+    """The runtime's last rollout batch on a bare ``vllm.LLM`` (same engine arguments and weights, no Ray actor,
+    no runtime) in its own process on one engine's GPU: the runtime's overhead is the ratio of the two."""
+    import multiprocessing as mp
+
+    if BARE_INPUTS.get("engines", 1) != 1:
+        return {"skipped": "only for one-engine layouts (the runtime spreads the batch over its engines)"}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_bare_rollout_proc, args=(BARE_INPUTS, gpu, q))
+    proc.start()
+    try:
+        runs = q.get(timeout=300)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    return {"runs": runs, "tokens_per_second": runs[-1]["tokens_per_second"], "prompts": len(BARE_INPUTS["prompts"])}
 
 
 def child(args: argparse.Namespace) -> int:
@@ -517,6 +568,12 @@ def child(args: argparse.Namespace) -> int:
                   flush=True)
             save(result)
         run_one(layout, model_name, args, result)
+        if args.bare_rollout and BARE_INPUTS:
+            result["bare_rollout"] = bare_rollout(gpu)
+            if "tokens_per_second" in result["bare_rollout"]:
+                result["rollout"]["overhead"] = 1 - result["rollout"]["tokens_per_second"] / result["bare_rollout"][
+                    "tokens_per_second"]
+            print(f"[{layout}:{model_name}] bare vLLM rollout {result['bare_rollout']}", flush=True)
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - record every failure in the result file
         result["status"] = "failed"
@@ -563,6 +620,8 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=0, help="skip runs that would start after this many seconds")
     p.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model, gloo)")
     p.add_argument("--no-variants", action="store_true")
+    p.add_argument("--bare-rollout", action="store_true",
+                   help="also time the last rollout batch on a bare vllm.LLM (the runtime's overhead)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per rollout (default: the base spec's 64)")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--revalidate", action="store_true",
@@ -592,6 +651,7 @@ def main() -> int:
         cmd += ["--no-variants"] if args.no_variants else []
         cmd += ["--variants", args.variants] if args.variants else []
         cmd += ["--prompts", str(args.prompts)] if args.prompts else []
+        cmd += ["--bare-rollout"] if args.bare_rollout else []
         cmd += ["--revalidate"] if args.revalidate else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()

@@ -86,7 +86,8 @@ def test_long_name_is_rejected(cluster) -> None:
 
 
 def test_valid_samples_pass_admission(cluster) -> None:
-    for sample in ("separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer"):
+    for sample in ("separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer",
+                   "moe-expert-parallel"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
 
