@@ -98,6 +98,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
         ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
         ("kernel-format", {"producer": "runtime", "format": "kernel"}),
+        ("kernel-format-one-rpc", {"producer": "runtime", "format": "kernel", "rpc": "one"}),
         ("kernel-format-256MB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 256 << 20}),
         ("kernel-format-4GB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 4 << 30}),
     ],
@@ -369,7 +370,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                 if args.variants and name not in args.variants.split(","):
                     continue
                 try:
-                    applied = ray.get([t.configure_sync.remote(**options) for t in rt.trainers])[0]
+                    applied = ray.get([t.configure_sync.remote(**{"rpc": "three", **options})
+                                       for t in rt.trainers])[0]
                     ray.get([e.scramble_weights.remote(1234) for e in rt.engines])
                     ray.get([e.load_stats.remote(True) for e in rt.engines])
                     syncs = [timed_sync(rt) for _ in range(args.syncs)]
@@ -393,7 +395,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                               key=lambda n: result["summary"][n]["median_total_s"], default=None)
                 options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
                 if options:
-                    ray.get([t.configure_sync.remote(**options) for t in rt.trainers])
+                    ray.get([t.configure_sync.remote(**{"rpc": "three", **options}) for t in rt.trainers])
                     ray.get([e.scramble_weights.remote(99) for e in rt.engines])
                     sync = timed_sync(rt)
                     t = time.perf_counter()
@@ -406,7 +408,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                                                     **check, "seconds": time.perf_counter() - t}
                     print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
                     save(result)
-            ray.get([t.configure_sync.remote(**DEFAULT_OPTIONS, packed=spec["weightSync"].get("packed", True),
+            ray.get([t.configure_sync.remote(**DEFAULT_OPTIONS, rpc="three", packed=spec["weightSync"].get("packed", True),
                                              bucket_bytes=spec["weightSync"]["bucketSizeMB"] << 20)
                      for t in rt.trainers])
 

@@ -194,6 +194,16 @@ class Engine:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
 
+    def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
+        """start -> update -> finish in one call (``weight_sync`` option ``rpc="one"``); stage seconds."""
+        t0 = time.perf_counter()
+        self.start_weight_update(checkpoint_format)
+        t1 = time.perf_counter()
+        self.update_weights(update_info)
+        t2 = time.perf_counter()
+        self.finish_weight_update()
+        return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
+
     def finish_weight_update(self) -> None:
         self.llm.finish_weight_update()
         self._stale_cache = True  # reset before the next generate (keeps the reset out of the sync's time)
@@ -314,6 +324,16 @@ class AsyncEngine:
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    async def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
+        """start -> update -> finish in one call (see ``Engine.update_weights_round``)."""
+        t0 = time.perf_counter()
+        await self.start_weight_update(checkpoint_format)
+        t1 = time.perf_counter()
+        await self.update_weights(update_info)
+        t2 = time.perf_counter()
+        await self.finish_weight_update()
+        return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
 
     async def finish_weight_update(self) -> None:
         await self.llm.finish_weight_update()

@@ -76,6 +76,19 @@ class EngineFanOut:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("finish_weight_update", [()] * len(self.handles))
 
+    def update_round(self, update_info: Any, checkpoint_format: bool = True) -> None:
+        """start -> update -> finish in one actor call per engine (one Ray round trip instead of three); the
+        engines' own stage times are recorded as the three calls' (the slowest engine's)."""
+        import ray
+
+        t = time.perf_counter()
+        stages = ray.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles])
+        wall = time.perf_counter() - t
+        for key, method in (("start_s", "start_weight_update"), ("finish_s", "finish_weight_update")):
+            self.timings[method] = self.timings.get(method, 0.0) + max(st[key] for st in stages)
+        self.timings["update_weights"] = self.timings.get("update_weights", 0.0) + wall - (
+            self.timings["start_weight_update"] + self.timings["finish_weight_update"])
+
     def engine_params(self) -> dict[str, Any]:
         """The first engine's own parameters (name, shape), fused-module mapping and world size."""
         import ray
@@ -244,6 +257,10 @@ class LegacySender(Sender):
       syncs, packing of chunk k+1 overlapped with the broadcast of chunk k; ``"vllm"``: vLLM's
       ``packed_nccl_broadcast_producer`` (fresh ``torch.cat`` buffers every chunk). Both produce the wire
       format vLLM's consumer expects (chunks cut after the first tensor that takes them past the bucket).
+    * ``rpc`` (NCCL only): ``"three"`` (default): ``start_weight_update``, ``update_weights`` and
+      ``finish_weight_update`` are separate calls to every engine actor; ``"one"``: a single
+      ``update_weights_round`` call per engine does all three (two Ray round trips fewer per sync;
+      experimental, not yet measured on GPUs).
     * ``format``: ``"checkpoint"``: HF names, loaded through vLLM's layerwise reload;
       ``"kernel"`` (default): the engines' own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` /
       ``gate_up_proj`` written side by side into the packed buffer), loaded by a plain ``param.copy_``
@@ -283,7 +300,8 @@ class LegacySender(Sender):
         self.configure(**env_options)  # the kernel format asks the engines for their layout once, here
 
     def configure(self, **options: Any) -> dict[str, Any]:
-        """Change sender options (``producer``, ``format``, ``packed``, ``bucket_bytes``) for later syncs."""
+        """Change sender options (``producer``, ``format``, ``rpc``, ``packed``, ``bucket_bytes``) for later
+        syncs."""
         for k in ("packed", "bucket_bytes"):
             if k in options:
                 self.init[k] = options.pop(k)
@@ -320,7 +338,9 @@ class LegacySender(Sender):
         stream, names, dtypes, shapes = self._stream()
         item = self.source.dtype.itemsize
         self.sent_bytes = sum(math.prod(sh) * item for sh in shapes)
-        self.client.start_weight_update(checkpoint_format=not kernel)
+        one_rpc = self.backend == "nccl" and self.options.get("rpc") == "one"
+        if not one_rpc:
+            self.client.start_weight_update(checkpoint_format=not kernel)
         if self.backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import (
                 NCCLTrainerSendWeightsArgs,
@@ -334,7 +354,10 @@ class LegacySender(Sender):
                 update["packed_buffer_size_bytes"] = self.init["bucket_bytes"]
             exe = ThreadPoolExecutor(max_workers=1)
             try:
-                fut = exe.submit(self.client.update_weights, update)
+                if one_rpc:  # the engines start, receive and finish in one call each
+                    fut = exe.submit(self.client.update_round, update, not kernel)
+                else:
+                    fut = exe.submit(self.client.update_weights, update)
                 t0 = time.perf_counter()
                 if packed and self.options.get("producer", "runtime") == "runtime":
                     if self.producer is None or self.producer.bucket_bytes != self.init["bucket_bytes"]:
@@ -371,7 +394,8 @@ class LegacySender(Sender):
             )
             self.trainer_send_s = time.perf_counter() - t0
             self.pack_s = 0.0
-        self.client.finish_weight_update()
+        if not one_rpc:
+            self.client.finish_weight_update()
         return self._result(time.perf_counter() - t)
 
     def _result(self, wall: float) -> dict[str, float]:
