@@ -14,7 +14,9 @@ Guarantees:
   policy when ``klCoef > 0``), token-averaged over the batch, ``epochsPerStep`` passes, micro-batches of
   ``MICRO_BATCH`` sequences with gradient accumulation.
 * Checkpoints (``rlhf_runtime.checkpoint``): the model (``save_pretrained``), the optimiser state and the
-  step, written atomically; a new actor resumes from the newest one, so the step counter continues.
+  step, written atomically; a new actor resumes from the newest one, so the step counter continues. Under
+  FSDP2 both are gathered to full tensors (``torch.distributed.checkpoint.state_dict``) and every rank takes
+  its own shards back on resume. FSDP2 also runs on CPU over gloo (tests).
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ class Trainer:
             import torch.distributed as dist
 
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(dist_addr), str(dist_port)
-            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device)
+            if self.device.type == "cuda":
+                dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device)
+            else:  # CPU (tests): FSDP2 over gloo
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
         self.step = 0
         self.resumed_from: int | None = None
@@ -109,7 +114,7 @@ class Trainer:
             weight_decay=o.weight_decay,
         )
         if opt_state is not None:
-            self.opt.load_state_dict(opt_state)
+            self._load_optimizer_state(opt_state)
         self.sender: Any = None
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for p in self.model.parameters())
 
@@ -147,6 +152,27 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return self.sender.send()
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimiser state to checkpoint. FSDP2: the *full* state (every rank's shards gathered, keyed by
+        parameter name, on rank 0's CPU; a collective, every rank calls it); else the plain state dict."""
+        if self.world_size == 1:
+            return self.opt.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            self.model, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Inverse of ``_optimizer_state``; FSDP2: every rank reads the full state and keeps its own shards."""
+        if self.world_size == 1:
+            self.opt.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.opt, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
 
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """FSDP2: the full (unsharded) state dict on CPU, gathered by every rank; None without FSDP."""
@@ -216,14 +242,15 @@ class Trainer:
         c = self.spec.checkpoint
         if c is None:
             return None
-        state = self._full_state_dict()  # a collective under FSDP: every rank takes part
+        state = self._full_state_dict()  # collectives under FSDP: every rank takes part
+        optim = self._optimizer_state()
         if self.rank != 0:
             return None
         Path(c.path).mkdir(parents=True, exist_ok=True)
         tmp = ckpt.tmp_dir(c.path, self.step)
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(str(tmp / "model"), state_dict=state)
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(optim, tmp / "optimizer.pt")
         final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model})
         ckpt.prune(c.path, keep=2)
         return str(final)
