@@ -79,3 +79,25 @@ def sampling_kwargs(spec: RLHFJobSpec) -> dict[str, Any]:
         "top_p": s.top_p,
         "max_tokens": s.max_tokens,
     }
+
+
+#: Keys of a Hugging Face config that give a model's number of routed experts (Qwen-MoE, Mixtral, DeepSeek, ...).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def check_model(spec: RLHFJobSpec, hf_config: dict[str, Any]) -> None:
+    """Spec settings that depend on the model itself (its Hugging Face config as a dict); raises ValueError with
+    what to change. ``rollout.expertParallel`` needs a mixture-of-experts model (vLLM refuses data-parallel
+    groups of dense models, and there are no experts to shard)."""
+    if spec.rollout.expert_parallel:
+        experts = max((int(hf_config.get(k) or 0) for k in EXPERT_KEYS), default=0)
+        if experts <= 0:
+            raise ValueError(
+                f"rollout.expertParallel needs a mixture-of-experts model, but {spec.model.name} has no experts "
+                f"(none of {', '.join(EXPERT_KEYS)} in its config): set expertParallel to false"
+            )
+        if experts < spec.rollout.engines * spec.rollout.tensor_parallel_size:
+            raise ValueError(
+                f"rollout.expertParallel shards {experts} experts over engines x tensorParallelSize = "
+                f"{spec.rollout.engines * spec.rollout.tensor_parallel_size} GPUs: use at most {experts} engine GPUs"
+            )

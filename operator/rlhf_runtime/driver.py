@@ -422,6 +422,9 @@ class Runtime:
         if spec.model.revision:
             tok_kw["revision"] = spec.model.revision
         tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
+        from transformers import AutoConfig
+
+        rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
         self.reporter.report("Starting", message="starting Ray actors")
         self.connect()
         self.place()

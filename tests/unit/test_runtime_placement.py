@@ -102,3 +102,16 @@ def test_cpu_layouts_that_cannot_run_are_refused(over: dict[str, Any]) -> None:
 def test_spread_deals_prompts_round_robin() -> None:
     assert spread(list("abcde"), 2) == [[0, 2, 4], [1, 3]]
     assert spread(list("ab"), 3) == [[0], [1], []]
+
+
+def test_expert_parallel_needs_a_moe_model_with_enough_experts() -> None:
+    from rlhf_runtime.config import check_model
+
+    s = spec(rollout={"engines": 4, "expertParallel": True})
+    check_model(s, {"model_type": "qwen3_moe", "num_experts": 128})
+    check_model(s, {"model_type": "mixtral", "num_local_experts": 8})
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model, but m has no experts"):
+        check_model(s, {"model_type": "qwen2", "hidden_size": 896})
+    with pytest.raises(ValueError, match="shards 2 experts over engines x tensorParallelSize = 4 GPUs"):
+        check_model(s, {"num_experts": 2})
+    check_model(spec(rollout={"engines": 4}), {"model_type": "qwen2"})  # dense without EP: fine
