@@ -25,9 +25,14 @@ RLHF_COLOCATED_SLEEP_LEVEL=1) and wake weights -> sync -> wake KV cache (GPU; CP
 Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
 
-``--validate``: after the first sync, the engine's greedy output for the first prompts must equal, token
-for token, that of a fresh engine loaded from the trainer's weights (saved under the checkpoint path, or a
-temporary directory when there is none); otherwise the run fails with "weight-sync validation failed".
+``--validate``: after the first sync, every engine's greedy output for the first prompts must equal, token
+for token, that of a fresh engine of the same shape loaded from the trainer's weights (saved under the
+checkpoint path, or a temporary directory when there is none); engines of an expert-parallel DP group are
+compared rank by rank with a fresh DP group. Otherwise the run fails with "weight-sync validation failed".
+
+``rollout.expertParallel`` (MoE): the engines form one vLLM data-parallel group with expert parallelism
+(vLLM's offline SPMD variables ``VLLM_DP_*``, master on engine 0's node); all ranks step together, so a rank
+without prompts gets a one-token placeholder request.
 ``--debug-skip-tensor NAME`` leaves one tensor out of every sync, which validation must catch.
 
 Exit status: 0 succeeded, 1 failed, 3 validation failed.
