@@ -122,6 +122,18 @@ def _worker_scramble(worker: Any, seed: int = 0) -> int:
     return n
 
 
+async def update_round_async(engine: Any, update_info: dict[str, Any], checkpoint_format: bool) -> dict[str, float]:
+    """start -> update -> finish in one actor call on an async engine (``AsyncEngine``, ``SteppedEngine``; see
+    ``Engine.update_weights_round``); stage seconds."""
+    t0 = time.perf_counter()
+    await engine.start_weight_update(checkpoint_format)
+    t1 = time.perf_counter()
+    await engine.update_weights(update_info)
+    t2 = time.perf_counter()
+    await engine.finish_weight_update()
+    return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
+
+
 def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
     return [
         {
@@ -326,14 +338,7 @@ class AsyncEngine:
         await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     async def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
-        """start -> update -> finish in one call (see ``Engine.update_weights_round``)."""
-        t0 = time.perf_counter()
-        await self.start_weight_update(checkpoint_format)
-        t1 = time.perf_counter()
-        await self.update_weights(update_info)
-        t2 = time.perf_counter()
-        await self.finish_weight_update()
-        return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
+        return await update_round_async(self, update_info, checkpoint_format)
 
     async def finish_weight_update(self) -> None:
         await self.llm.finish_weight_update()

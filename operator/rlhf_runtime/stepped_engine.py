@@ -42,6 +42,7 @@ from rlhf_runtime.engines import (
     _worker_param_layout,
     _worker_scramble,
     _worker_time_loads,
+    update_round_async,
 )
 
 #: Which engine async mode uses: ``asyncllm`` (``engines.AsyncEngine``, the default) or ``stepped``.
@@ -334,14 +335,7 @@ class SteppedEngine:
         await self._call(self._finish_weight_update)
 
     async def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
-        """start -> update -> finish in one call (see ``engines.Engine.update_weights_round``)."""
-        t0 = time.perf_counter()
-        await self.start_weight_update(checkpoint_format)
-        t1 = time.perf_counter()
-        await self.update_weights(update_info)
-        t2 = time.perf_counter()
-        await self.finish_weight_update()
-        return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
+        return await update_round_async(self, update_info, checkpoint_format)
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call(self._reset_prefix_cache)
