@@ -87,7 +87,8 @@ def _ensure_children(job: render.Job, body: Any) -> dict[str, Any] | None:
 def _layout(spec: m.RLHFJobSpec) -> str:
     return (
         f"{spec.placement.mode}, trainer {spec.trainer.replicas}x{spec.trainer.gpus_per_replica} GPU, "
-        f"{spec.rollout.engines} engine(s) x TP{spec.rollout.tensor_parallel_size}, sync {spec.weight_sync.backend}"
+        f"{spec.rollout.engines} engine(s) x TP{spec.rollout.tensor_parallel_size}"
+        f"{' (one expert-parallel DP group)' if spec.rollout.expert_parallel else ''}, sync {spec.weight_sync.backend}"
     )
 
 
