@@ -484,13 +484,10 @@ def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
     if gpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(inputs["engine_gpu"])
     from vllm import LLM, SamplingParams
-    from vllm.config import WeightTransferConfig
 
-    kw = dict(inputs["kwargs"])
-    kw["weight_transfer_config"] = WeightTransferConfig(backend=kw.pop("weight_transfer_backend"))
-    if kw["weight_transfer_config"].backend == "gloo":  # the runtime's CPU plugin; a bare engine needs none
-        kw.pop("weight_transfer_config")
-    llm = LLM(**kw)
+    from rlhf_runtime.engines import _llm_args
+
+    llm = LLM(**_llm_args(inputs["kwargs"]))  # the engine actor's exact LLM arguments
     sp = SamplingParams(detokenize=False, **inputs["sampling"])
     prompts = [{"prompt_token_ids": p} for p in inputs["prompts"]]
     runs = []

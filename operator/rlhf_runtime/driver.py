@@ -382,8 +382,8 @@ class Runtime:
 
     def _fresh_engine(self, i: int, path: str, dp: tuple[str, int] | None) -> Any:
         """A fresh engine shaped like engine ``i`` (rank ``i`` of a new DP group when ``dp``) that loads
-        ``path``. It takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (Ray leaves
-        CUDA_VISIBLE_DEVICES alone for num_gpus=0, the engine's is set explicitly); TP>1 workers take the
+        ``path``. It takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (its actor gets engine
+        ``i``'s CUDA_VISIBLE_DEVICES explicitly); TP>1 workers take the
         ``VALIDATION_SHARE`` every bundle keeps free. Memory: what is still free on that GPU (vLLM refuses to
         start when free < gpu_memory_utilization x total)."""
         import ray

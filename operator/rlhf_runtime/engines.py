@@ -88,10 +88,10 @@ def _worker_memory(worker: Any) -> tuple[int, int]:
     return torch.cuda.mem_get_info(getattr(worker, "device", None))
 
 
-def _device_info(rpc: Any) -> dict[str, Any]:
+def _device_info(mem: list[tuple[int, int]]) -> dict[str, Any]:
     """(GPU engines) The actor's visible GPUs and the least free/total memory over its engine's workers' GPUs
-    (for a validation engine; a TP>1 engine's workers are other processes, on other GPUs than the actor's)."""
-    mem = rpc(_worker_memory)
+    (``mem``: ``_worker_memory`` of every worker; for a validation engine; a TP>1 engine's workers are other
+    processes, on other GPUs than the actor's)."""
     return {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "free": min(m[0] for m in mem), "total": min(m[1] for m in mem)}
 
@@ -201,7 +201,7 @@ class Engine:
 
     def device_info(self) -> dict[str, Any]:
         """(GPU) The actor's visible GPUs and the least free/total memory over its workers' GPUs."""
-        return _device_info(self.llm.collective_rpc)
+        return _device_info(self.llm.collective_rpc(_worker_memory))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
@@ -327,12 +327,8 @@ class AsyncEngine:
         return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
     async def device_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-        import torch
-
-        if torch.cuda.is_available():
-            info["free"], info["total"] = torch.cuda.mem_get_info()
-        return info
+        """(GPU) See ``Engine.device_info``."""
+        return _device_info(await self.llm.collective_rpc(_worker_memory))
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})

@@ -36,9 +36,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from rlhf_runtime.engines import (
+    _device_info,
     _llm_args,
     _prepare_env,
     _worker_freeze,
+    _worker_memory,
     _worker_param_layout,
     _worker_scramble,
     _worker_time_loads,
@@ -321,12 +323,8 @@ class SteppedEngine:
         return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
 
     async def device_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-        import torch
-
-        if torch.cuda.is_available():
-            info["free"], info["total"] = torch.cuda.mem_get_info()
-        return info
+        """(GPU) See ``engines.Engine.device_info``."""
+        return _device_info(await self._call(self.llm.collective_rpc, _worker_memory))
 
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self._call(self.llm.update_weights, {"update_info": update_info})

@@ -84,10 +84,10 @@ class EngineFanOut:
         t = time.perf_counter()
         stages = ray.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles])
         wall = time.perf_counter() - t
-        for key, method in (("start_s", "start_weight_update"), ("finish_s", "finish_weight_update")):
-            self.timings[method] = self.timings.get(method, 0.0) + max(st[key] for st in stages)
-        self.timings["update_weights"] = self.timings.get("update_weights", 0.0) + wall - (
-            self.timings["start_weight_update"] + self.timings["finish_weight_update"])
+        start, finish = max(st["start_s"] for st in stages), max(st["finish_s"] for st in stages)
+        for method, seconds in (("start_weight_update", start), ("update_weights", wall - start - finish),
+                                ("finish_weight_update", finish)):
+            self.timings[method] = self.timings.get(method, 0.0) + seconds
 
     def engine_params(self) -> dict[str, Any]:
         """The first engine's own parameters (name, shape), fused-module mapping and world size."""
