@@ -68,6 +68,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       "rollout": {"gpuMemoryUtilization": 0.5}},
     "colocated-ipc": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
+    "colocated-ipc-resident": {"placement": {"mode": "colocated", "colocatedSleep": False},
+                               "weightSync": {"backend": "ipc"}, "rollout": {"gpuMemoryUtilization": 0.3}},
     "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                             "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                             "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
@@ -106,9 +108,16 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("packed", {"packed": True, "format": "checkpoint"}),
         ("unpacked", {"packed": False, "format": "checkpoint"}),
         ("kernel-format-unpacked", {"packed": False, "format": "kernel"}),
-        ("kernel-format-packed", {"packed": True, "format": "kernel"}),
+        ("kernel-format-packed-vllm", {"packed": True, "format": "kernel", "producer": "vllm"}),
+        ("kernel-format-packed", {"packed": True, "format": "kernel", "producer": "runtime", "ipc_wire": "packed"}),
+        ("kernel-format-views", {"packed": True, "format": "kernel", "producer": "runtime", "ipc_wire": "views"}),
+        ("kernel-format-views-one-rpc", {"packed": True, "format": "kernel", "producer": "runtime",
+                                         "ipc_wire": "views", "rpc": "one", "bucket_bytes": 4 << 30}),
     ],
 }
+
+#: Options every variant starts from (a variant names only what it changes).
+RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime"}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -261,7 +270,7 @@ def timed_sync(rt: Any) -> dict[str, Any]:
     import ray
 
     sleep_s = 0.0
-    if rt.colocated and rt.gpu:
+    if rt.sleeps and rt.gpu:
         sleep_s = rt.sleep_engines(next_syncs=True)  # the driver's choice when a sync follows
     r = rt.sync()
     loads = ray.get([e.load_stats.remote(True) for e in rt.engines])
@@ -370,7 +379,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                 if args.variants and name not in args.variants.split(","):
                     continue
                 try:
-                    applied = ray.get([t.configure_sync.remote(**{"rpc": "three", **options})
+                    applied = ray.get([t.configure_sync.remote(**{**RESET, **options})
                                        for t in rt.trainers])[0]
                     ray.get([e.scramble_weights.remote(1234) for e in rt.engines])
                     ray.get([e.load_stats.remote(True) for e in rt.engines])
@@ -395,7 +404,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                               key=lambda n: result["summary"][n]["median_total_s"], default=None)
                 options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
                 if options:
-                    ray.get([t.configure_sync.remote(**{"rpc": "three", **options}) for t in rt.trainers])
+                    ray.get([t.configure_sync.remote(**{**RESET, **options}) for t in rt.trainers])
                     ray.get([e.scramble_weights.remote(99) for e in rt.engines])
                     sync = timed_sync(rt)
                     t = time.perf_counter()
@@ -408,7 +417,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                                                     **check, "seconds": time.perf_counter() - t}
                     print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
                     save(result)
-            ray.get([t.configure_sync.remote(**DEFAULT_OPTIONS, rpc="three", packed=spec["weightSync"].get("packed", True),
+            ray.get([t.configure_sync.remote(**{**RESET, **DEFAULT_OPTIONS}, packed=spec["weightSync"].get("packed", True),
                                              bucket_bytes=spec["weightSync"]["bucketSizeMB"] << 20)
                      for t in rt.trainers])
 
@@ -455,7 +464,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
             save(result)
 
         # one GRPO step on the last rollout, then the sync the driver would do
-        if rt.colocated and rt.gpu:
+        if rt.sleeps and rt.gpu:
             rt.sleep_engines(next_syncs=True)
         w = len(rt.trainers)
         pr = [pids[i] for i, o in enumerate(outs) for _ in o["samples"]]

@@ -179,6 +179,13 @@ class Placement(Model):
     gpus_per_node: int = Field(
         8, ge=1, le=64, description="GPUs per node in the target pool; a pod never asks for more than this."
     )
+    colocated_sleep: bool = Field(
+        True,
+        description="colocated: engines sleep while the trainer trains (vLLM sleep mode frees their weights and KV "
+        "cache; woken before the next sync). false keeps them resident: no wake-up in the sync and no CuMem "
+        "allocator, but the trainer (weights, gradients, optimiser state, activations) must fit beside "
+        "rollout.gpuMemoryUtilization of each GPU.",
+    )
     gpu_product: str | None = Field(
         None,
         max_length=128,
@@ -347,6 +354,11 @@ SPEC_RULES = [
         "self.trainer.replicas * self.trainer.gpusPerReplica == self.rollout.engines * self.rollout.tensorParallelSize",
         "placement.mode 'colocated' needs as many trainer GPUs (replicas x gpusPerReplica) as engine GPUs "
         "(engines x tensorParallelSize): each GPU holds one trainer worker and one engine shard",
+    ),
+    cel(
+        "self.placement.colocatedSleep || self.placement.mode == 'colocated'",
+        "placement.colocatedSleep: false only applies to placement.mode 'colocated' (separate engines never sleep)",
+        fieldPath=".placement.colocatedSleep",
     ),
     cel(
         "self.weightSync.mode != 'async' || self.placement.mode == 'separate'",

@@ -64,7 +64,7 @@ def engine_kwargs(
         kw["trust_remote_code"] = True
     if r.max_model_len:
         kw["max_model_len"] = r.max_model_len
-    if spec.placement.mode == "colocated" and gpu:
+    if spec.placement.mode == "colocated" and spec.placement.colocated_sleep and gpu:
         kw["enable_sleep_mode"] = True
     if r.expert_parallel:
         kw["enable_expert_parallel"] = True

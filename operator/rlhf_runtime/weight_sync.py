@@ -76,6 +76,13 @@ class EngineFanOut:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._all("finish_weight_update", [()] * len(self.handles))
 
+    def update_weights_nowait(self, update_info: Any, round_trip: bool = False) -> list[Any]:
+        """``update_weights`` (or, ``round_trip``, the whole ``update_weights_round`` in the kernel format) on
+        every engine without waiting: the Ray refs to wait on before the chunk's buffer is reused."""
+        if round_trip:
+            return [h.update_weights_round.remote(update_info, False) for h in self.handles]
+        return [h.update_weights.remote(update_info) for h in self.handles]
+
     def update_round(self, update_info: Any, checkpoint_format: bool = True) -> None:
         """start -> update -> finish in one actor call per engine (one Ray round trip instead of three); the
         engines' own stage times are recorded as the three calls' (the slowest engine's)."""
@@ -261,6 +268,9 @@ class LegacySender(Sender):
       ``finish_weight_update`` are separate calls to every engine actor; ``"one"``: a single
       ``update_weights_round`` call per engine does all three (two Ray round trips fewer per sync;
       experimental, not yet measured on GPUs).
+    * IPC, single trainer worker, kernel format, packed: ``producer="runtime"`` is ``IPCBufferProducer``
+      (persistent buffers, chunks pipelined, ``ipc_wire`` ``"packed"``/``"views"``, ``rpc="one"`` when the
+      model fits one bucket); ``producer="vllm"`` is vLLM's ``IPCWeightTransferEngine.trainer_send_weights``.
     * ``format``: ``"checkpoint"``: HF names, loaded through vLLM's layerwise reload;
       ``"kernel"`` (default): the engines' own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` /
       ``gate_up_proj`` written side by side into the packed buffer), loaded by a plain ``param.copy_``
@@ -280,6 +290,7 @@ class LegacySender(Sender):
         self.options: dict[str, Any] = {"producer": DEFAULT_OPTIONS["producer"], "format": "checkpoint"}
         env_options = _env_options()
         self.producer: PackedProducer | None = None
+        self.ipc_producer: IPCBufferProducer | None = None
         self.plan: KernelPlan | None = None
         if backend == "nccl":
             if not self.is_sender:
@@ -300,8 +311,8 @@ class LegacySender(Sender):
         self.configure(**env_options)  # the kernel format asks the engines for their layout once, here
 
     def configure(self, **options: Any) -> dict[str, Any]:
-        """Change sender options (``producer``, ``format``, ``rpc``, ``packed``, ``bucket_bytes``) for later
-        syncs."""
+        """Change sender options (``producer``, ``format``, ``rpc``, ``ipc_wire``, ``packed``,
+        ``bucket_bytes``) for later syncs."""
         for k in ("packed", "bucket_bytes"):
             if k in options:
                 self.init[k] = options.pop(k)
@@ -321,10 +332,17 @@ class LegacySender(Sender):
         """(iterator of (name, tensor), names, dtype names, shapes) in the chosen weight format."""
         if self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok:
             runtime_producer = self.backend == "nccl" and self.init["packed"] and (
-                self.options.get("producer", "runtime") == "runtime")
+                self.options.get("producer", "runtime") == "runtime") or self._ipc_runtime_producer()
             return self.plan.iterate(self.source, fuse=not runtime_producer), *self.plan.metadata(self.source.dtype)
         names, dtypes, shapes = self.source.legacy_metadata()
         return iter(self.source), names, dtypes, shapes
+
+    def _ipc_runtime_producer(self) -> bool:
+        """IPC through ``IPCBufferProducer``: kernel format (the engine copies each tensor into its parameter
+        before ``update_weights`` returns, so buffers can be reused), packed, one trainer worker."""
+        return (self.backend == "ipc" and self.init["packed"] and self.options.get("producer", "runtime") == "runtime"
+                and self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok
+                and int(self.init.get("trainer_world", 1)) == 1)
 
     def send(self) -> dict[str, float]:
         self.client.timings = {}
@@ -338,7 +356,9 @@ class LegacySender(Sender):
         stream, names, dtypes, shapes = self._stream()
         item = self.source.dtype.itemsize
         self.sent_bytes = sum(math.prod(sh) * item for sh in shapes)
-        one_rpc = self.backend == "nccl" and self.options.get("rpc") == "one"
+        ipc_runtime = self._ipc_runtime_producer()
+        one_rpc = self.options.get("rpc") == "one" and (
+            self.backend == "nccl" or (ipc_runtime and self.sent_bytes <= self.init["bucket_bytes"]))
         if not one_rpc:
             self.client.start_weight_update(checkpoint_format=not kernel)
         if self.backend == "nccl":
@@ -376,6 +396,23 @@ class LegacySender(Sender):
                 fut.result()
             finally:
                 exe.shutdown(wait=False)
+        elif ipc_runtime:
+            if self.ipc_producer is None or self.ipc_producer.bucket_bytes != self.init["bucket_bytes"]:
+                self.ipc_producer = IPCBufferProducer(self.init["bucket_bytes"])
+            t0 = time.perf_counter()
+            stages = self.ipc_producer.send(
+                stream, lambda info: self.client.update_weights_nowait(info, round_trip=one_rpc),
+                wire=self.options.get("ipc_wire", "packed"),
+            )
+            self.trainer_send_s = time.perf_counter() - t0
+            self.pack_s = self.ipc_producer.pack_s
+            if one_rpc:  # the engines' own start/finish times, as EngineFanOut.update_round records them
+                start = max(st["start_s"] for st in stages)
+                finish = max(st["finish_s"] for st in stages)
+                self.client.timings.update(start_weight_update=start, finish_weight_update=finish,
+                                           update_weights=self.trainer_send_s - start - finish)
+            else:
+                self.client.timings["update_weights"] = self.trainer_send_s
         else:  # ipc: every rank calls the sender (handles are all-gathered); rank 0 sends to every engine
             from vllm.distributed.weight_transfer.ipc_engine import (
                 IPCTrainerSendWeightsArgs,
@@ -477,6 +514,123 @@ class PackedProducer:
             flush(pending, size, slot)
         self.comm_stream.synchronize()
         return pack_s
+
+
+def cuda_ipc_export(tensor: torch.Tensor) -> dict[str, tuple]:
+    """``{physical GPU UUID: rebuild_cuda_tensor args}`` for ``tensor``, the handle format of vLLM's IPC
+    consumer. Each export pairs with one rebuild-and-release on the engine (torch's cross-process refcount)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return {uuid: reduce_tensor(tensor)[1]}
+
+
+class IPCBufferProducer:
+    """Trainer side of the CUDA-IPC sync in the kernel format with persistent buffers (option
+    ``producer="runtime"``, one trainer worker).
+
+    vLLM 0.24's packed IPC sender allocates a fresh buffer every sync (exported once but rebuilt and released
+    by the engine per chunk, so the trainer's GPU memory grows by one buffer per sync), waits for each chunk
+    before packing the next, and its consumer clones every tensor before copying it into the parameter. Here
+    two buffers of ``bucket_bytes`` are allocated once (grown if one tensor is larger) and reused across
+    syncs, chunk k+1 is packed while the engines load chunk k, each chunk is exported once per delivery
+    (``cuda_ipc_export``: pairs with the engine's one rebuild) and ``torch.cuda.ipc_collect()`` runs once per
+    sync. ``wire``:
+
+    * ``"packed"``: vLLM's packed IPC format (one handle per chunk, ``tensor_sizes``); the engine clones each
+      tensor out of the buffer, then copies it into the parameter;
+    * ``"views"``: vLLM's unpacked format, one handle per tensor, every one a view into the chunk's buffer;
+      the engine opens the buffer once per chunk (torch caches storages by handle) and copies each view
+      straight into its parameter: one device copy per byte on each side, no clone.
+
+    Only the kernel format may use it: the checkpoint format's layerwise reload keeps references to the
+    tensors it was given beyond ``update_weights`` and would read a reused buffer. ``deliver(update_info)``
+    sends one chunk to every engine without waiting and returns what to wait on (Ray refs) before the
+    chunk's buffer is written again; ``send`` returns the engines' results of every delivery.
+    """
+
+    def __init__(self, bucket_bytes: int, export: Any = None, wait: Any = None, device: str = "cuda") -> None:
+        self.bucket_bytes = bucket_bytes
+        self.export = export or cuda_ipc_export
+        self.wait = wait  # default ray.get
+        self.device = device
+        self.buffers: list[torch.Tensor] = []
+        self.pack_s = 0.0
+        self.chunks = 0
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        while len(self.buffers) <= i:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self.buffers[i].numel() < size:
+            self.buffers[i] = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+        return self.buffers[i]
+
+    def _wait(self, refs: Any) -> list[Any]:
+        if refs is None:
+            return []
+        if self.wait is not None:
+            return list(self.wait(refs))
+        import ray
+
+        return list(ray.get(refs))
+
+    def send(self, stream: Any, deliver: Any, wire: str = "packed") -> list[Any]:
+        if wire not in ("packed", "views"):
+            raise ValueError(f"ipc_wire must be packed or views, not {wire!r}")
+        self.pack_s, self.chunks = 0.0, 0
+        results: list[Any] = []
+        inflight: list[Any] = [None, None]
+        slot = 0
+        pending: list[tuple[str, list[torch.Tensor]]] = []
+        size = 0
+
+        def flush(pending: list[tuple[str, list[torch.Tensor]]], size: int, slot: int) -> None:
+            results.extend(self._wait(inflight[slot]))  # the engines are done with this buffer's last chunk
+            t = time.perf_counter()
+            buf = self._buffer(slot, size)
+            names, dtypes, shapes, sizes, views = [], [], [], [], []
+            off = 0
+            for name, parts in pending:
+                start = off
+                for p in parts:
+                    n = p.numel() * p.element_size()
+                    buf[off : off + n].copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
+                    off += n
+                dtype = parts[0].dtype
+                shape = list(parts[0].shape) if len(parts) == 1 else [
+                    sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
+                names.append(name)
+                dtypes.append(str(dtype).split(".")[-1])
+                shapes.append(shape)
+                sizes.append(off - start)
+                if wire == "views":
+                    views.append(buf[start:off].view(dtype).view(shape))
+            if buf.device.type == "cuda":
+                torch.cuda.current_stream(buf.device).synchronize()  # the engine reads after the handle arrives
+            info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            if wire == "packed":
+                info.update(packed=True, tensor_sizes=sizes, ipc_handles=self.export(buf[:off]))
+            else:
+                info.update(packed=False, ipc_handles=[self.export(v) for v in views])
+            self.pack_s += time.perf_counter() - t
+            inflight[slot] = deliver(info)
+            self.chunks += 1
+
+        for name, t in stream:
+            parts = [p.detach() for p in (t if isinstance(t, list) else [t])]
+            n = sum(p.numel() * p.element_size() for p in parts)
+            if pending and size + n > self.bucket_bytes:  # a chunk never exceeds the bucket (unless one tensor does)
+                flush(pending, size, slot)
+                pending, size, slot = [], 0, 1 - slot
+            pending.append((name, parts))
+            size += n
+        if pending:
+            flush(pending, size, slot)
+        for refs in (inflight[1 - slot], inflight[slot]):  # the older chunk first
+            results.extend(self._wait(refs))
+        if self.device == "cuda":
+            torch.cuda.ipc_collect()
+        return results
 
 
 class KernelPlan:

@@ -40,6 +40,8 @@ INVALID = [
     ("trainer gpus above gpus per node", with_spec(trainer__gpusPerReplica=9, trainer__strategy="fsdp2"),
      "trainer.gpusPerReplica must not exceed placement.gpusPerNode"),
     ("ipc with separate placement", with_spec(weightSync__backend="ipc"), "weightSync.backend 'ipc' needs placement.mode 'colocated'"),
+    ("colocatedSleep false with separate placement", with_spec(placement__colocatedSleep=False),
+     "placement.colocatedSleep: false only applies to placement.mode 'colocated'"),
     ("colocated with nccl", with_spec(placement__mode="colocated", rollout__tensorParallelSize=1),
      "placement.mode 'colocated' needs weightSync.backend 'ipc'"),
     ("colocated gpu mismatch", with_spec(placement__mode="colocated", weightSync__backend="ipc", rollout__engines=2),
