@@ -68,6 +68,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       "rollout": {"gpuMemoryUtilization": 0.5}},
     "colocated-ipc": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
+    "separate-nccl-omp16": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
+                            "rollout": {"gpuMemoryUtilization": 0.5}, "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-resident": {"placement": {"mode": "colocated", "colocatedSleep": False},
                                "weightSync": {"backend": "ipc"}, "rollout": {"gpuMemoryUtilization": 0.3}},
     "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
@@ -318,7 +320,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     result["model"]["build_s"] = time.perf_counter() - t
     print(f"[{layout}:{model_name}] model {result['model']['params'] / 1e9:.3f}B params built", flush=True)
 
-    spec = merge(base_spec(str(model_path), gpu), LAYOUTS[layout])
+    over = dict(LAYOUTS[layout])
+    actor_env = over.pop("_env", {})  # extra environment of the runtime's actors (a layout of its own)
+    spec = merge(base_spec(str(model_path), gpu), over)
     if args.prompts:
         spec = merge(spec, {"algorithm": {"promptsPerStep": args.prompts}})
     result["spec"] = spec
@@ -327,6 +331,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     opts = Options(local=True, report=False, validate=True, progress_file=str(work / "progress.jsonl"))
     rt = Runtime(cfg, opts, Reporter(None, Metrics(cfg.name, cfg.namespace), opts.progress_file))
     rt.env.update(SAFE_ENV)
+    rt.env.update(actor_env)
     if layout.endswith("async"):
         rt.env["VLLM_BATCH_INVARIANT"] = "1"
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -429,8 +434,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
 
         sampling = rc.sampling_kwargs(cfg.spec)
         rollouts = []
-        for i in range(2):
-            batch = step_batch(samples, i, cfg.spec.algorithm.prompts_per_step, 0)
+        for i in range(1 + args.rollouts):  # a warm-up on batch 0, then the same batch 1 every time
+            batch = step_batch(samples, min(i, 1), cfg.spec.algorithm.prompts_per_step, 0)
             refs, parts, pids, batch, t0 = rt.launch_rollout(tokenizer, batch, sampling)
             outs = rt.collect(refs, parts, len(pids))
             dt = time.perf_counter() - t0
@@ -439,8 +444,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                              "tokens_per_second": tokens / dt})
         BARE_INPUTS.update(prompts=[rt.encode(tokenizer, x.prompt) for x in batch], sampling=sampling,
                            kwargs=dict(rt.engine_kwargs[0], model=str(model_path), load_format="auto"),
-                           env=dict(rt.env), engine_gpu=0 if rt.colocated else 1, engines=len(rt.engines))
-        result["rollout"] = {"runs": rollouts, "tokens_per_second": rollouts[-1]["tokens_per_second"],
+                           env=dict(rt.env), engine_gpu=0 if rt.colocated else 1, engines=len(rt.engines),
+                           runs=args.rollouts)
+        result["rollout"] = {"runs": rollouts, "tokens_per_second": median([r["tokens_per_second"] for r in rollouts[1:]]),
                              "sampling": sampling, "prompts": cfg.spec.algorithm.prompts_per_step,
                              "enforce_eager": cfg.spec.rollout.enforce_eager, "engines": len(rt.engines)}
         print(f"[{layout}:{model_name}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
@@ -500,7 +506,7 @@ def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
     sp = SamplingParams(detokenize=False, **inputs["sampling"])
     prompts = [{"prompt_token_ids": p} for p in inputs["prompts"]]
     runs = []
-    for _ in range(2):  # warm-up, then timed (as the runtime's rollout)
+    for _ in range(1 + inputs.get("runs", 1)):  # a warm-up, then timed (as the runtime's rollout)
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t
@@ -517,16 +523,22 @@ def bare_rollout(gpu: bool) -> dict[str, Any]:
     if BARE_INPUTS.get("engines", 1) != 1:
         return {"skipped": "only for one-engine layouts (the runtime spreads the batch over its engines)"}
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_bare_rollout_proc, args=(BARE_INPUTS, gpu, q))
-    proc.start()
-    try:
-        runs = q.get(timeout=300)
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-    return {"runs": runs, "tokens_per_second": runs[-1]["tokens_per_second"], "prompts": len(BARE_INPUTS["prompts"])}
+    out: dict[str, Any] = {"prompts": len(BARE_INPUTS["prompts"])}
+    # as the engine process has it, and with OMP_NUM_THREADS=1 (what Ray gives an actor of one CPU)
+    for name, extra in (("default", {}), ("omp1", {"OMP_NUM_THREADS": "1"})):
+        q = ctx.Queue()
+        inputs = {**BARE_INPUTS, "env": {**BARE_INPUTS["env"], **extra}}
+        proc = ctx.Process(target=_bare_rollout_proc, args=(inputs, gpu, q))
+        proc.start()
+        try:
+            runs = q.get(timeout=300)
+        finally:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+        out[name] = {"runs": runs, "tokens_per_second": median([r["tokens_per_second"] for r in runs[1:]])}
+    out["tokens_per_second"] = out["default"]["tokens_per_second"]
+    return out
 
 
 def child(args: argparse.Namespace) -> int:
@@ -566,7 +578,7 @@ def child(args: argparse.Namespace) -> int:
             nbytes = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) * 2
             del m
             if "nccl" in layout:
-                r = merge(base_spec("m", True), LAYOUTS[layout])["rollout"]
+                r = merge(base_spec("m", True), {k: v for k, v in LAYOUTS[layout].items() if k != "_env"})["rollout"]
                 world = 1 + r["engines"] * r["tensorParallelSize"]
                 result["floor"] = nccl_floor(nbytes, 1 << 30, world)
             else:
@@ -630,6 +642,7 @@ def main() -> int:
     p.add_argument("--no-variants", action="store_true")
     p.add_argument("--bare-rollout", action="store_true",
                    help="also time the last rollout batch on a bare vllm.LLM (the runtime's overhead)")
+    p.add_argument("--rollouts", type=int, default=1, help="timed rollouts of the same batch after a warm-up")
     p.add_argument("--prompts", type=int, default=0, help="prompts per rollout (default: the base spec's 64)")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--revalidate", action="store_true",
@@ -659,6 +672,7 @@ def main() -> int:
         cmd += ["--no-variants"] if args.no_variants else []
         cmd += ["--variants", args.variants] if args.variants else []
         cmd += ["--prompts", str(args.prompts)] if args.prompts else []
+        cmd += ["--rollouts", str(args.rollouts)]
         cmd += ["--bare-rollout"] if args.bare_rollout else []
         cmd += ["--revalidate"] if args.revalidate else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)

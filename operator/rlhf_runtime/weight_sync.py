@@ -232,8 +232,9 @@ class TrainerEngineSender(Sender):
 #: ``RLHF_WEIGHT_SYNC_FORMAT`` / ``RLHF_WEIGHT_SYNC_PRODUCER`` in the trainer's environment override them.
 #: The kernel format is the default since it passed the fresh-engine validation on GPUs (NCCL 1.7B with
 #: 3 engines, IPC 0.5B; ``benchmarks/README.md``); it falls back to the checkpoint format by itself where
-#: its plan does not apply (TP>1 engines, several IPC trainer ranks, expert parallelism).
-DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "kernel"}
+#: its plan does not apply (TP>1 engines, several IPC trainer ranks, expert parallelism). One RPC per engine
+#: and sync since it validated on NCCL 1.7B (17.9 ms vs 23.5 ms with three, same run).
+DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "kernel", "rpc": "one"}
 
 
 def _env_options() -> dict[str, Any]:
@@ -264,10 +265,9 @@ class LegacySender(Sender):
       syncs, packing of chunk k+1 overlapped with the broadcast of chunk k; ``"vllm"``: vLLM's
       ``packed_nccl_broadcast_producer`` (fresh ``torch.cat`` buffers every chunk). Both produce the wire
       format vLLM's consumer expects (chunks cut after the first tensor that takes them past the bucket).
-    * ``rpc`` (NCCL only): ``"three"`` (default): ``start_weight_update``, ``update_weights`` and
-      ``finish_weight_update`` are separate calls to every engine actor; ``"one"``: a single
-      ``update_weights_round`` call per engine does all three (two Ray round trips fewer per sync;
-      experimental, not yet measured on GPUs).
+    * ``rpc``: ``"one"`` (default): a single ``update_weights_round`` call per engine does
+      ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` (two Ray round trips fewer per
+      sync; NCCL, and IPC when the model fits one bucket); ``"three"``: three separate calls per engine.
     * IPC, single trainer worker, kernel format, packed: ``producer="runtime"`` is ``IPCBufferProducer``
       (persistent buffers, chunks pipelined, ``ipc_wire`` ``"packed"``/``"views"``, ``rpc="one"`` when the
       model fits one bucket); ``producer="vllm"`` is vLLM's ``IPCWeightTransferEngine.trainer_send_weights``.
@@ -277,7 +277,7 @@ class LegacySender(Sender):
       (``start_weight_update(is_checkpoint_format=False)``); falls back to ``checkpoint`` when the plan
       does not cover the engine's parameters.
 
-    Defaults (``DEFAULT_OPTIONS``): ``producer=runtime``, ``format=kernel``, the fast path measured in
+    Defaults (``DEFAULT_OPTIONS``): ``producer=runtime``, ``format=kernel``, ``rpc=one``, the fast path measured in
     ``benchmarks/README.md``; ``RLHF_WEIGHT_SYNC_FORMAT=checkpoint`` / ``RLHF_WEIGHT_SYNC_PRODUCER=vllm``
     (driver environment, passed to the actors) go back to vLLM's own producer and layerwise reload.
     """
