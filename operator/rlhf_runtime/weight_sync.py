@@ -229,7 +229,8 @@ class TrainerEngineSender(Sender):
 
 
 #: Default sender options of the vLLM 0.24 path (``LegacySender.configure`` changes them per trainer);
-#: ``RLHF_WEIGHT_SYNC_FORMAT`` / ``RLHF_WEIGHT_SYNC_PRODUCER`` in the trainer's environment override them.
+#: ``RLHF_WEIGHT_SYNC_FORMAT`` / ``RLHF_WEIGHT_SYNC_PRODUCER`` / ``RLHF_WEIGHT_SYNC_RPC`` in the trainer's
+#: environment override them.
 #: The kernel format is the default since it passed the fresh-engine validation on GPUs (NCCL 1.7B with
 #: 3 engines, IPC 0.5B; ``benchmarks/README.md``); it falls back to the checkpoint format by itself where
 #: its plan does not apply (TP>1 engines, several IPC trainer ranks, expert parallelism). One RPC per engine
@@ -249,6 +250,11 @@ def _env_options() -> dict[str, Any]:
         if producer not in ("vllm", "runtime"):
             raise ValueError(f"RLHF_WEIGHT_SYNC_PRODUCER must be vllm or runtime, not {producer!r}")
         out["producer"] = producer
+    rpc = os.environ.get("RLHF_WEIGHT_SYNC_RPC")
+    if rpc:
+        if rpc not in ("one", "three"):
+            raise ValueError(f"RLHF_WEIGHT_SYNC_RPC must be one or three, not {rpc!r}")
+        out["rpc"] = rpc
     return out
 
 

@@ -1,4 +1,5 @@
-"""``IPCBufferProducer`` (the runtime's CUDA-IPC sender) on CPU tensors: chunking, both wire formats read back
+"""Weight-sync sender parts that run without a GPU: the sender options, and ``IPCBufferProducer`` (the runtime's
+CUDA-IPC sender) on CPU tensors: chunking, both wire formats read back
 through vLLM's own unpacking, buffers reused across syncs and never overwritten before the engine read them.
 
 The engine is played by a consumer that reads a chunk only when the producer waits on it (as late as a real
@@ -101,3 +102,17 @@ def test_unknown_wire_is_refused() -> None:
     prod = IPCBufferProducer(1024, export=lambda t: {"mem": t}, wait=lambda x: x, device="cpu")
     with pytest.raises(ValueError, match="ipc_wire must be packed or views"):
         prod.send(iter(_stream(0)), lambda info: info, wire="pickle")
+
+
+def test_sender_options_from_the_environment(monkeypatch) -> None:
+    from rlhf_runtime.weight_sync import DEFAULT_OPTIONS, _env_options
+
+    for k in ("RLHF_WEIGHT_SYNC_FORMAT", "RLHF_WEIGHT_SYNC_PRODUCER", "RLHF_WEIGHT_SYNC_RPC"):
+        monkeypatch.delenv(k, raising=False)
+    assert _env_options() == DEFAULT_OPTIONS == {"producer": "runtime", "format": "kernel", "rpc": "one"}
+    monkeypatch.setenv("RLHF_WEIGHT_SYNC_RPC", "three")
+    monkeypatch.setenv("RLHF_WEIGHT_SYNC_FORMAT", "checkpoint")
+    assert _env_options() == {"producer": "runtime", "format": "checkpoint", "rpc": "three"}
+    monkeypatch.setenv("RLHF_WEIGHT_SYNC_RPC", "two")
+    with pytest.raises(ValueError, match="RLHF_WEIGHT_SYNC_RPC must be one or three"):
+        _env_options()
