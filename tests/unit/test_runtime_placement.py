@@ -77,6 +77,15 @@ def test_expert_parallel_engines_form_one_dp_group() -> None:
     assert "enable_expert_parallel" not in engine_kwargs(spec(rollout={"engines": 4}), "m", "nccl", "uni", True)
 
 
+def test_colocated_engines_sleep_unless_kept_resident() -> None:
+    colocated = {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"}}
+    assert engine_kwargs(spec(**colocated), "m", "ipc", "uni", True)["enable_sleep_mode"] is True
+    resident = spec(placement={"mode": "colocated", "colocatedSleep": False}, weightSync={"backend": "ipc"})
+    assert "enable_sleep_mode" not in engine_kwargs(resident, "m", "ipc", "uni", True)
+    assert "enable_sleep_mode" not in engine_kwargs(spec(**colocated), "m", "gloo", "uni", False)  # CPU vLLM
+    assert "enable_sleep_mode" not in engine_kwargs(spec(), "m", "nccl", "uni", True)  # separate
+
+
 def test_cpu_job_uses_cpu_bundles_only() -> None:
     lay = compute_layout(spec(trainer={"gpusPerReplica": 0}, rollout={"engines": 2}))
     assert not lay.gpu
