@@ -146,6 +146,12 @@ def base_spec(model_path: str, gpu: bool) -> dict[str, Any]:
     }
 
 
+def layout_parts(layout: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A layout's spec overrides and the extra environment of the runtime's actors (its ``_env`` key)."""
+    over = dict(LAYOUTS[layout])
+    return over, over.pop("_env", {})
+
+
 def merge(spec: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(spec)
     for k, v in over.items():
@@ -272,7 +278,7 @@ def timed_sync(rt: Any) -> dict[str, Any]:
     import ray
 
     sleep_s = 0.0
-    if rt.sleeps and rt.gpu:
+    if rt.sleeps:
         sleep_s = rt.sleep_engines(next_syncs=True)  # the driver's choice when a sync follows
     r = rt.sync()
     loads = ray.get([e.load_stats.remote(True) for e in rt.engines])
@@ -320,8 +326,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     result["model"]["build_s"] = time.perf_counter() - t
     print(f"[{layout}:{model_name}] model {result['model']['params'] / 1e9:.3f}B params built", flush=True)
 
-    over = dict(LAYOUTS[layout])
-    actor_env = over.pop("_env", {})  # extra environment of the runtime's actors (a layout of its own)
+    over, actor_env = layout_parts(layout)
     spec = merge(base_spec(str(model_path), gpu), over)
     if args.prompts:
         spec = merge(spec, {"algorithm": {"promptsPerStep": args.prompts}})
@@ -470,7 +475,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
             save(result)
 
         # one GRPO step on the last rollout, then the sync the driver would do
-        if rt.sleeps and rt.gpu:
+        if rt.sleeps:
             rt.sleep_engines(next_syncs=True)
         w = len(rt.trainers)
         pr = [pids[i] for i, o in enumerate(outs) for _ in o["samples"]]
@@ -578,7 +583,7 @@ def child(args: argparse.Namespace) -> int:
             nbytes = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) * 2
             del m
             if "nccl" in layout:
-                r = merge(base_spec("m", True), {k: v for k, v in LAYOUTS[layout].items() if k != "_env"})["rollout"]
+                r = merge(base_spec("m", True), layout_parts(layout)[0])["rollout"]
                 world = 1 + r["engines"] * r["tensorParallelSize"]
                 result["floor"] = nccl_floor(nbytes, 1 << 30, world)
             else:

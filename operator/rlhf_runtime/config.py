@@ -64,11 +64,17 @@ def engine_kwargs(
         kw["trust_remote_code"] = True
     if r.max_model_len:
         kw["max_model_len"] = r.max_model_len
-    if spec.placement.mode == "colocated" and spec.placement.colocated_sleep and gpu:
+    if engines_sleep(spec, gpu):
         kw["enable_sleep_mode"] = True
     if r.expert_parallel:
         kw["enable_expert_parallel"] = True
     return kw
+
+
+def engines_sleep(spec: RLHFJobSpec, gpu: bool) -> bool:
+    """Colocated engines sleep while the trainer trains unless ``placement.colocatedSleep`` is false (GPU only:
+    CPU vLLM has no sleep mode)."""
+    return spec.placement.mode == "colocated" and spec.placement.colocated_sleep and gpu
 
 
 def sampling_kwargs(spec: RLHFJobSpec) -> dict[str, Any]:

@@ -156,8 +156,7 @@ class Runtime:
         self.backend = rc.resolve_backend(self.spec, self.gpu)
         self.async_mode = self.spec.weight_sync.mode == "async"
         self.colocated = self.spec.placement.mode == "colocated"
-        # colocated engines sleep while the trainer trains (GPU only; CPU vLLM has no sleep mode)
-        self.sleeps = self.colocated and self.spec.placement.colocated_sleep
+        self.sleeps = rc.engines_sleep(self.spec, self.gpu)
         self.env = {**rc.ACTOR_ENV, **({} if self.gpu else rc.CPU_ENV)}
         self.pgs: list[Any] = []
         self.trainers: list[Any] = []
@@ -473,7 +472,7 @@ class Runtime:
                 pending = self.launch_rollout(
                     tokenizer, step_batch(samples, done + 1, a.prompts_per_step, a.seed), sampling
                 )
-            if self.sleeps and self.gpu:  # free the GPU for training
+            if self.sleeps:  # free the GPU for training
                 self.sleep_engines(next_syncs=not self.async_mode and done + 1 - synced_at >= every)
 
             rewards: list[float] = []

@@ -90,7 +90,11 @@ class EngineFanOut:
 
         t = time.perf_counter()
         stages = ray.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles])
-        wall = time.perf_counter() - t
+        self.record_rounds(stages, time.perf_counter() - t)
+
+    def record_rounds(self, stages: list[dict[str, float]], wall: float) -> None:
+        """Book ``update_weights_round`` results (the engines' own stage seconds) as the three calls' times:
+        start and finish of the slowest engine, the rest of ``wall`` as ``update_weights``."""
         start, finish = max(st["start_s"] for st in stages), max(st["finish_s"] for st in stages)
         for method, seconds in (("start_weight_update", start), ("update_weights", wall - start - finish),
                                 ("finish_weight_update", finish)):
@@ -334,26 +338,31 @@ class LegacySender(Sender):
         return {**self.options, "packed": self.init["packed"], "bucket_bytes": self.init["bucket_bytes"],
                 "kernel_plan": None if self.plan is None else self.plan.reason}
 
+    def _kernel(self) -> bool:
+        """The kernel format is chosen and its plan covers the engine's parameters."""
+        return self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok
+
+    def _runtime_producer(self) -> bool:
+        """The runtime packs: ``PackedProducer`` (NCCL) or ``IPCBufferProducer`` (IPC: kernel format only, as
+        the engine copies each tensor into its parameter before ``update_weights`` returns so buffers can be
+        reused; one trainer worker)."""
+        if not (self.init["packed"] and self.options.get("producer", "runtime") == "runtime"):
+            return False
+        return self.backend == "nccl" or (self._kernel() and int(self.init.get("trainer_world", 1)) == 1)
+
     def _stream(self) -> tuple[Any, list[str], list[str], list[list[int]]]:
         """(iterator of (name, tensor), names, dtype names, shapes) in the chosen weight format."""
-        if self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok:
-            runtime_producer = self.backend == "nccl" and self.init["packed"] and (
-                self.options.get("producer", "runtime") == "runtime") or self._ipc_runtime_producer()
-            return self.plan.iterate(self.source, fuse=not runtime_producer), *self.plan.metadata(self.source.dtype)
+        if self._kernel():
+            assert self.plan is not None
+            fuse = not self._runtime_producer()  # the runtime's producers write fused parts side by side
+            return self.plan.iterate(self.source, fuse=fuse), *self.plan.metadata(self.source.dtype)
         names, dtypes, shapes = self.source.legacy_metadata()
         return iter(self.source), names, dtypes, shapes
-
-    def _ipc_runtime_producer(self) -> bool:
-        """IPC through ``IPCBufferProducer``: kernel format (the engine copies each tensor into its parameter
-        before ``update_weights`` returns, so buffers can be reused), packed, one trainer worker."""
-        return (self.backend == "ipc" and self.init["packed"] and self.options.get("producer", "runtime") == "runtime"
-                and self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok
-                and int(self.init.get("trainer_world", 1)) == 1)
 
     def send(self) -> dict[str, float]:
         self.client.timings = {}
         packed = self.init["packed"]
-        kernel = self.options.get("format") == "kernel" and self.plan is not None and self.plan.ok
+        kernel = self._kernel()
         t = time.perf_counter()
         if not self.is_sender and self.backend == "nccl":
             for _ in self.source:  # take part in the FSDP gathers; rank 0 sends
@@ -362,7 +371,8 @@ class LegacySender(Sender):
         stream, names, dtypes, shapes = self._stream()
         item = self.source.dtype.itemsize
         self.sent_bytes = sum(math.prod(sh) * item for sh in shapes)
-        ipc_runtime = self._ipc_runtime_producer()
+        runtime_producer = self._runtime_producer()
+        ipc_runtime = self.backend == "ipc" and runtime_producer
         one_rpc = self.options.get("rpc") == "one" and (
             self.backend == "nccl" or (ipc_runtime and self.sent_bytes <= self.init["bucket_bytes"]))
         if not one_rpc:
@@ -385,7 +395,7 @@ class LegacySender(Sender):
                 else:
                     fut = exe.submit(self.client.update_weights, update)
                 t0 = time.perf_counter()
-                if packed and self.options.get("producer", "runtime") == "runtime":
+                if runtime_producer:
                     if self.producer is None or self.producer.bucket_bytes != self.init["bucket_bytes"]:
                         self.producer = PackedProducer(self.init["bucket_bytes"])
                     self.pack_s = self.producer.send(self.group, stream)
@@ -412,11 +422,8 @@ class LegacySender(Sender):
             )
             self.trainer_send_s = time.perf_counter() - t0
             self.pack_s = self.ipc_producer.pack_s
-            if one_rpc:  # the engines' own start/finish times, as EngineFanOut.update_round records them
-                start = max(st["start_s"] for st in stages)
-                finish = max(st["finish_s"] for st in stages)
-                self.client.timings.update(start_weight_update=start, finish_weight_update=finish,
-                                           update_weights=self.trainer_send_s - start - finish)
+            if one_rpc:  # the engines' own start/finish times, as EngineFanOut.update_round books them
+                self.client.record_rounds(stages, self.trainer_send_s)
             else:
                 self.client.timings["update_weights"] = self.trainer_send_s
         else:  # ipc: every rank calls the sender (handles are all-gathered); rank 0 sends to every engine
