@@ -5,6 +5,11 @@
 #   kwok                                                                     (sigs.k8s.io/kwok)
 #   kuberay ray-operator + its CRDs                                          (github.com/ray-project/kuberay/ray-operator)
 #   helm                                                                     (helm.sh/helm/v3)
+#   kubelet, kube-proxy (real nodes)                                         (k8s.io/kubernetes)
+#   coredns with the plugins a local cluster needs (real nodes)              (github.com/coredns/coredns)
+#
+# Targets: etcd kwok kuberay helm k8s (the default: the control plane) and node (kubelet, kube-proxy,
+# coredns: what `localcluster.py up --real-nodes N` needs besides Debian's containerd, runc and CNI plugins).
 #
 # Binaries land in $RLHF_CACHE/bin/<name>-<version>; a symlink farm in $RLHF_CACHE/bin/current/ points at
 # the versions pinned here. A version already built is never rebuilt, so reruns take seconds.
@@ -14,10 +19,11 @@ set -euo pipefail
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.7}"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
-# v1.7.0 is the target, but proxy.golang.org answers 403 "This module version is not available" for its zip
+# v1.7.0 is the target, but the Go module proxy answers 403 "This module version is not available" for its zip
 # (checked 2026-11-22); v1.6.1 is the newest KubeRay release the proxy serves.
 KUBERAY_VERSION="${KUBERAY_VERSION:-v1.6.1}"
 HELM_VERSION="${HELM_VERSION:-v3.19.5}"
+COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
 
 CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
 BIN="$CACHE/bin"
@@ -50,30 +56,33 @@ wrapper() {
   } >"$dir/go.mod"
 }
 
+# The wrapper module for k8s.io/kubernetes in $1: the module points its staging modules at ./staging, so as a
+# dependency they must be pinned. Go itself says where the module's go.mod is (no proxy URL here).
+k8s_wrapper() {
+  local dir=$1 staging="v0${K8S_VERSION#v1}" gomod mods
+  [ -f "$dir/go.mod" ] && return 0
+  gomod=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/^\s*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
+  [ -f "$gomod" ] || { log "go mod download gave no go.mod for k8s.io/kubernetes@$K8S_VERSION"; return 1; }
+  mods=$(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod")
+  {
+    echo "replace ("
+    for m in $mods; do echo "  $m => $m $staging"; done
+    echo ")"
+  } | wrapper "$dir" k8s.io/kubernetes "$K8S_VERSION"
+}
+
 build_k8s() {
   local names=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
   if have "$K8S_VERSION" "${names[@]}"; then log "kubernetes $K8S_VERSION cached"; else
     log "building kubernetes $K8S_VERSION (kube-apiserver, kube-scheduler, kube-controller-manager, kubectl)"
-    local dir="$WORK/k8s-$K8S_VERSION" staging="v0${K8S_VERSION#v1}"
-    # k8s.io/kubernetes points its staging modules at ./staging; as a dependency they must be pinned.
-    local mods
-    mods=$(curl -fsSL "${GOPROXY_URL:-https://proxy.golang.org}/k8s.io/kubernetes/@v/$K8S_VERSION.mod" \
-      | sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p')
-    {
-      echo "replace ("
-      for m in $mods; do echo "  $m => $m $staging"; done
-      echo ")"
-    } | wrapper "$dir" k8s.io/kubernetes "$K8S_VERSION"
+    local dir="$WORK/k8s-$K8S_VERSION"
+    k8s_wrapper "$dir"
     (
       cd "$dir"
       for n in "${names[@]}"; do go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION"; done
       mkdir -p out
       # Stamp the version as the release build does (helm and kubectl read it from /version).
-      local minor=${K8S_VERSION#v1.}; minor=${minor%%.*} x=""
-      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-        x+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
-      done
-      go build -ldflags "$LDFLAGS$x" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
+      go build -ldflags "$(k8s_ldflags)" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
       for n in "${names[@]}"; do mv "out/$n" "$BIN/$n-$K8S_VERSION"; done
     )
   fi
@@ -127,8 +136,16 @@ build_kuberay() {
       rm -rf "$crds" && mv "$crds.tmp" "$crds"
     )
   fi
+  # KubeRay's own ClusterRole, for KubeRay as a pod on real nodes (localcluster.py --real-nodes).
+  local rbac="$CACHE/kuberay-rbac-$KUBERAY_VERSION.yaml"
+  if [ ! -s "$rbac" ]; then
+    local dir
+    dir=$(go mod download -json "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION" | sed -n 's/^\s*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+    cp "$dir/config/rbac/role.yaml" "$rbac.tmp" && chmod u+w "$rbac.tmp" && mv "$rbac.tmp" "$rbac"
+  fi
   link kuberay-operator "$KUBERAY_VERSION"
   ln -sfn "$crds" "$BIN/current/kuberay-crds"
+  ln -sfn "$rbac" "$BIN/current/kuberay-rbac.yaml"
 }
 
 build_helm() {
@@ -139,6 +156,62 @@ build_helm() {
     (cd "$dir" && go get "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" && go build -ldflags "$LDFLAGS" -o "$BIN/helm-$HELM_VERSION" helm.sh/helm/v3/cmd/helm)
   fi
   link helm "$HELM_VERSION"
+}
+
+# Version stamp for binaries built from k8s.io/kubernetes (helm, kubectl and the node read it).
+k8s_ldflags() {
+  local minor=${K8S_VERSION#v1.}; minor=${minor%%.*} x=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    x+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+  done
+  echo "$LDFLAGS$x"
+}
+
+# Real nodes: kubelet + kube-proxy of the control plane's version, and a CoreDNS with only the plugins a
+# local cluster uses (kubernetes, cache, bind, errors, log), built as CoreDNS documents for custom builds.
+build_node() {
+  local names=(kubelet kube-proxy)
+  if have "$K8S_VERSION" "${names[@]}"; then log "kubelet, kube-proxy $K8S_VERSION cached"; else
+    log "building kubelet, kube-proxy $K8S_VERSION"
+    local dir="$WORK/k8s-$K8S_VERSION"
+    k8s_wrapper "$dir"
+    (
+      cd "$dir"
+      for n in "${names[@]}"; do go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION"; done
+      mkdir -p out
+      go build -ldflags "$(k8s_ldflags)" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
+      for n in "${names[@]}"; do mv "out/$n" "$BIN/$n-$K8S_VERSION"; done
+    )
+  fi
+  for n in "${names[@]}"; do link "$n" "$K8S_VERSION"; done
+  if have "$COREDNS_VERSION" coredns; then log "coredns $COREDNS_VERSION cached"; else
+    log "building coredns $COREDNS_VERSION"
+    local cdir="$WORK/coredns-$COREDNS_VERSION"
+    wrapper "$cdir" github.com/coredns/coredns "$COREDNS_VERSION" </dev/null
+    cat >"$cdir/main.go" <<'GO'
+// CoreDNS with the plugins the local cluster needs; the directive order follows CoreDNS's plugin.cfg.
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/log"
+)
+
+func init() {
+	dnsserver.Directives = []string{"bind", "errors", "log", "cache", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+GO
+    (cd "$cdir" && go mod tidy >/dev/null 2>&1 || go mod tidy; go build -ldflags "$LDFLAGS" -o "$BIN/coredns-$COREDNS_VERSION" .)
+  fi
+  link coredns "$COREDNS_VERSION"
 }
 
 # One build at a time (pytest fixtures and the demo may call this concurrently).

@@ -3,9 +3,12 @@
 
 Processes: etcd, kube-apiserver (RBAC, audit log), kube-controller-manager, kube-scheduler, KWOK (fake GPU
 nodes that run no containers but go Ready and mark scheduled pods Running) and the real KubeRay operator.
+With ``--real-nodes N`` also N real nodes (containerd + runc + CNI + kubelet, see ``realnodes.py``), cluster
+DNS and Service routing; KubeRay then runs as a pod on a real node, as in real clusters, and the images of
+``hack/build-images.sh`` are imported into every node.
 Binaries come from ``hack/build-controlplane.sh`` (built from Go modules, cached by version).
 
-    python3 hack/localcluster.py up   [--dir DIR] [--nodes 4] [--gpus-per-node 8]   # prints KUBECONFIG
+    python3 hack/localcluster.py up   [--dir DIR] [--nodes 4] [--gpus-per-node 8] [--real-nodes 1]
     python3 hack/localcluster.py down [--dir DIR]
 
 Only the standard library and the built binaries are used, so the same file serves pytest fixtures, the demo
@@ -25,8 +28,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import realnodes
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", "/tmp/rlhf-cluster"))
@@ -58,17 +64,27 @@ def log(msg: str) -> None:
     print(f"[localcluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def build() -> Path:
+def build(*targets: str) -> Path:
     out = subprocess.run(
-        ["bash", str(REPO / "hack" / "build-controlplane.sh")], check=True, stdout=subprocess.PIPE, text=True
+        ["bash", str(REPO / "hack" / "build-controlplane.sh"), *targets], check=True, stdout=subprocess.PIPE, text=True
     )
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def build_images(*names: str) -> dict[str, dict[str, str]]:
+    """Build (or find cached) the images of ``hack/build-images.sh``: name -> {ref, archive, format}."""
+    out = subprocess.run(["bash", str(REPO / "hack" / "build-images.sh"), *names], check=True,
+                         stdout=subprocess.PIPE, text=True)
+    return json.loads(Path(out.stdout.strip().splitlines()[-1]).read_text())
 
 
 @dataclass
 class Cluster:
     dir: Path
     bin: Path
+    #: image name -> {ref, archive}, filled by ``up`` when it starts real nodes
+    images: dict[str, dict[str, str]] = field(default_factory=dict)
+    real_nodes: int = 0
 
     @property
     def kubeconfig(self) -> Path:
@@ -99,13 +115,19 @@ class Cluster:
         (self.dir / f"{name}.pid").write_text(str(proc.pid))
 
     def stop(self) -> None:
-        for pidfile in sorted(self.dir.glob("*.pid")):
+        # kubelets first, so that nothing restarts the containers the rest of the teardown removes
+        self._stop(sorted(self.dir.glob("kubelet-*.pid")))
+        self._stop(sorted(self.dir.glob("*.pid")))
+        realnodes.down(self.dir)
+
+    def _stop(self, pidfiles: list[Path]) -> None:
+        for pidfile in pidfiles:
             try:
                 os.killpg(int(pidfile.read_text()), signal.SIGTERM)
             except (ProcessLookupError, ValueError, PermissionError):
                 pass
         deadline = time.time() + 20
-        for pidfile in sorted(self.dir.glob("*.pid")):
+        for pidfile in pidfiles:
             pid = int(pidfile.read_text() or 0)
             while pid and time.time() < deadline:
                 try:
@@ -133,9 +155,17 @@ class Cluster:
         raise TimeoutError(f"{what} not ready after {timeout}s (last error: {last}); logs in {self.dir}")
 
     # ------------------------------------------------------------------------------------------------ up
-    def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True) -> None:
+    def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True, real_nodes: int = 0) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stop()
+        self.real_nodes = real_nodes
+        host = "127.0.0.1"
+        if real_nodes:
+            self.bin = build("node", "etcd", "kwok", "kuberay", "helm", "k8s")
+            images = ["pause", "operator", "runtime-cpu"] + (["kuberay"] if kuberay else [])
+            self.images = build_images(*images)
+            realnodes.network_up(self.dir, self._nodes())
+            host = realnodes.HOST_IP  # pods reach the apiserver (kubernetes.default) on the first bridge
         shutil.rmtree(self.dir / "etcd", ignore_errors=True)  # every `up` is a fresh cluster
         pki = self.dir / "pki"
         pki.mkdir(exist_ok=True)
@@ -169,22 +199,23 @@ class Cluster:
             [
                 str(b / "kube-apiserver"),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+                f"--bind-address={host}", f"--advertise-address={host}", f"--secure-port={api_port}",
                 f"--cert-dir={pki}", f"--token-auth-file={self.dir / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
                 "--service-account-issuer=https://kubernetes.default.svc",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
-                "--service-cluster-ip-range=10.96.0.0/16",
+                f"--service-cluster-ip-range={realnodes.SERVICE_CIDR}",
                 "--allow-privileged=true",
                 f"--audit-log-path={self.audit_log}", f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
                 "--audit-log-format=json", "--audit-log-mode=blocking",
                 "--enable-priority-and-fairness=false",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 # KWOK nodes have no node-lifecycle controller to lift the not-ready taint this plugin adds.
                 "--disable-admission-plugins=TaintNodesByCondition",
             ],
         )
-        server = f"https://127.0.0.1:{api_port}"
+        server = f"https://{host}:{api_port}"
         self.kubeconfig.write_text(
             json.dumps(
                 {
@@ -230,14 +261,89 @@ class Cluster:
         )
         self._wait("default service account", lambda: self.kubectl("get", "sa", "default").returncode == 0)
         self.add_nodes(nodes, gpus_per_node)
+        if real_nodes:
+            self.start_real_nodes()
         if kuberay:
-            self.install_kuberay()
+            self.install_kuberay_pod() if real_nodes else self.install_kuberay()
         self.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "rlhf.dev_rlhfjobs.yaml"))
         self._wait(
             "RLHFJob CRD",
             lambda: self.kubectl("wait", "--for=condition=Established", "crd/rlhfjobs.rlhf.dev", "--timeout=5s").returncode == 0,
         )
         log(f"up: KUBECONFIG={self.kubeconfig}")
+
+    # ------------------------------------------------------------------------------------------ real nodes
+    def _nodes(self) -> list[realnodes.Node]:
+        return [realnodes.Node(i, self.dir / f"node-{i}") for i in range(self.real_nodes)]
+
+    def start_real_nodes(self) -> None:
+        """containerd + kubelet per node (images imported), then CoreDNS and kube-proxy on the host."""
+        b, nodes = self.bin, self._nodes()
+        (self.dir / "realnodes.json").write_text(json.dumps(
+            {"nodes": [str(n.dir) for n in nodes], "kube_proxy": str((b / "kube-proxy").resolve())}))
+        for n in nodes:
+            realnodes.prepare(n, self.images["pause"]["ref"])
+            self._start(f"containerd-{n.index}", ["containerd", "--config", str(n.dir / "containerd.toml")])
+        for n in nodes:
+            self._wait(f"containerd of {n.name}", lambda n=n: realnodes.sh(
+                "ctr", "--address", str(n.socket), "version", check=False).returncode == 0, timeout=60)
+            for img in self.images.values():
+                realnodes.import_image(n, img["archive"], img["ref"])
+        for n in nodes:
+            self._start(f"kubelet-{n.index}", [
+                str(b / "kubelet"), f"--config={n.dir / 'kubelet.json'}", f"--kubeconfig={self.kubeconfig}",
+                f"--hostname-override={n.name}", f"--node-ip={n.ip}", f"--root-dir={n.dir / 'kubelet'}",
+                f"--cert-dir={n.dir / 'pki'}", f"--node-labels={realnodes.NODE_LABEL}=true",
+            ])
+        (self.dir / "Corefile").write_text(realnodes.corefile(self.kubeconfig))
+        self._start("coredns", [str(b / "coredns"), "-conf", str(self.dir / "Corefile")])
+        (self.dir / "kube-proxy.json").write_text(json.dumps(realnodes.kube_proxy_config(self.kubeconfig, nodes[0])))
+        self._start("kube-proxy", [str(b / "kube-proxy"), f"--config={self.dir / 'kube-proxy.json'}"])
+
+        def ready() -> bool:
+            out = json.loads(self.kubectl("get", "nodes", "-l", f"{realnodes.NODE_LABEL}=true", "-o", "json").stdout)
+            ok = [n for n in out["items"]
+                  if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))]
+            return len(ok) >= len(nodes)
+
+        self._wait("real nodes Ready", ready, timeout=180)
+        log(f"real nodes Ready: {', '.join(n.name for n in nodes)}")
+
+    def install_kuberay_pod(self) -> None:
+        """KubeRay's CRDs, its own ClusterRole, and the operator as a Deployment on a real node (it reaches
+        the Ray dashboards through cluster DNS and Services, as in real clusters)."""
+        b, ns = self.bin, "kuberay-system"
+        self.kubectl("apply", "--server-side", "-f", str((b / "kuberay-crds").resolve()))
+        self.kubectl("create", "namespace", ns, check=False)
+        self.kubectl("apply", "-f", str((b / "kuberay-rbac.yaml").resolve()))
+        labels = {"app.kubernetes.io/name": "kuberay", "app.kubernetes.io/component": "kuberay-operator"}
+        objs = [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "kuberay-operator", "namespace": ns}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": "kuberay-operator"},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kuberay-operator"},
+             "subjects": [{"kind": "ServiceAccount", "name": "kuberay-operator", "namespace": ns}]},
+            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "kuberay-operator", "namespace": ns},
+             "spec": {"replicas": 1, "strategy": {"type": "Recreate"}, "selector": {"matchLabels": labels},
+                      "template": {"metadata": {"labels": labels}, "spec": {
+                          "serviceAccountName": "kuberay-operator",
+                          "nodeSelector": {realnodes.NODE_LABEL: "true"},
+                          "containers": [{
+                              "name": "kuberay-operator", "image": self.images["kuberay"]["ref"],
+                              "imagePullPolicy": "Never",
+                              "args": ["--enable-leader-election=false"],
+                              "resources": {"requests": {"cpu": "50m", "memory": "128Mi"},
+                                            "limits": {"memory": "512Mi"}},
+                              "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
+                                                  "runAsUser": 65532, "readOnlyRootFilesystem": True},
+                          }]}}}},
+        ]
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
+        self._wait("KubeRay CRDs", lambda: self.kubectl(
+            "wait", "--for=condition=Established", "crd/rayjobs.ray.io", "--timeout=5s", check=False).returncode == 0)
+        self._wait("KubeRay pod Ready", lambda: self.kubectl(
+            "wait", "-n", ns, "--for=condition=Available", "deployment/kuberay-operator", "--timeout=5s",
+            check=False).returncode == 0, timeout=180)
 
     def install_kuberay(self) -> None:
         """KubeRay's own CRDs (from its Go module) and the real KubeRay operator."""
@@ -304,11 +410,12 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--real-nodes", type=int, default=0, help="real nodes (containerd + kubelet) beside KWOK's")
     args = p.parse_args()
     binp = build() if args.action != "down" else Path("/nonexistent")
     c = Cluster(args.dir, binp)
     if args.action == "up":
-        c.up(args.nodes, args.gpus_per_node)
+        c.up(args.nodes, args.gpus_per_node, real_nodes=args.real_nodes)
         print(c.kubeconfig)
     elif args.action == "down":
         c.dir.mkdir(parents=True, exist_ok=True)
