@@ -14,10 +14,11 @@ pydantic: the operator and the runtime both depend on it, neither drags the othe
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 GROUP = "rlhf.dev"
@@ -83,11 +84,13 @@ class Optimizer(Model):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
 
 
+CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"
+MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"
+
+
 class Resources(Model):
-    cpu: str = Field("8", pattern=r"^[0-9]+(\.[0-9]+)?m?$", description="CPU request per pod (e.g. 8 or 500m).")
-    memory: str = Field(
-        "64Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$", description="Memory request per pod."
-    )
+    cpu: str = Field("8", pattern=CPU_PATTERN, max_length=32, description="CPU request per pod (e.g. 8 or 500m).")
+    memory: str = Field("64Gi", pattern=MEMORY_PATTERN, max_length=32, description="Memory request per pod.")
 
 
 class Trainer(Model):
@@ -204,6 +207,67 @@ class WeightSync(Model):
         "sync",
         description="sync: generation stops between steps. async: the next rollout runs while training, "
         "generation is paused mid-request for the swap and resumed (tokens before/after are recorded).",
+    )
+    validate_: bool = Field(
+        False,
+        alias="validate",
+        description="Check the weight sync once, after the first sync: every engine's greedy tokens for the first "
+        "8 prompts must equal, token for token, those of a fresh engine of the same shape loaded from the "
+        "trainer's weights, else the job fails ('weight-sync validation failed'). Costs one full copy of the "
+        "weights moved through Ray's object store to each validation engine's node and written to its local "
+        "temporary directory (removed afterwards), and the start of a fresh engine: minutes for large models. "
+        "Same as RLHF_VALIDATE=1 in spec.env.",
+    )
+
+
+# ------------------------------------------------------------------------------------------------ head
+class HeadResources(Resources):
+    cpu: str = Field(
+        "2", pattern=CPU_PATTERN, max_length=32, description="CPU request of the head pod (e.g. 2 or 500m)."
+    )
+    memory: str = Field(
+        "8Gi", pattern=MEMORY_PATTERN, max_length=32,
+        description="Memory request (and limit) of the head pod; at least 1Gi.",
+    )
+
+
+class SubmitterResources(Resources):
+    cpu: str = Field("200m", pattern=CPU_PATTERN, max_length=32, description="CPU request of KubeRay's submitter pod.")
+    memory: str = Field(
+        "512Mi", pattern=MEMORY_PATTERN, max_length=32,
+        description="Memory request (and limit) of KubeRay's submitter pod; at least 256Mi.",
+    )
+
+
+class Head(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                immutable("spec.head"),
+                cel(
+                    "quantity(self.resources.memory).compareTo(quantity('1Gi')) >= 0",
+                    "head.resources.memory must be at least 1Gi: the head pod runs Ray's GCS, dashboard and raylet "
+                    "and the driver (Ray, transformers and the tokenizer)",
+                    fieldPath=".resources.memory",
+                ),
+                cel(
+                    "quantity(self.submitter.memory).compareTo(quantity('256Mi')) >= 0",
+                    "head.submitter.memory must be at least 256Mi: `ray job submit` is a Python process that imports "
+                    "Ray (about 150 MiB resident)",
+                    fieldPath=".submitter.memory",
+                ),
+            ]
+        }
+    )
+    resources: HeadResources = sub(
+        HeadResources,
+        "CPU and memory of the Ray head pod, where the driver runs (GCS, dashboard, the driver process, the "
+        "tokenizer; no GPU and no Ray actors: its Ray num-cpus is 0).",
+    )
+    submitter: SubmitterResources = sub(
+        SubmitterResources,
+        "CPU and memory of the pod in which KubeRay runs `ray job submit` (a Python process that imports Ray "
+        "and follows the job's logs); KubeRay's own default asks 500m CPU.",
     )
 
 
@@ -410,6 +474,7 @@ class RLHFJobSpec(Model):
     rollout: Rollout = sub(Rollout, "vLLM rollout engines: DP engines x TP GPUs each, and sampling.")
     placement: Placement = sub(Placement, "Where trainers and engines run relative to each other.")
     weight_sync: WeightSync = sub(WeightSync, "How trainer weights reach the engines.")
+    head: Head = sub(Head, "Size of the Ray head pod (where the driver runs) and of KubeRay's submitter pod.")
     algorithm: Algorithm = sub(Algorithm, "The RL algorithm and its hyper-parameters.")
     data: Data = Field(description="Where the prompts come from.")
     reward: Reward = Field(description="How completions are scored.")
@@ -428,11 +493,16 @@ class RLHFJobSpec(Model):
         None, max_length=64, description="Extra volume mounts for every container."
     )
 
+    def cpu_only(self) -> bool:
+        """trainer.gpusPerReplica 0: no pod asks for a GPU; the engines run on vLLM's CPU backend."""
+        return self.trainer.gpus_per_replica == 0
+
     def trainer_gpus(self) -> int:
         return self.trainer.replicas * self.trainer.gpus_per_replica
 
     def engine_gpus(self) -> int:
-        return self.rollout.engines * self.rollout.tensor_parallel_size
+        """GPUs of the engines (0 for a CPU-only job)."""
+        return 0 if self.cpu_only() else self.rollout.engines * self.rollout.tensor_parallel_size
 
     def total_gpus(self) -> int:
         if self.placement.mode == "colocated":
@@ -501,14 +571,71 @@ class RLHFJobStatus(Model):
 
 
 # ------------------------------------------------------------------------------ operator <-> runtime
+#: Spec fields only the operator reads (pod sizes): left out of the runtime's job.json.
+OPERATOR_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("head",),)
+#: Spec fields added after runtime 0.1.0, with their defaults. Runtimes up to 0.1.0 refuse a job.json with a key
+#: they do not know, so the operator leaves these out while they hold their default: an older runtime image
+#: then runs every job that does not ask for the newer feature.
+ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = ((("weightSync", "validate"), False),)
+
+
 class RuntimeConfig(Model):
-    """The job configuration the operator hands to the runtime (ConfigMap key ``job.json``)."""
+    """The job configuration the operator hands to the runtime (ConfigMap key ``job.json``).
+
+    Compatibility: the operator may be newer than the runtime image (``spec.image``). ``to_runtime_json`` leaves
+    out operator-only fields and newer fields at their default; ``from_runtime_json`` (the runtime's reader)
+    ignores keys it does not know instead of refusing the job, and names them."""
 
     api_version: str = Field(API_VERSION, description="API version of the spec below.")
     name: str = Field(description="RLHFJob name.")
     namespace: str = Field(description="RLHFJob namespace.")
     uid: str | None = Field(None, description="RLHFJob uid; reports for another uid are refused.")
     spec: RLHFJobSpec
+
+    def to_runtime_json(self) -> dict[str, Any]:
+        """The wire form for job.json (see the class docstring)."""
+        out = self.wire()
+        spec = out["spec"]
+        for path in OPERATOR_ONLY_FIELDS:
+            _pop(spec, path)
+        for path, default in ADDED_AFTER_0_1:
+            if _get(spec, path, default) == default:
+                _pop(spec, path)
+        return out
+
+    @classmethod
+    def from_runtime_json(cls, text: str | bytes) -> tuple[RuntimeConfig, list[str]]:
+        """Parse job.json, ignoring keys this version does not know (written by a newer operator); returns the
+        config and the dotted paths of the ignored keys. Every other error is raised as usual."""
+        data = json.loads(text)
+        ignored: list[str] = []
+        while True:
+            try:
+                return cls.model_validate(data), ignored
+            except ValidationError as e:
+                errors = e.errors()
+                if not errors or any(err["type"] != "extra_forbidden" for err in errors):
+                    raise
+                for err in errors:
+                    _pop(data, tuple(err["loc"]))
+                    ignored.append(".".join(str(p) for p in err["loc"]))
+
+
+def _get(d: Any, path: tuple[Any, ...], default: Any) -> Any:
+    for key in path:
+        if not isinstance(d, (dict, list)):
+            return default
+        try:
+            d = d[key]
+        except (KeyError, IndexError, TypeError):
+            return default
+    return d
+
+
+def _pop(d: Any, path: tuple[Any, ...]) -> None:
+    parent = _get(d, path[:-1], None)
+    if isinstance(parent, dict):
+        parent.pop(path[-1], None)
 
 
 RLHFJobSpec.model_rebuild()

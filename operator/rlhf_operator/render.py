@@ -7,14 +7,19 @@ what KubeRay does not know: GPU layout per role, the runtime's configuration, an
 
 Layout (GPUs per pod = ``nvidia.com/gpu`` request = Ray ``num-gpus``):
 
-* head: no GPUs, ``num-cpus: 0`` so no actor lands on it; the driver runs there.
+* head: no GPUs, ``num-cpus: 0`` so no actor lands on it; the driver runs there. Sized by ``spec.head.resources``.
+* submitter: KubeRay's pod that runs ``ray job submit`` (``submitterPodTemplate``), sized by
+  ``spec.head.submitter`` (KubeRay's own default asks 500m CPU, more than a small node spares).
 * ``separate``: group ``trainer`` (``trainer.replicas`` pods x ``gpusPerReplica``) and group ``rollout``
-  (``rollout.engines`` pods x ``tensorParallelSize``: one pod per engine keeps a TP group on one node).
+  (``rollout.engines`` pods x ``tensorParallelSize``: one pod per engine keeps a TP group on one node; no GPU
+  when the job is CPU-only, ``trainer.gpusPerReplica: 0``).
 * ``colocated``: one group ``colocated`` (``trainer.replicas`` pods x ``gpusPerReplica``); each GPU holds a
   trainer worker and an engine shard, Ray shares it with fractional GPUs.
 
 Each worker advertises a Ray custom resource (``rlhf_trainer`` / ``rlhf_rollout`` / ``rlhf_colocated``) equal
-to its GPU count, so the runtime's placement groups land on the pods meant for them.
+to its GPU count (1 on a CPU-only pod), so the runtime's placement groups land on the pods meant for them. The
+runtime's bundles ask for that resource (and GPUs), never for Ray CPUs, so the pods' CPU requests (from which
+KubeRay derives ``num-cpus``) only size the containers.
 Nothing here reads the environment or the cluster: same input, same output (golden-tested).
 """
 
@@ -70,9 +75,10 @@ def worker_groups(spec: RLHFJobSpec) -> list[Group]:
     t, r = spec.trainer, spec.rollout
     if spec.placement.mode == "colocated":
         return [Group("colocated", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory)]
+    engine_gpus = 0 if spec.cpu_only() else r.tensor_parallel_size  # CPU-only jobs: CPU engine pods too
     return [
         Group("trainer", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory),
-        Group("rollout", r.engines, r.tensor_parallel_size, r.resources.cpu, r.resources.memory),
+        Group("rollout", r.engines, engine_gpus, r.resources.cpu, r.resources.memory),
     ]
 
 
@@ -82,7 +88,7 @@ def runtime_config(job: Job) -> RuntimeConfig:
 
 def render_config_map(job: Job) -> dict[str, Any]:
     names = naming.child_names(job.name)
-    payload = json.dumps(runtime_config(job).wire(), indent=2, sort_keys=True)
+    payload = json.dumps(runtime_config(job).to_runtime_json(), indent=2, sort_keys=True)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -132,6 +138,12 @@ def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memo
         ],
         "volumes": volumes,
     }
+    _add_scheduling(pod, spec, gpus)
+    return {"metadata": {"labels": naming.labels(job.name, role)}, "spec": pod}
+
+
+def _add_scheduling(pod: dict[str, Any], spec: RLHFJobSpec, gpus: int) -> None:
+    """spec.scheduling on a pod spec; GPU pods also select placement.gpuProduct."""
     selector = dict(spec.scheduling.node_selector or {})
     if gpus and spec.placement.gpu_product:
         selector[GPU_PRODUCT_LABEL] = spec.placement.gpu_product
@@ -141,12 +153,39 @@ def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memo
         pod["tolerations"] = [t.wire() for t in spec.scheduling.tolerations]
     if spec.scheduling.priority_class_name:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
-    return {"metadata": {"labels": naming.labels(job.name, role)}, "spec": pod}
 
 
-def _ray_resources(group: Group) -> str:
-    # rayStartParams wants a quoted JSON string for custom resources.
-    return json.dumps(json.dumps({f"rlhf_{group.name}": group.gpus or 1}))
+def ray_resources(group: Group) -> str:
+    """``rayStartParams.resources`` of a worker group: its custom resource as single-quoted compact JSON,
+    ``'{"rlhf_trainer":8}'``.
+
+    KubeRay v1.6.1 (``controllers/ray/common/pod.go``) parses this value in ``getResourcesMap``
+    (``strings.Trim(value, "'\"` ")`` then ``json.Unmarshal``: a JSON object after trimming, no escaped
+    quotes) and copies it verbatim into the container's ``bash -c`` command line (``convertParamMap``:
+    `` --resources=<value> ``), so the shell's single quotes hand Ray the bare JSON. This is the exact form
+    KubeRay itself writes from a group's top-level ``resources`` field (``fmt.Sprintf("'%s'", json.Marshal(m))``);
+    we keep rayStartParams because that field is new in KubeRay 1.5 (absent in 1.4.2) and older CRDs prune it."""
+    return "'" + json.dumps({f"rlhf_{group.name}": group.gpus or 1}, separators=(",", ":"), sort_keys=True) + "'"
+
+
+def _submitter_template(job: Job) -> dict[str, Any]:
+    """KubeRay's submitter pod (``ray job submit``): the runtime image, small requests, the job's scheduling.
+    KubeRay fills the command and its environment; ``restartPolicy: Never`` as in KubeRay's default."""
+    spec = job.spec
+    res = spec.head.submitter
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [
+            {
+                "name": "ray-job-submitter",
+                "image": spec.image,
+                "imagePullPolicy": "IfNotPresent",
+                "resources": {"requests": {"cpu": res.cpu, "memory": res.memory}, "limits": {"memory": res.memory}},
+            }
+        ],
+    }
+    _add_scheduling(pod, spec, gpus=0)
+    return {"metadata": {"labels": naming.labels(job.name, "submitter")}, "spec": pod}
 
 
 def render_ray_job(job: Job) -> dict[str, Any]:
@@ -157,7 +196,7 @@ def render_ray_job(job: Job) -> dict[str, Any]:
         meta_labels[naming.KUEUE_QUEUE_LABEL] = spec.scheduling.queue_name
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
-        "template": _pod_template(job, "head", "ray-head", 0, "2", "8Gi"),
+        "template": _pod_template(job, "head", "ray-head", 0, spec.head.resources.cpu, spec.head.resources.memory),
     }
     workers = [
         {
@@ -165,7 +204,7 @@ def render_ray_job(job: Job) -> dict[str, Any]:
             "replicas": g.replicas,
             "minReplicas": g.replicas,
             "maxReplicas": g.replicas,
-            "rayStartParams": {"num-gpus": str(g.gpus), "resources": _ray_resources(g)},
+            "rayStartParams": {"num-gpus": str(g.gpus), "resources": ray_resources(g)},
             "template": _pod_template(job, g.name, "ray-worker", g.gpus, g.cpu, g.memory),
         }
         for g in worker_groups(spec)
@@ -181,6 +220,7 @@ def render_ray_job(job: Job) -> dict[str, Any]:
             "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished or 0,
             "suspend": spec.suspend,
             "rayClusterSpec": {"rayVersion": RAY_VERSION, "headGroupSpec": head, "workerGroupSpecs": workers},
+            "submitterPodTemplate": _submitter_template(job),
         },
     }
     if spec.active_deadline_seconds:

@@ -6,18 +6,20 @@ Pure: no torch, vLLM or Ray. The config file is ``RuntimeConfig`` JSON (camelCas
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
 
+log = logging.getLogger("rlhf_runtime")
 CONFIG_ENV = "RLHF_JOB_CONFIG"
 
-#: Environment for every runtime process (engine and trainer actors). Offline: there is no hub.
+#: Environment for every runtime process (engine and trainer actors), under the job's own ``spec.env`` (which
+#: wins on a clash). Hub access is left alone: a model named by its hub id is downloaded in the pods; jobs that
+#: must stay offline set HF_HUB_OFFLINE=1 in spec.env.
 ACTOR_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -29,10 +31,31 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> RuntimeConfig:
+    """The job config; keys this runtime does not know (a newer operator wrote them) are ignored with a warning."""
     path = path or os.environ.get(CONFIG_ENV)
     if not path:
         raise ValueError(f"no job config: pass --config or set {CONFIG_ENV}")
-    return RuntimeConfig.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    cfg, ignored = RuntimeConfig.from_runtime_json(Path(path).read_text(encoding="utf-8"))
+    if ignored:
+        log.warning("job config: ignoring fields this runtime does not know (the operator is newer than the "
+                    "runtime image): %s", ", ".join(ignored))
+    return cfg
+
+
+def spec_env(spec: RLHFJobSpec) -> dict[str, str]:
+    """``spec.env`` as a dict: the operator puts it into every container; the runtime applies it to its own
+    process and its actors too, so a local run (``--local``, no pod) sees the same environment."""
+    return {e.name: e.value for e in spec.env or []}
+
+
+def actor_env(spec: RLHFJobSpec, gpu: bool) -> dict[str, str]:
+    """The environment of every actor: ``ACTOR_ENV`` (+ ``CPU_ENV`` without GPUs), then ``spec.env``."""
+    return {**ACTOR_ENV, **({} if gpu else CPU_ENV), **spec_env(spec)}
+
+
+def validation_enabled(spec: RLHFJobSpec, flag: bool) -> bool:
+    """Validation mode: ``spec.weightSync.validate`` or the ``--validate`` flag / ``RLHF_VALIDATE=1``."""
+    return spec.weight_sync.validate_ or flag
 
 
 def resolve_backend(spec: RLHFJobSpec, gpu: bool) -> str:

@@ -25,10 +25,15 @@ RLHF_COLOCATED_SLEEP_LEVEL=1) and wake weights -> sync -> wake KV cache (GPU; CP
 Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
 
-``--validate``: after the first sync, every engine's greedy output for the first prompts must equal, token
-for token, that of a fresh engine of the same shape loaded from the trainer's weights (saved under the
-checkpoint path, or a temporary directory when there is none); engines of an expert-parallel DP group are
-compared rank by rank with a fresh DP group. Otherwise the run fails with "weight-sync validation failed".
+Validation (``spec.weightSync.validate``, ``--validate`` or RLHF_VALIDATE=1): after the first sync, every engine's
+greedy output for the first prompts must equal, token for token, that of a fresh engine of the same shape
+loaded from the trainer's weights; engines of an expert-parallel DP group are compared rank by rank with a
+fresh DP group. Otherwise the run fails with "weight-sync validation failed". The weights reach each fresh
+engine's node through Ray's object store (``rlhf_runtime.node_files``: pods share no filesystem) and every copy
+is removed afterwards, also when validation fails.
+
+Multi-pod addresses: FSDP2 trainer ranks meet at rank 0's node (IP and free port found there, never the
+driver's head pod), as the engines of an expert-parallel DP group meet at engine 0's.
 
 ``rollout.expertParallel`` (MoE): the engines form one vLLM data-parallel group with expert parallelism
 (vLLM's offline SPMD variables ``VLLM_DP_*``, master on engine 0's node); all ranks step together, so a rank
@@ -46,18 +51,17 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import config as rc
+from rlhf_runtime import node_files
 from rlhf_runtime.data import load_samples, step_batch
 from rlhf_runtime.grpo import group_advantages
-from rlhf_runtime.placement import compute_layout, spread
+from rlhf_runtime.placement import ActorPlacement, compute_layout, spread
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient
 from rlhf_runtime.rewards import make_reward
 
@@ -116,10 +120,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p = argparse.ArgumentParser(prog="rlhf-runtime", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=os.environ.get(rc.CONFIG_ENV), help="RuntimeConfig JSON file")
     p.add_argument("--local", action="store_true", help="start a local Ray instead of joining a cluster")
-    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: what the layout needs + 1)")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: one per actor + 1)")
     p.add_argument("--kubeconfig", help="report through this kubeconfig instead of the in-cluster config")
     p.add_argument("--no-report", action="store_true", help="do not patch the RLHFJob status")
-    p.add_argument("--validate", action="store_true", default=os.environ.get("RLHF_VALIDATE") == "1")
+    p.add_argument("--validate", action="store_true", default=os.environ.get("RLHF_VALIDATE") == "1",
+                   help="validate the first weight sync (also spec.weightSync.validate, RLHF_VALIDATE=1)")
     p.add_argument("--debug-skip-tensor", default=os.environ.get("RLHF_DEBUG_SKIP_TENSOR"),
                    help="debug: leave this tensor out of every weight sync")
     p.add_argument("--progress-file", default=os.environ.get("RLHF_PROGRESS_FILE"))
@@ -157,7 +162,8 @@ class Runtime:
         self.async_mode = self.spec.weight_sync.mode == "async"
         self.colocated = self.spec.placement.mode == "colocated"
         self.sleeps = rc.engines_sleep(self.spec, self.gpu)
-        self.env = {**rc.ACTOR_ENV, **({} if self.gpu else rc.CPU_ENV)}
+        self.env = rc.actor_env(self.spec, self.gpu)
+        self.validate_first_sync = rc.validation_enabled(self.spec, opts.validate)
         self.pgs: list[Any] = []
         self.trainers: list[Any] = []
         self.engines: list[Any] = []
@@ -177,7 +183,8 @@ class Runtime:
                 log.warning("no Ray cluster reachable: starting a local one")
         totals = self.layout.totals()
         resources = {k: v for k, v in totals.items() if k.startswith("rlhf_")}
-        cpus = self.opts.num_cpus or math.ceil(totals.get("CPU", 1)) + 1
+        # bundles ask for no CPUs (placement.py); one per actor keeps Ray's worker pool warm as before
+        cpus = self.opts.num_cpus or len(self.layout.trainers) + len(self.layout.engines) + 1
         ray.init(num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
 
     def place(self) -> None:
@@ -211,10 +218,8 @@ class Runtime:
         cfg_json = self.cfg.model_dump_json(by_alias=True)
         n = len(self.layout.trainers)
         addr = port = None
-        if n > 1:
-            from ray.util import get_node_ip_address
-
-            addr, port = get_node_ip_address(), 29500 + os.getpid() % 1000
+        if n > 1:  # torch.distributed rendezvous: rank 0 listens on its own node (not the driver's head pod)
+            addr, port = self._address_on(self.layout.trainers[0])
         for rank, a in enumerate(self.layout.trainers):
             actor = ray.remote(Trainer).options(
                 num_cpus=a.num_cpus, num_gpus=a.num_gpus, scheduling_strategy=self._strategy(a.group, a.bundle),
@@ -231,7 +236,7 @@ class Runtime:
         from rlhf_runtime.stepped_engine import async_engine_class
 
         cls = async_engine_class() if self.async_mode else Engine
-        dp = self._dp_address() if self.layout.dp_group else None
+        dp = self._address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
         for i, e in enumerate(self.layout.engines):
             # one vLLM DP group (expert parallel): same seed on every rank, they step together
             seed = self.spec.algorithm.seed + (0 if dp else i)
@@ -245,13 +250,17 @@ class Runtime:
             self.engines.append(actor)
         ray.get([e.ready.remote() for e in self.engines])  # a DP group starts together
 
-    def _dp_address(self) -> tuple[str, int]:
-        """Engine 0's node IP and a free port block there: the master of the engines' vLLM DP group."""
+    def _address_on(self, where: ActorPlacement, ports: int = 1) -> tuple[str, int]:
+        """The node IP of bundle ``where`` and the first of ``ports`` consecutive ports free there, found by a
+        task on that node: the address a process placed there can listen on (trainer rank 0 for FSDP2,
+        engine 0 as master of the engines' vLLM DP group)."""
         import ray
 
-        e = self.layout.engines[0]
-        task = ray.remote(_node_address).options(num_cpus=0, scheduling_strategy=self._strategy(e.group, e.bundle))
-        return tuple(ray.get(task.remote(DP_PORTS)))  # type: ignore[return-value]
+        task = ray.remote(_node_address).options(
+            num_cpus=0, scheduling_strategy=self._strategy(where.group, where.bundle)
+        )
+        addr, port = ray.get(task.remote(ports))
+        return str(addr), int(port)
 
     def _dp_env(self, rank: int, address: tuple[str, int]) -> dict[str, str]:
         """vLLM's offline SPMD data-parallel settings for engine ``rank`` (each engine sees only its own GPUs,
@@ -344,18 +353,20 @@ class Runtime:
         greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
         synced = [[o["samples"][0] for o in out]
                   for out in ray.get([e.generate.remote(prompts, greedy) for e in self.engines])]
-        base = Path(self.spec.checkpoint.path) if self.spec.checkpoint else Path(tempfile.gettempdir())
-        base.mkdir(parents=True, exist_ok=True)
-        path = tempfile.mkdtemp(prefix=".validate-", dir=base)
-        ray.get([t.save_weights.remote(path) for t in self.trainers])  # FSDP: every rank gathers
-        ranks = range(len(self.engines)) if self.layout.dp_group else range(1)
-        dp = self._dp_address() if self.layout.dp_group else None
-        fresh_actors = [self._fresh_engine(i, path, dp) for i in ranks]
+        ranks = list(range(len(self.engines))) if self.layout.dp_group else [0]
+        dp = self._address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
+        copies = self._copy_weights(ranks)
         try:
-            outs = ray.get([a.generate.remote(prompts, greedy) for a in fresh_actors])
+            fresh_actors: list[Any] = []
+            try:
+                for i, (_, path) in zip(ranks, copies):
+                    fresh_actors.append(self._fresh_engine(i, path, dp))
+                outs = ray.get([a.generate.remote(prompts, greedy) for a in fresh_actors])
+            finally:
+                for a in fresh_actors:
+                    ray.kill(a)
         finally:
-            for a in fresh_actors:
-                ray.kill(a)
+            self._remove_copies(copies)
         fresh = [[o["samples"][0] for o in out] for out in outs]
         # independent engines (no DP group) are all compared with the one fresh engine
         mismatched_by_engine = {
@@ -366,7 +377,7 @@ class Runtime:
         bad = {i: m for i, m in mismatched_by_engine.items() if m}
         result = {"validated": not bad, "prompts": len(prompts), "engines": len(self.engines),
                   "mismatched": mismatched, "mismatched_by_engine": bad, "synced": synced[0], "fresh": fresh[0],
-                  "weights": path}
+                  "weights": [path for _, path in copies]}  # node-local copies, removed by now
         self.reporter._write_progress({"validation": result})
         if bad:
             i = next(iter(bad))
@@ -381,9 +392,42 @@ class Runtime:
                  len(self.engines))
         return result
 
+    def _copy_weights(self, ranks: list[int]) -> list[tuple[Any, str]]:
+        """The trainer's current weights as a directory on the node of engine ``i`` for each ``i`` in ``ranks``
+        (where its fresh twin will run): staged by trainer rank 0 on its node (every FSDP rank takes part in
+        the gather), moved file by file through Ray's object store (``node_files``), the staging removed.
+        Returns ``(scheduling strategy, path)`` per copy; the caller removes them (``_remove_copies``)."""
+        import ray
+
+        source = self.trainers[0]
+        copies: list[tuple[Any, str]] = []
+        try:
+            names = ray.get([t.stage_weights.remote() for t in self.trainers])[0]
+            for i in ranks:
+                e = self.layout.engines[i]
+                strategy = self._strategy(e.group, e.bundle)
+                copies.append((strategy, node_files.copy_to(strategy, names, source.read_staged.remote)))
+        except BaseException:
+            self._remove_copies(copies)
+            raise
+        finally:
+            try:
+                ray.get(source.drop_staged.remote())
+            except Exception as e:  # noqa: BLE001 - do not hide the error that got us here
+                log.warning("could not remove the trainer's staged weights: %s", e)
+        return copies
+
+    @staticmethod
+    def _remove_copies(copies: list[tuple[Any, str]]) -> None:
+        for strategy, path in copies:
+            try:
+                node_files.remove(strategy, path)
+            except Exception as e:  # noqa: BLE001 - keep removing the others; the pod's disk goes with the pod
+                log.warning("could not remove validation weights %s: %s", path, e)
+
     def _fresh_engine(self, i: int, path: str, dp: tuple[str, int] | None) -> Any:
         """A fresh engine shaped like engine ``i`` (rank ``i`` of a new DP group when ``dp``) that loads
-        ``path``. It takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (its actor gets engine
+        ``path`` (a directory on engine ``i``'s node). It takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (its actor gets engine
         ``i``'s CUDA_VISIBLE_DEVICES explicitly); TP>1 workers take the
         ``VALIDATION_SHARE`` every bundle keeps free. Memory: what is still free on that GPU (vLLM refuses to
         start when free < gpu_memory_utilization x total)."""
@@ -446,7 +490,7 @@ class Runtime:
         total = a.steps
         last_sync = self.sync()  # engines start with dummy weights
         synced_at = done
-        if self.opts.validate:
+        if self.validate_first_sync:
             self.validate(tokenizer, samples)
         self.reporter.report("Running", step=done, message=f"training: step {done}/{total}",
                              resumed_from_step=resumed, extra={"sync": last_sync})
@@ -544,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = parse_args(argv)
     cfg = rc.load_config(opts.config)
+    # The pods already have spec.env (the operator renders it); a local run gets it here, before anything
+    # reads it (e.g. HF_HUB_OFFLINE, read when huggingface_hub is imported; a local Ray inherits it).
+    os.environ.update(rc.spec_env(cfg.spec))
     status = None
     if opts.report:
         from kubernetes.config import ConfigException

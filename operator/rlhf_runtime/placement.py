@@ -5,7 +5,12 @@ same layout (unit-tested).
 
 Bundles ask for the Ray custom resource of the worker group meant to host them (``rlhf_trainer``,
 ``rlhf_rollout``, ``rlhf_colocated``; see ``rlhf_operator.render``: each worker advertises one unit per GPU,
-or one per pod when it has no GPU), so a bundle can only land on its own group's pods.
+or one per pod when it has no GPU), so a bundle can only land on its own group's pods, and for its GPU. They
+ask for no Ray CPUs, and actors take ``num_cpus=0``: KubeRay derives a pod's Ray ``num-cpus`` from its container's
+CPU request (rounded up, e.g. 250m -> 1), which need not cover one CPU per bundle (colocated bundles hosted two
+actors, a pod with 8 GPUs and ``cpu: 4`` would never have placed its 8 bundles). The custom resource alone says
+where and how many; a pod's CPU request only sizes its container. (Ray still gives such an actor
+``OMP_NUM_THREADS=1``, as it did for ``num_cpus=1``.)
 
 * ``separate``: one placement group ``trainer`` (one bundle per trainer GPU, ``PACK``) and one per engine
   (``tensorParallelSize`` bundles, ``STRICT_PACK``: a TP group shares a node). TP=1 engines run vLLM
@@ -13,7 +18,7 @@ or one per pod when it has no GPU), so a bundle can only land on its own group's
   executor, whose workers take bundles ``VLLM_RAY_BUNDLE_INDICES`` while the engine actor holds none.
 * ``colocated``: one placement group per engine; trainer worker ``w`` shares engine ``w // TP``'s bundle
   ``w % TP`` (one GPU) with that engine's shard, each with a fractional GPU share.
-* CPU (``trainer.gpusPerReplica == 0``): the same shapes with CPUs only, one bundle per pod.
+* CPU (``trainer.gpusPerReplica == 0``): the same shapes without GPUs, one bundle per pod.
 * ``rollout.expertParallel``: the same shapes; ``Layout.dp_group`` tells the driver that the engines form one
   vLLM data-parallel group (``VLLM_DP_RANK`` / ``VLLM_DP_SIZE`` / ``VLLM_DP_MASTER_*`` per engine, set by the
   driver once it knows engine 0's node) whose ranks step together.
@@ -83,8 +88,8 @@ class PlacementError(ValueError):
     """The spec cannot be laid out (e.g. FSDP2 or TP>1 without GPUs)."""
 
 
-def _bundle(resource: str, gpu: bool, cpus: float = 1) -> dict[str, float]:
-    b: dict[str, float] = {"CPU": cpus, resource: 1}
+def _bundle(resource: str, gpu: bool) -> dict[str, float]:
+    b: dict[str, float] = {resource: 1}
     if gpu:
         b["GPU"] = 1
     return b
@@ -111,16 +116,16 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
         if not gpu and r.engines != 1:
             raise PlacementError("colocated CPU jobs need exactly one engine")
         groups = [
-            PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_colocated", gpu, 2) for _ in range(tp)], "STRICT_PACK")
+            PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_colocated", gpu) for _ in range(tp)], "STRICT_PACK")
             for e in range(r.engines)
         ]
         trainers = [
-            ActorPlacement(w // tp, w % tp, 1, COLOCATED_TRAINER_SHARE if gpu else 0) for w in range(workers)
+            ActorPlacement(w // tp, w % tp, 0, COLOCATED_TRAINER_SHARE if gpu else 0) for w in range(workers)
         ]
         engines = []
         for e in range(r.engines):
             if tp == 1:
-                engines.append(EnginePlacement(e, 0, 1, COLOCATED_ENGINE_SHARE if gpu else 0))
+                engines.append(EnginePlacement(e, 0, 0, COLOCATED_ENGINE_SHARE if gpu else 0))
             else:
                 env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(COLOCATED_ENGINE_SHARE)}
                 engines.append(EnginePlacement(e, 0, 0, 0, env, executor="ray"))
@@ -131,11 +136,11 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
         PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_rollout", gpu) for _ in range(tp)], "STRICT_PACK")
         for e in range(r.engines)
     ]
-    trainers = [ActorPlacement(0, w, 1, 1 if gpu else 0) for w in range(workers)]
+    trainers = [ActorPlacement(0, w, 0, 1 if gpu else 0) for w in range(workers)]
     engines = []
     for e in range(r.engines):
         if tp == 1:
-            engines.append(EnginePlacement(1 + e, 0, 1, 1 if gpu else 0))
+            engines.append(EnginePlacement(1 + e, 0, 0, 1 if gpu else 0))
         else:
             env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(SEPARATE_TP_WORKER_SHARE)}
             engines.append(EnginePlacement(1 + e, 0, 0, 0, env, "ray"))

@@ -88,7 +88,8 @@ def build_tiny_model(
 
 def tiny_job_spec(model: str | Path, steps: int) -> dict:
     """An RLHFJob spec (wire form) that trains a tiny model on CPU in seconds: 1 CPU trainer, 1 engine, GRPO
-    with a rule reward for emitting '7'. Used by the demo and the end-to-end test."""
+    with a rule reward for emitting '7'. Used by the demo and the end-to-end test. The model is a local
+    directory: ``spec.env`` keeps every process off the Hugging Face hub (the runtime does not force that)."""
     return {
         "model": {"name": str(model), "dtype": "float32"},
         "image": "ghcr.io/rlhf-operator/runtime:0.1.0",
@@ -100,4 +101,5 @@ def tiny_job_spec(model: str | Path, steps: int) -> dict:
         "algorithm": {"steps": steps, "promptsPerStep": 8, "learningRate": 3e-3},
         "data": {"prompts": ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]},
         "reward": {"rule": "contains", "target": "7"},
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }

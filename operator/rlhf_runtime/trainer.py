@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime import node_files
 from rlhf_runtime.grpo import grpo_loss, token_logprobs
 
 MICRO_BATCH = 64
@@ -116,6 +118,7 @@ class Trainer:
         if opt_state is not None:
             self._load_optimizer_state(opt_state)
         self.sender: Any = None
+        self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for p in self.model.parameters())
 
     # ------------------------------------------------------------------------------------------ info
@@ -124,9 +127,13 @@ class Trainer:
                 "device": str(self.device)}
 
     def address(self) -> tuple[str, int]:
-        from vllm.utils.network_utils import get_ip, get_open_port
+        """Where the engines reach this rank for the weight-transfer group: the address Ray knows this node
+        by (the pod IP), not vLLM's ``get_ip``, which asks the route to a public address and, in a pod
+        without one, falls back to 0.0.0.0 (the engines then dial themselves and the first sync hangs)."""
+        from ray.util import get_node_ip_address
+        from vllm.utils.network_utils import get_open_port
 
-        return get_ip(), get_open_port()
+        return get_node_ip_address(), get_open_port()
 
     # ----------------------------------------------------------------------------------- weight sync
     def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool,
@@ -267,3 +274,32 @@ class Trainer:
             if (base / name).is_file() and not (out / name).exists():
                 shutil.copy(base / name, out / name)
         return str(out)
+
+    def stage_weights(self) -> list[str] | None:
+        """The current policy (``save_weights``) in a fresh temporary directory on this node, to be copied to
+        other nodes (``node_files.copy_to`` with ``read_staged``); rank 0 returns its files, other ranks (which
+        only take part in the FSDP gather) None. ``drop_staged`` removes the directory."""
+        self.drop_staged()
+        path = tempfile.mkdtemp(prefix="rlhf-stage-") if self.rank == 0 else ""
+        try:
+            self.save_weights(path)  # a collective under FSDP: the driver calls every rank
+        except BaseException:
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+        if self.rank != 0:
+            return None
+        self.staged = path
+        return node_files.list_files(path)
+
+    def read_staged(self, name: str) -> bytes:
+        """One file of the staged weights (a name ``stage_weights`` returned)."""
+        if self.staged is None or name not in node_files.list_files(self.staged):
+            raise FileNotFoundError(f"{name!r} is not a staged weights file")
+        return (Path(self.staged) / name).read_bytes()
+
+    def drop_staged(self) -> None:
+        """Remove the staged weights (no-op when none)."""
+        if self.staged:
+            shutil.rmtree(self.staged, ignore_errors=True)
+            self.staged = None

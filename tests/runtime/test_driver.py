@@ -23,6 +23,8 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     validation = [r["validation"] for r in records if "validation" in r]
     assert validation and validation[0]["validated"], validation
     assert validation[0]["synced"] == validation[0]["fresh"]
+    # the fresh engine's copy of the weights was written on its node and removed after the check
+    assert validation[0]["weights"] and not any(Path(p).exists() for p in validation[0]["weights"])
     steps = run.steps()
     assert [r["step"] for r in steps] == list(range(1, 21))
     rewards = [r["throughput"]["rewardMean"] for r in steps]
@@ -38,13 +40,16 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:
-    # two engines (DP=2, one gloo group of 3 ranks): validation compares every engine with a fresh one
-    cfg = write_config(tmp_path / "job.json", job_config(tiny_model, algorithm={"steps": 2}, rollout={"engines": 2}))
-    run = start_driver(tmp_path, cfg, "--validate", "--debug-skip-tensor", "lm_head.weight")
+    # two engines (DP=2, one gloo group of 3 ranks): validation compares every engine with a fresh one;
+    # turned on by the spec field alone (no --validate, no RLHF_VALIDATE)
+    spec = job_config(tiny_model, algorithm={"steps": 2}, rollout={"engines": 2}, weightSync={"validate": True})
+    cfg = write_config(tmp_path / "job.json", spec)
+    run = start_driver(tmp_path, cfg, "--debug-skip-tensor", "lm_head.weight", env={"RLHF_VALIDATE": "0"})
     assert run.wait(timeout=300) == 3, run.tail()
     records = run.records()
     validation = [r["validation"] for r in records if "validation" in r]
     assert validation and not validation[0]["validated"]
+    assert validation[0]["weights"] and not any(Path(p).exists() for p in validation[0]["weights"])  # removed
     assert validation[0]["mismatched"]
     assert validation[0]["engines"] == 2
     assert sorted(validation[0]["mismatched_by_engine"]) == ["0", "1"]  # both engines missed the tensor

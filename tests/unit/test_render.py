@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shlex
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -77,7 +81,7 @@ def test_head_has_no_gpus_and_pods_get_shm_config_and_scheduling() -> None:
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
         assert env["RLHF_JOB_CONFIG"] == "/etc/rlhf/job.json"
-        custom = json.loads(json.loads(g["rayStartParams"]["resources"]))
+        custom = kuberay_ray_start(g)["resources"]
         assert custom == {f"rlhf_{g['groupName']}": g["template"]["spec"]["containers"][0]["resources"]["limits"][render.GPU]}
 
 
@@ -125,3 +129,188 @@ def test_runtime_identity_can_only_touch_its_own_job() -> None:
     rj = render.render_ray_job(job)
     pods = [rj["spec"]["rayClusterSpec"]["headGroupSpec"]] + rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert all(p["template"]["spec"]["serviceAccountName"] == names.runtime_identity for p in pods)
+
+
+# ------------------------------------------------------------------------------ KubeRay v1.6.1, ported
+_SUFFIX = {"m": Fraction(1, 1000), "": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity(q: str) -> Fraction:
+    """A Kubernetes quantity (the forms our CRD patterns allow)."""
+    num = q.rstrip("KMGTikm")
+    return Fraction(num) * _SUFFIX[q[len(num):]]
+
+
+def kuberay_ray_start(group: dict[str, Any]) -> dict[str, Any]:
+    """What KubeRay v1.6.1 (``controllers/ray/common/pod.go``) makes of a rendered worker group, ported line by
+    line; all rayStartParams values are strings (Go ``map[string]string``):
+
+    * ``setMissingRayStartParams`` (worker): ``address`` (here ``HEAD:6379``), ``metrics-export-port`` 8080,
+      ``block`` true, ``dashboard-agent-listen-port`` 52365;
+    * ``generateRayStartCommand``: ``num-cpus`` from the container's CPU limit, else its request
+      (``Quantity.Value()``: rounded up), ``memory`` from the memory limit, then
+      ``addWellKnownAcceleratorResources``, whose ``getResourcesMap`` must parse ``resources``
+      (``strings.Trim(v, "'\"` ")`` then ``json.Unmarshal`` into ``map[string]float64``; its failure is the
+      "failed to unmarshal resources" log line), and ``num-gpus`` from ``nvidia.com/gpu`` when absent;
+    * ``convertParamMap``: `` --key=value `` per key in sorted order (`` --key `` for "true", nothing for
+      "false"), run by ``/bin/bash -c`` (here: ``shlex``).
+
+    Returns the command, the argv Ray gets, the parsed custom resources and what the raylet offers."""
+    params = {**group["rayStartParams"]}
+    for k, v in {"address": "HEAD:6379", "metrics-export-port": "8080", "block": "true",
+                 "dashboard-agent-listen-port": "52365"}.items():
+        params.setdefault(k, v)
+    res = group["template"]["spec"]["containers"][0]["resources"]
+    limits, requests = res.get("limits", {}), res.get("requests", {})
+    if "num-cpus" not in params:
+        for cpu in (limits.get("cpu"), requests.get("cpu")):
+            if cpu and quantity(str(cpu)) != 0:
+                params["num-cpus"] = str(math.ceil(quantity(str(cpu))))
+                break
+    if "memory" not in params and limits.get("memory"):
+        params["memory"] = str(math.ceil(quantity(str(limits["memory"]))))
+    custom = json.loads(params["resources"].strip("'\"` ")) if "resources" in params else {}
+    assert isinstance(custom, dict) and all(isinstance(v, (int, float)) for v in custom.values()), custom
+    if "num-gpus" not in params and limits.get(render.GPU):
+        params["num-gpus"] = str(limits[render.GPU])
+    flags = ""
+    for k in sorted(params):
+        v = params[k]
+        assert isinstance(v, str), (k, v)  # a non-string would not even decode into map[string]string
+        if v.lower() in ("true", "false"):
+            flags += f" --{k} " if v.lower() == "true" else ""
+        else:
+            flags += f" --{k}={v} "
+    cmd = f"ray start {flags}"
+    argv = shlex.split(cmd)
+    node = {"CPU": float(params.get("num-cpus", 0)), "GPU": float(params.get("num-gpus", 0))}
+    for a in argv:
+        if a.startswith("--resources="):
+            node.update(json.loads(a.removeprefix("--resources=")))
+    return {"cmd": cmd, "argv": argv, "resources": custom, "node": node}
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
+def test_kuberay_parses_worker_resources_and_ray_gets_them(sample: Path) -> None:
+    for g in render.render_ray_job(job_of(sample))["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        want = {f"rlhf_{g['groupName']}": int(g["rayStartParams"]["num-gpus"]) or 1}
+        got = kuberay_ray_start(g)
+        assert got["resources"] == want  # KubeRay's getResourcesMap parses it (no "failed to unmarshal")
+        assert f"--resources={json.dumps(want, separators=(',', ':'))}" in got["argv"]  # what `ray start` reads
+
+
+def test_ray_start_command_of_a_trainer_pod() -> None:
+    trainer = render.render_ray_job(job_of(REPO / "crds/samples/separate-nccl-tp2.yaml"))[
+        "spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert trainer["rayStartParams"] == {"num-gpus": "1", "resources": """'{"rlhf_trainer":1}'"""}
+    assert kuberay_ray_start(trainer)["cmd"] == (
+        "ray start  --address=HEAD:6379  --block  --dashboard-agent-listen-port=52365  --memory=68719476736 "
+        " --metrics-export-port=8080  --num-cpus=8  --num-gpus=1  --resources='{\"rlhf_trainer\":1}' "
+    )
+
+
+def test_the_old_double_encoded_resources_fail_kuberays_parse() -> None:
+    old = json.dumps(json.dumps({"rlhf_trainer": 1}))  # what render wrote before: "{\"rlhf_trainer\": 1}"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(old.strip("'\"` "))
+
+
+def test_cpu_only_pod_with_a_fractional_cpu_request() -> None:
+    spec = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml").spec.model_copy(update={
+        "trainer": m.Trainer(gpus_per_replica=0, resources=m.Resources(cpu="250m", memory="2Gi")),
+        "rollout": m.Rollout(resources=m.Resources(cpu="250m", memory="2Gi")),
+    })
+    for g in render.render_ray_job(render.Job("cpu", "ns", "u", spec))["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        node = kuberay_ray_start(g)["node"]
+        assert node == {"CPU": 1.0, "GPU": 0.0, f"rlhf_{g['groupName']}": 1}  # 250m -> num-cpus 1 (rounded up)
+        assert render.GPU not in g["template"]["spec"]["containers"][0]["resources"]["limits"]  # engines too
+
+
+# ---------------------------------------------------------------------------------- head and submitter
+def _pod(t: dict[str, Any]) -> dict[str, Any]:
+    return t["template"]["spec"] if "template" in t else t["spec"]
+
+
+def test_head_and_submitter_are_sized_from_the_spec() -> None:
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    rj = render.render_ray_job(job)["spec"]
+    head = rj["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    assert head == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}  # the defaults
+    sub = rj["submitterPodTemplate"]
+    assert sub["spec"]["restartPolicy"] == "Never"
+    (c,) = sub["spec"]["containers"]
+    assert c["name"] == "ray-job-submitter" and c["image"] == job.spec.image and "command" not in c
+    assert c["resources"] == {"requests": {"cpu": "200m", "memory": "512Mi"}, "limits": {"memory": "512Mi"}}
+    assert sub["metadata"]["labels"][naming.LABEL_ROLE] == "submitter"
+
+    small = job.spec.model_copy(update={"head": m.Head.model_validate(
+        {"resources": {"cpu": "500m", "memory": "3Gi"}, "submitter": {"cpu": "100m", "memory": "384Mi"}})})
+    rj = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, small))["spec"]
+    assert rj["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "500m", "memory": "3Gi"}, "limits": {"memory": "3Gi"}}
+    assert rj["submitterPodTemplate"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "100m", "memory": "384Mi"}, "limits": {"memory": "384Mi"}}
+    assert rj["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_submitter_follows_the_jobs_scheduling_but_selects_no_gpu_product() -> None:
+    job = job_of(REPO / "crds/samples/multinode-trainer.yaml")
+    sub = render.render_ray_job(job)["spec"]["submitterPodTemplate"]["spec"]
+    assert sub["priorityClassName"] == "training"
+    assert sub["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert render.GPU_PRODUCT_LABEL not in sub.get("nodeSelector", {})
+
+
+# ------------------------------------------------------------------------ operator -> older runtime
+def _key_paths(node: Any, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    if isinstance(node, dict):
+        for k, v in node.items():
+            p = f"{prefix}.{k}" if prefix else k
+            out.add(p)
+            if p not in ("spec.volumes",):  # free-form core/v1 Volumes
+                out |= _key_paths(v, p)
+    elif isinstance(node, list):
+        for v in node:
+            out |= _key_paths(v, prefix + "[]")
+    return out
+
+
+RUNTIME_0_1_KEYS = {
+    line for line in (GOLDEN / "runtime-0.1-config-keys.txt").read_text().splitlines() if line and line[0] != "#"
+}
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
+def test_job_json_of_default_specs_is_readable_by_the_0_1_runtime(sample: Path) -> None:
+    """Runtimes up to 0.1.0 refuse unknown keys (``extra="forbid"``): new fields must not reach job.json
+    unless the user sets them (operator-only fields never)."""
+    payload = json.loads(render.render_config_map(job_of(sample))["data"][naming.CONFIG_KEY])
+    assert _key_paths(payload) <= RUNTIME_0_1_KEYS, _key_paths(payload) - RUNTIME_0_1_KEYS
+
+
+def test_job_json_leaves_out_operator_only_fields_and_new_defaults() -> None:
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    spec = job.spec.model_copy(update={"head": m.Head.model_validate({"resources": {"cpu": "1"}})})
+    payload = json.loads(render.render_config_map(render.Job(job.name, job.namespace, job.uid, spec))["data"][
+        naming.CONFIG_KEY])
+    assert "head" not in payload["spec"] and "validate" not in payload["spec"]["weightSync"]
+    on = spec.model_copy(update={"weight_sync": spec.weight_sync.model_copy(update={"validate_": True})})
+    payload = json.loads(render.render_config_map(render.Job(job.name, job.namespace, job.uid, on))["data"][
+        naming.CONFIG_KEY])
+    assert payload["spec"]["weightSync"]["validate"] is True  # asked for: sent (an old runtime refuses, loudly)
+    assert m.RuntimeConfig.model_validate(payload).spec.weight_sync.validate_ is True
+
+
+def test_runtime_ignores_and_names_fields_a_newer_operator_adds() -> None:
+    job = job_of(REPO / "crds/samples/async-pause-resume.yaml")
+    payload = json.loads(render.render_config_map(job)["data"][naming.CONFIG_KEY])
+    payload["spec"]["futureFeature"] = {"on": True}
+    payload["spec"]["rollout"]["sampling"]["minP"] = 0.1
+    cfg, ignored = m.RuntimeConfig.from_runtime_json(json.dumps(payload))
+    assert cfg.spec == job.spec
+    assert sorted(ignored) == ["spec.futureFeature", "spec.rollout.sampling.minP"]
+    payload["spec"]["rollout"]["engines"] = 0  # anything else is still an error
+    with pytest.raises(ValueError, match="engines"):
+        m.RuntimeConfig.from_runtime_json(json.dumps(payload))

@@ -25,17 +25,17 @@ def test_separate_gpu_trainer_and_tp2_engines() -> None:
     lay = compute_layout(s)
     assert lay.gpu
     assert [g.name for g in lay.groups] == ["trainer", "engine-0", "engine-1", "engine-2"]
-    assert lay.groups[0].bundles == [{"CPU": 1, "GPU": 1, "rlhf_trainer": 1}] * 8
+    assert lay.groups[0].bundles == [{"GPU": 1, "rlhf_trainer": 1}] * 8
     assert lay.groups[0].strategy == "PACK"
     for g in lay.groups[1:]:
-        assert g.bundles == [{"CPU": 1, "GPU": 1, "rlhf_rollout": 1}] * 2
+        assert g.bundles == [{"GPU": 1, "rlhf_rollout": 1}] * 2
         assert g.strategy == "STRICT_PACK"
     assert [(t.group, t.bundle, t.num_gpus) for t in lay.trainers] == [(0, b, 1) for b in range(8)]
     assert [(e.group, e.executor, e.num_gpus) for e in lay.engines] == [(1, "ray", 0), (2, "ray", 0), (3, "ray", 0)]
     # TP workers take SEPARATE_TP_WORKER_SHARE of their bundle's GPU: the rest is for a validation engine
     assert all(e.env == {"VLLM_RAY_BUNDLE_INDICES": "0,1", "VLLM_RAY_PER_WORKER_GPUS": "0.9"} for e in lay.engines)
     assert not lay.dp_group
-    assert lay.totals() == {"CPU": 14, "GPU": 14, "rlhf_trainer": 8, "rlhf_rollout": 6}
+    assert lay.totals() == {"GPU": 14, "rlhf_trainer": 8, "rlhf_rollout": 6}
 
 
 def test_separate_tp1_engine_holds_its_gpu_in_process() -> None:
@@ -51,7 +51,7 @@ def test_colocated_shares_each_gpu_between_trainer_worker_and_engine_shard() -> 
              placement={"mode": "colocated"}, weightSync={"backend": "ipc"})
     lay = compute_layout(s)
     assert [g.name for g in lay.groups] == ["engine-0", "engine-1"]
-    assert all(g.bundles == [{"CPU": 2, "GPU": 1, "rlhf_colocated": 1}] * 2 for g in lay.groups)
+    assert all(g.bundles == [{"GPU": 1, "rlhf_colocated": 1}] * 2 for g in lay.groups)
     assert [(t.group, t.bundle) for t in lay.trainers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(0 < t.num_gpus < 1 for t in lay.trainers)
     for e in lay.engines:
@@ -89,10 +89,49 @@ def test_colocated_engines_sleep_unless_kept_resident() -> None:
 def test_cpu_job_uses_cpu_bundles_only() -> None:
     lay = compute_layout(spec(trainer={"gpusPerReplica": 0}, rollout={"engines": 2}))
     assert not lay.gpu
-    assert lay.groups[0].bundles == [{"CPU": 1, "rlhf_trainer": 1}]
-    assert [g.bundles for g in lay.groups[1:]] == [[{"CPU": 1, "rlhf_rollout": 1}]] * 2
+    assert lay.groups[0].bundles == [{"rlhf_trainer": 1}]
+    assert [g.bundles for g in lay.groups[1:]] == [[{"rlhf_rollout": 1}]] * 2
     assert all(a.num_gpus == 0 for a in [*lay.trainers, *lay.engines])
     assert "GPU" not in lay.totals()
+
+
+LAYOUTS = {
+    "cpu-separate": {"trainer": {"gpusPerReplica": 0, "resources": {"cpu": "250m", "memory": "2Gi"}},
+                     "rollout": {"engines": 2, "resources": {"cpu": "250m", "memory": "2Gi"}}},
+    "gpu-colocated-8": {"trainer": {"gpusPerReplica": 8, "strategy": "fsdp2", "resources": {"cpu": "8"}},
+                        "rollout": {"engines": 8}, "placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"}},
+    "gpu-separate-few-cpus": {"trainer": {"replicas": 2, "gpusPerReplica": 8, "strategy": "fsdp2",
+                                          "resources": {"cpu": "4"}},
+                              "rollout": {"engines": 4, "tensorParallelSize": 2, "resources": {"cpu": "1"}}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_bundle_fits_the_pods_the_operator_renders(name: str) -> None:
+    """The runtime's placement groups against what each rendered worker pod's raylet offers (KubeRay v1.6.1:
+    ``num-cpus`` = the container's CPU request rounded up, ``num-gpus`` and ``resources`` from rayStartParams,
+    see test_render.kuberay_ray_start): every bundle must fit a pod of its group, and each group's pods
+    together must hold all of its bundles (the old bundles asked 1 CPU each, 2 when colocated: a colocated pod
+    with 8 GPUs and cpu 8 offers 8 CPUs for 16, a pod with 8 GPUs and cpu 4 offers 4 for 8)."""
+    from rlhf_operator import render
+    from tests.unit.test_render import kuberay_ray_start
+
+    s = spec(**LAYOUTS[name])
+    job = render.Job("j", "ns", "uid", s)
+    offered: dict[str, tuple[int, dict[str, float]]] = {}  # custom resource -> (pods, what one pod offers)
+    for g in render.render_ray_job(job)["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        node = kuberay_ray_start(g)["node"]
+        custom = next(k for k in node if k.startswith("rlhf_"))
+        offered[custom] = (g["replicas"], node)
+    lay = compute_layout(s)
+    for custom, (pods, node) in offered.items():
+        bundles = [b for pg in lay.groups for b in pg.bundles if custom in b]
+        assert bundles, custom
+        for b in bundles:
+            assert all(node.get(k, 0) >= v for k, v in b.items()), (b, node)
+        for k in {k for b in bundles for k in b}:
+            assert sum(b.get(k, 0) for b in bundles) <= pods * node.get(k, 0), (k, bundles, node)
+    assert all(a.num_cpus == 0 for a in [*lay.trainers, *lay.engines])
 
 
 @pytest.mark.parametrize(

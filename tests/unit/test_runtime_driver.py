@@ -1,0 +1,302 @@
+"""The driver on a simulated multi-pod Ray cluster: where addresses come from and where files land.
+
+A fake ``ray`` module runs every task and actor in-process but "on a node": each placement-group bundle is its
+own node (the worst case of a KubeRay cluster: every bundle in another pod) with its own IP and its own
+temporary directory (``tempfile.tempdir`` is switched while code runs there), and the driver runs on the head
+node. So an address taken on the wrong node, or a file written on one node and read on another, shows up as a
+wrong IP or a missing file, as it would across pods. Trainer and engine actors are small fakes with the
+methods the driver calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from rlhf_api.models import RuntimeConfig
+from rlhf_runtime import driver as drv
+from rlhf_runtime import node_files
+
+HEAD_IP = "10.0.0.1"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    group: int
+    bundle: int
+
+
+class Cluster:
+    """Nodes by name: IP and temporary directory. ``current`` is the node code is running on."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.nodes: dict[str, tuple[str, Path]] = {}
+        self.current = "head"
+        self.add("head")
+        self.calls: list[tuple[str, str]] = []  # (function or method, node)
+
+    def add(self, name: str) -> tuple[str, Path]:
+        if name not in self.nodes:
+            tmp = self.root / name
+            tmp.mkdir()
+            self.nodes[name] = (HEAD_IP if name == "head" else f"10.0.{len(self.nodes)}.1", tmp)
+        return self.nodes[name]
+
+    def node_of(self, strategy: Strategy | None) -> str:
+        if strategy is None:
+            return "head"
+        name = f"bundle-{strategy.group}-{strategy.bundle}"
+        self.add(name)
+        return name
+
+    @contextlib.contextmanager
+    def on(self, node: str) -> Iterator[None]:
+        before, saved = self.current, tempfile.tempdir
+        self.current, tempfile.tempdir = node, str(self.nodes[node][1])
+        try:
+            yield
+        finally:
+            self.current, tempfile.tempdir = before, saved
+
+    def ip(self) -> str:
+        return self.nodes[self.current][0]
+
+
+class Ref:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class Actor:
+    def __init__(self, cluster: Cluster, node: str, instance: Any) -> None:
+        self._cluster, self._node, self._instance = cluster, node, instance
+        self.killed = False
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._instance, name)
+        cluster, node = self._cluster, self._node
+
+        def remote(*args: Any) -> Ref:
+            assert not self.killed
+            args = tuple(a.value if isinstance(a, Ref) else a for a in args)
+            cluster.calls.append((name, node))
+            with cluster.on(node):
+                return Ref(method(*args))
+
+        return types.SimpleNamespace(remote=remote)
+
+
+class Remote:
+    def __init__(self, cluster: Cluster, target: Any, options: dict[str, Any] | None = None) -> None:
+        self.cluster, self.target, self.opts = cluster, target, options or {}
+
+    def options(self, **kw: Any) -> Remote:
+        return Remote(self.cluster, self.target, {**self.opts, **kw})
+
+    def remote(self, *args: Any) -> Any:
+        node = self.cluster.node_of(self.opts.get("scheduling_strategy"))
+        args = tuple(a.value if isinstance(a, Ref) else a for a in args)
+        with self.cluster.on(node):
+            if isinstance(self.target, type):
+                self.cluster.calls.append((self.target.__name__, node))
+                return Actor(self.cluster, node, self.target(*args))
+            self.cluster.calls.append((self.target.__name__, node))
+            return Ref(self.target(*args))
+
+
+def fake_ray(cluster: Cluster) -> types.ModuleType:
+    ray = types.ModuleType("ray")
+    ray.remote = lambda target: Remote(cluster, target)  # type: ignore[attr-defined]
+    ray.get = lambda refs: [r.value for r in refs] if isinstance(refs, list) else refs.value  # type: ignore[attr-defined]
+
+    def kill(actor: Actor) -> None:
+        actor.killed = True
+
+    ray.kill = kill  # type: ignore[attr-defined]
+    util = types.ModuleType("ray.util")
+    util.get_node_ip_address = cluster.ip  # type: ignore[attr-defined]
+    ray.util = util  # type: ignore[attr-defined]
+    return ray
+
+
+# ------------------------------------------------------------------------------------- fake actors
+class FakeTrainer:
+    """Records its rendezvous arguments; stages "weights" (files) on its own node like ``Trainer``."""
+
+    def __init__(self, cfg_json: str, rank: int, world: int, addr: str | None, port: int | None) -> None:
+        self.rank, self.world, self.addr, self.port = rank, world, addr, port
+        self.staged: str | None = None
+
+    def info(self) -> dict[str, Any]:
+        return {"step": 0, "resumed_from": None, "rank": self.rank, "addr": self.addr, "port": self.port}
+
+    def stage_weights(self) -> list[str] | None:
+        if self.rank != 0:
+            return None
+        self.staged = tempfile.mkdtemp(prefix="rlhf-stage-")
+        (Path(self.staged) / "config.json").write_text('{"step": 1}')
+        (Path(self.staged) / "model.safetensors").write_bytes(b"\x00weights" * 100)
+        return node_files.list_files(self.staged)
+
+    def read_staged(self, name: str) -> bytes:
+        assert self.staged
+        return (Path(self.staged) / name).read_bytes()
+
+    def drop_staged(self) -> None:
+        import shutil
+
+        if self.staged:
+            shutil.rmtree(self.staged)
+            self.staged = None
+
+
+class FakeEngine:
+    """A fresh engine loads ``kw["model"]`` on its own node; ``fail`` makes a fresh engine's generate raise."""
+
+    fail = False
+    loaded: ClassVar[list[tuple[str, str]]] = []  # (model path, node temp dir)
+
+    def __init__(self, kw: dict[str, Any], env: dict[str, str]) -> None:
+        path = Path(kw["model"])
+        assert (path / "config.json").is_file(), f"{path} is not on this node"
+        assert (path / "model.safetensors").read_bytes() == b"\x00weights" * 100
+        FakeEngine.loaded.append((str(path), tempfile.gettempdir()))
+        self.fresh = True
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[dict[str, Any]]:
+        if FakeEngine.fail and getattr(self, "fresh", False):
+            raise RuntimeError("engine died")
+        return [{"samples": [[1, 2, 3]]} for _ in prompts]
+
+    def device_info(self) -> dict[str, Any]:
+        return {"cuda_visible_devices": "0", "free": 80, "total": 80}
+
+
+class Reporter:
+    def __init__(self) -> None:
+        self.progress: list[dict[str, Any]] = []
+
+    def _write_progress(self, record: dict[str, Any]) -> None:
+        self.progress.append(record)
+
+
+class Tokenizer:
+    bos_token_id, eos_token_id = 2, 3
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    c = Cluster(tmp_path)
+    ray = fake_ray(c)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.util", ray.util)
+    monkeypatch.setitem(sys.modules, "rlhf_runtime.trainer", types.SimpleNamespace(Trainer=FakeTrainer))
+    monkeypatch.setitem(sys.modules, "rlhf_runtime.engines", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(drv.Runtime, "_strategy", lambda self, group, bundle: Strategy(group, bundle))
+    monkeypatch.setattr(tempfile, "tempdir", str(c.nodes["head"][1]))  # the driver runs on the head node
+    monkeypatch.setattr(FakeEngine, "fail", False)
+    monkeypatch.setattr(FakeEngine, "loaded", [])
+    return c
+
+
+def runtime(spec: dict[str, Any], validate: bool = False) -> drv.Runtime:
+    base: dict[str, Any] = {"model": {"name": "m"}, "image": "i", "data": {"prompts": ["p"] * 4},
+                            "reward": {"rule": "contains", "target": "x"}}
+    cfg = RuntimeConfig(name="j", namespace="ns", spec={**base, **spec})
+    return drv.Runtime(cfg, drv.Options(validate=validate), Reporter())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_fsdp2_ranks_meet_at_rank_0s_node_not_the_drivers(cluster: Cluster) -> None:
+    rt = runtime({"trainer": {"replicas": 2, "gpusPerReplica": 2, "strategy": "fsdp2"}})
+    rt.start_trainers()
+    infos = [t.info.remote().value for t in rt.trainers]
+    rank0_node = cluster.node_of(Strategy(rt.layout.trainers[0].group, rt.layout.trainers[0].bundle))
+    rank0_ip = cluster.nodes[rank0_node][0]
+    assert rank0_ip != HEAD_IP
+    assert {(i["addr"], i["port"]) for i in infos} == {(rank0_ip, infos[0]["port"])}  # every rank dials rank 0
+    assert 20000 <= infos[0]["port"] < 60000
+    assert ("_node_address", rank0_node) in cluster.calls  # the free port was found on rank 0's node
+
+
+def test_a_single_trainer_needs_no_rendezvous(cluster: Cluster) -> None:
+    rt = runtime({"trainer": {"replicas": 1, "gpusPerReplica": 1}})
+    rt.start_trainers()
+    assert rt.trainers[0].info.remote().value["addr"] is None
+    assert not [c for c in cluster.calls if c[0] == "_node_address"]
+
+
+def _start_for_validation(rt: drv.Runtime) -> None:
+    """Trainers, and running engines (already synced: they load nothing) on their bundles' nodes."""
+    import ray
+
+    class Synced(FakeEngine):
+        def __init__(self) -> None:
+            pass
+
+    rt.start_trainers()
+    for e in rt.layout.engines:
+        rt.engines.append(ray.remote(Synced).options(scheduling_strategy=Strategy(e.group, e.bundle)).remote())
+        rt.engine_kwargs.append({"model": "m", "gpu_memory_utilization": 0.5})
+
+
+SAMPLES = [types.SimpleNamespace(prompt=p) for p in ("ab", "cd", "ef", "gh")]
+
+
+def _leftovers(cluster: Cluster) -> list[str]:
+    return sorted(str(p.relative_to(cluster.root)) for _, tmp in cluster.nodes.values() for p in tmp.iterdir())
+
+
+@pytest.mark.parametrize("layout", ["separate", "expert-parallel"])
+def test_validation_weights_reach_each_fresh_engines_node_and_are_removed(cluster: Cluster, layout: str) -> None:
+    spec = {"trainer": {"gpusPerReplica": 0}, "rollout": {"engines": 2}} if layout == "separate" else {
+        "rollout": {"engines": 2, "expertParallel": True}}
+    rt = runtime(spec, validate=True)
+    _start_for_validation(rt)
+    result = rt.validate(Tokenizer(), SAMPLES)
+    assert result["validated"]
+    fresh = list(range(2)) if layout == "expert-parallel" else [0]
+    want_nodes = [cluster.nodes[cluster.node_of(Strategy(rt.layout.engines[i].group, rt.layout.engines[i].bundle))][1]
+                  for i in fresh]
+    # each fresh engine loaded a copy in its own node's temporary directory (not the trainer's, not the head's)
+    assert [Path(tmp) for _, tmp in FakeEngine.loaded] == want_nodes
+    assert all(Path(path).parent == Path(tmp) and Path(path).name.startswith("rlhf-validate-")
+               for path, tmp in FakeEngine.loaded)
+    assert result["weights"] == [p for p, _ in FakeEngine.loaded]
+    assert _leftovers(cluster) == []  # copies and the trainer's staging are gone
+
+
+def test_validation_removes_every_copy_when_the_fresh_engine_fails(cluster: Cluster) -> None:
+    rt = runtime({"rollout": {"engines": 2, "expertParallel": True}}, validate=True)
+    _start_for_validation(rt)
+    FakeEngine.fail = True
+    with pytest.raises(RuntimeError, match="engine died"):
+        rt.validate(Tokenizer(), SAMPLES)
+    assert len(FakeEngine.loaded) == 2
+    assert _leftovers(cluster) == []
+
+
+def test_validation_is_on_with_the_spec_field_or_the_flag(cluster: Cluster) -> None:
+    assert not runtime({}).validate_first_sync
+    assert runtime({}, validate=True).validate_first_sync
+    assert runtime({"weightSync": {"validate": True}}).validate_first_sync
+
+
+def test_actors_get_spec_env_over_the_runtime_defaults_and_no_forced_offline_hub(cluster: Cluster) -> None:
+    rt = runtime({"trainer": {"gpusPerReplica": 0},
+                  "env": [{"name": "TOKENIZERS_PARALLELISM", "value": "true"}, {"name": "X", "value": "1"}]})
+    assert rt.env["TOKENIZERS_PARALLELISM"] == "true" and rt.env["X"] == "1"
+    assert "HF_HUB_OFFLINE" not in rt.env and "TRANSFORMERS_OFFLINE" not in rt.env
+    assert rt.env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # CPU job defaults still there
