@@ -1,20 +1,21 @@
 #!/usr/bin/env python3
-"""`make demo`: the whole product on this machine, watched through `kubectl get rlhfjobs`.
+"""`make demo`: the whole product on this machine, in real containers, watched through `kubectl get rlhfjobs`.
 
-1. A real control plane (etcd, kube-apiserver, scheduler, controller-manager), KWOK GPU nodes and the real
-   KubeRay operator (hack/localcluster.py), plus our operator.
-2. Two RLHFJobs: the `separate-nccl-tp2` sample (placed on fake H100 nodes; no containers run there, so it
-   stays Running with no steps) and a tiny CPU job whose driver really trains.
-3. KWOK runs no containers, so the tiny job's driver (what KubeRay would start in the head pod) runs here, with
-   the pod's inputs: job.json from the operator's ConfigMap and the job's own ServiceAccount token. It trains a
-   tiny Qwen2 with GRPO on real Ray + vLLM (CPU) and reports step, tokens/s and sync time into the status.
+1. A real control plane (etcd, kube-apiserver, scheduler, controller-manager), KWOK GPU nodes, and real nodes
+   (containerd + runc + CNI + kubelet) with cluster DNS and Service routing (hack/localcluster.py
+   --real-nodes); KubeRay runs as a pod on a real node. Images (operator, CPU runtime, KubeRay, pause) are
+   built here with buildah and imported into the nodes (hack/build-images.sh; cached by content hash).
+2. `helm install` of our chart with the local operator image: the operator runs as a pod.
+3. Two RLHFJobs: a tiny CPU job whose head, trainer and engine pods really run on the real nodes (KubeRay's
+   submitter starts our driver; it trains a tiny Qwen2 with GRPO on Ray + vLLM and patches the status with
+   the job's own ServiceAccount token), and the `separate-nccl-tp2` GPU sample, placed on fake H100 nodes
+   where no container runs: its status says that no runtime has reported.
 
 The cluster stays up afterwards (`export KUBECONFIG=/tmp/rlhf-demo/kubeconfig`); `make demo-down` stops it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,13 +26,14 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "hack"))
+import cpujob
 import localcluster
-
-from rlhf_runtime.tiny import tiny_job_spec
+import realnodes
 
 DIR = Path(os.environ.get("RLHF_DEMO_DIR", "/tmp/rlhf-demo"))
 NS = "demo"
-STEPS = 20
+STEPS = 10
+REAL_NODES = int(os.environ.get("RLHF_REAL_NODES", "2"))
 
 
 def say(msg: str) -> None:
@@ -40,27 +42,26 @@ def say(msg: str) -> None:
 
 def main() -> int:
     cluster = localcluster.Cluster(DIR, localcluster.build())
-    say("starting the local control plane + KWOK GPU nodes + KubeRay")
-    cluster.up(nodes=4, gpus_per_node=8)
-    print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product").stdout)
+    say(f"starting the local control plane + KWOK GPU nodes + {REAL_NODES} real nodes + KubeRay (first run: builds images)")
+    cluster.up(nodes=4, gpus_per_node=8, real_nodes=REAL_NODES)
+    print(cluster.kubectl("get", "nodes", "-o", "wide", "-L", f"nvidia.com/gpu.product,{realnodes.NODE_LABEL}").stdout)
 
-    say("starting rlhf-operator")
-    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "RLHF_RESYNC_SECONDS": "2"}
-    op = subprocess.Popen(
-        [sys.executable, "-W", "ignore", "-m", "rlhf_operator.main", "--liveness", ""],
-        stdout=open(DIR / "operator.log", "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,  # noqa: SIM115
-    )
-    (DIR / "operator.pid").write_text(str(op.pid))  # `make demo-down` stops it with the rest
-
-    say("building a tiny Qwen2 + tokenizer locally (no hub)")
-    model = DIR / "tiny-model"
+    say("helm install rlhf charts/rlhf-operator (the operator runs as a pod from the local image)")
+    repo, tag = cluster.images["operator"]["ref"].rsplit(":", 1)
     subprocess.run(
-        [sys.executable, "-c", f"from rlhf_runtime.tiny import build_tiny_model; build_tiny_model({str(model)!r}, seed=0)"],
-        check=True, capture_output=True,
+        [str(cluster.bin / "helm"), "--kubeconfig", str(cluster.kubeconfig), "install", "rlhf",
+         str(REPO / "charts" / "rlhf-operator"), "-n", "rlhf-system", "--create-namespace",
+         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+         "--set-string", f"nodeSelector.{realnodes.NODE_LABEL.replace('.', chr(92) + '.')}=true",
+         "--set", "resyncSeconds=5", "--set", "resources.requests.cpu=50m", "--wait", "--timeout", "5m"],
+        check=True,
     )
-    cluster.kubectl("create", "namespace", NS)
-    tiny = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "tiny-grpo"},
-            "spec": tiny_job_spec(model, STEPS)}
+    print(cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
+
+    say("a tiny Qwen2 + tokenizer built locally (no hub), shared with the pods through a hostPath")
+    shared = cpujob.make_shared_dir(DIR / "shared")
+    cluster.kubectl("create", "namespace", NS, check=False)
+    tiny = cpujob.cpu_job("tiny-grpo", cluster.images["runtime-cpu"]["ref"], shared, STEPS)
     manifest = DIR / "tiny-grpo.yaml"
     manifest.write_text(yaml.safe_dump(tiny, sort_keys=False))
     say(f"kubectl apply -f crds/samples/separate-nccl-tp2.yaml -f {manifest}")
@@ -91,25 +92,14 @@ def main() -> int:
                 last = key(cur)
             time.sleep(1)
 
-    watch_until(lambda: phase("tiny-grpo") == "Running", 180, "tiny-grpo Running")
+    watch_until(lambda: phase("tiny-grpo") in ("Succeeded", "Failed"), 1200, "tiny-grpo finishing")
     print(table())
+    say("where the pods ran (KubeRay deletes the tiny job's cluster once it finished)")
     print(cluster.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout)
-
-    say("running the tiny job's driver (real Ray + vLLM on CPU) with the job's own ServiceAccount")
-    cm = json.loads(cluster.kubectl("get", "configmap", "tiny-grpo-config", "-n", NS, "-o", "json").stdout)
-    config = DIR / "job.json"
-    config.write_text(cm["data"]["job.json"])
-    kc = cluster.token_kubeconfig(NS, "tiny-grpo-runtime", DIR / "runtime.kubeconfig")
-    with open(DIR / "driver.log", "w") as log:
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local", "--kubeconfig", str(kc)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    watch_until(lambda: phase("tiny-grpo") in ("Succeeded", "Failed"), 600, "tiny-grpo finishing")
-    driver.wait(timeout=60)
-    print(table())
-    say("done")
-    print(cluster.kubectl("get", "rlhfjob", "tiny-grpo", "-n", NS, "-o", "jsonpath={.status.throughput}").stdout)
+    for name in ("tiny-grpo", "qwen-separate-tp2"):
+        out = cluster.kubectl("get", "rlhfjob", name, "-n", NS, "-o",
+                              "jsonpath={.status.phase}: {.status.message} {.status.throughput}", check=False)
+        print(f"{name}: {out.stdout}")
     print(f"\nexport KUBECONFIG={cluster.kubeconfig}   # explore; `make demo-down` stops everything")
     return 0 if phase("tiny-grpo") == "Succeeded" else 1
 

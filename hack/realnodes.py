@@ -6,8 +6,8 @@ Shared by the nodes, on the host: CoreDNS (cluster DNS, ``*.svc.cluster.local``)
 Service IPs, including ``kubernetes.default`` for in-cluster clients). Everything stays inside the machine:
 
 * node ``i`` owns the bridge ``rlhf<i>`` with the pod subnet ``10.88.<i>.0/24`` and gateway ``10.88.<i>.1``
-  (its node IP); pods reach each other and the host through the bridges, nothing is routed out (no masquerade
-  to the outside, no default route beyond the host);
+  (its node IP); pods reach each other and the host through the bridges; nothing is routed out (an iptables
+  FORWARD rule drops pod traffic to anything outside the pod network, and nothing is masqueraded out);
 * the apiserver and CoreDNS listen on ``10.88.0.1`` (``HOST_IP``), an address on the first bridge;
 * kubelets run with ``cgroupRoot=/rlhf-node-<i>`` so two kubelets never see each other's pods.
 
@@ -123,6 +123,11 @@ def restore_sysctls(dir: Path) -> None:
     saved.unlink()
 
 
+#: Pod traffic stays inside the machine: nothing from the pod network is forwarded anywhere but to it.
+FORWARD_GUARD = ["FORWARD", "-s", POD_CIDR, "!", "-d", POD_CIDR, "-m", "comment", "--comment",
+                 "rlhf-operator real nodes: pod traffic stays inside the machine", "-j", "DROP"]
+
+
 def network_up(dir: Path, nodes: list[Node]) -> None:
     """Bridges with their gateway addresses (the apiserver binds to the first before any pod exists)."""
     if OWNER.exists():
@@ -135,6 +140,8 @@ def network_up(dir: Path, nodes: list[Node]) -> None:
     save_sysctls(dir)
     _sysctl_path("net/ipv4/ip_forward").write_text("1")
     _sysctl_path("net/bridge/bridge-nf-call-iptables").write_text("1")
+    if sh("iptables", "-C", *FORWARD_GUARD, check=False).returncode != 0:
+        sh("iptables", "-I", *FORWARD_GUARD)
     for n in nodes:
         if sh("ip", "link", "show", n.bridge, check=False).returncode != 0:
             sh("ip", "link", "add", n.bridge, "type", "bridge")
@@ -192,8 +199,9 @@ def cni_config(n: Node) -> dict:
                 "ipam": {
                     "type": "host-local",
                     "ranges": [[{"subnet": n.subnet, "gateway": n.ip}]],
-                    # pods reach the other bridges and the host; nothing beyond (no default route out)
-                    "routes": [{"dst": POD_CIDR}, {"dst": SERVICE_CIDR}],
+                    # a default route as on any cluster (vLLM, Ray and torch find their own address by
+                    # asking the route to a public one); FORWARD_GUARD drops what would leave the machine
+                    "routes": [{"dst": "0.0.0.0/0"}],
                     "dataDir": str(n.dir / "cni" / "ipam"),
                 },
             },
@@ -387,6 +395,8 @@ def down(dir: Path) -> None:
     kp = info.get("kube_proxy")
     if kp and Path(kp).exists():
         subprocess.run([kp, "--cleanup"], check=False, capture_output=True)
+    while sh("iptables", "-D", *FORWARD_GUARD, check=False).returncode == 0:
+        pass
     for n in nodes:
         subprocess.run(["ip", "link", "del", n.bridge], check=False, capture_output=True)
         remove_cgroup(n.cgroup)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
+import socket
 
 import kopf
 
@@ -29,6 +31,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
+
+
+def own_identity() -> str:
+    """This replica's peering identity, ``<pod or host name>/<pid>``. Kopf's own default asks the passwd
+    database for the user name, which fails in images run as a UID without a passwd entry (the chart runs
+    as 65532; OpenShift assigns arbitrary UIDs): ``KeyError: 'getpwuid(): uid not found: 65532'``."""
+    return f"{socket.gethostname()}/{os.getpid()}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             clusterwide=not args.namespace,
             namespaces=args.namespace or (),
             liveness_endpoint=args.liveness or None,
+            identity=own_identity(),
         )
     )
 

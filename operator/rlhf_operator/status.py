@@ -110,7 +110,9 @@ def verdict(obs: Observed) -> Verdict:
     if _cluster_ready(obs.ray_cluster) and deploy in ("Running", "Retrying"):
         if runtime.get("state") == "Running":
             return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
-        return Verdict("Running", "RayJobRunning", "the Ray cluster is ready and the driver was submitted")
+        # Not a silent Running: until the driver reports (it patches status.runtime from the head pod), say so.
+        return Verdict("Running", "WaitingForRuntime",
+                       "the Ray cluster is ready and the driver was submitted; no runtime has reported yet")
     cluster = (obs.ray_job or {}).get("status", {}).get("rayClusterName") or "pending"
     return Verdict("Provisioning", "ProvisioningRayCluster", f"Ray cluster {cluster}: RayJob {deploy or 'New'}")
 

@@ -44,7 +44,7 @@ CASES = [
     ("invalid spec", obs(invalid="spec.x: bad"), "Failed", "InvalidSpec"),
     ("initializing", obs(ray_job=rayjob("Initializing")), "Provisioning", "ProvisioningRayCluster"),
     ("unschedulable", obs(ray_job=rayjob("Initializing"), pods=[UNSCHEDULABLE]), "Pending", "Unschedulable"),
-    ("running", obs(ray_job=rayjob("Running", "RUNNING"), ray_cluster=READY_CLUSTER, pods=[SCHEDULED]), "Running", "RayJobRunning"),
+    ("running", obs(ray_job=rayjob("Running", "RUNNING"), ray_cluster=READY_CLUSTER, pods=[SCHEDULED]), "Running", "WaitingForRuntime"),
     ("running but cluster not ready", obs(ray_job=rayjob("Running"), ray_cluster={"status": {}}), "Provisioning", "ProvisioningRayCluster"),
     ("training", obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER,
                      old_status={"runtime": {"state": "Running"}, "step": 4}), "Running", "Training"),
