@@ -485,6 +485,13 @@ class RLHFJobSpec(Model):
         None, ge=0, description="Delete the Ray cluster this long after the job finished (status is kept)."
     )
     active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this many seconds.")
+    backoff_limit: int = Field(
+        0, ge=0, le=100,
+        description="How many times a failed run is retried before the job is Failed: a crashed driver, a lost "
+        "worker or head pod, a hung collective. Each retry runs on a new Ray cluster (KubeRay's RayJob "
+        "backoffLimit) and, with spec.checkpoint, resumes from the newest checkpoint; without one it starts "
+        "over. 0 (the default): the first failure is final.",
+    )
     env: list[EnvVar] | None = Field(None, max_length=256, description="Extra environment for every container.")
     volumes: list[dict[str, Any]] | None = Field(
         None, max_length=64, description="Extra volumes for every pod.", json_schema_extra={"items": VOLUME_SCHEMA}
@@ -572,7 +579,7 @@ class RLHFJobStatus(Model):
 
 # ------------------------------------------------------------------------------ operator <-> runtime
 #: Spec fields only the operator reads (pod sizes): left out of the runtime's job.json.
-OPERATOR_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("head",),)
+OPERATOR_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("head",), ("backoffLimit",))
 #: Spec fields added after runtime 0.1.0, with their defaults. Runtimes up to 0.1.0 refuse a job.json with a key
 #: they do not know, so the operator leaves these out while they hold their default: an older runtime image
 #: then runs every job that does not ask for the newer feature.

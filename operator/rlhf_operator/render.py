@@ -225,6 +225,8 @@ def render_ray_job(job: Job) -> dict[str, Any]:
     }
     if spec.active_deadline_seconds:
         ray_job["spec"]["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    if spec.backoff_limit:
+        ray_job["spec"]["backoffLimit"] = spec.backoff_limit
     return ray_job
 
 

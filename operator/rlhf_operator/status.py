@@ -70,6 +70,18 @@ def _replica_failure(cluster: dict[str, Any] | None) -> str | None:
     return None
 
 
+def _retry(ray_job: dict[str, Any] | None) -> str | None:
+    """When a failed run will be retried (KubeRay's RayJob ``backoffLimit`` not used up), what to say."""
+    if not ray_job:
+        return None
+    limit = (ray_job.get("spec") or {}).get("backoffLimit") or 0
+    failed = (ray_job.get("status") or {}).get("failed") or 0
+    if failed >= limit:
+        return None
+    return (f"run {failed + 1} of at most {limit + 1} failed; KubeRay retries on a new Ray cluster "
+            "(resuming from the newest checkpoint, if any)")
+
+
 def verdict(obs: Observed) -> Verdict:
     """The phase, with a CamelCase reason and a message a user can act on."""
     old_phase = obs.old_status.get("phase")
@@ -80,7 +92,11 @@ def verdict(obs: Observed) -> Verdict:
         return Verdict("Failed", "InvalidSpec", obs.invalid)
     runtime = obs.old_status.get("runtime") or {}
     if runtime.get("state") == "Failed":
-        return Verdict("Failed", "RuntimeFailed", runtime.get("message") or "the runtime reported a failure")
+        why = runtime.get("message") or "the runtime reported a failure"
+        retry = _retry(obs.ray_job)
+        if retry:
+            return Verdict("Provisioning", "Retrying", f"{retry}: {why}")
+        return Verdict("Failed", "RuntimeFailed", why)
     if runtime.get("state") == "Succeeded":
         return Verdict("Succeeded", "RuntimeSucceeded", f"finished {obs.old_status.get('step', '?')} steps")
     if obs.kuberay_missing:
@@ -107,7 +123,9 @@ def verdict(obs: Observed) -> Verdict:
     failure = _replica_failure(obs.ray_cluster)
     if failure:
         return Verdict("Pending", "PodCreationFailed", failure)
-    if _cluster_ready(obs.ray_cluster) and deploy in ("Running", "Retrying"):
+    if deploy == "Retrying":
+        return Verdict("Provisioning", "Retrying", _retry(obs.ray_job) or "KubeRay retries on a new Ray cluster")
+    if _cluster_ready(obs.ray_cluster) and deploy == "Running":
         if runtime.get("state") == "Running":
             return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
         # Not a silent Running: until the driver reports (it patches status.runtime from the head pod), say so.

@@ -314,3 +314,13 @@ def test_runtime_ignores_and_names_fields_a_newer_operator_adds() -> None:
     payload["spec"]["rollout"]["engines"] = 0  # anything else is still an error
     with pytest.raises(ValueError, match="engines"):
         m.RuntimeConfig.from_runtime_json(json.dumps(payload))
+
+
+def test_backoff_limit_becomes_kuberays_retries_and_stays_out_of_job_json() -> None:
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    assert "backoffLimit" not in render.render_ray_job(job)["spec"]  # default 0: KubeRay's own default
+    spec = job.spec.model_copy(update={"backoff_limit": 2})
+    j = render.Job(job.name, job.namespace, job.uid, spec)
+    assert render.render_ray_job(j)["spec"]["backoffLimit"] == 2
+    payload = json.loads(render.render_config_map(j)["data"][naming.CONFIG_KEY])
+    assert "backoffLimit" not in payload["spec"]  # operator-only: an older runtime never sees it

@@ -12,15 +12,17 @@ NOW = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
 LATER = NOW + dt.timedelta(minutes=5)
 
 
-def rayjob(deploy=None, job=None, cluster="j-abcde", message=None):
+def rayjob(deploy=None, job=None, cluster="j-abcde", message=None, backoff=None, failed=None):
     s = {"rayClusterName": cluster}
+    if failed is not None:
+        s["failed"] = failed
     if deploy:
         s["jobDeploymentStatus"] = deploy
     if job:
         s["jobStatus"] = job
     if message:
         s["message"] = message
-    return {"metadata": {"name": "j"}, "status": s}
+    return {"metadata": {"name": "j"}, "spec": {} if backoff is None else {"backoffLimit": backoff}, "status": s}
 
 
 READY_CLUSTER = {"status": {"state": "ready"}}
@@ -52,6 +54,13 @@ CASES = [
     ("ray job failed", obs(ray_job=rayjob("Failed", "FAILED", message="driver exited 1")), "Failed", "RayJobFailed"),
     ("validation failed", obs(ray_job=rayjob("ValidationFailed", message="bad spec")), "Failed", "RayJobFailed"),
     ("runtime failed", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Failed", "message": "OOM"}}), "Failed", "RuntimeFailed"),
+    ("runtime failed, a retry left", obs(ray_job=rayjob("Running", backoff=2, failed=1),
+                                          old_status={"runtime": {"state": "Failed", "message": "actor died"}}),
+     "Provisioning", "Retrying"),
+    ("runtime failed, retries used up", obs(ray_job=rayjob("Running", backoff=2, failed=2),
+                                            old_status={"runtime": {"state": "Failed", "message": "actor died"}}),
+     "Failed", "RuntimeFailed"),
+    ("rayjob retrying", obs(ray_job=rayjob("Retrying", backoff=1, failed=1)), "Provisioning", "Retrying"),
     ("runtime succeeded", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Succeeded"}, "step": 10}), "Succeeded", "RuntimeSucceeded"),
     ("pod creation failed", obs(ray_job=rayjob("Initializing"), ray_cluster={"status": {"conditions": [
         {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateHeadPod",
