@@ -14,7 +14,14 @@ REPO = Path(__file__).resolve().parents[2]
 HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
 
 
-@pytest.mark.parametrize("image", ["operator", "runtime"])
+IMAGES = sorted(p.parent.name for p in (REPO / "images").glob("*/Dockerfile"))
+
+
+def test_every_image_has_a_dockerfile() -> None:
+    assert {"operator", "runtime", "runtime-cpu", "pause", "kuberay"} <= set(IMAGES)
+
+
+@pytest.mark.parametrize("image", IMAGES)
 def test_dockerfile_lints_clean(image: str) -> None:
     out = subprocess.run(check=False, args=[HADOLINT, "--failure-threshold", "warning", str(REPO / "images" / image / "Dockerfile")],
                          capture_output=True, text=True)
@@ -23,8 +30,16 @@ def test_dockerfile_lints_clean(image: str) -> None:
 
 def test_operator_image_installs_only_the_operator_extra() -> None:
     text = (REPO / "images/operator/Dockerfile").read_text()
-    assert 'pip install ".[operator]"' in text
+    # dependencies of the operator extra in their own layer, then the package: `pip install ".[operator]"` in two steps
+    assert '["optional-dependencies"]["operator"]' in text and 'pip install --no-deps ".[operator]"' in text
     assert "USER 65532" in text and "torch" not in text and "vllm" not in text
+
+
+@pytest.mark.parametrize("image", ["operator", "runtime", "runtime-cpu"])
+def test_python_images_take_their_base_as_a_build_arg(image: str) -> None:
+    """The same Dockerfile builds on hack/build-images.sh's debootstrap base and with `docker build`."""
+    text = (REPO / "images" / image / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=" in text and "FROM ${BASE_IMAGE}" in text
 
 
 def test_operator_dependency_set_has_no_runtime_stack(tmp_path: Path) -> None:
