@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,6 +273,19 @@ class Cluster:
         )
         log(f"up: KUBECONFIG={self.kubeconfig}")
 
+    def attach(self) -> bool:
+        """Use a cluster with real nodes that is already up in ``dir`` (e.g. kept by a previous test run), with
+        the current images imported into its nodes; False when there is none."""
+        state = self.dir / "realnodes.json"
+        if not state.exists() or self.kubectl("get", "--raw", "/readyz", check=False).returncode != 0:
+            return False
+        self.real_nodes = len(json.loads(state.read_text())["nodes"])
+        self.images = build_images("pause", "operator", "runtime-cpu", "kuberay")
+        for n in self._nodes():
+            for img in self.images.values():
+                realnodes.import_image(n, img["archive"], img["ref"])
+        return True
+
     # ------------------------------------------------------------------------------------------ real nodes
     def _nodes(self) -> list[realnodes.Node]:
         return [realnodes.Node(i, self.dir / f"node-{i}") for i in range(self.real_nodes)]
@@ -284,11 +298,14 @@ class Cluster:
         for n in nodes:
             realnodes.prepare(n, self.images["pause"]["ref"])
             self._start(f"containerd-{n.index}", ["containerd", "--config", str(n.dir / "containerd.toml")])
-        for n in nodes:
-            self._wait(f"containerd of {n.name}", lambda n=n: realnodes.sh(
+        def load(n: realnodes.Node) -> None:
+            self._wait(f"containerd of {n.name}", lambda: realnodes.sh(
                 "ctr", "--address", str(n.socket), "version", check=False).returncode == 0, timeout=60)
             for img in self.images.values():
                 realnodes.import_image(n, img["archive"], img["ref"])
+
+        with ThreadPoolExecutor(len(nodes)) as pool:  # the nodes import side by side
+            list(pool.map(load, nodes))
         for n in nodes:
             self._start(f"kubelet-{n.index}", [
                 str(b / "kubelet"), f"--config={n.dir / 'kubelet.json'}", f"--kubeconfig={self.kubeconfig}",

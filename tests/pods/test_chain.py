@@ -1,0 +1,76 @@
+"""The whole chain in real containers, on CPU.
+
+`helm install` of the chart (the operator runs as a pod with the chart's ServiceAccount and RBAC) ->
+`kubectl apply` of an RLHFJob -> KubeRay creates head and worker pods on the real nodes -> KubeRay's submitter
+runs our driver in the Ray cluster -> trainer and vLLM (CPU) actors in separate worker pods (the Ray custom
+resource of each group is the only place their placement groups can land) -> weights through vLLM's
+weight-transfer API (gloo) -> status patched with the job's own ServiceAccount token -> `Succeeded`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.pods.conftest import apply, cpu_job, diagnostics, pods, status
+
+pytestmark = [pytest.mark.pods]
+
+
+def run_to_end(cluster, api, ns: str, job: dict, timeout: float) -> tuple[dict, list[str]]:
+    """Apply ``job`` and poll its status until it ends; returns the final status and every distinct
+    `kubectl get rlhfjobs` row seen on the way (phase, step)."""
+    name = job["metadata"]["name"]
+    apply(cluster, job, ns)
+    seen: list[str] = []
+    placed: dict[str, str] = {}
+
+    def ended() -> bool:
+        st = status(api, ns, name)
+        row = f"{st.get('phase', '')} step={st.get('step', '')} tokens/s={(st.get('throughput') or {}).get('rolloutTokensPerSecond', '')}"
+        if not seen or seen[-1] != row:
+            seen.append(row)
+        for p in pods(api, ns):
+            if p.spec.node_name:
+                placed[p.metadata.name] = p.spec.node_name
+        return st.get("phase") in ("Succeeded", "Failed")
+
+    try:
+        wait_for(ended, timeout, f"RLHFJob {name} to finish", interval=2)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nseen: {seen}\n{diagnostics(cluster, ns)}") from None
+    st = status(api, ns, name)
+    st["_placed"] = placed
+    if st.get("phase") != "Succeeded":
+        raise AssertionError(f"{name} ended {st.get('phase')}: {st.get('message')}\nseen: {seen}\n"
+                             f"{diagnostics(cluster, ns)}")
+    return st, seen
+
+
+def test_cpu_job_runs_in_real_pods(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
+    steps = 4
+    st, seen = run_to_end(real_cluster, rapi, ns, cpu_job(real_cluster, shared_dir, "tiny", steps), 900)
+    print("\n".join(seen))
+    assert st["step"] == steps
+    assert st["throughput"]["rolloutTokensPerSecond"] > 0
+    assert st["throughput"]["weightSyncSeconds"] > 0
+    assert st["runtime"]["state"] == "Succeeded"
+    # every pod of the job ran on a real node (the head, one trainer pod, one engine pod, the submitter)
+    nodes = set(st["_placed"].values())
+    assert nodes and all(n.startswith("real-node-") for n in nodes), st["_placed"]
+    roles = {p.rsplit("-", 2)[0] for p in st["_placed"]}
+    assert any("trainer" in p for p in st["_placed"]) and any("rollout" in p for p in st["_placed"]), roles
+    assert any(p.startswith("Running") for p in seen), seen
+
+
+def test_fsdp2_over_two_trainer_pods_with_validation(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
+    """Two trainer pods form one FSDP2 group over gloo (the rendezvous crosses pods), and validation mode
+    compares the synced engine with a fresh engine loaded from the trainer's weights (moved across pods)."""
+    steps = 3
+    job = cpu_job(real_cluster, shared_dir, "fsdp", steps, trainers=2)
+    job["spec"]["weightSync"] = {**job["spec"].get("weightSync", {}), "validate": True}
+    st, seen = run_to_end(real_cluster, rapi, ns, job, 1200)
+    print("\n".join(seen))
+    assert st["step"] == steps
+    trainer_pods = [p for p in st["_placed"] if "trainer" in p]
+    assert len(trainer_pods) == 2, st["_placed"]

@@ -1,0 +1,118 @@
+"""Faults in real pods: a lost worker pod, a lost head pod, a killed operator pod.
+
+A job with checkpoints and ``spec.backoffLimit`` resumes from its newest checkpoint on a fresh Ray cluster
+(KubeRay's RayJob retry); a job that allows no retry fails with a clear condition. Nothing hangs: every wait
+has a deadline, and the recovery time is printed (the closing note's fault table comes from these lines).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kubernetes import client
+
+from tests.helpers import wait_for
+from tests.pods.conftest import apply, cpu_job, diagnostics, pods, status
+
+pytestmark = [pytest.mark.pods]
+
+
+def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int) -> dict:
+    job = cpu_job(cluster, shared, name, steps)
+    ckpt = shared / "ckpt" / ns / name
+    ckpt.mkdir(parents=True, mode=0o777)
+    for p in (shared / "ckpt", shared / "ckpt" / ns, ckpt):
+        p.chmod(0o777)
+    job["spec"]["checkpoint"] = {"volume": "shared", "path": f"/shared/ckpt/{ns}/{name}", "everyNSteps": 3}
+    job["spec"]["backoffLimit"] = retries
+    return job
+
+
+def _wait(cluster, api, ns, what, check, timeout):
+    try:
+        return wait_for(check, timeout, what, interval=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diagnostics(cluster, ns)}") from None
+
+
+def _delete_pod(api, ns: str, selector: str) -> str:
+    victim = next(p for p in pods(api, ns, selector) if p.status.phase == "Running")
+    client.CoreV1Api(api).delete_namespaced_pod(victim.metadata.name, ns, grace_period_seconds=0)
+    return victim.metadata.name
+
+
+def _events(api, ns: str, name: str) -> list[str]:
+    evs = client.CoreV1Api(api).list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    return [f"{e.reason}: {e.message}" for e in evs]
+
+
+@pytest.mark.parametrize("victim", ["ray.io/group=trainer", "ray.io/node-type=head"])
+def test_lost_pod_resumes_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir, ns,
+                                                     victim) -> None:
+    steps = 60  # a tiny step takes ~0.4 s: the fault must land while the run still has many steps to go
+    job = checkpointed_job(real_cluster, shared_dir, ns, "resume", steps, retries=1)
+    apply(real_cluster, job, ns)
+    _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
+          lambda: (status(rapi, ns, "resume").get("step") or 0) >= 4, 900)
+    killed = _delete_pod(rapi, ns, victim)
+    t0 = time.monotonic()
+    seen: list[str] = []
+
+    def progressed() -> bool:
+        st = status(rapi, ns, "resume")
+        row = f"{st.get('phase')}/{(st.get('runtime') or {}).get('state')}: {st.get('message')}"
+        if not seen or seen[-1] != row:
+            seen.append(row)
+        return st.get("phase") == "Succeeded" or st.get("phase") == "Failed"
+
+    _wait(real_cluster, rapi, ns, "the job to finish after the fault", progressed, 1200)
+    recovered = time.monotonic() - t0
+    st = status(rapi, ns, "resume")
+    print(f"\nFAULT delete {killed} ({victim}): {st.get('phase')} after {recovered:.0f}s; "
+          f"resumed from step {(st.get('runtime') or {}).get('resumedFromStep')}\n  " + "\n  ".join(seen))
+    assert st.get("phase") == "Succeeded", f"{st}\n{seen}\n{diagnostics(real_cluster, ns)}"
+    assert st["step"] == steps
+    # it resumed from a checkpoint (not from step 0), and said so on the way
+    assert (st.get("runtime") or {}).get("resumedFromStep", 0) >= 3, st.get("runtime")
+    assert any("Retrying" in e or "retry" in e.lower() for e in _events(rapi, ns, "resume")), _events(rapi, ns, "resume")
+
+
+def test_lost_worker_without_retries_fails_with_a_clear_condition(real_cluster, rapi, operator_release, shared_dir,
+                                                                   ns) -> None:
+    job = checkpointed_job(real_cluster, shared_dir, ns, "noretry", 60, retries=0)
+    apply(real_cluster, job, ns)
+    _wait(real_cluster, rapi, ns, "step >= 1", lambda: (status(rapi, ns, "noretry").get("step") or 0) >= 1, 900)
+    killed = _delete_pod(rapi, ns, "ray.io/group=rollout")
+    t0 = time.monotonic()
+    _wait(real_cluster, rapi, ns, "Failed", lambda: status(rapi, ns, "noretry").get("phase") == "Failed", 600)
+    st = status(rapi, ns, "noretry")
+    print(f"\nFAULT delete {killed} (no retries): Failed after {time.monotonic() - t0:.0f}s: {st.get('message')}")
+    stalled = next(c for c in st["conditions"] if c["type"] == "Stalled")
+    assert stalled["status"] == "True" and stalled["message"], stalled
+    assert any(e.startswith("Failed") for e in _events(rapi, ns, "noretry"))
+
+
+def test_killed_operator_pod_is_replaced_and_duplicates_nothing(real_cluster, rapi, operator_release, shared_dir,
+                                                               ns) -> None:
+    steps = 60
+    apply(real_cluster, cpu_job(real_cluster, shared_dir, "opkill", steps), ns)
+    _wait(real_cluster, rapi, ns, "step >= 1", lambda: (status(rapi, ns, "opkill").get("step") or 0) >= 1, 900)
+    core = client.CoreV1Api(rapi)
+    before = [p.metadata.name for p in core.list_namespaced_pod("rlhf-system").items]
+    for name in before:
+        core.delete_namespaced_pod(name, "rlhf-system", grace_period_seconds=0)
+    t0 = time.monotonic()
+
+    def replaced() -> bool:
+        now = core.list_namespaced_pod("rlhf-system").items
+        return any(p.metadata.name not in before and p.status.phase == "Running"
+                   and all(c.ready for c in p.status.container_statuses or []) for p in now)
+
+    _wait(real_cluster, rapi, ns, "a new operator pod Ready", replaced, 300)
+    print(f"\nFAULT delete operator pod: replacement Ready after {time.monotonic() - t0:.0f}s")
+    _wait(real_cluster, rapi, ns, "Succeeded", lambda: status(rapi, ns, "opkill").get("phase") == "Succeeded", 900)
+    rayjobs = client.CustomObjectsApi(rapi).list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]
+    assert len(rayjobs) == 1, [r["metadata"]["name"] for r in rayjobs]
+    cms = core.list_namespaced_config_map(ns, label_selector="rlhf.dev/job=opkill").items
+    assert len(cms) == 1, [c.metadata.name for c in cms]
