@@ -100,11 +100,12 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
     gpu = t.gpus_per_replica > 0
     tp = r.tensor_parallel_size
     if not gpu:
-        if t.strategy == "fsdp2" or t.replicas != 1:
-            raise PlacementError("CPU jobs (trainer.gpusPerReplica 0) train in one process: use strategy single")
+        # CPU: one trainer rank per trainer pod (FSDP2 over gloo when there are several)
+        if spec.placement.mode == "colocated" and t.replicas != 1:
+            raise PlacementError("colocated CPU jobs train in one process: use trainer.replicas 1")
         if tp != 1:
             raise PlacementError("CPU jobs need rollout.tensorParallelSize 1")
-    workers = t.replicas * t.gpus_per_replica if gpu else 1
+    workers = t.replicas * t.gpus_per_replica if gpu else t.replicas
     dp_group = r.expert_parallel and r.engines > 1
     if r.expert_parallel and not gpu:
         raise PlacementError("rollout.expertParallel needs GPUs (vLLM's CPU backend has no expert-parallel all-gather)")

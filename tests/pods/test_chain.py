@@ -74,3 +74,7 @@ def test_fsdp2_over_two_trainer_pods_with_validation(real_cluster, rapi, operato
     assert st["step"] == steps
     trainer_pods = [p for p in st["_placed"] if "trainer" in p]
     assert len(trainer_pods) == 2, st["_placed"]
+    # the driver's log (KubeRay's submitter follows it) says the fresh-engine comparison ran and passed
+    logs = "".join(real_cluster.kubectl("logs", "-n", ns, p.metadata.name, check=False).stdout
+                   for p in pods(rapi, ns) if p.metadata.name in st["_placed"] and "worker" not in p.metadata.name)
+    assert "weight-sync validation passed" in logs, logs[-3000:]

@@ -138,13 +138,21 @@ def test_every_bundle_fits_the_pods_the_operator_renders(name: str) -> None:
     "over",
     [
         {"trainer": {"gpusPerReplica": 0}, "rollout": {"tensorParallelSize": 2}},
-        {"trainer": {"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2"}},
+        {"trainer": {"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2"}, "placement": {"mode": "colocated"}},
         {"trainer": {"gpusPerReplica": 0}, "rollout": {"engines": 2, "expertParallel": True}},
     ],
 )
 def test_cpu_layouts_that_cannot_run_are_refused(over: dict[str, Any]) -> None:
     with pytest.raises(PlacementError):
         compute_layout(spec(**over))
+
+
+def test_cpu_fsdp2_puts_one_rank_in_each_trainer_pod() -> None:
+    layout = compute_layout(spec(trainer={"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2"}))
+    assert not layout.gpu and len(layout.trainers) == 2
+    trainer_group = layout.groups[0]
+    # one bundle per rank, each asking the one rlhf_trainer unit a CPU trainer pod advertises
+    assert trainer_group.bundles == [{"rlhf_trainer": 1}, {"rlhf_trainer": 1}]
 
 
 def test_spread_deals_prompts_round_robin() -> None:
