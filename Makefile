@@ -1,16 +1,20 @@
 # Two commands on a fresh machine:
 #   make demo   - local control plane + KubeRay + operator, apply a sample RLHFJob, watch it run
-#   make test   - the whole test suite (unit, integration on a real control plane, runtime on real Ray+vLLM)
+#   make test   - the whole test suite (unit, integration on a real control plane, real pods, runtime on real Ray+vLLM)
 PY := .venv/bin/python
 
-.PHONY: setup test demo demo-down crds lint
+.PHONY: setup images test demo demo-down crds lint
 setup:
 	bash hack/setup.sh
 
-test: setup
-	$(PY) -m pytest -ra --durations=15
+# Container images for real nodes (operator, CPU runtime, KubeRay, pause), cached by content hash.
+images: setup
+	bash hack/build-images.sh >/dev/null
 
-demo: setup
+test: setup images
+	$(PY) -m pytest -ra --durations=20
+
+demo: setup images
 	$(PY) hack/demo.py
 
 demo-down:

@@ -557,6 +557,9 @@ class RuntimeReport(Model):
     message: str | None = Field(None, description="Runtime message (e.g. the error of a failed run).")
     heartbeat_time: datetime | None = Field(None, description="Last report from the runtime.")
     resumed_from_step: int | None = Field(None, description="Checkpoint step the runtime resumed from.")
+    ray_cluster: str | None = Field(
+        None, description="The Ray cluster the reporting runtime runs in: a report from an earlier run (before a "
+        "retry on a new cluster) is recognised as such.")
 
 
 class RLHFJobStatus(Model):

@@ -133,8 +133,19 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
     if new["phase"] != old_phase or "message" in patch and new["phase"] in ("Pending", "Failed"):
         warn = new["phase"] == "Failed" or new["message"].startswith("pod ") or bool(obs.kuberay_missing)
         _event(body, new["phase"], new["message"] or new["phase"], warning=warn)
+    elif _ready_reason(new) in RESTART_REASONS and _ready_reason(old_status) != _ready_reason(new):
+        # a run restarted without a phase change (e.g. a lost head pod: KubeRay's submitter resubmits)
+        _event(body, _ready_reason(new), new["message"], warning=_ready_reason(new) == "Retrying")
     if obs.data_missing and _condition_flipped(old_status, new, "DataAvailable"):
         _event(body, "DataConfigMapMissing", obs.data_missing, warning=True)
+
+
+#: Ready reasons that mean a run restarted: each gets an Event when it appears.
+RESTART_REASONS = ("Retrying", "Resuming")
+
+
+def _ready_reason(st: dict[str, Any]) -> str | None:
+    return next((c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Ready"), None)
 
 
 def _condition_flipped(old: dict[str, Any], new: dict[str, Any], ctype: str) -> bool:

@@ -70,16 +70,24 @@ def _replica_failure(cluster: dict[str, Any] | None) -> str | None:
     return None
 
 
+def _stale(runtime: dict[str, Any], ray_job: dict[str, Any] | None) -> bool:
+    """The runtime's report comes from another Ray cluster than the RayJob's current one (KubeRay retried on a
+    new cluster). Runtimes that do not name their cluster are taken as current."""
+    current = ((ray_job or {}).get("status") or {}).get("rayClusterName")
+    return bool(runtime.get("rayCluster") and current and runtime["rayCluster"] != current)
+
+
 def _retry(ray_job: dict[str, Any] | None) -> str | None:
-    """When a failed run will be retried (KubeRay's RayJob ``backoffLimit`` not used up), what to say."""
+    """What to say while KubeRay may still retry a failed run (RayJob ``backoffLimit`` > 0 and the RayJob not
+    Failed); None when a failed run is final."""
     if not ray_job:
         return None
     limit = (ray_job.get("spec") or {}).get("backoffLimit") or 0
-    failed = (ray_job.get("status") or {}).get("failed") or 0
-    if failed >= limit:
+    st = ray_job.get("status") or {}
+    if not limit or st.get("jobDeploymentStatus") in ("Failed", "ValidationFailed"):
         return None
-    return (f"run {failed + 1} of at most {limit + 1} failed; KubeRay retries on a new Ray cluster "
-            "(resuming from the newest checkpoint, if any)")
+    return (f"a run failed ({st.get('failed') or 0} of {limit + 1} runs failed so far); KubeRay retries on a new "
+            "Ray cluster, resuming from the newest checkpoint if any")
 
 
 def verdict(obs: Observed) -> Verdict:
@@ -91,10 +99,12 @@ def verdict(obs: Observed) -> Verdict:
     if obs.invalid:
         return Verdict("Failed", "InvalidSpec", obs.invalid)
     runtime = obs.old_status.get("runtime") or {}
+    if _stale(runtime, obs.ray_job):  # a report of the run before a retry: the new run has not reported yet
+        runtime = {}
     if runtime.get("state") == "Failed":
         why = runtime.get("message") or "the runtime reported a failure"
         retry = _retry(obs.ray_job)
-        if retry:
+        if retry:  # KubeRay decides: it retries on a new cluster, or marks the RayJob Failed (checked there)
             return Verdict("Provisioning", "Retrying", f"{retry}: {why}")
         return Verdict("Failed", "RuntimeFailed", why)
     if runtime.get("state") == "Succeeded":
@@ -128,6 +138,9 @@ def verdict(obs: Observed) -> Verdict:
     if _cluster_ready(obs.ray_cluster) and deploy == "Running":
         if runtime.get("state") == "Running":
             return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
+        if runtime.get("state") == "Starting" and runtime.get("resumedFromStep") is not None:
+            return Verdict("Running", "Resuming",
+                           f"the runtime restarted and resumes from checkpoint step {runtime['resumedFromStep']}")
         # Not a silent Running: until the driver reports (it patches status.runtime from the head pod), say so.
         return Verdict("Running", "WaitingForRuntime",
                        "the Ray cluster is ready and the driver was submitted; no runtime has reported yet")

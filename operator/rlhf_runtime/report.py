@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from datetime import UTC, datetime
@@ -79,6 +80,12 @@ def now_rfc3339() -> str:
     return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def own_ray_cluster() -> str | None:
+    """The Ray cluster this runtime runs in: KubeRay sets ``RAY_CLUSTER_NAME`` in every Ray container, and the
+    driver inherits the head's environment. The operator tells a retried run's reports from the last one's."""
+    return os.environ.get("RAY_CLUSTER_NAME") or None
+
+
 def status_patch(
     state: str | None = None,
     *,
@@ -87,6 +94,7 @@ def status_patch(
     message: str | None = None,
     resumed_from_step: int | None = None,
     heartbeat: str | None = None,
+    ray_cluster: str | None = None,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput`` uses snake_case ``Throughput`` field names."""
     if state is not None and state not in STATES:
@@ -99,7 +107,7 @@ def status_patch(
         rounded = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in throughput.items()}
         status["throughput"] = Throughput(**rounded).wire()
     runtime = RuntimeReport(
-        state=state, message=message, resumed_from_step=resumed_from_step
+        state=state, message=message, resumed_from_step=resumed_from_step, ray_cluster=ray_cluster
     ).wire()
     runtime["heartbeatTime"] = heartbeat or now_rfc3339()
     status["runtime"] = runtime
@@ -218,7 +226,8 @@ class Reporter:
         extra: dict[str, Any] | None = None,
     ) -> None:
         body = status_patch(
-            state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step
+            state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
+            ray_cluster=own_ray_cluster(),
         )
         with self.lock:
             self.state = state
@@ -232,7 +241,7 @@ class Reporter:
             while not self.stop.wait(self.heartbeat_seconds):
                 with self.lock:
                     try:
-                        self._patch(status_patch(self.state))
+                        self._patch(status_patch(self.state, ray_cluster=own_ray_cluster()))
                     except ForeignJobError as e:
                         log.error("%s", e)
 

@@ -129,3 +129,12 @@ def test_reporting_module_imports_without_torch_vllm_or_ray() -> None:
     loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                 text=True).stdout.split())
     assert not loaded & {"torch", "vllm", "ray", "transformers", "kopf"}, loaded & {"torch", "vllm", "ray", "kopf"}
+
+
+def test_reports_name_the_ray_cluster_they_come_from(monkeypatch) -> None:
+    from rlhf_runtime.report import own_ray_cluster
+
+    assert status_patch("Failed", message="x", ray_cluster="job-abc12")["status"]["runtime"]["rayCluster"] == "job-abc12"
+    assert "rayCluster" not in status_patch("Running")["status"]["runtime"]
+    monkeypatch.setenv("RAY_CLUSTER_NAME", "job-xyz")  # what KubeRay sets in every Ray container
+    assert own_ray_cluster() == "job-xyz"

@@ -13,7 +13,7 @@ LATER = NOW + dt.timedelta(minutes=5)
 
 
 def rayjob(deploy=None, job=None, cluster="j-abcde", message=None, backoff=None, failed=None):
-    s = {"rayClusterName": cluster}
+    s = {"rayClusterName": cluster} if cluster else {}
     if failed is not None:
         s["failed"] = failed
     if deploy:
@@ -57,10 +57,24 @@ CASES = [
     ("runtime failed, a retry left", obs(ray_job=rayjob("Running", backoff=2, failed=1),
                                           old_status={"runtime": {"state": "Failed", "message": "actor died"}}),
      "Provisioning", "Retrying"),
-    ("runtime failed, retries used up", obs(ray_job=rayjob("Running", backoff=2, failed=2),
+    ("runtime failed, KubeRay gave up", obs(ray_job=rayjob("Failed", "FAILED", backoff=2, failed=3),
                                             old_status={"runtime": {"state": "Failed", "message": "actor died"}}),
      "Failed", "RuntimeFailed"),
+    ("runtime failed, no retries", obs(ray_job=rayjob("Running", backoff=0),
+                                       old_status={"runtime": {"state": "Failed", "message": "actor died"}}),
+     "Failed", "RuntimeFailed"),
+    ("failure reported by the run before a retry", obs(
+        ray_job=rayjob("Initializing", cluster="j-new", backoff=1, failed=1),
+        old_status={"runtime": {"state": "Failed", "message": "actor died", "rayCluster": "j-old"}}),
+     "Provisioning", "ProvisioningRayCluster"),
+    ("retrying, cluster name not yet chosen", obs(
+        ray_job=rayjob("New", cluster=None, backoff=1, failed=1),
+        old_status={"runtime": {"state": "Failed", "message": "actor died", "rayCluster": "j-old"}}),
+     "Provisioning", "Retrying"),
     ("rayjob retrying", obs(ray_job=rayjob("Retrying", backoff=1, failed=1)), "Provisioning", "Retrying"),
+    ("resuming after a restart", obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER,
+                                     old_status={"runtime": {"state": "Starting", "resumedFromStep": 18}}),
+     "Running", "Resuming"),
     ("runtime succeeded", obs(ray_job=rayjob("Running"), old_status={"runtime": {"state": "Succeeded"}, "step": 10}), "Succeeded", "RuntimeSucceeded"),
     ("pod creation failed", obs(ray_job=rayjob("Initializing"), ray_cluster={"status": {"conditions": [
         {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateHeadPod",
