@@ -134,6 +134,7 @@ def network_up(dir: Path, nodes: list[Node]) -> None:
         other = Path(OWNER.read_text().strip())
         if other != dir and other.exists():
             log(f"stopping the real nodes of {other} (one real-node cluster per machine)")
+            stop_processes(other)
             down(other)
     OWNER.parent.mkdir(parents=True, exist_ok=True)
     OWNER.write_text(str(dir))
@@ -364,6 +365,18 @@ def _kill(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def stop_processes(dir: Path) -> None:
+    """Kill the processes a cluster in ``dir`` started (by their pid files, kubelets first, so that nothing
+    recreates the containers ``down`` then removes)."""
+    for pattern in ("kubelet-*.pid", "*.pid"):
+        for pidfile in sorted(dir.glob(pattern)):
+            try:
+                os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError, PermissionError):
+                pass
+            pidfile.unlink(missing_ok=True)
 
 
 def down(dir: Path) -> None:
