@@ -64,8 +64,14 @@ def main() -> int:
     tiny = cpujob.cpu_job("tiny-grpo", cluster.images["runtime-cpu"]["ref"], shared, STEPS)
     manifest = DIR / "tiny-grpo.yaml"
     manifest.write_text(yaml.safe_dump(tiny, sort_keys=False))
-    say(f"kubectl apply -f crds/samples/separate-nccl-tp2.yaml -f {manifest}")
-    print(cluster.kubectl("apply", "-n", NS, "-f", str(REPO / "crds/samples/separate-nccl-tp2.yaml"), "-f", str(manifest)).stdout)
+    # The GPU sample as shipped, with every pod (its head and submitter too) kept on the KWOK nodes: its GPU
+    # image is not on this machine, so on a real node those pods could only fail to pull it.
+    gpu = yaml.safe_load((REPO / "crds/samples/separate-nccl-tp2.yaml").read_text())
+    gpu["spec"].setdefault("scheduling", {})["nodeSelector"] = {"type": "kwok"}
+    gpu_manifest = DIR / "separate-nccl-tp2.yaml"
+    gpu_manifest.write_text(yaml.safe_dump(gpu, sort_keys=False))
+    say(f"kubectl apply -f {gpu_manifest} -f {manifest}")
+    print(cluster.kubectl("apply", "-n", NS, "-f", str(gpu_manifest), "-f", str(manifest)).stdout)
 
     def table() -> str:
         return cluster.kubectl("get", "rlhfjobs", "-n", NS).stdout.rstrip()
