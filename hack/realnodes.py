@@ -35,8 +35,6 @@ POD_CIDR = "10.88.0.0/16"
 SERVICE_CIDR = "10.96.0.0/16"
 NODE_LABEL = "rlhf.dev/real-node"  # value "true": CPU work (operator, KubeRay, CPU jobs) goes there
 CNI_BIN = "/usr/lib/cni"  # Debian's containernetworking-plugins
-#: Debian packages the nodes use (installed by hack/setup-node.sh).
-PACKAGES = ["containerd", "runc", "containernetworking-plugins", "iptables", "conntrack", "iproute2"]
 #: Sysctls the kubelet or the pod network change; saved before `up`, restored by `down`.
 SYSCTLS = [
     "vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
@@ -298,19 +296,17 @@ def prepare(n: Node, pause_ref: str) -> None:
 
 
 def import_image(n: Node, archive: str, ref: str) -> None:
-    have = sh("ctr", "--address", str(n.socket), "-n", "k8s.io", "images", "ls", "-q").stdout.split()
-    if ref in have:
+    """Import an image archive of ``hack/build-images.sh`` into the node's containerd (CRI namespace k8s.io,
+    unpacked for the overlayfs snapshotter), unless it is there already."""
+    ctr = ["ctr", "--address", str(n.socket), "-n", "k8s.io", "images"]
+    if ref in sh(*ctr, "ls", "-q").stdout.split():
         return
     t0 = time.time()
-    sh("ctr", "--address", str(n.socket), "-n", "k8s.io", "images", "import", "--no-unpack=false", archive,
-       check=False)
-    have = sh("ctr", "--address", str(n.socket), "-n", "k8s.io", "images", "ls", "-q").stdout.split()
+    out = sh(*ctr, "import", archive, check=False)
+    have = sh(*ctr, "ls", "-q").stdout.split()
     if ref not in have:
-        out = sh("ctr", "--address", str(n.socket), "-n", "k8s.io", "images", "import", archive, check=False)
-        have = sh("ctr", "--address", str(n.socket), "-n", "k8s.io", "images", "ls", "-q").stdout.split()
-        if ref not in have:
-            raise RuntimeError(f"importing {archive} into {n.name} did not give {ref}: {out.stderr.strip()}; "
-                               f"images: {have}")
+        raise RuntimeError(f"importing {archive} into {n.name} did not give {ref}: {out.stderr.strip()}; "
+                           f"images: {have}")
     log(f"{n.name}: imported {ref} in {time.time() - t0:.0f}s")
 
 
