@@ -488,7 +488,7 @@ class RLHFJobSpec(Model):
     backoff_limit: int = Field(
         0, ge=0, le=100,
         description="How many times a failed run is retried before the job is Failed: a crashed driver, a lost "
-        "worker or head pod, a hung collective. Each retry runs on a new Ray cluster (KubeRay's RayJob "
+        "worker pod or an actor that died. Each retry runs on a new Ray cluster (KubeRay's RayJob "
         "backoffLimit) and, with spec.checkpoint, resumes from the newest checkpoint; without one it starts "
         "over. 0 (the default): the first failure is final.",
     )
