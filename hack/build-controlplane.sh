@@ -71,23 +71,26 @@ k8s_wrapper() {
   } | wrapper "$dir" k8s.io/kubernetes "$K8S_VERSION"
 }
 
-build_k8s() {
-  local names=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
-  if have "$K8S_VERSION" "${names[@]}"; then log "kubernetes $K8S_VERSION cached"; else
-    log "building kubernetes $K8S_VERSION (kube-apiserver, kube-scheduler, kube-controller-manager, kubectl)"
+# k8s_cmds <name...>: build these commands of k8s.io/kubernetes (cmd/<name>) unless cached, and link them.
+k8s_cmds() {
+  local names=("$@")
+  if have "$K8S_VERSION" "${names[@]}"; then log "${names[*]} $K8S_VERSION cached"; else
+    log "building ${names[*]} $K8S_VERSION"
     local dir="$WORK/k8s-$K8S_VERSION"
     k8s_wrapper "$dir"
     (
       cd "$dir"
       for n in "${names[@]}"; do go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION"; done
       mkdir -p out
-      # Stamp the version as the release build does (helm and kubectl read it from /version).
+      # Stamp the version as the release build does (helm, kubectl and the node read it from /version).
       go build -ldflags "$(k8s_ldflags)" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
       for n in "${names[@]}"; do mv "out/$n" "$BIN/$n-$K8S_VERSION"; done
     )
   fi
   for n in "${names[@]}"; do link "$n" "$K8S_VERSION"; done
 }
+
+build_k8s() { k8s_cmds kube-apiserver kube-scheduler kube-controller-manager kubectl; }
 
 build_etcd() {
   if have "$ETCD_VERSION" etcd; then log "etcd $ETCD_VERSION cached"; else
@@ -170,20 +173,7 @@ k8s_ldflags() {
 # Real nodes: kubelet + kube-proxy of the control plane's version, and a CoreDNS with only the plugins a
 # local cluster uses (kubernetes, cache, bind, errors, log), built as CoreDNS documents for custom builds.
 build_node() {
-  local names=(kubelet kube-proxy)
-  if have "$K8S_VERSION" "${names[@]}"; then log "kubelet, kube-proxy $K8S_VERSION cached"; else
-    log "building kubelet, kube-proxy $K8S_VERSION"
-    local dir="$WORK/k8s-$K8S_VERSION"
-    k8s_wrapper "$dir"
-    (
-      cd "$dir"
-      for n in "${names[@]}"; do go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION" >/dev/null 2>&1 || go get "k8s.io/kubernetes/cmd/$n@$K8S_VERSION"; done
-      mkdir -p out
-      go build -ldflags "$(k8s_ldflags)" -o out/ $(printf 'k8s.io/kubernetes/cmd/%s ' "${names[@]}")
-      for n in "${names[@]}"; do mv "out/$n" "$BIN/$n-$K8S_VERSION"; done
-    )
-  fi
-  for n in "${names[@]}"; do link "$n" "$K8S_VERSION"; done
+  k8s_cmds kubelet kube-proxy
   if have "$COREDNS_VERSION" coredns; then log "coredns $COREDNS_VERSION cached"; else
     log "building coredns $COREDNS_VERSION"
     local cdir="$WORK/coredns-$COREDNS_VERSION"
