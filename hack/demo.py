@@ -17,7 +17,6 @@ The cluster stays up afterwards (`export KUBECONFIG=/tmp/rlhf-demo/kubeconfig`);
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,15 +46,7 @@ def main() -> int:
     print(cluster.kubectl("get", "nodes", "-o", "wide", "-L", f"nvidia.com/gpu.product,{realnodes.NODE_LABEL}").stdout)
 
     say("helm install rlhf charts/rlhf-operator (the operator runs as a pod from the local image)")
-    repo, tag = cluster.images["operator"]["ref"].rsplit(":", 1)
-    subprocess.run(
-        [str(cluster.bin / "helm"), "--kubeconfig", str(cluster.kubeconfig), "install", "rlhf",
-         str(REPO / "charts" / "rlhf-operator"), "-n", "rlhf-system", "--create-namespace",
-         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-         "--set-string", f"nodeSelector.{realnodes.NODE_LABEL.replace('.', chr(92) + '.')}=true",
-         "--set", "resyncSeconds=5", "--set", "resources.requests.cpu=50m", "--wait", "--timeout", "5m"],
-        check=True,
-    )
+    cluster.install_operator_chart("rlhf", "rlhf-system")
     print(cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout)
 
     say("a tiny Qwen2 + tokenizer built locally (no hub), shared with the pods through a hostPath")

@@ -37,6 +37,8 @@ import realnodes
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", "/tmp/rlhf-cluster"))
+#: Images every real node gets (hack/build-images.sh names).
+REAL_NODE_IMAGES = ("pause", "kuberay", "operator", "runtime-cpu")
 ADMIN_TOKEN = "rlhf-admin-token"  # test cluster on loopback only
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 
@@ -163,8 +165,7 @@ class Cluster:
         host = "127.0.0.1"
         if real_nodes:
             self.bin = build("node", "etcd", "kwok", "kuberay", "helm", "k8s")
-            images = ["pause", "operator", "runtime-cpu"] + (["kuberay"] if kuberay else [])
-            self.images = build_images(*images)
+            self.images = build_images(*REAL_NODE_IMAGES)
             realnodes.network_up(self.dir, self._nodes())
             host = realnodes.HOST_IP  # pods reach the apiserver (kubernetes.default) on the first bridge
         shutil.rmtree(self.dir / "etcd", ignore_errors=True)  # every `up` is a fresh cluster
@@ -280,10 +281,8 @@ class Cluster:
         if not state.exists() or self.kubectl("get", "--raw", "/readyz", check=False).returncode != 0:
             return False
         self.real_nodes = len(json.loads(state.read_text())["nodes"])
-        self.images = build_images("pause", "operator", "runtime-cpu", "kuberay")
-        for n in self._nodes():
-            for img in self.images.values():
-                realnodes.import_image(n, img["archive"], img["ref"])
+        self.images = build_images(*REAL_NODE_IMAGES)
+        self._import_images(self._nodes())
         return True
 
     # ------------------------------------------------------------------------------------------ real nodes
@@ -298,14 +297,7 @@ class Cluster:
         for n in nodes:
             realnodes.prepare(n, self.images["pause"]["ref"])
             self._start(f"containerd-{n.index}", ["containerd", "--config", str(n.dir / "containerd.toml")])
-        def load(n: realnodes.Node) -> None:
-            self._wait(f"containerd of {n.name}", lambda: realnodes.sh(
-                "ctr", "--address", str(n.socket), "version", check=False).returncode == 0, timeout=60)
-            for img in self.images.values():
-                realnodes.import_image(n, img["archive"], img["ref"])
-
-        with ThreadPoolExecutor(len(nodes)) as pool:  # the nodes import side by side
-            list(pool.map(load, nodes))
+        self._import_images(nodes)
         for n in nodes:
             self._start(f"kubelet-{n.index}", [
                 str(b / "kubelet"), f"--config={n.dir / 'kubelet.json'}", f"--kubeconfig={self.kubeconfig}",
@@ -325,6 +317,32 @@ class Cluster:
 
         self._wait("real nodes Ready", ready, timeout=180)
         log(f"real nodes Ready: {', '.join(n.name for n in nodes)}")
+
+    def _import_images(self, nodes: list[realnodes.Node]) -> None:
+        """``self.images`` into every node's containerd (once it answers), the nodes side by side."""
+        def load(n: realnodes.Node) -> None:
+            self._wait(f"containerd of {n.name}", lambda: realnodes.sh(
+                "ctr", "--address", str(n.socket), "version", check=False).returncode == 0, timeout=60)
+            for img in self.images.values():
+                realnodes.import_image(n, img["archive"], img["ref"])
+
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            list(pool.map(load, nodes))
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([str(self.bin / "helm"), "--kubeconfig", str(self.kubeconfig), *args],
+                             check=False, capture_output=True, text=True)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+        return out
+
+    def install_operator_chart(self, release: str, namespace: str) -> None:
+        """`helm install` of our chart with the locally built operator image, on a real node; waits until Ready."""
+        repo, tag = self.images["operator"]["ref"].rsplit(":", 1)
+        self.helm("install", release, str(REPO / "charts" / "rlhf-operator"), "-n", namespace, "--create-namespace",
+                  "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+                  "--set-string", f"nodeSelector.{realnodes.NODE_LABEL.replace('.', chr(92) + '.')}=true",
+                  "--set", "resyncSeconds=5", "--set", "resources.requests.cpu=50m", "--wait", "--timeout", "5m")
 
     def install_kuberay_pod(self) -> None:
         """KubeRay's CRDs, its own ClusterRole, and the operator as a Deployment on a real node (it reaches

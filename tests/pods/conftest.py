@@ -11,26 +11,22 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 from kubernetes import client, config
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
 import cpujob
 import localcluster
-import realnodes
 
 from tests.helpers import wait_for
 
 #: Real nodes for the tier (two: head and workers can land on different nodes).
 REAL_NODES = int(os.environ.get("RLHF_REAL_NODES", "2"))
-CHART = REPO / "charts" / "rlhf-operator"
 RELEASE, SYSTEM_NS = "rlhf", "rlhf-system"
 
 
@@ -56,26 +52,13 @@ def rapi(real_cluster) -> client.ApiClient:
     return config.new_client_from_config(str(real_cluster.kubeconfig))
 
 
-def helm(cluster: localcluster.Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([str(cluster.bin / "helm"), "--kubeconfig", str(cluster.kubeconfig), *args], check=False,
-                         capture_output=True, text=True)
-    if check and out.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed: {out.stderr}")
-    return out
-
-
 @pytest.fixture(scope="session")
 def operator_release(real_cluster) -> str:
     """`helm install` of our chart with the locally built operator image, on a real node."""
-    ref = real_cluster.images["operator"]["ref"]
-    repo, tag = ref.rsplit(":", 1)
-    helm(real_cluster, "uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", check=False)  # a reused cluster
-    helm(real_cluster, "install", RELEASE, str(CHART), "-n", SYSTEM_NS, "--create-namespace",
-         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-         "--set-string", f"nodeSelector.{realnodes.NODE_LABEL.replace('.', chr(92) + '.')}=true",
-         "--set", "resyncSeconds=5", "--set", "resources.requests.cpu=50m", "--wait", "--timeout", "5m")
+    real_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", check=False)  # a reused cluster
+    real_cluster.install_operator_chart(RELEASE, SYSTEM_NS)
     yield RELEASE
-    helm(real_cluster, "uninstall", RELEASE, "-n", SYSTEM_NS, check=False)
+    real_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, check=False)
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +110,3 @@ def diagnostics(cluster: localcluster.Cluster, ns: str) -> str:
         log = cluster.kubectl("logs", "-n", ns, pod, "--all-containers", "--tail=60", check=False)
         parts.append(f"--- {pod}\n{(log.stdout or log.stderr)[-3000:]}")
     return "\n".join(parts)
-
-
-def yaml_dump(obj) -> str:
-    return yaml.safe_dump(obj, sort_keys=False)
