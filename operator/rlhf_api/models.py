@@ -38,10 +38,6 @@ def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
     return {"rule": rule, "message": message, **extra}
 
 
-def immutable(what: str) -> dict[str, str]:
-    return cel("self == oldSelf", f"{what} is immutable: delete the RLHFJob and create a new one to change it")
-
-
 class Model(BaseModel):
     """Base: camelCase on the wire, unknown fields rejected (the apiserver prunes them anyway)."""
 
@@ -59,9 +55,6 @@ def sub(model: type[Model], description: str) -> Any:
 
 # ----------------------------------------------------------------------------------------------- model
 class ModelSource(Model):
-    model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [immutable("spec.model")]},
-    )
     name: str = Field(
         min_length=1,
         max_length=512,
@@ -97,7 +90,6 @@ class Trainer(Model):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                immutable("spec.trainer"),
                 cel(
                     "self.strategy != 'single' || (self.replicas == 1 && self.gpusPerReplica <= 1)",
                     "trainer.strategy 'single' trains in one process on one GPU: use replicas=1 and "
@@ -134,16 +126,6 @@ class Rollout(Model):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel(
-                    "self.engines == oldSelf.engines && self.tensorParallelSize == oldSelf.tensorParallelSize",
-                    "rollout.engines and rollout.tensorParallelSize are immutable: the Ray cluster is sized "
-                    "from them",
-                ),
-                cel(
-                    "self.expertParallel == oldSelf.expertParallel",
-                    "rollout.expertParallel is immutable: the engines' expert sharding is fixed at start",
-                    fieldPath=".expertParallel",
-                ),
-                cel(
                     "!self.expertParallel || self.engines * self.tensorParallelSize >= 2",
                     "rollout.expertParallel needs at least 2 engine GPUs (engines x tensorParallelSize) to shard "
                     "the experts over",
@@ -173,7 +155,6 @@ class Rollout(Model):
 
 # ------------------------------------------------------------------------------------------- placement
 class Placement(Model):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [immutable("spec.placement")]})
     mode: Literal["separate", "colocated"] = Field(
         "separate",
         description="separate: trainers and engines on different GPUs, weights move over NCCL. colocated: "
@@ -207,6 +188,12 @@ class WeightSync(Model):
         "sync",
         description="sync: generation stops between steps. async: the next rollout runs while training, "
         "generation is paused mid-request for the swap and resumed (tokens before/after are recorded).",
+    )
+    timeout_seconds: int = Field(
+        600, ge=5, le=24 * 3600,
+        description="Deadline of one weight sync and of every other call between the driver and its Ray actors "
+        "(trainer steps and rollouts excepted: spec.progressDeadlineSeconds bounds those). A sync whose peer "
+        "never joins, or a hung NCCL/gloo collective, fails the run within it with a message naming the call.",
     )
     validate_: bool = Field(
         False,
@@ -243,7 +230,6 @@ class Head(Model):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                immutable("spec.head"),
                 cel(
                     "quantity(self.resources.memory).compareTo(quantity('1Gi')) >= 0",
                     "head.resources.memory must be at least 1Gi: the head pod runs Ray's GCS, dashboard and raylet "
@@ -360,7 +346,6 @@ class Toleration(Model):
 
 
 class Scheduling(Model):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [immutable("spec.scheduling")]})
     node_selector: dict[str, str] | None = Field(None, description="Node labels every pod of the job requires.")
     tolerations: list[Toleration] | None = Field(None, max_length=64, description="Tolerations for every pod.")
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
@@ -452,12 +437,6 @@ SPEC_RULES = [
         "every volumeMounts[].name must name a volume in spec.volumes",
         fieldPath=".volumeMounts",
     ),
-    cel("self.image == oldSelf.image", "spec.image is immutable on a submitted job", fieldPath=".image"),
-    cel(
-        "oldSelf.algorithm.name == self.algorithm.name",
-        "algorithm.name is immutable",
-        fieldPath=".algorithm.name",
-    ),
 ]
 
 
@@ -491,6 +470,14 @@ class RLHFJobSpec(Model):
         "worker pod or an actor that died. Each retry runs on a new Ray cluster (KubeRay's RayJob "
         "backoffLimit) and, with spec.checkpoint, resumes from the newest checkpoint; without one it starts "
         "over. 0 (the default): the first failure is final.",
+    )
+    progress_deadline_seconds: int = Field(
+        1800, ge=10, le=7 * 24 * 3600,
+        description="Longest time a running job may go without completing a training step (counted from the "
+        "runtime's start or resume and from each completed step). Past it the job is Stalled "
+        "(reason ProgressDeadlineExceeded, with an Event): the runtime stops the stuck run, which then counts as a "
+        "failed run (retried per spec.backoffLimit, resuming from the newest checkpoint). Set it above your slowest "
+        "step plus model loading and engine start.",
     )
     env: list[EnvVar] | None = Field(None, max_length=256, description="Extra environment for every container.")
     volumes: list[dict[str, Any]] | None = Field(
@@ -560,6 +547,12 @@ class RuntimeReport(Model):
     ray_cluster: str | None = Field(
         None, description="The Ray cluster the reporting runtime runs in: a report from an earlier run (before a "
         "retry on a new cluster) is recognised as such.")
+    progress_time: datetime | None = Field(
+        None, description="When the runtime last made progress: its start or resume, then each completed step "
+        "(spec.progressDeadlineSeconds is counted from it).")
+    observed_generation: int | None = Field(
+        None, description="metadata.generation of the spec the runtime has applied (a live edit of "
+        "spec.algorithm.steps takes effect when the runtime reads it).")
 
 
 class RLHFJobStatus(Model):
@@ -582,11 +575,16 @@ class RLHFJobStatus(Model):
 
 # ------------------------------------------------------------------------------ operator <-> runtime
 #: Spec fields only the operator reads (pod sizes): left out of the runtime's job.json.
-OPERATOR_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("head",), ("backoffLimit",))
+OPERATOR_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("head",), ("backoffLimit",), ("ttlSecondsAfterFinished",),
+                                                     ("activeDeadlineSeconds",))
 #: Spec fields added after runtime 0.1.0, with their defaults. Runtimes up to 0.1.0 refuse a job.json with a key
 #: they do not know, so the operator leaves these out while they hold their default: an older runtime image
 #: then runs every job that does not ask for the newer feature.
-ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = ((("weightSync", "validate"), False),)
+ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
+    (("weightSync", "validate"), False),
+    (("weightSync", "timeoutSeconds"), 600),
+    (("progressDeadlineSeconds",), 1800),
+)
 
 
 class RuntimeConfig(Model):
@@ -648,4 +646,38 @@ def _pop(d: Any, path: tuple[Any, ...]) -> None:
         parent.pop(path[-1], None)
 
 
+#: Spec fields that may change on a submitted job (wire paths). Each is applied where it matters: ``suspend``,
+#: ``activeDeadlineSeconds``, ``ttlSecondsAfterFinished`` and ``backoffLimit`` are patched into the RayJob;
+#: ``algorithm.steps`` and ``progressDeadlineSeconds`` are read by the running driver from its RLHFJob. Every other
+#: change is refused at admission (``edit_rules``): the Ray cluster, the runtime's config and the pods were made
+#: from it and would silently keep the old value.
+MUTABLE_FIELDS = ("suspend", "algorithm.steps", "progressDeadlineSeconds", "activeDeadlineSeconds",
+                  "ttlSecondsAfterFinished", "backoffLimit")
+
+
+def edit_rules() -> list[dict[str, str]]:
+    """CEL transition rules (spec level): one per field outside ``MUTABLE_FIELDS``, with a message naming it."""
+    allowed = ", ".join(f"spec.{f}" for f in MUTABLE_FIELDS)
+    rules = []
+
+    def rule(path: str, optional: bool) -> None:
+        same = f"self.{path} == oldSelf.{path}"
+        expr = f"has(self.{path}) == has(oldSelf.{path}) && (!has(self.{path}) || {same})" if optional else same
+        rules.append(cel(expr, f"spec.{path} cannot change on a submitted job (only {allowed} can): delete the "
+                         "RLHFJob and create a new one to change it", fieldPath=f".{path}"))
+
+    for name, f in RLHFJobSpec.model_fields.items():
+        wire = f.alias or name
+        if wire in MUTABLE_FIELDS:
+            continue
+        if wire == "algorithm":
+            for aname, af in Algorithm.model_fields.items():
+                if f"algorithm.{af.alias or aname}" not in MUTABLE_FIELDS:
+                    rule(f"algorithm.{af.alias or aname}", optional=False)
+            continue
+        rule(wire, optional=not f.is_required() and f.default is None)
+    return rules
+
+
+SPEC_RULES.extend(edit_rules())  # the class's schema extra holds this list: rules over its own fields
 RLHFJobSpec.model_rebuild()

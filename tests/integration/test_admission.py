@@ -100,11 +100,14 @@ def test_immutable_fields_are_rejected_on_update(cluster) -> None:
     apply(cluster, job, "default")
     try:
         for field, value, message in [
-            ("rollout", {"engines": 1, "tensorParallelSize": 1}, "rollout.engines and rollout.tensorParallelSize are immutable"),
-            ("rollout", {**job["spec"]["rollout"], "expertParallel": True}, "rollout.expertParallel is immutable"),
-            ("placement", {"mode": "separate", "gpusPerNode": 4}, "spec.placement is immutable"),
-            ("model", {"name": "other/model"}, "spec.model is immutable"),
-            ("image", "other:1", "spec.image is immutable"),
+            ("rollout", {"engines": 1, "tensorParallelSize": 1}, "spec.rollout cannot change on a submitted job"),
+            ("rollout", {**job["spec"]["rollout"], "expertParallel": True}, "spec.rollout cannot change"),
+            ("placement", {"mode": "separate", "gpusPerNode": 4}, "spec.placement cannot change"),
+            ("model", {"name": "other/model"}, "spec.model cannot change"),
+            ("image", "other:1", "spec.image cannot change"),
+            ("env", [{"name": "A", "value": "1"}], "spec.env cannot change"),
+            ("algorithm", {**job["spec"]["algorithm"], "learningRate": 0.5}, "spec.algorithm.learningRate cannot"),
+            ("volumes", [{"name": "v", "emptyDir": {}}], "spec.volumes cannot change"),
         ]:
             changed = copy.deepcopy(job)
             changed["spec"][field] = value
@@ -114,6 +117,25 @@ def test_immutable_fields_are_rejected_on_update(cluster) -> None:
         more = copy.deepcopy(job)
         more["spec"]["algorithm"]["steps"] = 400
         more["spec"]["suspend"] = True
+        more["spec"]["activeDeadlineSeconds"] = 3600
+        more["spec"]["ttlSecondsAfterFinished"] = 60
+        more["spec"]["backoffLimit"] = 2
+        more["spec"]["progressDeadlineSeconds"] = 900
         assert apply(cluster, more, "default", check=False).returncode == 0
     finally:
         cluster.kubectl("delete", "rlhfjob", "immut", "-n", "default", "--wait=false", check=False)
+
+
+def test_change_inside_a_volume_is_rejected(cluster) -> None:
+    """Volumes keep unknown fields (any core/v1 volume source): a change inside one is still a change."""
+    job = base()
+    job["metadata"]["name"] = "immut-vol"
+    job["spec"]["volumes"] = [{"name": "ckpt", "hostPath": {"path": "/a"}}]
+    apply(cluster, job, "default")
+    try:
+        changed = copy.deepcopy(job)
+        changed["spec"]["volumes"][0]["hostPath"]["path"] = "/b"
+        out = apply(cluster, changed, "default", check=False)
+        assert out.returncode != 0 and "spec.volumes cannot change" in out.stderr, out.stderr
+    finally:
+        cluster.kubectl("delete", "rlhfjob", "immut-vol", "-n", "default", "--wait=false", check=False)
