@@ -45,7 +45,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["get", "create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "update"]   # update: a Role/RoleBinding follows the rendered one
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["list", "patch"]   # spec.scheduling.queueName: why a job waits; spec.suspend -> Workload spec.active
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
