@@ -65,8 +65,12 @@ def test_namespaced_scope_uses_roles_only(helm) -> None:
     kinds = sorted(d["kind"] for d in docs)
     assert kinds.count("Role") == 2 and kinds.count("RoleBinding") == 2
     observe = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert len(observe) == 1  # cluster-wide it may only list/watch CRDs and namespaces
-    assert all(set(r["verbs"]) == {"list", "watch"} for r in observe[0]["rules"])
+    assert len(observe) == 1  # cluster-wide it may only read: watch CRDs and namespaces, list nodes and pods
+    assert all(set(r["verbs"]) <= {"list", "watch"} for r in observe[0]["rules"])
+    off = render(helm, "--set", "watch.scope=namespaces", "--set", "watch.watchNamespaces={team-a}",
+                 "--set", "rbac.clusterCapacity=false")
+    observe_off = next(d for d in off if d["kind"] == "ClusterRole")
+    assert all(set(r["resources"]) <= {"customresourcedefinitions", "namespaces"} for r in observe_off["rules"])
     dep = next(d for d in docs if d["kind"] == "Deployment")
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
 
