@@ -2,6 +2,8 @@
 
 * Advantages (pure Python): the samples of one prompt form a group; each sample's advantage is
   ``(r - mean(group)) / (std(group) + eps)``; a group whose rewards are all equal gets zeros (no signal).
+  Every reward must be a finite number (a NaN or an infinity would poison its whole group and the update):
+  ``ValueError`` naming the first bad one.
 * Loss (torch, imported lazily): per completion token, ``ratio = exp(logp - old_logp)``,
   ``pg = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``; plus, when ``kl_coef > 0``, the k3 estimator
   of KL to the frozen reference ``exp(ref - logp) - (ref - logp) - 1`` times ``kl_coef``. Token losses are
@@ -17,6 +19,9 @@ from typing import Any
 def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
     if group_size < 1 or len(rewards) % group_size:
         raise ValueError(f"{len(rewards)} rewards do not split into groups of {group_size}")
+    for i, r in enumerate(rewards):
+        if not isinstance(r, (int, float)) or not math.isfinite(r):
+            raise ValueError(f"reward {i} (group {i // group_size}) is {r!r}: rewards must be finite numbers")
     out: list[float] = []
     for g in range(0, len(rewards), group_size):
         grp = rewards[g : g + group_size]

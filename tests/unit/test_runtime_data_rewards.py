@@ -27,7 +27,7 @@ def test_inline_prompts() -> None:
 
 
 def test_json_lines_with_answers_and_plain_lines(tmp_path: Path) -> None:
-    f = tmp_path / "p.jsonl"
+    f = tmp_path / "p.txt"  # mixed: plain lines and JSON lines (a *.jsonl file must be JSON throughout)
     f.write_text(json.dumps({"prompt": "2+2=", "ans": 4}) + "\n\nplain prompt\n" + json.dumps({"prompt": "x"}))
     got = load_samples(Data(path=str(f), answer_field="ans"))
     assert got == [Sample("2+2=", "4"), Sample("plain prompt"), Sample("x")]
@@ -49,9 +49,67 @@ def test_config_map_is_read_from_the_mount(tmp_path: Path, monkeypatch: pytest.M
     assert got == [Sample("one"), Sample("two")]
 
 
-def test_missing_file_is_a_data_error(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="cannot read"):
+def test_missing_file_is_a_data_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DataError, match=r"spec.data.path .*/nope: no such file \(is its volume mounted"):
         load_samples(Data(path=str(tmp_path / "nope")))
+    monkeypatch.setenv("RLHF_DATA_DIR", str(tmp_path))
+    with pytest.raises(DataError, match=r"spec.data.configMap 'cm' key 'k.jsonl' \(mounted at .*/k.jsonl\): no such "
+                       r"file \(is 'k.jsonl' a key of ConfigMap 'cm'\?\)"):
+        load_samples(Data.model_validate({"configMap": {"name": "cm", "key": "k.jsonl"}}))
+    with pytest.raises(DataError, match="a directory, not a prompts file"):
+        load_samples(Data(path=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("p.jsonl", b"\x00\x01\x02binary\x00", r"the file is binary \(a NUL byte at line 1, byte offset 0\)"),
+        ("p.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n',
+         r"not UTF-8 text: byte 0xe9 at line 2 \(byte offset 31\) is invalid UTF-8; convert the file to UTF-8"),
+        ("p.jsonl", "prompt\n".encode("utf-16"), "UTF-16 text; save it as UTF-8"),
+        ("p.jsonl.gz", b"\x1f\x8b\x08\x00\x00", "gzip-compressed, not text"),
+        ("p.parquet", b"PAR1\x15\x04", "a Parquet file, not text"),
+        ("p.csv", b"prompt,answer\n2+2,4\n", "CSV/TSV is not a supported prompts format; convert it to JSON lines"),
+        ("p.json", json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=1).encode(),
+         "the file is a JSON array, not JSON lines: write one JSON object per line"),
+        ("p.txt", json.dumps({"prompt": "a", "answer": "b"}, indent=2).encode(),
+         "one JSON object over several lines, not JSON lines"),
+        ("p.jsonl", b'{"prompt": "a"}\nplain\n{"prompt": "b"}\nmore\n',
+         (r"line 2: not a JSON object \('plain'\): a .jsonl/.ndjson/.json file needs one JSON object per line.* "
+          r"\(and 1 more bad line\)$")),
+        ("p.jsonl", b'{"prompt": "a"}\n{"question": "q", "answer": 4}\n',
+         (r"line 2: the JSON object has no 'prompt' field \(its fields: 'question', 'answer'\); every JSON line "
+          r"needs a string 'prompt'")),
+        ("p.jsonl", b'{"prompt": ["a", "b"]}\n', r"line 1: 'prompt' is a JSON array \('\[\"a\", \"b\"\]'\), not a string"),
+        ("p.jsonl", b'{"prompt": "  "}\n', "line 1: 'prompt' is empty"),
+        ("p.jsonl", b'[1, 2]\n', "line 1: not a JSON object"),
+        ("p.txt", b'{"prompt": "a"}\n{"prompt": 1}\n', "line 2: 'prompt' is a JSON number"),
+        ("p.txt", b'ok\n{"prompt": "x"\n', r"line 2: invalid JSON \(Expecting ',' delimiter at column 15\)"),
+        ("p.txt", b'ok\n["x"]\n', "NEVER"),  # a plain-text prompt may start with '['
+        ("p.jsonl", b"", r"no prompts \(the file is empty\); it needs at least one prompt"),
+        ("p.txt", b"\n  \n\n", r"no prompts \(the file is 3 lines, all blank\)"),
+    ],
+)
+def test_malformed_prompts_file_says_what_to_fix(tmp_path: Path, name: str, content: bytes, message: str) -> None:
+    f = tmp_path / name
+    f.write_bytes(content)
+    if message == "NEVER":
+        assert load_samples(Data(path=str(f))) == [Sample("ok"), Sample('["x"]')]
+        return
+    with pytest.raises(DataError, match=rf"^spec.data.path {f}: .*{message}") as e:
+        load_samples(Data(path=str(f)))
+    assert len(str(e.value)) < 1000  # the driver reports at most 1000 characters
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a"}).encode() + b"\n")
+    assert load_samples(Data(path=str(f))) == [Sample("a")]
+
+
+def test_empty_inline_prompt_is_a_data_error() -> None:
+    with pytest.raises(DataError, match=r"spec.data.prompts\[1\] is empty"):
+        load_samples(Data(prompts=["a", " "]))
 
 
 def test_step_batches_are_deterministic_permutations_per_epoch() -> None:
@@ -101,6 +159,53 @@ def test_user_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sys.modules.pop("my_rewards", None)
 
 
-def test_missing_hook_is_a_reward_error() -> None:
-    with pytest.raises(RewardError, match="cannot import"):
+def test_missing_hook_is_a_reward_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(RewardError, match=r"cannot import reward function 'no_such_module_xyz:fn' "
+                       r"\(spec.reward.function\): No module named .*must be importable in the image"):
         make_reward(Reward(function="no_such_module_xyz:fn"))
+    (tmp_path / "broken_rewards.py").write_text("def score(:\n")
+    (tmp_path / "fine_rewards.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="importing 'broken_rewards' raised SyntaxError"):
+        make_reward(Reward(function="broken_rewards:score"))
+    with pytest.raises(RewardError, match="module 'fine_rewards' has no 'score'"):
+        make_reward(Reward(function="fine_rewards:score"))
+    with pytest.raises(RewardError, match="'fine_rewards:x' .* is not callable"):
+        make_reward(Reward(function="fine_rewards:x"))
+    sys.modules.pop("fine_rewards", None)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("raise KeyError('no answer')",
+         (r"reward function 'bad_hooks:score' raised KeyError: 'no answer' on sample 7 of step 3 "
+          r"\(prompt 'p', completion 'c7'\)$")),
+        ("return float('nan')", r"returned nan on sample 7 of step 3 .*; it must return a finite number"),
+        ("return float('-inf')", r"returned -inf on sample 7 of step 3"),
+        ("return None", r"returned None on sample 7 of step 3 .*; it must return a finite number"),
+        ("return '0.5'", r"returned \"'0.5'\" \(a str\) on sample 7"),
+        ("return [1.0]", r"returned '\[1.0\]' \(a list\) on sample 7"),
+        ("return {'score': 1}", r"returned \"\{'score': 1\}\" \(a dict\) on sample 7"),
+    ],
+)
+def test_bad_hook_result_names_the_hook_and_the_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       body: str, message: str) -> None:
+    (tmp_path / "bad_hooks.py").write_text(f"def score(prompt, completion, answer):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("bad_hooks", None)
+    fn = make_reward(Reward(function="bad_hooks:score"))
+    with pytest.raises(RewardError, match=message):
+        fn("p", "c7", None, 2, index=7, step=3)
+    with pytest.raises(RewardError, match=r"on a sample \(prompt 'p', completion 'c7'\)"):
+        fn("p", "c7", None)  # no index from the caller: the prompt and completion still say which
+    sys.modules.pop("bad_hooks", None)
+
+
+def test_hook_results_that_are_numbers_are_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "ok_hooks.py").write_text("def b(p, c, a):\n    return True\n\ndef i(p, c, a):\n    return 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert make_reward(Reward(function="ok_hooks:b"))("p", "c", None) == 1.0
+    assert make_reward(Reward(function="ok_hooks:i"))("p", "c", None, index=0, step=1) == 3.0
+    assert make_reward(Reward(rule="contains", target="7"))("p", "7", None, 1, index=0, step=1) == 1.0
+    sys.modules.pop("ok_hooks", None)

@@ -60,3 +60,9 @@ def test_kl_term_is_zero_at_the_reference_and_positive_away_from_it() -> None:
     assert float(loss) == pytest.approx(0.0) and stats["kl"] == pytest.approx(0.0)
     loss, stats = grpo_loss(logp, logp, zero_adv, mask, 0.2, ref_logp=logp - 0.3, kl_coef=0.5)
     assert stats["kl"] > 0 and float(loss) == pytest.approx(0.5 * stats["kl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None, "1"])
+def test_advantages_refuse_a_reward_that_is_not_a_finite_number(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"reward 5 \(group 1\) is .*: rewards must be finite numbers"):
+        group_advantages([0.0, 1.0, 0.0, 1.0, 0.0, bad, 1.0, 0.0], group_size=4)  # type: ignore[list-item]
