@@ -60,7 +60,8 @@ def _ensure_children(job: render.Job, body: Any) -> dict[str, Any] | None:
     """Create what is missing, patch what may change; returns the live RayJob (None if just created)."""
     for obj in render.render_runtime_rbac(job):
         kopf.adopt(obj, owner=body)
-        kube.ensure_object(obj)
+        if kube.ensure_object(obj) == "updated":
+            _event(body, "Updated", f"{obj['kind']} {obj['metadata']['name']} restored to the rendered one")
     cm = render.render_config_map(job)
     kopf.adopt(cm, owner=body)
     existing = kube.get_config_map(job.namespace, cm["metadata"]["name"])
@@ -72,16 +73,36 @@ def _ensure_children(job: render.Job, body: Any) -> dict[str, Any] | None:
 
     rj = render.render_ray_job(job)
     kopf.adopt(rj, owner=body)
-    live = kube.get_ray_job(job.namespace, rj["metadata"]["name"])
+    name = rj["metadata"]["name"]
+    live = kube.get_ray_job(job.namespace, name)
+    queued = bool(job.spec.scheduling.queue_name)
     if live is None:
         if kube.create_ray_job(rj):
-            _event(body, "Created", f"RayJob {rj['metadata']['name']} ({_layout(job.spec)})")
-    else:
-        patch = render.ray_job_mutable_patch(rj)
-        if bool(live.get("spec", {}).get("suspend", False)) != patch["spec"]["suspend"]:
-            kube.patch_ray_job(job.namespace, rj["metadata"]["name"], patch)
-            _event(body, "Suspended" if job.spec.suspend else "Resumed", f"RayJob {rj['metadata']['name']}")
+            _event(body, "Created", f"RayJob {name} ({_layout(job.spec)})")
+        return None
+    patch = render.ray_job_mutable_patch(rj, live, kueue=queued)
+    if patch:
+        kube.patch_ray_job(job.namespace, name, patch)
+        live = {**live, "spec": {**(live.get("spec") or {}), **patch["spec"]}}
+        if "suspend" in patch["spec"]:
+            _event(body, "Suspended" if job.spec.suspend else "Resumed", f"RayJob {name}")
+        rest = sorted(set(patch["spec"]) - {"suspend"})
+        if rest:
+            _event(body, "Updated", f"RayJob {name}: {', '.join(rest)} from the spec")
     return live
+
+
+def _kueue_workload(job: render.Job, live: dict[str, Any] | None, body: Any) -> dict[str, Any] | None:
+    """With spec.scheduling.queueName: the RayJob's Kueue Workload, whose ``spec.active`` follows spec.suspend
+    (Kueue owns the RayJob's suspend; deactivating the Workload is how a queued job is suspended)."""
+    if not job.spec.scheduling.queue_name or not live:
+        return None
+    workload = kube.find_workload(job.namespace, live["metadata"]["uid"])
+    if workload is not None and (workload.get("spec") or {}).get("active", True) == job.spec.suspend:
+        kube.set_workload_active(workload, not job.spec.suspend)
+        _event(body, "Suspended" if job.spec.suspend else "Resumed",
+               f"Kueue Workload {workload['metadata']['name']} active={not job.spec.suspend}")
+    return workload
 
 
 def _layout(spec: m.RLHFJobSpec) -> str:
@@ -113,15 +134,23 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
             old_status["children"] = {**(old_status.get("children") or {}), **names.as_status()}
         obs.data_missing = _data_missing(ns, spec)
         obs.kuberay_missing = kube.kuberay_missing()
+        obs.queue_name = spec.scheduling.queue_name
+        obs.progress_deadline = spec.progress_deadline_seconds
         if not obs.kuberay_missing:
-            if old_status.get("phase") not in status.TERMINAL:
-                obs.ray_job = _ensure_children(render.Job(name, ns, meta["uid"], spec), body)
+            job = render.Job(name, ns, meta["uid"], spec)
+            if old_status.get("phase") not in status.TERMINAL or _invalid_before(old_status):
+                obs.ray_job = _ensure_children(job, body)
+                obs.workload = _kueue_workload(job, obs.ray_job, body)
             else:
                 obs.ray_job = kube.get_ray_job(ns, names.ray_job)
             cluster = ((obs.ray_job or {}).get("status") or {}).get("rayClusterName")
             if cluster:
                 obs.ray_cluster = kube.get_ray_cluster(ns, cluster)
                 obs.pods = kube.list_pods(ns, f"ray.io/cluster={cluster}")
+                if status.capacity_message({}, obs.pods, None) is not None:  # a pod waits for GPUs
+                    nodes = kube.gpu_nodes()
+                    if nodes is not None:
+                        obs.capacity = status.capacity_message(nodes, obs.pods, spec.scheduling.node_selector)
     new = status.compute(obs, now or dt.datetime.now(dt.UTC))
     metrics.observe(ns, name, {**old_status, **new})
     patch = status.changed(old_status, new)
@@ -130,18 +159,26 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
     kube.patch_status(ns, name, patch)
     metrics.STATUS_WRITES.inc()
     old_phase = old_status.get("phase")
+    reason = _ready_reason(new)
     if new["phase"] != old_phase or "message" in patch and new["phase"] in ("Pending", "Failed"):
-        warn = new["phase"] == "Failed" or new["message"].startswith("pod ") or bool(obs.kuberay_missing)
+        warn = new["phase"] == "Failed" or reason in status.STALLED_REASONS or bool(obs.kuberay_missing)
         _event(body, new["phase"], new["message"] or new["phase"], warning=warn)
-    elif _ready_reason(new) in RESTART_REASONS and _ready_reason(old_status) != _ready_reason(new):
-        # a run restarted without a phase change (e.g. a lost head pod: KubeRay's submitter resubmits)
-        _event(body, _ready_reason(new), new["message"], warning=_ready_reason(new) == "Retrying")
+    elif reason in EVENT_REASONS and _ready_reason(old_status) != reason:
+        # a run restarted, or stopped making progress, without a phase change
+        _event(body, reason, new["message"], warning=reason in WARNING_REASONS)
     if obs.data_missing and _condition_flipped(old_status, new, "DataAvailable"):
         _event(body, "DataConfigMapMissing", obs.data_missing, warning=True)
 
 
-#: Ready reasons that mean a run restarted: each gets an Event when it appears.
-RESTART_REASONS = ("Retrying", "Resuming")
+#: Ready reasons that get an Event when they appear without a phase change: a run restarted (e.g. a lost head pod:
+#: KubeRay's submitter resubmits), or a running job stopped making progress.
+EVENT_REASONS = ("Retrying", "Resuming", "ProgressDeadlineExceeded", "RuntimeUnresponsive")
+WARNING_REASONS = ("Retrying", "ProgressDeadlineExceeded", "RuntimeUnresponsive")
+
+
+def _invalid_before(st: dict[str, Any]) -> bool:
+    """A Failed phase written for an invalid spec by an operator before 0.2 (InvalidSpec was terminal then)."""
+    return st.get("phase") == "Failed" and _ready_reason(st) == "InvalidSpec"
 
 
 def _ready_reason(st: dict[str, Any]) -> str | None:

@@ -76,20 +76,35 @@ def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> None:
     core().patch_namespaced_config_map(name, ns, {"data": data})
 
 
-def ensure_object(body: dict[str, Any]) -> bool:
-    """Create a ServiceAccount/Role/RoleBinding if absent (GET first: no write when it exists). True if created."""
+#: The fields of a Role/RoleBinding the operator keeps as rendered (a RoleBinding's roleRef cannot change).
+RBAC_FIELDS = {"Role": ("rules",), "RoleBinding": ("subjects",), "ServiceAccount": ()}
+
+
+def ensure_object(body: dict[str, Any]) -> str | None:
+    """Create a ServiceAccount/Role/RoleBinding if absent; bring a Role's rules or a RoleBinding's subjects back to
+    the rendered ones when they differ (edited by hand, or rendered differently by a newer operator). GET first:
+    no write when it matches. Returns "created", "updated" or None."""
     kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
     if kind == "ServiceAccount":
-        read, create = core().read_namespaced_service_account, core().create_namespaced_service_account
+        read, create, replace = (core().read_namespaced_service_account, core().create_namespaced_service_account,
+                                 None)
     elif kind == "Role":
-        read, create = rbac().read_namespaced_role, rbac().create_namespaced_role
+        read, create, replace = (rbac().read_namespaced_role, rbac().create_namespaced_role,
+                                 rbac().replace_namespaced_role)
     elif kind == "RoleBinding":
-        read, create = rbac().read_namespaced_role_binding, rbac().create_namespaced_role_binding
+        read, create, replace = (rbac().read_namespaced_role_binding, rbac().create_namespaced_role_binding,
+                                 rbac().replace_namespaced_role_binding)
     else:
         raise ValueError(f"unsupported kind {kind}")
-    if _missing_ok(read, name, ns) is not None:
-        return False
-    return _created(create, ns, body)
+    live = _missing_ok(read, name, ns)
+    if live is None:
+        return "created" if _created(create, ns, body) else None
+    have = to_dict(live)
+    if replace is None or all(have.get(f) == body.get(f) for f in RBAC_FIELDS[kind]):
+        return None
+    updated = {**have, **{f: body.get(f) for f in RBAC_FIELDS[kind]}}
+    replace(name, ns, updated)  # carries resourceVersion: a concurrent change conflicts (409) and is retried
+    return "updated"
 
 
 def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:
@@ -111,6 +126,80 @@ def get_ray_cluster(ns: str, name: str) -> dict[str, Any] | None:
 
 def list_pods(ns: str, selector: str) -> list[dict[str, Any]]:
     return [to_dict(p) for p in core().list_namespaced_pod(ns, label_selector=selector).items]
+
+
+# ------------------------------------------------------------------------------------------------ Kueue
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSIONS = ("v1beta2", "v1beta1")
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+
+
+def find_workload(ns: str, job_uid: str) -> dict[str, Any] | None:
+    """The Kueue Workload of a RayJob (Kueue labels it with the job's uid); None if none (yet) or no Kueue."""
+    for version in KUEUE_VERSIONS:
+        try:
+            items = custom().list_namespaced_custom_object(
+                KUEUE_GROUP, version, ns, "workloads", label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}"
+            )["items"]
+        except ApiException as e:
+            if e.status == 404:  # this version not served (or no Kueue at all)
+                continue
+            raise
+        return max(items, key=lambda w: w["metadata"]["creationTimestamp"]) if items else None
+    return None
+
+
+def set_workload_active(workload: dict[str, Any], active: bool) -> None:
+    group_version = workload["apiVersion"].split("/", 1)[1]
+    meta = workload["metadata"]
+    custom().patch_namespaced_custom_object(
+        KUEUE_GROUP, group_version, meta["namespace"], "workloads", meta["name"], {"spec": {"active": active}}
+    )
+
+
+# ------------------------------------------------------------------------------------------- capacity
+GPU_RESOURCE = "nvidia.com/gpu"
+_CAPACITY_CACHE: tuple[float, dict[str, dict[str, Any]]] | None = None
+CAPACITY_CACHE_SECONDS = 30.0
+
+
+def _quantity(value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def gpu_nodes() -> dict[str, dict[str, Any]] | None:
+    """Per schedulable node: its labels and free GPUs (allocatable minus the requests of its unfinished pods).
+    Cached for ``CAPACITY_CACHE_SECONDS`` (read only while a job has an unschedulable pod); None when the operator
+    may not list nodes and pods cluster-wide (chart value rbac.clusterCapacity false)."""
+    global _CAPACITY_CACHE
+    if _CAPACITY_CACHE and time.monotonic() - _CAPACITY_CACHE[0] < CAPACITY_CACHE_SECONDS:
+        return _CAPACITY_CACHE[1]
+    try:
+        nodes = core().list_node().items
+        pods = core().list_pod_for_all_namespaces(
+            field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed").items
+    except ApiException as e:
+        if e.status == 403:
+            return None
+        raise
+    out: dict[str, dict[str, Any]] = {}
+    for n in nodes:
+        if n.spec.unschedulable:
+            continue
+        gpus = _quantity((n.status.allocatable or {}).get(GPU_RESOURCE, 0))
+        if gpus:
+            out[n.metadata.name] = {"labels": n.metadata.labels or {}, "free": gpus}
+    for p in pods:
+        node = out.get(p.spec.node_name)
+        if node is None:
+            continue
+        for c in p.spec.containers or []:
+            node["free"] -= _quantity(((c.resources and c.resources.requests) or {}).get(GPU_RESOURCE, 0))
+    _CAPACITY_CACHE = (time.monotonic(), out)
+    return out
 
 
 _KUBERAY_SEEN_AT = 0.0

@@ -6,8 +6,15 @@ RayCluster's conditions and the pods' ``PodScheduled`` condition, and fold in th
 condition's status flips, so recomputing an unchanged world yields an identical status (no write).
 
 kstatus / Argo CD contract: ``Ready`` True = running or succeeded; ``Reconciling`` True = still converging;
-``Stalled`` True = needs a human (failed, unschedulable, invalid, KubeRay missing).
+``Stalled`` True = needs a human (failed, unschedulable, invalid, KubeRay missing, no progress).
 Terminal phases (Succeeded, Failed) are sticky: KubeRay deleting the cluster after the job does not regress.
+An invalid spec is not terminal (phase Pending, Stalled): the job proceeds once the spec is fixed.
+
+Suspension comes before any failure the runtime reports: a suspended or preempted job's Ray cluster is
+deleted, and its driver, terminated, reports a failure that belongs to that teardown, not to the job. Reports
+from a Ray cluster other than the RayJob's current one (or while it has none) are stale and ignored.
+With ``scheduling.queueName`` Kueue owns the RayJob's ``suspend``: held before admission = Pending (Queued),
+held again after it ran = Suspended (Preempted/Evicted).
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ from typing import Any
 
 TERMINAL = ("Succeeded", "Failed")
 #: Non-terminal reasons that need a human: kstatus Stalled=True, Argo CD Degraded.
-STALLED_REASONS = ("Unschedulable", "KubeRayMissing", "PodCreationFailed")
+STALLED_REASONS = ("Unschedulable", "KubeRayMissing", "PodCreationFailed", "InvalidSpec", "ProgressDeadlineExceeded",
+                   "RuntimeUnresponsive")
+#: A runtime that has not reported for this long (its heartbeat is every 15 s) is unresponsive.
+HEARTBEAT_TIMEOUT_SECONDS = 120
 
 
 @dataclass
@@ -33,6 +43,11 @@ class Observed:
     ray_job: dict[str, Any] | None = None
     ray_cluster: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
+    queue_name: str | None = None  # spec.scheduling.queueName: Kueue owns the RayJob's suspend
+    workload: dict[str, Any] | None = None  # the Kueue Workload of the RayJob, when queued
+    progress_deadline: int | None = None  # spec.progressDeadlineSeconds
+    capacity: str | None = None  # GPU capacity of the cluster, said when a pod is unschedulable for GPUs
+    now: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,36 @@ def _cluster_ready(cluster: dict[str, Any] | None) -> bool:
     )
 
 
+def _gpus(pod: dict[str, Any]) -> int:
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        try:
+            total += int(str(((c.get("resources") or {}).get("requests") or {}).get("nvidia.com/gpu", 0)))
+        except ValueError:
+            pass
+    return total
+
+
+def capacity_message(nodes: dict[str, dict[str, Any]], pods: list[dict[str, Any]],
+                     node_selector: dict[str, str] | None) -> str | None:
+    """What the GPU capacity says about a job's unschedulable pods: fragmented (enough GPUs free in total, not on
+    one node) or short. ``nodes``: ``kube.gpu_nodes()``. None when no unschedulable pod asks for GPUs."""
+    pending = [p for p in pods if _unschedulable([p]) and _gpus(p)]
+    if not pending:
+        return None
+    need_one, need_all = max(_gpus(p) for p in pending), sum(_gpus(p) for p in pending)
+    free = [max(0, n["free"]) for n in nodes.values()
+            if all(n["labels"].get(k) == v for k, v in (node_selector or {}).items())]
+    total, most = sum(free), max(free, default=0)
+    where = f"{total} GPUs free on {len(free)} matching node(s), at most {most} on one node"
+    if total >= need_all and most < need_one:
+        return (f"{where}; the unscheduled pods need {need_all}, {need_one} on one node: the free GPUs are "
+                "fragmented over nodes")
+    if total < need_all:
+        return f"{where}; the unscheduled pods need {need_all}: not enough GPUs free"
+    return where
+
+
 def _replica_failure(cluster: dict[str, Any] | None) -> str | None:
     """KubeRay could not create pods (quota, missing PriorityClass, admission webhook...)."""
     for c in ((cluster or {}).get("status") or {}).get("conditions") or []:
@@ -72,9 +117,59 @@ def _replica_failure(cluster: dict[str, Any] | None) -> str | None:
 
 def _stale(runtime: dict[str, Any], ray_job: dict[str, Any] | None) -> bool:
     """The runtime's report comes from another Ray cluster than the RayJob's current one (KubeRay retried on a
-    new cluster). Runtimes that do not name their cluster are taken as current."""
+    new cluster, or the job was suspended and its cluster deleted: KubeRay then clears the name and names the
+    next cluster anew). Runtimes that do not name their cluster are taken as current."""
     current = ((ray_job or {}).get("status") or {}).get("rayClusterName")
-    return bool(runtime.get("rayCluster") and current and runtime["rayCluster"] != current)
+    return bool(runtime.get("rayCluster")) and runtime["rayCluster"] != current
+
+
+def _condition_of(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any] | None:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c.get("type") == ctype), None)
+
+
+def _kueue_hold(obs: Observed) -> Verdict | None:
+    """Kueue holds the job (its RayJob suspended by Kueue, not by spec.suspend): queued or preempted."""
+    if not obs.queue_name or obs.ray_job is None or not (obs.ray_job.get("spec") or {}).get("suspend"):
+        return None
+    evicted = _condition_of(obs.workload, "Evicted")
+    ran = bool(obs.old_status.get("startTime"))
+    if ran or (evicted and evicted.get("status") == "True"):
+        why = evicted.get("reason") if evicted and evicted.get("status") == "True" else "Evicted"
+        reason = "Preempted" if why == "Preempted" else "Evicted"
+        detail = (evicted or {}).get("message") or "Kueue suspended the RayJob"
+        return Verdict("Suspended", reason, f"{detail}: the job waits in LocalQueue {obs.queue_name} to be admitted "
+                       "again, then resumes from the newest checkpoint")
+    reserved = _condition_of(obs.workload, "QuotaReserved")
+    if reserved and reserved.get("status") == "False" and reserved.get("message"):
+        return Verdict("Pending", "Queued", f"waiting for Kueue in LocalQueue {obs.queue_name}: {reserved['message']}")
+    return Verdict("Pending", "Queued", f"waiting for Kueue to admit the job in LocalQueue {obs.queue_name}")
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+
+
+def _no_progress(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
+    """A live runtime that completed no step within spec.progressDeadlineSeconds, or stopped reporting."""
+    if obs.now is None:
+        return None
+    heartbeat = _parse_time(runtime.get("heartbeatTime"))
+    progress = _parse_time(runtime.get("progressTime"))
+    if progress and obs.progress_deadline and (obs.now - progress).total_seconds() > obs.progress_deadline:
+        return Verdict("Running", "ProgressDeadlineExceeded",
+                       f"no training step completed within spec.progressDeadlineSeconds ({obs.progress_deadline} s): "
+                       f"last progress at {runtime['progressTime']} (step {obs.old_status.get('step', 0)}); the "
+                       "runtime stops a stuck run, which then fails or is retried per spec.backoffLimit")
+    if heartbeat and (obs.now - heartbeat).total_seconds() > HEARTBEAT_TIMEOUT_SECONDS:
+        return Verdict("Running", "RuntimeUnresponsive",
+                       f"the runtime has not reported since {runtime['heartbeatTime']} (it reports every 15 s): its "
+                       "driver may be hung or its head pod lost")
+    return None
 
 
 def _retry(ray_job: dict[str, Any] | None) -> str | None:
@@ -93,14 +188,24 @@ def _retry(ray_job: dict[str, Any] | None) -> str | None:
 def verdict(obs: Observed) -> Verdict:
     """The phase, with a CamelCase reason and a message a user can act on."""
     old_phase = obs.old_status.get("phase")
-    if old_phase in TERMINAL:
-        ready = next((c for c in obs.old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready = next((c for c in obs.old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    # Terminal is sticky; an InvalidSpec Failed (written by operators before 0.2) recovers like InvalidSpec now does.
+    if old_phase in TERMINAL and not (ready.get("reason") == "InvalidSpec" and not obs.invalid):
         return Verdict(old_phase, ready.get("reason") or old_phase, obs.old_status.get("message") or "")
     if obs.invalid:
-        return Verdict("Failed", "InvalidSpec", obs.invalid)
+        return Verdict("Pending", "InvalidSpec", f"{obs.invalid}: fix the spec and the job proceeds")
     runtime = obs.old_status.get("runtime") or {}
-    if _stale(runtime, obs.ray_job):  # a report of the run before a retry: the new run has not reported yet
-        runtime = {}
+    if obs.ray_job is not None and _stale(runtime, obs.ray_job):
+        runtime = {}  # a report of the run before a retry or a suspension: the new run has not reported yet
+    rj_status = (obs.ray_job or {}).get("status") or {}
+    deploy = rj_status.get("jobDeploymentStatus")
+    if obs.suspend:  # before any runtime failure: a suspended job's driver is terminated with its cluster
+        if deploy in (None, "Suspended", "New", ""):
+            return Verdict("Suspended", "Suspended", "spec.suspend is true: no Ray cluster is running")
+        return Verdict("Suspended", "Suspending", f"suspending (RayJob is {deploy})")
+    held = _kueue_hold(obs)
+    if held:
+        return held
     if runtime.get("state") == "Failed":
         why = runtime.get("message") or "the runtime reported a failure"
         retry = _retry(obs.ray_job)
@@ -111,13 +216,7 @@ def verdict(obs: Observed) -> Verdict:
         return Verdict("Succeeded", "RuntimeSucceeded", f"finished {obs.old_status.get('step', '?')} steps")
     if obs.kuberay_missing:
         return Verdict("Pending", "KubeRayMissing", obs.kuberay_missing)
-    rj_status = (obs.ray_job or {}).get("status") or {}
-    deploy = rj_status.get("jobDeploymentStatus")
     ray_status = rj_status.get("jobStatus")
-    if obs.suspend:
-        if deploy in (None, "Suspended", "New", ""):
-            return Verdict("Suspended", "Suspended", "spec.suspend is true: no Ray cluster is running")
-        return Verdict("Suspended", "Suspending", f"suspending (RayJob is {deploy})")
     if obs.ray_job is None:
         return Verdict("Pending", "CreatingRayJob", "creating the RayJob")
     if deploy == "Complete" or ray_status == "SUCCEEDED":
@@ -129,13 +228,16 @@ def verdict(obs: Observed) -> Verdict:
         return Verdict("Failed", "RayJobFailed", why)
     blocked = _unschedulable(obs.pods)
     if blocked:
-        return Verdict("Pending", "Unschedulable", blocked)
+        return Verdict("Pending", "Unschedulable", f"{blocked} ({obs.capacity})" if obs.capacity else blocked)
     failure = _replica_failure(obs.ray_cluster)
     if failure:
         return Verdict("Pending", "PodCreationFailed", failure)
     if deploy == "Retrying":
         return Verdict("Provisioning", "Retrying", _retry(obs.ray_job) or "KubeRay retries on a new Ray cluster")
     if _cluster_ready(obs.ray_cluster) and deploy == "Running":
+        stuck = _no_progress(obs, runtime) if runtime.get("state") in ("Starting", "Running") else None
+        if stuck:
+            return stuck
         if runtime.get("state") == "Running":
             return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
         if runtime.get("state") == "Starting" and runtime.get("resumedFromStep") is not None:
@@ -144,6 +246,8 @@ def verdict(obs: Observed) -> Verdict:
         # Not a silent Running: until the driver reports (it patches status.runtime from the head pod), say so.
         return Verdict("Running", "WaitingForRuntime",
                        "the Ray cluster is ready and the driver was submitted; no runtime has reported yet")
+    if rj_status.get("failed") and _retry(obs.ray_job):  # a later attempt after a failed run, not yet running
+        return Verdict("Provisioning", "Retrying", _retry(obs.ray_job) or "")
     cluster = (obs.ray_job or {}).get("status", {}).get("rayClusterName") or "pending"
     return Verdict("Provisioning", "ProvisioningRayCluster", f"Ray cluster {cluster}: RayJob {deploy or 'New'}")
 
@@ -153,8 +257,21 @@ def _condition(ctype: str, ok: bool | None, reason: str, message: str, gen: int)
     return {"type": ctype, "status": status, "reason": reason, "message": message, "observedGeneration": gen}
 
 
+def applied_generation(obs: Observed) -> int:
+    """The generation whose spec is in effect. The operator applies a change to its children at once; a live
+    runtime applies a change to what it reads itself (spec.algorithm.steps, progressDeadlineSeconds) when it
+    next reads its RLHFJob and says so in ``runtime.observedGeneration`` (runtimes that do not report it are
+    taken as current)."""
+    runtime = obs.old_status.get("runtime") or {}
+    live = runtime.get("state") in ("Starting", "Running") and not (obs.ray_job and _stale(runtime, obs.ray_job))
+    seen = runtime.get("observedGeneration")
+    if live and isinstance(seen, int) and seen < obs.generation:
+        return max(seen, min(obs.old_status.get("observedGeneration") or seen, obs.generation))
+    return obs.generation
+
+
 def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
-    gen = obs.generation
+    gen = applied_generation(obs)
     verdict_stalled = v.phase == "Failed" or v.reason in STALLED_REASONS
     stalled = verdict_stalled or bool(obs.data_missing)
     converging = v.phase in ("Pending", "Provisioning") and not stalled
@@ -164,7 +281,7 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
     pods_scheduled: bool | None = None if not obs.pods else blocked is None
     cluster_ready = _cluster_ready(obs.ray_cluster)
     out = [
-        _condition("Ready", v.phase in ("Running", "Succeeded"), v.reason, v.message, gen),
+        _condition("Ready", v.phase in ("Running", "Succeeded") and not verdict_stalled, v.reason, v.message, gen),
         _condition("Reconciling", converging, v.reason if converging else "Stable", v.message if converging else "", gen),
         _condition("Stalled", stalled, stall_reason if stalled else "NotStalled", stall_message if stalled else "", gen),
         _condition(
@@ -191,6 +308,9 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
             gen,
         ),
     ]
+    if obs.queue_name:  # Kueue: admitted = its RayJob is not held suspended by Kueue
+        held = v.reason in ("Queued", "Preempted", "Evicted")
+        out.append(_condition("Admitted", not held, v.reason if held else "Admitted", v.message if held else "", gen))
     return out
 
 
@@ -205,12 +325,14 @@ def _with_times(new: list[dict[str, Any]], old: list[dict[str, Any]], now: str) 
 def compute(obs: Observed, now: datetime) -> dict[str, Any]:
     """The operator-owned part of ``status`` (runtime-owned step/throughput/runtime are never touched)."""
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if obs.now is None:
+        obs.now = now
     v = verdict(obs)
     old = obs.old_status
     status: dict[str, Any] = {
         "phase": v.phase,
         "message": v.message,
-        "observedGeneration": obs.generation,
+        "observedGeneration": applied_generation(obs),
         "totalSteps": obs.total_steps,
         "conditions": _with_times(conditions(obs, v), old.get("conditions") or [], stamp),
     }

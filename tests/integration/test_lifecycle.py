@@ -218,15 +218,28 @@ def test_allowed_spec_change_reaches_config_and_status(cluster, api, operator, n
     apply(cluster, job, namespace)
     wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running")
     job["spec"]["algorithm"]["steps"] = 321
+    job["spec"]["activeDeadlineSeconds"] = 7200
+    job["spec"]["backoffLimit"] = 2
+    job["spec"]["ttlSecondsAfterFinished"] = 30
     apply(cluster, job, namespace)
 
     def propagated() -> bool:
         st = get_job(api, namespace, name)["status"]
         cm = client.CoreV1Api(api).read_namespaced_config_map(f"{name}-config", namespace)
         cfg = m.RuntimeConfig.model_validate_json(cm.data["job.json"])
-        return st["totalSteps"] == 321 and cfg.spec.algorithm.steps == 321 and st["observedGeneration"] == 2
+        rj = client.CustomObjectsApi(api).get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", name)
+        applied = (rj["spec"].get("activeDeadlineSeconds"), rj["spec"].get("backoffLimit"),
+                   rj["spec"].get("ttlSecondsAfterFinished"))
+        return (st["totalSteps"] == 321 and cfg.spec.algorithm.steps == 321 and st["observedGeneration"] == 2
+                and applied == (7200, 2, 30))
 
-    wait_for(propagated, 60, "steps=321 in status and in the runtime's ConfigMap")
+    wait_for(propagated, 60, "steps=321 in status and the runtime's ConfigMap; deadline, retries, ttl in the RayJob")
+    events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}")
+    assert any(e.reason == "Updated" and "activeDeadlineSeconds" in e.message for e in events.items)
+    # a change outside the allowlist is refused at admission, naming the field
+    job["spec"]["env"] = [{"name": "X", "value": "1"}]
+    out = apply(cluster, job, namespace, check=False)
+    assert out.returncode != 0 and "spec.env cannot change on a submitted job" in out.stderr, out.stderr
 
 
 def test_liveness_endpoint_reports_kuberay(cluster, tmp_path) -> None:

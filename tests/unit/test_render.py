@@ -109,6 +109,41 @@ def test_user_env_overrides_and_queue_and_suspend() -> None:
     assert {"name": "X", "value": "1"} in env
 
 
+def test_queued_job_is_created_suspended_and_its_suspend_left_to_kueue() -> None:
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    spec = job.spec.model_copy(update={"scheduling": m.Scheduling(queue_name="gpu-queue")})
+    rj = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, spec))
+    assert rj["spec"]["suspend"] is True  # Kueue admits it by unsuspending
+    admitted = {"spec": {**rj["spec"], "suspend": False}}
+    assert render.ray_job_mutable_patch(rj, admitted, kueue=True) == {}
+    assert render.ray_job_mutable_patch(rj, admitted, kueue=False) == {"spec": {"suspend": True}}
+
+
+def test_mutable_patch_brings_live_fields_to_the_spec() -> None:
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    live = render.render_ray_job(job)
+    spec = job.spec.model_copy(update={"active_deadline_seconds": 3600, "backoff_limit": 2,
+                                       "ttl_seconds_after_finished": 60})
+    want = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, spec))
+    assert render.ray_job_mutable_patch(want, live) == {
+        "spec": {"activeDeadlineSeconds": 3600, "backoffLimit": 2, "ttlSecondsAfterFinished": 60}}
+    assert render.ray_job_mutable_patch(want, want) == {}
+    # a deadline removed from the spec is removed from the RayJob (null in a merge patch)
+    assert render.ray_job_mutable_patch(live, want)["spec"]["activeDeadlineSeconds"] is None
+
+
+def test_worker_pods_pack_by_group_then_by_job() -> None:
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    rj = render.render_ray_job(job)
+    for g in rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        terms = g["template"]["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        sel = [t["podAffinityTerm"]["labelSelector"]["matchLabels"] for t in terms]
+        assert sel == [{naming.LABEL_JOB: job.name, naming.LABEL_ROLE: g["groupName"]}, {naming.LABEL_JOB: job.name}]
+        assert [t["weight"] for t in terms] == [100, 50]
+        assert g["template"]["metadata"]["labels"][naming.LABEL_ROLE] == g["groupName"]
+    assert "affinity" not in rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+
+
 def test_render_is_deterministic() -> None:
     job = job_of(SAMPLES[0])
     assert render.render_ray_job(job) == render.render_ray_job(job)

@@ -34,8 +34,16 @@ UNSCHEDULABLE = {
 SCHEDULED = {"metadata": {"name": "p"}, "status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}
 
 
+KUEUE_HELD = {"metadata": {"name": "j"}, "spec": {"suspend": True}, "status": {"jobDeploymentStatus": "Suspended"}}
+QUOTA_SHORT = {"status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
+                                          "message": "couldn't assign flavors to pod set trainer: insufficient "
+                                                     "quota for nvidia.com/gpu in flavor gpu"}]}}
+PREEMPTED = {"status": {"conditions": [{"type": "Evicted", "status": "True", "reason": "Preempted",
+                                        "message": "Preempted to accommodate a workload (UID: x) due to prioritization"}]}}
+
+
 def obs(**kw) -> st.Observed:
-    base = {"generation": 3, "old_status": {}, "total_steps": 10}
+    base = {"generation": 3, "old_status": {}, "total_steps": 10, "now": NOW}
     base.update(kw)
     return st.Observed(**base)
 
@@ -43,7 +51,11 @@ def obs(**kw) -> st.Observed:
 CASES = [
     ("no rayjob yet", obs(), "Pending", "CreatingRayJob"),
     ("kuberay missing", obs(kuberay_missing="KubeRay CRDs missing"), "Pending", "KubeRayMissing"),
-    ("invalid spec", obs(invalid="spec.x: bad"), "Failed", "InvalidSpec"),
+    ("invalid spec", obs(invalid="spec.x: bad"), "Pending", "InvalidSpec"),
+    ("invalid spec fixed (written Failed by an older operator)", obs(
+        old_status={"phase": "Failed", "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
+                                                  "lastTransitionTime": "2026-11-22T11:00:00Z"}]}),
+     "Pending", "CreatingRayJob"),
     ("initializing", obs(ray_job=rayjob("Initializing")), "Provisioning", "ProvisioningRayCluster"),
     ("unschedulable", obs(ray_job=rayjob("Initializing"), pods=[UNSCHEDULABLE]), "Pending", "Unschedulable"),
     ("running", obs(ray_job=rayjob("Running", "RUNNING"), ray_cluster=READY_CLUSTER, pods=[SCHEDULED]), "Running", "WaitingForRuntime"),
@@ -66,7 +78,7 @@ CASES = [
     ("failure reported by the run before a retry", obs(
         ray_job=rayjob("Initializing", cluster="j-new", backoff=1, failed=1),
         old_status={"runtime": {"state": "Failed", "message": "actor died", "rayCluster": "j-old"}}),
-     "Provisioning", "ProvisioningRayCluster"),
+     "Provisioning", "Retrying"),
     ("retrying, cluster name not yet chosen", obs(
         ray_job=rayjob("New", cluster=None, backoff=1, failed=1),
         old_status={"runtime": {"state": "Failed", "message": "actor died", "rayCluster": "j-old"}}),
@@ -81,6 +93,40 @@ CASES = [
          "message": "FailedCreateHeadPod\\nno PriorityClass with name x was found"}]}}), "Pending", "PodCreationFailed"),
     ("suspended", obs(suspend=True, ray_job=rayjob("Suspended")), "Suspended", "Suspended"),
     ("suspending", obs(suspend=True, ray_job=rayjob("Running")), "Suspended", "Suspending"),
+    # A suspended job's driver is terminated with its cluster and reports a failure: not the job's failure.
+    ("suspending, driver terminated", obs(suspend=True, ray_job=rayjob("Suspending"), old_status={
+        "runtime": {"state": "Failed", "message": "SystemExit: terminated by signal 15", "rayCluster": "j-abcde"}}),
+     "Suspended", "Suspending"),
+    ("resumed, the teardown's failure report is stale", obs(ray_job=rayjob("New", cluster=None), old_status={
+        "phase": "Suspended", "runtime": {"state": "Failed", "message": "terminated", "rayCluster": "j-abcde"}}),
+     "Provisioning", "ProvisioningRayCluster"),
+    ("resumed on a new cluster", obs(ray_job=rayjob("Running", cluster="j-fghij"), ray_cluster=READY_CLUSTER,
+                                     old_status={"runtime": {"state": "Failed", "rayCluster": "j-abcde"}}),
+     "Running", "WaitingForRuntime"),
+    # Kueue owns the RayJob's suspend when queueName is set.
+    ("kueue: queued", obs(queue_name="q", ray_job=KUEUE_HELD, workload=QUOTA_SHORT), "Pending", "Queued"),
+    ("kueue: queued, no workload yet", obs(queue_name="q", ray_job=KUEUE_HELD), "Pending", "Queued"),
+    ("kueue: admitted", obs(queue_name="q", ray_job=rayjob("Initializing")), "Provisioning", "ProvisioningRayCluster"),
+    ("kueue: preempted", obs(queue_name="q", ray_job=KUEUE_HELD, workload=PREEMPTED, old_status={
+        "startTime": "2026-11-22T11:00:00Z", "runtime": {"state": "Failed", "rayCluster": "j-abcde"}}),
+     "Suspended", "Preempted"),
+    ("kueue: user suspend wins", obs(queue_name="q", suspend=True, ray_job=KUEUE_HELD), "Suspended", "Suspended"),
+    # Hangs: no step within the progress deadline, or no report at all.
+    ("no progress within the deadline", obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, progress_deadline=600,
+                                            old_status={"runtime": {"state": "Running",
+                                                                    "progressTime": "2026-11-22T11:40:00Z",
+                                                                    "heartbeatTime": "2026-11-22T11:59:50Z"}}),
+     "Running", "ProgressDeadlineExceeded"),
+    ("progress within the deadline", obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, progress_deadline=600,
+                                         old_status={"runtime": {"state": "Running",
+                                                                 "progressTime": "2026-11-22T11:55:00Z",
+                                                                 "heartbeatTime": "2026-11-22T11:59:50Z"}}),
+     "Running", "Training"),
+    ("runtime stopped reporting", obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, progress_deadline=3600,
+                                      old_status={"runtime": {"state": "Running",
+                                                              "progressTime": "2026-11-22T11:50:00Z",
+                                                              "heartbeatTime": "2026-11-22T11:50:00Z"}}),
+     "Running", "RuntimeUnresponsive"),
 ]
 
 
@@ -91,8 +137,8 @@ def test_phase_table(name, o, phase, reason) -> None:
     out = st.compute(o, NOW)
     conds = {c["type"]: c for c in out["conditions"]}
     assert all(c["observedGeneration"] == 3 for c in conds.values())
-    assert conds["Ready"]["status"] == ("True" if phase in ("Running", "Succeeded") else "False")
     stalled = phase == "Failed" or reason in st.STALLED_REASONS
+    assert conds["Ready"]["status"] == ("True" if phase in ("Running", "Succeeded") and not stalled else "False")
     assert conds["Stalled"]["status"] == ("True" if stalled else "False")
     assert conds["Reconciling"]["status"] == ("True" if phase in ("Pending", "Provisioning") and not stalled else "False")
     assert conds["Complete"]["status"] == ("True" if phase == "Succeeded" else "False")
@@ -145,3 +191,51 @@ def test_missing_data_config_map_stalls_and_says_why() -> None:
     assert conds["Reconciling"]["status"] == "False"
     fine = {c["type"]: c for c in st.compute(obs(ray_job=rayjob("Initializing")), NOW)["conditions"]}
     assert fine["DataAvailable"]["status"] == "True" and fine["Stalled"]["status"] == "False"
+
+
+def test_kueue_conditions_say_why_a_job_waits() -> None:
+    out = st.compute(obs(queue_name="q", ray_job=KUEUE_HELD, workload=QUOTA_SHORT), NOW)
+    conds = {c["type"]: c for c in out["conditions"]}
+    assert conds["Admitted"]["status"] == "False" and "insufficient quota" in conds["Admitted"]["message"]
+    assert "insufficient quota for nvidia.com/gpu" in out["message"] and "LocalQueue q" in out["message"]
+    running = st.compute(obs(queue_name="q", ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER), NOW)
+    assert {c["type"]: c for c in running["conditions"]}["Admitted"]["status"] == "True"
+    assert "Admitted" not in {c["type"] for c in st.compute(obs(ray_job=rayjob("Running")), NOW)["conditions"]}
+
+
+def test_observed_generation_waits_for_a_live_runtime_to_apply_the_change() -> None:
+    live = {"state": "Running", "observedGeneration": 2, "heartbeatTime": "2026-11-22T11:59:50Z"}
+    o = obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status={"runtime": live, "observedGeneration": 2})
+    out = st.compute(o, NOW)
+    assert out["observedGeneration"] == 2 and all(c["observedGeneration"] == 2 for c in out["conditions"])
+    applied = dict(live, observedGeneration=3)
+    assert st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER,
+                          old_status={"runtime": applied}), NOW)["observedGeneration"] == 3
+    # no live runtime (suspended, or an older runtime that does not say): the operator's own apply counts
+    assert st.compute(obs(suspend=True, ray_job=rayjob("Suspended"), old_status={"runtime": dict(
+        live, state="Failed")}), NOW)["observedGeneration"] == 3
+    assert st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER,
+                          old_status={"runtime": {"state": "Running"}}), NOW)["observedGeneration"] == 3
+
+
+def test_unschedulable_message_carries_the_capacity() -> None:
+    v = st.verdict(obs(ray_job=rayjob("Initializing"), pods=[UNSCHEDULABLE],
+                       capacity="29 GPUs free on 4 nodes, at most 8 on one node: the free GPUs are fragmented"))
+    assert v.reason == "Unschedulable" and "fragmented" in v.message and "Insufficient nvidia.com/gpu" in v.message
+
+
+def _gpu_pod(name: str, gpus: int, scheduled: bool) -> dict:
+    cond = {"type": "PodScheduled", "status": "True" if scheduled else "False", "reason": "Unschedulable"}
+    return {"metadata": {"name": name}, "spec": {"containers": [{"resources": {"requests": {"nvidia.com/gpu": gpus}}}]},
+            "status": {"conditions": [cond]}}
+
+
+def test_capacity_message_tells_fragmented_from_short() -> None:
+    nodes = {f"n{i}": {"labels": {"pool": "a"}, "free": free} for i, free in enumerate([5, 8 - 3, 7, 7])}
+    trainer = _gpu_pod("t", 8, scheduled=False)
+    msg = st.capacity_message(nodes, [trainer, _gpu_pod("e", 2, scheduled=True)], {"pool": "a"})
+    assert "24 GPUs free on 4 matching node(s), at most 7 on one node" in msg and "fragmented" in msg
+    short = st.capacity_message(nodes, [_gpu_pod(f"t{i}", 8, scheduled=False) for i in range(4)], None)
+    assert "need 32" in short and "not enough GPUs free" in short
+    assert st.capacity_message(nodes, [trainer], {"pool": "b"}).startswith("0 GPUs free on 0 matching node(s)")
+    assert st.capacity_message(nodes, [_gpu_pod("cpu", 0, scheduled=False)], None) is None
