@@ -6,12 +6,14 @@ Pure: no torch, vLLM or Ray. The config file is ``RuntimeConfig`` JSON (camelCas
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+from rlhf_api.models import API_VERSION, RLHFJobSpec, RuntimeConfig
 
 log = logging.getLogger("rlhf_runtime")
 CONFIG_ENV = "RLHF_JOB_CONFIG"
@@ -30,16 +32,45 @@ ACTOR_ENV = {
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> RuntimeConfig:
-    """The job config; keys this runtime does not know (a newer operator wrote them) are ignored with a warning."""
+def config_path(path: str | os.PathLike[str] | None = None) -> str:
     path = path or os.environ.get(CONFIG_ENV)
     if not path:
         raise ValueError(f"no job config: pass --config or set {CONFIG_ENV}")
-    cfg, ignored = RuntimeConfig.from_runtime_json(Path(path).read_text(encoding="utf-8"))
+    return str(path)
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> RuntimeConfig:
+    """The job config; keys this runtime does not know (a newer operator wrote them) are ignored with a warning.
+    Raises ValueError (JSON or validation errors, another ``apiVersion`` than ``rlhf_api.models.API_VERSION``)."""
+    text = Path(config_path(path)).read_text(encoding="utf-8")
+    raw = json.loads(text)
+    version = raw.get("apiVersion", API_VERSION) if isinstance(raw, dict) else None
+    if version != API_VERSION:
+        raise ValueError(f"job config apiVersion {version!r} is not {API_VERSION!r}: this runtime image does not "
+                         "understand that API (use a runtime image of the operator's version)")
+    cfg, ignored = RuntimeConfig.from_runtime_json(text)
     if ignored:
         log.warning("job config: ignoring fields this runtime does not know (the operator is newer than the "
                     "runtime image): %s", ", ".join(ignored))
     return cfg
+
+
+def identity(path: str | os.PathLike[str] | None = None) -> tuple[str | None, str | None, str | None]:
+    """Best effort, for reporting a config that does not parse: ``(name, namespace, uid)`` from the raw JSON
+    (each None when unreadable)."""
+    try:
+        text = Path(config_path(path)).read_text(encoding="utf-8", errors="replace")
+    except (OSError, ValueError):
+        return None, None, None
+    try:
+        raw = json.loads(text)
+    except ValueError:  # not JSON: the first occurrence of each key (the operator writes them first)
+        found = [re.search(rf'"{k}"\s*:\s*"([^"\\]+)"', text) for k in ("name", "namespace", "uid")]
+        return tuple(m.group(1) if m else None for m in found)  # type: ignore[return-value]
+    if not isinstance(raw, dict):
+        return None, None, None
+    get = lambda k: raw.get(k) if isinstance(raw.get(k), str) and raw.get(k) else None
+    return get("name"), get("namespace"), get("uid")
 
 
 def spec_env(spec: RLHFJobSpec) -> dict[str, str]:

@@ -45,14 +45,17 @@ Exit status: 0 succeeded, 1 failed, 3 validation failed.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +75,88 @@ EXIT_FAILED, EXIT_VALIDATION = 1, 3
 
 #: Consecutive ports a vLLM data-parallel group uses from its master port (engine and worker groups).
 DP_PORTS = 16
+#: In-run recoveries (engines replaced, trainers restarted) per run; one more fault fails the run and KubeRay's
+#: backoffLimit decides on a retry (a new Ray cluster).
+MAX_RECOVERIES = int(os.environ.get("RLHF_MAX_RECOVERIES", "3"))
+#: How long a liveness probe of an actor may take; one that does not answer is busy or stopped, not dead.
+PROBE_SECONDS = 10.0
+#: After the progress watchdog fired: time the main thread gets to report and clean up before the process exits.
+WATCHDOG_GRACE_SECONDS = 60.0
+#: Longest Ray shutdown at the end of a run (an actor stopped mid-collective can keep it waiting).
+SHUTDOWN_SECONDS = 30.0
 
 
 class ValidationError(RuntimeError):
     pass
+
+
+class DeadlineExceeded(TimeoutError):
+    """A driver -> actor call ran past its deadline (``weightSync.timeoutSeconds`` or
+    ``spec.progressDeadlineSeconds``); the message names the call and the actors."""
+
+
+def _actor_died(e: BaseException) -> bool:
+    """Whether ``e`` (from ``ray.get``) says an actor died: the call's own actor, or one it called."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError)
+
+
+class Watchdog:
+    """No silent hang: a thread that calls ``on_expire(message)`` once when no progress (``progress()``: the
+    run's start or resume, then each completed step) happened within ``deadline()`` seconds (read on every
+    check: ``spec.progressDeadlineSeconds`` may be edited live). ``doing(what)`` names the current activity
+    for the message."""
+
+    def __init__(self, deadline: Callable[[], float], on_expire: Callable[[str], None],
+                 poll_seconds: float = 0.5) -> None:
+        self.deadline, self.on_expire, self.poll_seconds = deadline, on_expire, poll_seconds
+        self.last = time.monotonic()
+        self.activity = "starting"
+        self.fired: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def progress(self) -> None:
+        self.last = time.monotonic()
+
+    def doing(self, what: str) -> None:
+        self.activity = what
+
+    def remaining(self) -> float:
+        return float(self.deadline()) - (time.monotonic() - self.last)
+
+    def message(self) -> str:
+        return (f"no training step completed within spec.progressDeadlineSeconds ({self.deadline():g} s); "
+                f"stuck in: {self.activity}")
+
+    def start(self) -> None:
+        def watch() -> None:
+            while not self._stop.wait(self.poll_seconds):
+                if self.remaining() <= 0:
+                    self.fired = self.message()
+                    self.on_expire(self.fired)
+                    return
+
+        self.progress()
+        self._thread = threading.Thread(target=watch, name="rlhf-progress-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class Rollout:
+    """A launched rollout: per engine index its generate ref and its prompts (indices into ``prompt_ids``)."""
+
+    step: int
+    refs: dict[int, Any]
+    parts: dict[int, list[int]]
+    prompt_ids: list[list[int]]
+    batch: list[Any]
+    sampling: dict[str, Any]
+    t_launch: float
 
 
 def _node_address(ports: int = 1) -> tuple[str, int]:
@@ -154,8 +235,12 @@ def _throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, sa
 
 
 class Runtime:
-    def __init__(self, cfg: RuntimeConfig, opts: Options, reporter: Reporter) -> None:
+    def __init__(self, cfg: RuntimeConfig, opts: Options, reporter: Reporter, watchdog: Watchdog | None = None) -> None:
         self.cfg, self.spec, self.opts, self.reporter = cfg, cfg.spec, opts, reporter
+        # without a started watchdog (unit tests) nothing fires; the deadlines still bound every call
+        self.watchdog = watchdog or Watchdog(lambda: self.progress_deadline, lambda message: None)
+        self.total = self.spec.algorithm.steps  # live: spec.algorithm.steps (refresh_spec)
+        self.progress_deadline = self.spec.progress_deadline_seconds  # live: spec.progressDeadlineSeconds
         self.layout = compute_layout(self.spec)
         self.gpu = self.layout.gpu
         self.backend = rc.resolve_backend(self.spec, self.gpu)
@@ -169,6 +254,16 @@ class Runtime:
         self.engines: list[Any] = []
         self.engine_kwargs: list[dict[str, Any]] = []
         self.asleep = False  # colocated engines sleep while the trainer trains
+        self.dp_address: tuple[str, int] | None = None
+        self.trainer_pids: list[Any] = []
+        self.done = 0
+        self.resumed: int | None = None
+        self.synced_at = 0
+        self.last_sync: dict[str, float] | None = None
+        self.pending: Rollout | None = None
+        self.recoveries = 0
+        self.replacements = {"engines": 0, "trainers": 0}
+        self.rerun_prompts = 0  # prompts of a rollout generated again after their engine died
 
     # ----------------------------------------------------------------------------------- setup
     def connect(self) -> None:
@@ -210,6 +305,43 @@ class Runtime:
             placement_group_capture_child_tasks=True,
         )
 
+    # ------------------------------------------------------------------------------------- deadlines
+    def _settings(self) -> str:
+        return f"weightSync.timeoutSeconds={self.spec.weight_sync.timeout_seconds}s"
+
+    def _get(self, refs: Any, what: str) -> Any:
+        """A driver -> actor call other than a rollout or a train step: bounded by ``weightSync.timeoutSeconds``;
+        past it the run fails with ``what`` (the call and its actors) in the message."""
+        return self._bounded(refs, what, float(self.spec.weight_sync.timeout_seconds), self._settings())
+
+    def _get_step(self, refs: Any, what: str) -> Any:
+        """A rollout, a train step or an actor start: bounded by what is left of ``spec.progressDeadlineSeconds``
+        (counted like the watchdog, from the last progress)."""
+        left = max(self.watchdog.remaining(), 0.0) + 1.0
+        return self._bounded(refs, what, left, f"spec.progressDeadlineSeconds={self.progress_deadline}s")
+
+    def _bounded(self, refs: Any, what: str, timeout: float, setting: str) -> Any:
+        import ray
+
+        self.watchdog.doing(what)
+        try:
+            return ray.get(refs, timeout=timeout)
+        except TimeoutError as e:  # ray's GetTimeoutError, or an actor's own deadline (RayTaskError(TimeoutError))
+            inner = "" if type(e).__name__ == "GetTimeoutError" else f" ({str(e).strip().splitlines()[-1][:300]})"
+            raise DeadlineExceeded(f"{what} did not finish within {setting}{inner}") from e
+
+    def _engines_desc(self, idx: list[int] | None = None) -> str:
+        idx = list(range(len(self.engines))) if idx is None else idx
+        return f"engine {idx[0]}" if len(idx) == 1 else f"{len(idx)} engines"
+
+    def _sync_desc(self) -> str:
+        return f"trainer rank 0 -> {self._engines_desc()}"
+
+    def _trainers_desc(self) -> str:
+        n = len(self.trainers)
+        return "trainer rank 0" if n == 1 else f"trainer ranks 0-{n - 1}"
+
+    # ----------------------------------------------------------------------------------- actors
     def start_trainers(self) -> dict[str, Any]:
         import ray
 
@@ -226,29 +358,43 @@ class Runtime:
                 runtime_env={"env_vars": {**self.env, **a.env}},
             ).remote(cfg_json, rank, n, addr, port)
             self.trainers.append(actor)
-        infos = ray.get([t.info.remote() for t in self.trainers])
+        infos = self._get_step([t.info.remote() for t in self.trainers], f"start of {self._trainers_desc()}")
+        self.trainer_pids = [i.get("pid") for i in infos]
         return infos[0]
 
-    def start_engines(self) -> None:
+    def _make_engine(self, i: int) -> Any:
+        """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
         import ray
 
         from rlhf_runtime.engines import Engine
         from rlhf_runtime.stepped_engine import async_engine_class
 
         cls = async_engine_class() if self.async_mode else Engine
+        e = self.layout.engines[i]
+        env = {**self.env, **e.env, **(self._dp_env(i, self.dp_address) if self.dp_address else {})}
+        return ray.remote(cls).options(
+            num_cpus=e.num_cpus, num_gpus=e.num_gpus, scheduling_strategy=self._strategy(e.group, e.bundle),
+            runtime_env={"env_vars": env}, max_concurrency=16 if self.async_mode else 1,
+        ).remote(self.engine_kwargs[i], env)
+
+    def start_engines(self) -> None:
         dp = self._address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
-        for i, e in enumerate(self.layout.engines):
+        self.dp_address = dp
+        for i, _ in enumerate(self.layout.engines):
             # one vLLM DP group (expert parallel): same seed on every rank, they step together
             seed = self.spec.algorithm.seed + (0 if dp else i)
-            kw = rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor, self.gpu, seed=seed)
+            kw = rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, self.layout.engines[i].executor,
+                                  self.gpu, seed=seed)
             self.engine_kwargs.append(kw)
-            env = {**self.env, **e.env, **(self._dp_env(i, dp) if dp else {})}
-            actor = ray.remote(cls).options(
-                num_cpus=e.num_cpus, num_gpus=e.num_gpus, scheduling_strategy=self._strategy(e.group, e.bundle),
-                runtime_env={"env_vars": env}, max_concurrency=16 if self.async_mode else 1,
-            ).remote(kw, env)
-            self.engines.append(actor)
-        ray.get([e.ready.remote() for e in self.engines])  # a DP group starts together
+            self.engines.append(self._make_engine(i))
+        # a DP group starts together
+        self._get_step([e.ready.remote() for e in self.engines], f"start of {self._engines_desc()}")
+
+    def record_actors(self) -> None:
+        """Which process serves which actor (progress file): for people reading a run, and for fault tests."""
+        pids = self._get([e.pid.remote() for e in self.engines], f"pid of {self._engines_desc()}")
+        self.reporter._write_progress({"time": time.time(), "actors": {
+            "trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements)}})
 
     def _address_on(self, where: ActorPlacement, ports: int = 1) -> tuple[str, int]:
         """The node IP of bundle ``where`` and the first of ``ports`` consecutive ports free there, found by a
@@ -259,7 +405,7 @@ class Runtime:
         task = ray.remote(_node_address).options(
             num_cpus=0, scheduling_strategy=self._strategy(where.group, where.bundle)
         )
-        addr, port = ray.get(task.remote(ports))
+        addr, port = self._get_step(task.remote(ports), "free port lookup on a placement bundle")
         return str(addr), int(port)
 
     def _dp_env(self, rank: int, address: tuple[str, int]) -> dict[str, str]:
@@ -269,34 +415,32 @@ class Runtime:
                 "VLLM_DP_MASTER_IP": address[0], "VLLM_DP_MASTER_PORT": str(address[1])}
 
     def init_sync(self) -> None:
-        import ray
-
-        worlds = ray.get([e.world_size.remote() for e in self.engines])
+        """(Re-)create the weight-transfer group trainer rank 0 <-> every engine (after a replacement too)."""
+        worlds = self._get([e.world_size.remote() for e in self.engines], f"world size of {self._engines_desc()}")
         ws = self.spec.weight_sync
         skip = [self.opts.skip_tensor] if self.opts.skip_tensor else None
-        ray.get([
+        self._get([
             t.init_weight_sync.remote(self.engines if r == 0 else [], worlds, self.backend, ws.packed,
                                       ws.bucket_size_mb * 1024 * 1024, skip)
             for r, t in enumerate(self.trainers)
-        ])
+        ], f"weight-sync group init: {self._sync_desc()}")
 
     # -------------------------------------------------------------------------------- operations
     def sync(self) -> dict[str, float]:
         """Pause/sleep -> transfer through the weight-transfer API -> resume/wake; timings and GB/s."""
-        import ray
-
         t0 = time.perf_counter()
         if self.async_mode:
-            ray.get([e.pause.remote(self.opts.pause_after_tokens) for e in self.engines])
+            self._get([e.pause.remote(self.opts.pause_after_tokens) for e in self.engines],
+                      f"pause of {self._engines_desc()}")
         elif self.asleep:
-            ray.get([e.wake_up.remote(["weights"]) for e in self.engines])
+            self._get([e.wake_up.remote(["weights"]) for e in self.engines], f"wake-up of {self._engines_desc()}")
         t1 = time.perf_counter()
-        results = ray.get([t.sync_weights.remote() for t in self.trainers])
+        results = self._get([t.sync_weights.remote() for t in self.trainers], f"weight sync: {self._sync_desc()}")
         t2 = time.perf_counter()
         if self.async_mode:
-            ray.get([e.resume.remote() for e in self.engines])
+            self._get([e.resume.remote() for e in self.engines], f"resume of {self._engines_desc()}")
         elif self.asleep:
-            ray.get([e.wake_up.remote(["kv_cache"]) for e in self.engines])
+            self._get([e.wake_up.remote(["kv_cache"]) for e in self.engines], f"wake-up of {self._engines_desc()}")
             self.asleep = False
         t3 = time.perf_counter()
         r = dict(results[0])
@@ -309,40 +453,143 @@ class Runtime:
         """Colocated: put the engines to sleep while the trainer trains. Level 2 (weights discarded, nothing
         copied to the CPU) when the next wake is followed by a full weight sync, which overwrites every
         weight anyway; level 1 (weights offloaded to CPU) otherwise. Returns the seconds it took."""
-        import ray
-
         t = time.perf_counter()
         level = 2 if next_syncs and os.environ.get("RLHF_COLOCATED_SLEEP_LEVEL", "auto") == "auto" else 1
-        ray.get([e.sleep.remote(level) for e in self.engines])
+        self._get([e.sleep.remote(level) for e in self.engines], f"sleep of {self._engines_desc()}")
         self.asleep = True
         return time.perf_counter() - t
 
-    def launch_rollout(self, tokenizer: Any, batch: list[Any], sampling: dict[str, Any]) -> tuple:
-        """Start generation for ``batch`` on the engines (round-robin DP); returns what ``collect`` needs."""
+    def launch_rollout(self, tokenizer: Any, batch: list[Any], sampling: dict[str, Any], step: int) -> Rollout:
+        """Start generation for ``batch`` on the engines (round-robin DP); ``collect`` waits for it."""
         prompt_ids = [self.encode(tokenizer, s.prompt) for s in batch]
-        parts = [idx for idx in spread(prompt_ids, len(self.engines))]
-        if self.layout.dp_group:  # every rank of a DP group must step: idle ranks get a 1-token placeholder
-            refs = [
-                e.generate.remote([prompt_ids[i] for i in idx], sampling) if idx
-                else e.generate.remote([prompt_ids[0]], {**sampling, "n": 1, "max_tokens": 1})
-                for e, idx in zip(self.engines, parts)
-            ]
-            return refs, parts, prompt_ids, batch, time.perf_counter()
-        refs = [
-            e.generate.remote([prompt_ids[i] for i in idx], sampling)
-            for e, idx in zip(self.engines, parts) if idx
-        ]
-        return refs, [idx for idx in parts if idx], prompt_ids, batch, time.perf_counter()
+        parts = {i: idx for i, idx in enumerate(spread(prompt_ids, len(self.engines)))}
+        refs: dict[int, Any] = {}
+        for i, idx in parts.items():
+            if idx:
+                refs[i] = self.engines[i].generate.remote([prompt_ids[k] for k in idx], sampling)
+            elif self.layout.dp_group:  # every rank of a DP group must step: idle ranks get a 1-token placeholder
+                refs[i] = self.engines[i].generate.remote([prompt_ids[0]], {**sampling, "n": 1, "max_tokens": 1})
+        return Rollout(step, refs, {i: idx for i, idx in parts.items() if idx}, prompt_ids, batch, sampling,
+                       time.perf_counter())
 
-    def collect(self, refs: list, parts: list, n: int) -> list[dict[str, Any]]:
+    def collect(self, ro: Rollout) -> list[dict[str, Any]]:
+        """Every sample of ``ro``. An engine that dies mid-rollout (sync mode, independent engines) is replaced
+        on its placement bundle, the weight-sync group re-created and the weights resynced, and only its part
+        of the rollout runs again (on the replacement)."""
+        outs: list[Any] = [None] * len(ro.prompt_ids)
+        todo = dict(ro.refs)
+        while todo:
+            lost: list[int] = []
+            errors: dict[int, BaseException] = {}
+            for i, ref in todo.items():
+                try:
+                    res = self._get_step(ref, f"rollout of step {ro.step + 1}: engine {i}")
+                except DeadlineExceeded:
+                    raise
+                except Exception as e:
+                    if self.async_mode or self.layout.dp_group or not _actor_died(e) or not self._dead(self.engines[i]):
+                        raise
+                    lost.append(i)
+                    errors[i] = e
+                    continue
+                for r, k in zip(res, ro.parts.get(i, [])):
+                    outs[k] = r
+            todo = {}
+            if lost:
+                where = f"rollout of step {ro.step + 1}"
+                self.recover(engines=lost, trainers=False, where=where, error=errors[lost[0]])
+                for i in lost:
+                    todo[i] = self.engines[i].generate.remote([ro.prompt_ids[k] for k in ro.parts[i]], ro.sampling)
+                    self.rerun_prompts += len(ro.parts[i])
+        return outs
+    # --------------------------------------------------------------------------------- recovery
+    def _dead(self, actor: Any, probe: str) -> bool:
+        """Whether ``actor`` is gone (a cheap call fails with an actor error). A busy or stopped actor that does
+        not answer within ``PROBE_SECONDS`` counts as alive: that is a hang, for the deadlines to report."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            ray.get(getattr(actor, probe).remote(), timeout=PROBE_SECONDS)
+        except GetTimeoutError:
+            return False
+        except Exception as e:  # noqa: BLE001 - only an actor error means dead
+            return _actor_died(e)
+        return False
+
+    def _kill(self, actor: Any) -> None:
         import ray
 
-        outs: list[Any] = [None] * n
-        for res, idx in zip(ray.get(refs), parts):
-            for r, i in zip(res, idx):
-                outs[i] = r
-        return outs
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - it is usually dead already
+            log.debug("kill: %s", e)
 
+    def recover_from(self, error: BaseException) -> None:
+        """After a failed step: replace what died (engines: same bundle; trainers: all ranks, from the newest
+        checkpoint), or re-raise ``error`` when nothing died (a hang, a bug) or the layout cannot be repaired
+        in-run (async mode, an expert-parallel DP group)."""
+        if isinstance(error, (DeadlineExceeded, ValidationError)) or self.async_mode or self.layout.dp_group:
+            raise error
+        where = self.watchdog.activity
+        dead_trainers = [r for r, t in enumerate(self.trainers) if self._dead(t, "info")]
+        dead_engines = [i for i, e in enumerate(self.engines) if self._dead(e, "pid")]
+        if not dead_trainers and not dead_engines:
+            raise error
+        self.recover(engines=dead_engines, trainers=bool(dead_trainers), where=where, error=error)
+
+    def recover(self, engines: list[int], trainers: bool, where: str, error: BaseException) -> None:
+        """Replace dead engines (same placement bundle) and, with ``trainers``, restart every trainer rank (they
+        resume from the newest checkpoint); then re-create the weight-sync group and resync. At most
+        ``MAX_RECOVERIES`` per run; past that the run fails and KubeRay's backoffLimit takes over."""
+        self.recoveries += 1
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        cause = f"{type(error).__name__}: {first[:200]}"
+        dead = ", ".join(([self._trainers_desc()] if trainers else []) + [f"engine {i}" for i in engines])
+        if self.recoveries > MAX_RECOVERIES:
+            raise RuntimeError(
+                f"{dead} died during {where}: in-run recovery limit ({MAX_RECOVERIES}) reached, failing the run "
+                f"(spec.backoffLimit decides on a retry): {cause}"
+            ) from error
+        if trainers and self.spec.checkpoint is None:
+            raise RuntimeError(f"{dead} died during {where} and spec.checkpoint is not set: no state to resume "
+                               f"the trainer from, failing the run: {cause}") from error
+        log.warning("%s died during %s (%s): recovering (%d/%d)", dead, where, cause, self.recoveries, MAX_RECOVERIES)
+        t0 = time.monotonic()
+        actions = []
+        if trainers:
+            for t in self.trainers:
+                self._kill(t)
+            self.trainers = []
+            info = self.start_trainers()
+            self.done, self.resumed = int(info["step"]), info["resumed_from"]
+            self.replacements["trainers"] += 1
+            actions.append(f"trainers restarted, resumed from checkpoint step {self.resumed}")
+        for i in engines:
+            self._kill(self.engines[i])
+            self.engines[i] = self._make_engine(i)
+            self.replacements["engines"] += 1
+        if engines:
+            self._get_step([self.engines[i].ready.remote() for i in engines],
+                           f"start of replacement {self._engines_desc(engines)}")
+            actions.append(f"{self._engines_desc(engines)} replaced on the same placement bundle")
+        self.init_sync()
+        self.last_sync = self.sync()
+        self.synced_at = self.done
+        seconds = time.monotonic() - t0
+        actions.append("weight-sync group re-created and weights resynced")
+        msg = (f"recovered: {dead} died during {where} ({cause}); {'; '.join(actions)} in {seconds:.1f}s "
+               f"(recovery {self.recoveries}/{MAX_RECOVERIES})")
+        log.warning("%s", msg)
+        if trainers:  # a resume: progress is counted from it
+            self.watchdog.progress()
+            self.reporter.mark_progress()
+        self.reporter.report("Running", step=self.done, message=msg, resumed_from_step=self.resumed, extra={
+            "recovery": {"dead": dead, "where": where, "cause": cause, "seconds": seconds, "engines": engines,
+                         "trainers": trainers, "resumed_from": self.resumed if trainers else None,
+                         "count": self.recoveries},
+            "replacements": dict(self.replacements)})
+        self.record_actors()
     def validate(self, tokenizer: Any, samples: list[Any]) -> dict[str, Any]:
         """Every engine's greedy tokens for the first prompts == those of a fresh engine (same shape, on the
         same GPUs) loaded from the trainer's weights. Engines of a DP (expert-parallel) group are compared
@@ -352,7 +599,8 @@ class Runtime:
         prompts = [self.encode(tokenizer, s.prompt) for s in samples[:VALIDATION_PROMPTS]]
         greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
         synced = [[o["samples"][0] for o in out]
-                  for out in ray.get([e.generate.remote(prompts, greedy) for e in self.engines])]
+                  for out in self._get([e.generate.remote(prompts, greedy) for e in self.engines],
+                                       f"validation: greedy rollout on {self._engines_desc()}")]
         ranks = list(range(len(self.engines))) if self.layout.dp_group else [0]
         dp = self._address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
         copies = self._copy_weights(ranks)
@@ -361,7 +609,8 @@ class Runtime:
             try:
                 for i, (_, path) in zip(ranks, copies):
                     fresh_actors.append(self._fresh_engine(i, path, dp))
-                outs = ray.get([a.generate.remote(prompts, greedy) for a in fresh_actors])
+                outs = self._get([a.generate.remote(prompts, greedy) for a in fresh_actors],
+                                 f"validation: start and greedy rollout of {len(fresh_actors)} fresh engine(s)")
             finally:
                 for a in fresh_actors:
                     ray.kill(a)
@@ -397,22 +646,23 @@ class Runtime:
         (where its fresh twin will run): staged by trainer rank 0 on its node (every FSDP rank takes part in
         the gather), moved file by file through Ray's object store (``node_files``), the staging removed.
         Returns ``(scheduling strategy, path)`` per copy; the caller removes them (``_remove_copies``)."""
-        import ray
 
         source = self.trainers[0]
         copies: list[tuple[Any, str]] = []
         try:
-            names = ray.get([t.stage_weights.remote() for t in self.trainers])[0]
+            names = self._get([t.stage_weights.remote() for t in self.trainers],
+                              f"validation: staging the weights on {self._trainers_desc()}")[0]
             for i in ranks:
                 e = self.layout.engines[i]
                 strategy = self._strategy(e.group, e.bundle)
-                copies.append((strategy, node_files.copy_to(strategy, names, source.read_staged.remote)))
+                copies.append((strategy, node_files.copy_to(strategy, names, source.read_staged.remote,
+                                                            float(self.spec.weight_sync.timeout_seconds))))
         except BaseException:
             self._remove_copies(copies)
             raise
         finally:
             try:
-                ray.get(source.drop_staged.remote())
+                self._get(source.drop_staged.remote(), "validation: removing the staged weights")
             except Exception as e:  # noqa: BLE001 - do not hide the error that got us here
                 log.warning("could not remove the trainer's staged weights: %s", e)
         return copies
@@ -440,7 +690,7 @@ class Runtime:
         e = self.layout.engines[i]
         env = {**self.env, **e.env, **(self._dp_env(i, dp) if dp else {})}
         if self.gpu:
-            dev = ray.get(self.engines[i].device_info.remote())
+            dev = self._get(self.engines[i].device_info.remote(), f"device info of engine {i}")
             if e.executor == "ray":
                 env["VLLM_RAY_PER_WORKER_GPUS"] = str(VALIDATION_SHARE)
             elif dev.get("cuda_visible_devices"):
@@ -460,12 +710,34 @@ class Runtime:
             ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
         return ids
 
+    # --------------------------------------------------------------------------------- live edits
+    def refresh_spec(self) -> None:
+        """Adopt live edits of the RLHFJob (``spec.algorithm.steps``, ``spec.progressDeadlineSeconds``; the
+        other fields cannot change on a submitted job) and report the generation applied. Called at each step
+        boundary and from the heartbeat thread; without API reporting nothing changes."""
+        job = self.reporter.live_job()
+        if not job:
+            return
+        spec = job.get("spec") or {}
+        gen = (job.get("metadata") or {}).get("generation")
+        steps = (spec.get("algorithm") or {}).get("steps")
+        deadline = spec.get("progressDeadlineSeconds")
+        if isinstance(steps, int) and steps >= 1 and steps != self.total:
+            log.info("spec.algorithm.steps changed: %d -> %d (generation %s)", self.total, steps, gen)
+            self.total = steps
+        if isinstance(deadline, int) and deadline >= 1 and deadline != self.progress_deadline:
+            log.info("spec.progressDeadlineSeconds changed: %d -> %d (generation %s)", self.progress_deadline,
+                     deadline, gen)
+            self.progress_deadline = deadline
+        if isinstance(gen, int):
+            self.reporter.observed_generation = gen
+
     # --------------------------------------------------------------------------------------- loop
     def run(self) -> None:
-        import ray
         from transformers import AutoTokenizer
 
-        spec, a = self.spec, self.spec.algorithm
+        spec = self.spec
+        self.watchdog.doing("loading data, tokenizer and reward")
         samples = load_samples(spec.data)
         reward_fn = make_reward(spec.reward)
         tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
@@ -475,94 +747,119 @@ class Runtime:
         from transformers import AutoConfig
 
         rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
+        self.refresh_spec()
         self.reporter.report("Starting", message="starting Ray actors")
+        self.watchdog.doing("connecting to Ray and placing actors")
         self.connect()
         self.place()
         info = self.start_trainers()
-        done = int(info["step"])
-        resumed = info["resumed_from"]
-        msg = f"resumed from checkpoint step {resumed}" if resumed is not None else "starting engines"
-        self.reporter.report("Starting", step=done, message=msg, resumed_from_step=resumed)
+        self.done = int(info["step"])
+        self.resumed = info["resumed_from"]
+        msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
+        self.reporter.report("Starting", step=self.done, message=msg, resumed_from_step=self.resumed)
         self.start_engines()
+        self.record_actors()
         self.init_sync()
         sampling = rc.sampling_kwargs(spec)
         n = spec.rollout.sampling.samples_per_prompt
-        total = a.steps
-        last_sync = self.sync()  # engines start with dummy weights
-        synced_at = done
+        self.last_sync = self.sync()  # engines start with dummy weights
+        self.synced_at = self.done
         if self.validate_first_sync:
+            self.watchdog.doing("weight-sync validation")
             self.validate(tokenizer, samples)
-        self.reporter.report("Running", step=done, message=f"training: step {done}/{total}",
-                             resumed_from_step=resumed, extra={"sync": last_sync})
+        self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
+                             resumed_from_step=self.resumed, extra={"sync": self.last_sync})
         every = spec.weight_sync.every_n_steps
-        pending = None
+        self.pending = None
         tp: dict[str, float] = {}
-        while done < total:
-            t_step = time.perf_counter()
-            if not self.async_mode and done - synced_at >= every:
-                last_sync = self.sync()
-                synced_at = done
-            elif self.asleep:
-                ray.get([e.wake_up.remote(None) for e in self.engines])
-                self.asleep = False
-            if pending is None:
-                batch = step_batch(samples, done, a.prompts_per_step, a.seed)
-                pending = self.launch_rollout(tokenizer, batch, sampling)
-            refs, parts, prompt_ids, batch, t_launch = pending
-            outs = self.collect(refs, parts, len(prompt_ids))
-            rollout_s = time.perf_counter() - t_launch
-            pending = None
-            if self.async_mode and done + 1 < total:  # the next rollout runs while this step trains
-                pending = self.launch_rollout(
-                    tokenizer, step_batch(samples, done + 1, a.prompts_per_step, a.seed), sampling
-                )
-            if self.sleeps:  # free the GPU for training
-                self.sleep_engines(next_syncs=not self.async_mode and done + 1 - synced_at >= every)
+        while True:
+            self.refresh_spec()
+            if self.done >= self.total:
+                break
+            try:
+                tp = self.step(tokenizer, samples, reward_fn, sampling, n, every) or tp
+            except Exception as e:  # noqa: BLE001 - recover_from re-raises what it cannot repair
+                self.pending = None
+                self.recover_from(e)
+        self.reporter.report("Succeeded", step=self.done, throughput=tp or None,
+                             message=f"completed {self.done} steps", resumed_from_step=self.resumed,
+                             extra={"replacements": dict(self.replacements), "rerun_prompts": self.rerun_prompts})
 
-            rewards: list[float] = []
-            t_prompts: list[list[int]] = []
-            t_completions: list[list[int]] = []
-            tokens = 0
-            swap = {"mixed_samples": 0, "tokens_before_swap": 0, "tokens_after_swap": 0}
-            for s, pids, o in zip(batch, prompt_ids, outs):
-                for k, comp in enumerate(o["samples"]):
-                    text = tokenizer.decode(comp, skip_special_tokens=True)
-                    rewards.append(float(reward_fn(s.prompt, text, s.answer, len(comp))))
-                    t_prompts.append(pids)
-                    t_completions.append(comp)
-                    tokens += len(comp)
-                    si = o.get("swap_index", [-1] * n)[k]
-                    if si >= 0:
-                        swap["tokens_before_swap"] += si
-                        swap["tokens_after_swap"] += len(comp) - si
-                        swap["mixed_samples"] += int(0 < si < len(comp))
-            advantages = group_advantages(rewards, n)
-            t_train = time.perf_counter()
-            w = len(self.trainers)
-            stats = ray.get([
-                t.train.remote({"prompts": t_prompts[r::w], "completions": t_completions[r::w],
-                                "advantages": advantages[r::w]})
-                for r, t in enumerate(self.trainers)
-            ])[0]
-            train_s = time.perf_counter() - t_train
-            done = int(stats["step"])
-            if spec.checkpoint and (done % spec.checkpoint.every_n_steps == 0 or done == total):
-                ray.get([t.save_checkpoint.remote() for t in self.trainers])
-            if self.async_mode and done < total and done - synced_at >= every:
-                last_sync = self.sync()  # pauses the next rollout mid-request
-                synced_at = done
-            step_s = time.perf_counter() - t_step
-            reward_mean = sum(rewards) / len(rewards)
-            tp = _throughput(step_s, rollout_s, train_s, tokens, len(rewards), last_sync, reward_mean)
-            extra: dict[str, Any] = {"train": stats, "sync": last_sync, "tokens": tokens}
-            if self.async_mode:
-                extra["swap"] = swap
-            log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", done, total, reward_mean,
-                     rollout_s, train_s, step_s)
-            self.reporter.report("Running", step=done, throughput=tp, message=f"training: step {done}/{total}",
-                                 resumed_from_step=resumed, extra=extra)
-        self.reporter.report("Succeeded", step=done, throughput=tp or None, message=f"completed {done} steps",
-                             resumed_from_step=resumed)
+    def step(self, tokenizer: Any, samples: list[Any], reward_fn: Any, sampling: dict[str, Any], n: int,
+             every: int) -> dict[str, float]:
+        """One training step from ``self.done``; returns its throughput."""
+        a, spec = self.spec.algorithm, self.spec
+        done = self.done
+        t_step = time.perf_counter()
+        if not self.async_mode and done - self.synced_at >= every:
+            self.last_sync = self.sync()
+            self.synced_at = done
+        elif self.asleep:
+            self._get([e.wake_up.remote(None) for e in self.engines], f"wake-up of {self._engines_desc()}")
+            self.asleep = False
+        if self.pending is None:
+            batch = step_batch(samples, done, a.prompts_per_step, a.seed)
+            self.pending = self.launch_rollout(tokenizer, batch, sampling, done)
+        ro = self.pending
+        outs = self.collect(ro)
+        rollout_s = time.perf_counter() - ro.t_launch
+        self.pending = None
+        batch, prompt_ids = ro.batch, ro.prompt_ids
+        if self.async_mode and done + 1 < self.total:  # the next rollout runs while this step trains
+            self.pending = self.launch_rollout(
+                tokenizer, step_batch(samples, done + 1, a.prompts_per_step, a.seed), sampling, done + 1
+            )
+        if self.sleeps:  # free the GPU for training
+            self.sleep_engines(next_syncs=not self.async_mode and done + 1 - self.synced_at >= every)
+
+        rewards: list[float] = []
+        t_prompts: list[list[int]] = []
+        t_completions: list[list[int]] = []
+        tokens = 0
+        swap = {"mixed_samples": 0, "tokens_before_swap": 0, "tokens_after_swap": 0}
+        for s, pids, o in zip(batch, prompt_ids, outs):
+            for k, comp in enumerate(o["samples"]):
+                text = tokenizer.decode(comp, skip_special_tokens=True)
+                rewards.append(float(reward_fn(s.prompt, text, s.answer, len(comp))))
+                t_prompts.append(pids)
+                t_completions.append(comp)
+                tokens += len(comp)
+                si = o.get("swap_index", [-1] * n)[k]
+                if si >= 0:
+                    swap["tokens_before_swap"] += si
+                    swap["tokens_after_swap"] += len(comp) - si
+                    swap["mixed_samples"] += int(0 < si < len(comp))
+        advantages = group_advantages(rewards, n)
+        t_train = time.perf_counter()
+        w = len(self.trainers)
+        stats = self._get_step([
+            t.train.remote({"prompts": t_prompts[r::w], "completions": t_completions[r::w],
+                            "advantages": advantages[r::w]})
+            for r, t in enumerate(self.trainers)
+        ], f"train step {done + 1}: {self._trainers_desc()}")[0]
+        train_s = time.perf_counter() - t_train
+        done = int(stats["step"])
+        if spec.checkpoint and (done % spec.checkpoint.every_n_steps == 0 or done == self.total):
+            self._get_step([t.save_checkpoint.remote() for t in self.trainers],
+                           f"checkpoint save at step {done}: {self._trainers_desc()}")
+        if self.async_mode and done < self.total and done - self.synced_at >= every:
+            self.last_sync = self.sync()  # pauses the next rollout mid-request
+            self.synced_at = done
+        self.done = done
+        self.watchdog.progress()
+        self.reporter.mark_progress()
+        step_s = time.perf_counter() - t_step
+        reward_mean = sum(rewards) / len(rewards)
+        tp = _throughput(step_s, rollout_s, train_s, tokens, len(rewards), self.last_sync, reward_mean)
+        extra: dict[str, Any] = {"train": stats, "sync": self.last_sync, "tokens": tokens,
+                                 "replacements": dict(self.replacements)}
+        if self.async_mode:
+            extra["swap"] = swap
+        log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", done, self.total, reward_mean,
+                 rollout_s, train_s, step_s)
+        self.reporter.report("Running", step=done, throughput=tp, message=f"training: step {done}/{self.total}",
+                             resumed_from_step=self.resumed, extra=extra)
+        return tp
 
     def shutdown(self) -> None:
         import ray
@@ -584,10 +881,36 @@ class Runtime:
         ray.shutdown()
 
 
+def _report_bad_config(opts: Options, error: BaseException) -> int:
+    """A job.json that does not parse: report Failed with the parse error into the job named (best effort) by
+    the raw JSON, and to the progress file; exit status 1."""
+    path = opts.config or os.environ.get(rc.CONFIG_ENV)
+    msg = f"invalid job config {path}: {type(error).__name__}: {error}"[:1000]
+    log.error("%s", msg)
+    name, namespace, uid = rc.identity(path)
+    status = None
+    if opts.report and name and namespace:
+        try:
+            status = StatusClient(name, namespace, uid, opts.kubeconfig)
+        except Exception as e:  # noqa: BLE001 - no API: the log and the exit status still say it
+            log.warning("status reporting disabled: %s", e)
+    elif opts.report:
+        log.error("cannot report the failure: no name/namespace readable from %s", path)
+    reporter = Reporter(status, None, opts.progress_file)
+    try:
+        reporter.report("Failed", message=msg)
+    except ForeignJobError as e:
+        log.error("%s", e)
+    return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = parse_args(argv)
-    cfg = rc.load_config(opts.config)
+    try:
+        cfg = rc.load_config(opts.config)
+    except Exception as e:  # noqa: BLE001 - any parse error is the job's failure, reported into its status
+        return _report_bad_config(opts, e)
     # The pods already have spec.env (the operator renders it); a local run gets it here, before anything
     # reads it (e.g. HF_HUB_OFFLINE, read when huggingface_hub is imported; a local Ray inherits it).
     os.environ.update(rc.spec_env(cfg.spec))
@@ -608,10 +931,29 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"terminated by signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
-    runtime = Runtime(cfg, opts, reporter)
+    finished = threading.Event()
+
+    def expire(message: str) -> None:
+        """The watchdog fired: report, interrupt the main thread, and end the process if it does not end."""
+        log.error("%s", message)
+        try:
+            reporter.report("Failed", message=message)
+        except Exception as e:  # noqa: BLE001 - the exit status still fails the run
+            log.error("could not report the stall: %s", e)
+        _thread.interrupt_main()
+        if not finished.wait(WATCHDOG_GRACE_SECONDS):
+            log.error("the driver did not stop within %ss of the progress deadline: exiting", WATCHDOG_GRACE_SECONDS)
+            os._exit(EXIT_FAILED)
+
+    runtime: Runtime | None = None
+    watchdog = Watchdog(lambda: runtime.progress_deadline if runtime else cfg.spec.progress_deadline_seconds,
+                        expire)
+    runtime = Runtime(cfg, opts, reporter, watchdog)
     code = 0
     try:
-        reporter.start_heartbeat()
+        reporter.mark_progress()
+        watchdog.start()
+        reporter.start_heartbeat(on_beat=runtime.refresh_spec)
         runtime.run()
     except ForeignJobError as e:
         log.error("%s", e)
@@ -622,16 +964,30 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_VALIDATION
     except BaseException as e:  # noqa: BLE001 - report every failure, including SIGTERM, before exiting
         log.error("run failed:\n%s", traceback.format_exc())
-        msg = f"{type(e).__name__}: {e}"[:1000]
+        msg = watchdog.fired or f"{type(e).__name__}: {e}"[:1000]
         try:
             reporter.report("Failed", message=msg)
         except ForeignJobError:
             pass
         code = EXIT_FAILED
     finally:
+        watchdog.stop()
         reporter.close()
-        runtime.shutdown()
+        _bounded_shutdown(runtime, code)
+        finished.set()
     return code
+
+
+def _bounded_shutdown(runtime: Runtime, code: int) -> None:
+    """``runtime.shutdown()``, but a Ray that does not let go (an actor stopped mid-collective) must not keep a
+    finished run alive: past ``SHUTDOWN_SECONDS`` the process exits with ``code``."""
+    t = threading.Thread(target=runtime.shutdown, name="rlhf-shutdown", daemon=True)
+    t.start()
+    t.join(SHUTDOWN_SECONDS)
+    if t.is_alive():
+        log.error("Ray shutdown did not finish within %ss: exiting", SHUTDOWN_SECONDS)
+        logging.shutdown()
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,10 @@ class Engine:
     def ready(self) -> float:
         return self.start_seconds
 
+    def pid(self) -> int:
+        """The actor's process id (reported in the progress file: which process serves which engine)."""
+        return os.getpid()
+
     def world_size(self) -> int:
         return self.llm.llm_engine.vllm_config.parallel_config.world_size
 
@@ -252,6 +256,9 @@ class AsyncEngine:
 
     async def ready(self) -> float:
         return self.start_seconds
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     async def world_size(self) -> int:
         return self.llm.vllm_config.parallel_config.world_size

@@ -46,6 +46,9 @@ except ImportError:  # pragma: no cover - GPU image (vLLM 0.24)
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+#: Default deadline of the group's rendezvous and of each collective; the runtime passes
+#: ``spec.weightSync.timeoutSeconds`` (``timeout_seconds`` of the init infos), so a peer that never joins or a
+#: stuck broadcast raises instead of hanging.
 TIMEOUT = timedelta(minutes=10)
 
 
@@ -72,10 +75,12 @@ def buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
     return out
 
 
-def _process_group(address: str, port: int, rank: int, world_size: int, is_master: bool) -> Any:
-    store = dist.TCPStore(address, port, world_size, is_master, timeout=TIMEOUT, wait_for_workers=False)
+def _process_group(address: str, port: int, rank: int, world_size: int, is_master: bool,
+                   timeout_seconds: float | None = None) -> Any:
+    timeout = timedelta(seconds=timeout_seconds) if timeout_seconds else TIMEOUT
+    store = dist.TCPStore(address, port, world_size, is_master, timeout=timeout, wait_for_workers=False)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = TIMEOUT
+    opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
     pg = dist.ProcessGroupGloo(dist.PrefixStore("rlhf-weights", store), rank, world_size, opts)
     return store, pg
@@ -90,6 +95,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_seconds: float = TIMEOUT.total_seconds()
 
 
 @dataclass
@@ -142,7 +148,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.packed = init_info.packed
         self.bucket_bytes = init_info.packed_buffer_size_bytes
         self.store, self.group = _process_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, is_master=False
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, is_master=False,
+            timeout_seconds=init_info.timeout_seconds,
         )
 
     def start_weight_update(self) -> None:
@@ -233,6 +240,7 @@ if HAS_TRAINER_API:
         world_size: int
         packed: bool = True
         packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+        timeout_seconds: float = TIMEOUT.total_seconds()
 
 
     class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -264,12 +272,14 @@ if HAS_TRAINER_API:
                 world_size=init_info.world_size,
                 packed=init_info.packed,
                 packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+                timeout_seconds=init_info.timeout_seconds,
             )
             # The workers block in init until every rank joined: run their RPC beside our own join.
             with ThreadPoolExecutor(max_workers=1) as exe:
                 fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
                 engine.store, engine.group = _process_group(
-                    init_info.master_address, init_info.master_port, 0, init_info.world_size, is_master=True
+                    init_info.master_address, init_info.master_port, 0, init_info.world_size, is_master=True,
+                    timeout_seconds=init_info.timeout_seconds,
                 )
                 fut.result()
             return engine

@@ -62,24 +62,25 @@ def _on(strategy: Any, fn: Callable[..., Any]) -> Any:
     return ray.remote(fn).options(num_cpus=0, scheduling_strategy=strategy)
 
 
-def copy_to(strategy: Any, names: Iterable[str], read: Callable[[str], Any]) -> str:
+def copy_to(strategy: Any, names: Iterable[str], read: Callable[[str], Any], timeout: float | None = None) -> str:
     """Write the files ``names`` into a fresh temporary directory on the node ``strategy`` schedules to (a Ray
     scheduling strategy, e.g. a placement-group bundle); ``read(name)`` gives an object reference (or the
-    bytes) of a file. Returns the directory's path on that node; removed again if any file fails."""
+    bytes) of a file. Returns the directory's path on that node; removed again if any file fails. ``timeout``
+    bounds each task (seconds; Ray's ``GetTimeoutError`` past it)."""
     import ray
 
-    root = ray.get(_on(strategy, make_temp_dir).remote())
+    root = ray.get(_on(strategy, make_temp_dir).remote(), timeout=timeout)
     try:
         for name in names:
-            ray.get(_on(strategy, write_file).remote(root, name, read(name)))
+            ray.get(_on(strategy, write_file).remote(root, name, read(name)), timeout=timeout)
     except BaseException:
-        remove(strategy, root)
+        remove(strategy, root, timeout)
         raise
     return root
 
 
-def remove(strategy: Any, root: str) -> bool:
+def remove(strategy: Any, root: str, timeout: float | None = None) -> bool:
     """Remove the directory ``root`` on the node ``strategy`` schedules to; False if it was already gone."""
     import ray
 
-    return bool(ray.get(_on(strategy, remove_dir).remote(root)))
+    return bool(ray.get(_on(strategy, remove_dir).remote(root), timeout=timeout))

@@ -11,12 +11,19 @@ body holds ONLY::
     {"status": {"step": N,                       # completed training steps
                 "throughput": {<rlhf_api.models.Throughput wire names>},
                 "runtime": {"state": Starting|Running|Succeeded|Failed, "message": ...,
-                            "heartbeatTime": RFC 3339, "resumedFromStep": N}}}
+                            "heartbeatTime": RFC 3339, "resumedFromStep": N,
+                            "progressTime": RFC 3339,       # run start/resume, then each completed step
+                            "observedGeneration": N}}}      # metadata.generation of the spec applied
 
 ``step``/``throughput`` are omitted when unknown. The operator owns every other status field and derives the
-phase from ``status.runtime.state``. A heartbeat thread re-patches ``status.runtime`` (state and
-``heartbeatTime``) every ``HEARTBEAT_SECONDS`` while the driver lives, so a long engine start or step still
-shows progress.
+phase from ``status.runtime.state``. A heartbeat thread re-patches ``status.runtime`` (state, ``heartbeatTime``,
+and the last ``progressTime`` and ``observedGeneration``, which a heartbeat never advances) every
+``HEARTBEAT_SECONDS`` while the driver lives, so a long engine start or step still shows the driver alive, while
+``progressTime`` shows whether it is getting anywhere.
+
+Live edits: the driver reads its own RLHFJob (``StatusClient.get_job``) at each step boundary and from the
+heartbeat thread (``Reporter.start_heartbeat(on_beat=...)``) and adopts ``spec.algorithm.steps`` and
+``spec.progressDeadlineSeconds``; ``observedGeneration`` is the ``metadata.generation`` it applied.
 
 Security design
 ---------------
@@ -27,9 +34,13 @@ with exactly::
       resources: ["rlhfjobs/status"]
       resourceNames: ["<job name>"]
       verbs: ["get", "patch"]
+    - apiGroups: ["rlhf.dev"]
+      resources: ["rlhfjobs"]
+      resourceNames: ["<job name>"]
+      verbs: ["get"]
 
-so the runtime can read and patch its own job's status and nothing else: not its spec, not another job,
-not any other object. ``get`` (on the status subresource, which returns the object with its metadata) is
+so the runtime can read its own job (the live edits above) and patch its status, and nothing else: not another
+job, not any other object. ``get`` (on the status subresource, which returns the object with its metadata) is
 used to check the live object's ``metadata.uid`` against ``RuntimeConfig.uid`` before the first report:
 a driver whose job was deleted and re-created under the same name refuses to report into the new one
 (``ForeignJobError``). Every patch response is checked the same way. A merge patch on the status
@@ -95,6 +106,8 @@ def status_patch(
     resumed_from_step: int | None = None,
     heartbeat: str | None = None,
     ray_cluster: str | None = None,
+    progress_time: str | None = None,
+    observed_generation: int | None = None,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput`` uses snake_case ``Throughput`` field names."""
     if state is not None and state not in STATES:
@@ -107,9 +120,12 @@ def status_patch(
         rounded = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in throughput.items()}
         status["throughput"] = Throughput(**rounded).wire()
     runtime = RuntimeReport(
-        state=state, message=message, resumed_from_step=resumed_from_step, ray_cluster=ray_cluster
+        state=state, message=message, resumed_from_step=resumed_from_step, ray_cluster=ray_cluster,
+        observed_generation=observed_generation,
     ).wire()
     runtime["heartbeatTime"] = heartbeat or now_rfc3339()
+    if progress_time:
+        runtime["progressTime"] = progress_time
     status["runtime"] = runtime
     return {"status": status}
 
@@ -138,9 +154,17 @@ class StatusClient:
             )
 
     def verify(self) -> None:
-        obj = self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        obj = self.api.get_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL, self.name,
+                                                            _request_timeout=10)
         self._check(obj)
         self.checked = True
+
+    def get_job(self) -> dict[str, Any]:
+        """The live RLHFJob (metadata and spec; the Role allows ``get`` on it by name), uid-checked."""
+        obj = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
+                                                    _request_timeout=10)
+        self._check(obj)
+        return obj
 
     def patch(self, body: dict[str, Any]) -> None:
         if not self.checked:
@@ -192,6 +216,8 @@ class Reporter:
         self.metrics = metrics
         self.progress = Path(progress_file) if progress_file else None
         self.state: str = "Starting"
+        self.progress_time: str | None = None  # RFC 3339: run start/resume, then each completed step
+        self.observed_generation: int | None = None  # metadata.generation of the spec applied
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.heartbeat_seconds = heartbeat_seconds
@@ -215,6 +241,25 @@ class Reporter:
         except Exception as e:  # noqa: BLE001 - the API being briefly unreachable must not kill training
             log.warning("status report failed: %s", e)
 
+    def mark_progress(self) -> str:
+        """Progress now (run start/resume, a completed step): the next reports carry it as ``progressTime``."""
+        self.progress_time = now_rfc3339()
+        return self.progress_time
+
+    def live_job(self) -> dict[str, Any] | None:
+        """The live RLHFJob, or None without API reporting or when the API cannot be read now (logged)."""
+        status = self.status
+        if status is None:
+            return None
+        try:
+            return status.get_job()
+        except ForeignJobError:
+            self.status = None
+            raise
+        except Exception as e:  # noqa: BLE001 - an unreachable API must not stop training
+            log.warning("could not read the RLHFJob: %s", e)
+            return None
+
     def report(
         self,
         state: str,
@@ -227,7 +272,8 @@ class Reporter:
     ) -> None:
         body = status_patch(
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
-            ray_cluster=own_ray_cluster(),
+            ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
+            observed_generation=self.observed_generation,
         )
         with self.lock:
             self.state = state
@@ -236,12 +282,23 @@ class Reporter:
                 self.metrics.update(step, throughput or {})
             self._write_progress({"time": time.time(), **body["status"], **(extra or {})})
 
-    def start_heartbeat(self) -> None:
+    def start_heartbeat(self, on_beat: Any = None) -> None:
+        """Re-patch state, heartbeat, progressTime and observedGeneration every ``heartbeat_seconds``;
+        ``on_beat()`` runs first each time (the driver re-reads its RLHFJob there)."""
+
         def beat() -> None:
             while not self.stop.wait(self.heartbeat_seconds):
+                if on_beat is not None:
+                    try:
+                        on_beat()
+                    except Exception as e:  # noqa: BLE001 - the heartbeat itself must go on
+                        log.warning("heartbeat hook failed: %s", e)
                 with self.lock:
                     try:
-                        self._patch(status_patch(self.state, ray_cluster=own_ray_cluster()))
+                        self._patch(status_patch(
+                            self.state, ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
+                            observed_generation=self.observed_generation,
+                        ))
                     except ForeignJobError as e:
                         log.error("%s", e)
 

@@ -281,6 +281,9 @@ class SteppedEngine:
     async def ready(self) -> float:
         return self.start_seconds
 
+    async def pid(self) -> int:
+        return os.getpid()
+
     async def world_size(self) -> int:
         return self.engine.vllm_config.parallel_config.world_size
 

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +78,20 @@ class Trainer:
             import torch.distributed as dist
 
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(dist_addr), str(dist_port)
+            # rendezvous and every collective (FSDP gathers, the checkpoint broadcast) are bounded: a rank that
+            # never joins or hangs fails the others within weightSync.timeoutSeconds instead of blocking them
+            timeout = timedelta(seconds=spec.weight_sync.timeout_seconds)
             if self.device.type == "cuda":
-                dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device)
+                dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device,
+                                        timeout=timeout)
             else:  # CPU (tests): FSDP2 over gloo
-                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+                dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
 
         self.step = 0
         self.resumed_from: int | None = None
         source = spec.model.name
         opt_state = None
-        found = ckpt.latest(spec.checkpoint.path) if spec.checkpoint else None
+        found = self._agreed_checkpoint()
         if found:
             self.step, path = found
             self.resumed_from = self.step
@@ -121,10 +126,35 @@ class Trainer:
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for p in self.model.parameters())
 
+    def _agreed_checkpoint(self) -> tuple[int, Path] | None:
+        """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``)
+        and broadcasts its step, so all FSDP ranks load the same step even when a save commits (or a torn one is
+        cleaned up) between the ranks' own looks at the directory. ``None``: start from the base model."""
+        c = self.spec.checkpoint
+        if c is None:
+            return None
+        found = ckpt.latest(c.path) if self.rank == 0 else None
+        if self.world_size == 1:
+            return found
+        import torch.distributed as dist
+
+        box: list[Any] = [found[0] if found else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return None
+        step = int(box[0])
+        path = ckpt.step_dir(c.path, step)
+        if not path.is_dir():
+            raise RuntimeError(
+                f"trainer rank {self.rank}: checkpoint step {step} chosen by rank 0 is not at {path} here: "
+                "spec.checkpoint.volume must be one volume shared by every trainer pod"
+            )
+        return step, path
+
     # ------------------------------------------------------------------------------------------ info
     def info(self) -> dict[str, Any]:
         return {"step": self.step, "resumed_from": self.resumed_from, "param_bytes": self.param_bytes,
-                "device": str(self.device)}
+                "device": str(self.device), "pid": os.getpid()}
 
     def address(self) -> tuple[str, int]:
         """Where the engines reach this rank for the weight-transfer group: the address Ray knows this node
@@ -138,14 +168,19 @@ class Trainer:
     # ----------------------------------------------------------------------------------- weight sync
     def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool,
                          bucket_bytes: int, skip: list[str] | None = None) -> None:
+        """(Re-)create the weight-transfer group with ``handles`` (rank 0; other ranks only gather). Called
+        again after an engine was replaced: the old group is dropped. Every engine call and the group's
+        collectives are bounded by ``weightSync.timeoutSeconds``."""
         from rlhf_runtime.weight_sync import EngineFanOut, ParamSource, make_sender
 
+        timeout = float(self.spec.weight_sync.timeout_seconds)
         addr, port = self.address()
         init = {"master_address": addr, "master_port": port, "world_size": 1 + sum(worlds),
                 "packed": packed, "bucket_bytes": bucket_bytes, "rank": self.rank,
-                "trainer_world": self.world_size}
+                "trainer_world": self.world_size, "timeout_s": timeout}
         source = ParamSource(self.model, self.dtype, set(skip or []))
-        self.sender = make_sender(backend, EngineFanOut(handles, worlds), source, init)
+        self.sender = None
+        self.sender = make_sender(backend, EngineFanOut(handles, worlds, timeout), source, init)
 
     def configure_sync(self, **options: Any) -> dict[str, Any]:
         """Sender options for later syncs (vLLM 0.24 sender: ``producer``, ``format``, ``packed``,

@@ -45,16 +45,28 @@ def vllm_has_trainer_api() -> bool:
 class EngineFanOut:
     """``VLLMWeightSyncClient`` over engine actors (``rlhf_runtime.engines``), with per-engine rank offsets."""
 
-    def __init__(self, handles: list[Any], worlds: list[int]) -> None:
+    def __init__(self, handles: list[Any], worlds: list[int], timeout_s: float | None = None) -> None:
         self.handles = handles
         self.worlds = worlds
+        self.timeout_s = timeout_s  # spec.weightSync.timeoutSeconds: no engine call waits longer
         self.timings: dict[str, float] = {}
 
-    def _all(self, method: str, args: list[tuple]) -> None:
+    def get(self, refs: Any, method: str) -> Any:
+        """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"engine call {method} on {len(self.handles)} engine(s) did not finish within "
+                f"weightSync.timeoutSeconds={self.timeout_s:g}s"
+            ) from None
+
+    def _all(self, method: str, args: list[tuple]) -> None:
         t = time.perf_counter()
-        ray.get([getattr(h, method).remote(*a) for h, a in zip(self.handles, args)])
+        self.get([getattr(h, method).remote(*a) for h, a in zip(self.handles, args)], method)
         self.timings[method] = self.timings.get(method, 0.0) + time.perf_counter() - t
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -86,10 +98,9 @@ class EngineFanOut:
     def update_round(self, update_info: Any, checkpoint_format: bool = True) -> None:
         """start -> update -> finish in one actor call per engine (one Ray round trip instead of three); the
         engines' own stage times are recorded as the three calls' (the slowest engine's)."""
-        import ray
-
         t = time.perf_counter()
-        stages = ray.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles])
+        stages = self.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles],
+                          "update_weights_round")
         self.record_rounds(stages, time.perf_counter() - t)
 
     def record_rounds(self, stages: list[dict[str, float]], wall: float) -> None:
@@ -102,9 +113,7 @@ class EngineFanOut:
 
     def engine_params(self) -> dict[str, Any]:
         """The first engine's own parameters (name, shape), fused-module mapping and world size."""
-        import ray
-
-        return ray.get(self.handles[0].param_layout.remote())
+        return self.get(self.handles[0].param_layout.remote(), "param_layout")
 
 
 class ParamSource:
@@ -208,6 +217,7 @@ class TrainerEngineSender(Sender):
                 master_address=init["master_address"], master_port=init["master_port"],
                 world_size=init["world_size"], packed=init["packed"],
                 packed_buffer_size_bytes=init["bucket_bytes"], rank=init.get("rank", 0),
+                **({"timeout_seconds": init["timeout_s"]} if init.get("timeout_s") else {}),
             )
         elif backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo

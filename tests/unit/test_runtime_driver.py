@@ -116,7 +116,7 @@ class Remote:
 def fake_ray(cluster: Cluster) -> types.ModuleType:
     ray = types.ModuleType("ray")
     ray.remote = lambda target: Remote(cluster, target)  # type: ignore[attr-defined]
-    ray.get = lambda refs: [r.value for r in refs] if isinstance(refs, list) else refs.value  # type: ignore[attr-defined]
+    ray.get = lambda refs, timeout=None: [r.value for r in refs] if isinstance(refs, list) else refs.value  # type: ignore[attr-defined]
 
     def kill(actor: Actor) -> None:
         actor.killed = True
@@ -184,6 +184,10 @@ class FakeEngine:
 class Reporter:
     def __init__(self) -> None:
         self.progress: list[dict[str, Any]] = []
+        self.observed_generation: int | None = None
+
+    def live_job(self) -> None:
+        return None
 
     def _write_progress(self, record: dict[str, Any]) -> None:
         self.progress.append(record)
