@@ -151,7 +151,10 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
                     nodes = kube.gpu_nodes()
                     if nodes is not None:
                         obs.capacity = status.capacity_message(nodes, obs.pods, spec.scheduling.node_selector)
-    new = status.compute(obs, now or dt.datetime.now(dt.UTC))
+    obs.now = now or dt.datetime.now(dt.UTC)
+    if spec is not None and obs.ray_cluster and old_status.get("phase") not in status.TERMINAL:
+        _end_stuck_run(obs, body)
+    new = status.compute(obs, obs.now)
     metrics.observe(ns, name, {**old_status, **new})
     patch = status.changed(old_status, new)
     if not patch:
@@ -190,6 +193,22 @@ def _condition_flipped(old: dict[str, Any], new: dict[str, Any], ctype: str) -> 
         return next((c["status"] for c in st.get("conditions") or [] if c["type"] == ctype), None)
 
     return of(old) != of(new)
+
+
+def _end_stuck_run(obs: status.Observed, body: Any) -> None:
+    """A run that is stuck past its deadline and did not end itself: delete its Ray head pod, once. KubeRay then
+    counts a failed run (retried per spec.backoffLimit from the newest checkpoint, or final): the restart policy
+    also holds for a frozen driver."""
+    why = status.stuck_run(obs)
+    if not why:
+        return
+    head = next((p for p in obs.pods if (p.get("metadata") or {}).get("labels", {}).get("ray.io/node-type") == "head"
+                 and not p["metadata"].get("deletionTimestamp")), None)
+    if head is None:
+        return
+    kube.delete_pod(head["metadata"]["namespace"], head["metadata"]["name"])
+    _event(body, "EndingStuckRun", f"{why}: deleted the Ray head pod {head['metadata']['name']} so that the run "
+           "fails and is retried or failed per spec.backoffLimit", warning=True)
 
 
 def _data_missing(ns: str, spec: m.RLHFJobSpec) -> str | None:

@@ -202,6 +202,10 @@ def gpu_nodes() -> dict[str, dict[str, Any]] | None:
     return out
 
 
+def delete_pod(ns: str, name: str) -> None:
+    _missing_ok(core().delete_namespaced_pod, name, ns)
+
+
 _KUBERAY_SEEN_AT = 0.0
 KUBERAY_RECHECK_SECONDS = 60.0
 

@@ -154,6 +154,32 @@ def _parse_time(value: Any) -> datetime | None:
         return None
 
 
+#: How long past its deadline a stuck run is left to the runtime's own watchdog (which reports and exits) before
+#: the operator ends the run itself (a frozen driver cannot act).
+RESTART_GRACE_SECONDS = 60
+
+
+def stuck_run(obs: Observed) -> str | None:
+    """Why the operator must end the current run itself: no progress for progressDeadlineSeconds plus
+    ``RESTART_GRACE_SECONDS``, or no report for twice ``HEARTBEAT_TIMEOUT_SECONDS`` (a frozen driver, a lost
+    head pod's network). The caller deletes the run's head pod: KubeRay then counts a failed run, retried per
+    backoffLimit (resuming from the newest checkpoint) or final. None while the run is healthy or not running."""
+    runtime = obs.old_status.get("runtime") or {}
+    if obs.now is None or obs.ray_job is None or _stale(runtime, obs.ray_job):
+        return None
+    if runtime.get("state") not in ("Starting", "Running") or obs.suspend:
+        return None
+    progress, heartbeat = _parse_time(runtime.get("progressTime")), _parse_time(runtime.get("heartbeatTime"))
+    if progress and obs.progress_deadline:
+        idle = (obs.now - progress).total_seconds()
+        if idle > obs.progress_deadline + RESTART_GRACE_SECONDS:
+            return (f"no training step completed for {idle:.0f} s (spec.progressDeadlineSeconds "
+                    f"{obs.progress_deadline} s) and the runtime did not stop the run itself")
+    if heartbeat and (obs.now - heartbeat).total_seconds() > 2 * HEARTBEAT_TIMEOUT_SECONDS:
+        return f"no report from the runtime since {runtime['heartbeatTime']}"
+    return None
+
+
 def _no_progress(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
     """A live runtime that completed no step within spec.progressDeadlineSeconds, or stopped reporting."""
     if obs.now is None:

@@ -239,3 +239,18 @@ def test_capacity_message_tells_fragmented_from_short() -> None:
     assert "need 32" in short and "not enough GPUs free" in short
     assert st.capacity_message(nodes, [trainer], {"pool": "b"}).startswith("0 GPUs free on 0 matching node(s)")
     assert st.capacity_message(nodes, [_gpu_pod("cpu", 0, scheduled=False)], None) is None
+
+
+def test_a_stuck_run_is_ended_only_past_deadline_and_grace() -> None:
+    def at(progress: str, heartbeat: str, **kw) -> st.Observed:
+        return obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, progress_deadline=600, old_status={
+            "runtime": {"state": "Running", "progressTime": progress, "heartbeatTime": heartbeat,
+                        "rayCluster": "j-abcde"}}, **kw)
+
+    assert st.stuck_run(at("2026-11-22T11:51:00Z", "2026-11-22T11:59:50Z")) is None  # past the deadline, in grace
+    assert "no training step completed for 720 s" in st.stuck_run(at("2026-11-22T11:48:00Z", "2026-11-22T11:59:50Z"))
+    assert "no report from the runtime since" in st.stuck_run(at("2026-11-22T11:59:00Z", "2026-11-22T11:55:00Z"))
+    assert st.stuck_run(at("2026-11-22T11:00:00Z", "2026-11-22T11:00:00Z", suspend=True)) is None
+    stale = at("2026-11-22T11:00:00Z", "2026-11-22T11:00:00Z")
+    stale.ray_job = rayjob("Running", cluster="j-new")  # a report from the run before a retry: nothing to end
+    assert st.stuck_run(stale) is None
