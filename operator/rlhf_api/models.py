@@ -350,7 +350,10 @@ class Scheduling(Model):
     tolerations: list[Toleration] | None = Field(None, max_length=64, description="Tolerations for every pod.")
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
     queue_name: str | None = Field(
-        None, max_length=253, description="Kueue LocalQueue; sets kueue.x-k8s.io/queue-name on the RayJob."
+        None, max_length=253,
+        description="Kueue LocalQueue: the RayJob is created suspended with label kueue.x-k8s.io/queue-name and runs "
+        "when Kueue admits it (phase Pending, reason Queued, until then; Suspended, reason Preempted, if Kueue "
+        "preempts it later, until it is admitted again).",
     )
 
 
@@ -459,7 +462,12 @@ class RLHFJobSpec(Model):
     reward: Reward = Field(description="How completions are scored.")
     checkpoint: Checkpoint | None = Field(None, description="Periodic checkpoints; the job resumes from the newest.")
     scheduling: Scheduling = sub(Scheduling, "Node selection, tolerations, priority and Kueue queue.")
-    suspend: bool = Field(False, description="Suspend the job: its Ray cluster is deleted; resume by setting false.")
+    suspend: bool = Field(
+        False,
+        description="Suspend the job: its Ray cluster is deleted (phase Suspended); set false to resume, from the "
+        "newest checkpoint if spec.checkpoint is set. With scheduling.queueName, Kueue owns the RayJob's suspension "
+        "(admission, preemption) and this field deactivates the job's Kueue Workload instead.",
+    )
     ttl_seconds_after_finished: int | None = Field(
         None, ge=0, description="Delete the Ray cluster this long after the job finished (status is kept)."
     )
