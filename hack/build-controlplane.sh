@@ -5,10 +5,12 @@
 #   kwok                                                                     (sigs.k8s.io/kwok)
 #   kuberay ray-operator + its CRDs                                          (github.com/ray-project/kuberay/ray-operator)
 #   helm                                                                     (helm.sh/helm/v3)
+#   kueue manager + its CRDs, RBAC and webhook configurations                (sigs.k8s.io/kueue)
 #   kubelet, kube-proxy (real nodes)                                         (k8s.io/kubernetes)
 #   coredns with the plugins a local cluster needs (real nodes)              (github.com/coredns/coredns)
 #
-# Targets: etcd kwok kuberay helm k8s (the default: the control plane) and node (kubelet, kube-proxy,
+# Targets: etcd kwok kuberay helm k8s (the default: the control plane), kueue (tests/integration/test_kueue.py)
+# and node (kubelet, kube-proxy,
 # coredns: what `localcluster.py up --real-nodes N` needs besides Debian's containerd, runc and CNI plugins).
 #
 # Binaries land in $RLHF_CACHE/bin/<name>-<version>; a symlink farm in $RLHF_CACHE/bin/current/ points at
@@ -24,6 +26,8 @@ KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 KUBERAY_VERSION="${KUBERAY_VERSION:-v1.6.1}"
 HELM_VERSION="${HELM_VERSION:-v3.19.5}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
+# The module proxy lists no Kueue versions but serves exact ones (v0.17.1 yes, v0.18.0 no, checked 2026-11-23).
+KUEUE_VERSION="${KUEUE_VERSION:-v0.17.1}"
 
 CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
 BIN="$CACHE/bin"
@@ -159,6 +163,39 @@ build_helm() {
     (cd "$dir" && go get "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" && go build -ldflags "$LDFLAGS" -o "$BIN/helm-$HELM_VERSION" helm.sh/helm/v3/cmd/helm)
   fi
   link helm "$HELM_VERSION"
+}
+
+# Kueue's manager (cmd/kueue) and, from the module's config/, its CRDs, the manager ClusterRole and the webhook
+# configurations (localcluster.py points those at the manager on the host). The checksum database has no
+# entry for sigs.k8s.io/kueue (lookup 404, 2026-11-23), so that one module skips it (GONOSUMDB); its
+# dependencies are still verified, and the module's hash is recorded in the wrapper's go.sum.
+build_kueue() {
+  local cfg="$CACHE/kueue-config-$KUEUE_VERSION" mod=sigs.k8s.io/kueue
+  if have "$KUEUE_VERSION" kueue && [ -d "$cfg" ]; then log "kueue $KUEUE_VERSION cached"; else
+    log "building kueue $KUEUE_VERSION"
+    local dir="$WORK/kueue-$KUEUE_VERSION"
+    wrapper "$dir" "$mod" "$KUEUE_VERSION" </dev/null
+    (
+      cd "$dir"
+      export GONOSUMDB="$mod"
+      go get "$mod/cmd/kueue@$KUEUE_VERSION"
+      go build -ldflags "$LDFLAGS -X $mod/pkg/version.GitVersion=$KUEUE_VERSION" -o "$BIN/kueue-$KUEUE_VERSION" "$mod/cmd/kueue"
+      src=$(go list -m -f '{{.Dir}}' "$mod")/config/components
+      rm -rf "$cfg.tmp" && mkdir -p "$cfg.tmp/crd"
+      cp "$src"/crd/bases/*.yaml "$cfg.tmp/crd/"
+      # the conversion webhooks its kustomization enables (Kueue injects its CA into exactly those CRDs)
+      mkdir "$cfg.tmp/crd-conversion"
+      for f in $(sed -n 's#^- path: \(patches/webhook_in_[a-z]*\.yaml\)$#\1#p' "$src/crd/kustomization.yaml"); do
+        cp "$src/crd/$f" "$cfg.tmp/crd-conversion/"
+      done
+      cp "$src/rbac/role.yaml" "$cfg.tmp/rbac-role.yaml"
+      cp "$src/rbac/manager_secrets_role.yaml" "$cfg.tmp/rbac-secrets-role.yaml"
+      cp "$src/webhook/manifests.yaml" "$cfg.tmp/webhooks.yaml"
+      chmod -R u+w "$cfg.tmp" && rm -rf "$cfg" && mv "$cfg.tmp" "$cfg"
+    )
+  fi
+  link kueue "$KUEUE_VERSION"
+  ln -sfn "$cfg" "$BIN/current/kueue-config"
 }
 
 # Version stamp for binaries built from k8s.io/kubernetes (helm, kubectl and the node read it).

@@ -2,13 +2,14 @@
 """A real Kubernetes control plane on this machine, for tests and the demo (no Docker, kind or k3s).
 
 Processes: etcd, kube-apiserver (RBAC, audit log), kube-controller-manager, kube-scheduler, KWOK (fake GPU
-nodes that run no containers but go Ready and mark scheduled pods Running) and the real KubeRay operator.
+nodes that run no containers but go Ready and mark scheduled pods Running) and the real KubeRay operator;
+on request (``--kueue``, ``Cluster.install_kueue``) the real Kueue manager, also as a host process.
 With ``--real-nodes N`` also N real nodes (containerd + runc + CNI + kubelet, see ``realnodes.py``), cluster
 DNS and Service routing; KubeRay then runs as a pod on a real node, as in real clusters, and the images of
 ``hack/build-images.sh`` are imported into every node.
 Binaries come from ``hack/build-controlplane.sh`` (built from Go modules, cached by version).
 
-    python3 hack/localcluster.py up   [--dir DIR] [--nodes 4] [--gpus-per-node 8] [--real-nodes 1]
+    python3 hack/localcluster.py up   [--dir DIR] [--nodes 4] [--gpus-per-node 8] [--real-nodes 1] [--kueue]
     python3 hack/localcluster.py down [--dir DIR]
 
 Only the standard library and the built binaries are used, so the same file serves pytest fixtures, the demo
@@ -18,6 +19,7 @@ and CI. Every process is started in its own session and stopped by its pid file.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import shutil
@@ -41,6 +43,10 @@ DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", "/tmp/rlhf-cluster"))
 REAL_NODE_IMAGES = ("pause", "kuberay", "operator", "runtime-cpu")
 ADMIN_TOKEN = "rlhf-admin-token"  # test cluster on loopback only
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
+KUEUE_NAMESPACE = "kueue-system"
+KUEUE_SERVICE_ACCOUNT = "kueue-controller-manager"
+KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -158,7 +164,8 @@ class Cluster:
         raise TimeoutError(f"{what} not ready after {timeout}s (last error: {last}); logs in {self.dir}")
 
     # ------------------------------------------------------------------------------------------------ up
-    def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True, real_nodes: int = 0) -> None:
+    def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True, real_nodes: int = 0,
+           kueue: bool = False) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stop()
         self.real_nodes = real_nodes
@@ -272,6 +279,8 @@ class Cluster:
             "RLHFJob CRD",
             lambda: self.kubectl("wait", "--for=condition=Established", "crd/rlhfjobs.rlhf.dev", "--timeout=5s").returncode == 0,
         )
+        if kueue:
+            self.install_kueue()
         log(f"up: KUBECONFIG={self.kubeconfig}")
 
     def attach(self) -> bool:
@@ -395,9 +404,146 @@ class Cluster:
             env={"KUBECONFIG": str(self.kubeconfig)},
         )
 
-    def token_kubeconfig(self, namespace: str, service_account: str, path: Path) -> Path:
+    # --------------------------------------------------------------------------------------------- Kueue
+    def _yaml_objects(self, path: Path) -> list[dict]:
+        """The objects of a YAML file as JSON (kubectl parses it, so this module needs no YAML library)."""
+        text = self.kubectl("create", "--dry-run=client", "--validate=false", "-o", "json", "-f", str(path)).stdout
+        objs, pos, dec = [], 0, json.JSONDecoder()
+        while pos < len(text.rstrip()):  # one JSON document per object, one after the other
+            obj, end = dec.raw_decode(text, pos)
+            objs.extend(obj["items"] if obj.get("kind") == "List" else [obj])
+            pos = end + len(text[end:]) - len(text[end:].lstrip())
+        return objs
+
+    def install_kueue(self) -> None:
+        """The real Kueue manager (``sigs.k8s.io/kueue``, ``build-controlplane.sh kueue``) as a host process, like
+        KubeRay on KWOK clusters: its CRDs, ClusterRole and webhook configurations from the module's config/,
+        its own ServiceAccount, the ``ray.io/rayjob`` integration only and ``manageJobsWithoutQueueName: false``
+        (RayJobs without the queue label are left alone). Idempotent: a running Kueue is kept.
+
+        Webhooks: Kueue's own certificate management (cert-controller, as in its release manifests) makes a CA
+        and a serving certificate for ``kueue-webhook-service.kueue-system.svc`` and injects the CA into the
+        webhook configurations and the CRDs' conversion webhooks. The apiserver resolves a webhook's Service
+        itself: for an ``ExternalName`` Service it dials that name at the configured port, so the Service points
+        at 127.0.0.1 and the webhook port is the manager's (a free port), while TLS is still verified against
+        the Service's DNS name. (A ``url`` clientConfig with our own certificate would need Kueue's metrics
+        certificate at the fixed path /etc/kueue/metrics/certs, which Kueue reads whenever its internal
+        certificate management is off.) Only the webhooks of Kueue's own API and of RayJobs are installed, the
+        RayJob ones with an objectSelector on the queue label, so jobs of other tests never wait on Kueue.
+        """
+        pidfile = self.dir / "kueue.pid"
+        if pidfile.exists() and self._kueue_webhooks_answer():
+            return
+        cfg = (build("kueue") / "kueue-config").resolve()
+        ns, svc = KUEUE_NAMESPACE, KUEUE_WEBHOOK_SERVICE
+        webhook_port, health_port = free_port(), free_port()
+
+        def service_ref(ref: dict) -> None:
+            ref.update({"name": svc, "namespace": ns, "port": webhook_port})
+
+        crds = self._yaml_objects(cfg / "crd")
+        conversion = {o["metadata"]["name"]: o["spec"]["conversion"] for o in self._yaml_objects(cfg / "crd-conversion")
+                      if "conversion" in o.get("spec", {})}
+        for crd in crds:
+            if crd["metadata"]["name"] in conversion:
+                crd["spec"]["conversion"] = conversion[crd["metadata"]["name"]]
+                service_ref(crd["spec"]["conversion"]["webhook"]["clientConfig"]["service"])
+        self._apply_objects(crds)
+        self._wait("Kueue CRDs", lambda: self.kubectl(
+            "wait", "--for=condition=Established", "--timeout=5s", *(f"crd/{c['metadata']['name']}" for c in crds),
+            check=False).returncode == 0)
+
+        self.kubectl("create", "namespace", ns, check=False)
+        role = self._yaml_objects(cfg / "rbac-role.yaml")[0]
+        role["metadata"] = {"name": "kueue-manager-role"}
+        secrets = self._yaml_objects(cfg / "rbac-secrets-role.yaml")[0]
+        secrets["metadata"] = {"name": "kueue-manager-secrets-role", "namespace": ns}
+        subject = [{"kind": "ServiceAccount", "name": KUEUE_SERVICE_ACCOUNT, "namespace": ns}]
+        webhooks = []
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            whc = next(o for o in self._yaml_objects(cfg / "webhooks.yaml") if o["kind"] == kind)
+            whc["metadata"] = {"name": f"kueue-{'mutating' if kind.startswith('M') else 'validating'}-webhook-configuration"}
+            kept = []
+            for wh in whc["webhooks"]:
+                groups = {g for r in wh["rules"] for g in r["apiGroups"]}
+                resources = {x for r in wh["rules"] for x in r["resources"]}
+                if groups == {"kueue.x-k8s.io"} or (groups == {"ray.io"} and resources == {"rayjobs"}):
+                    service_ref(wh["clientConfig"]["service"])
+                    if "ray.io" in groups:
+                        wh["objectSelector"] = {"matchExpressions": [{"key": KUEUE_QUEUE_LABEL, "operator": "Exists"}]}
+                    kept.append(wh)
+            whc["webhooks"] = kept
+            webhooks.append(whc)
+        self._apply_objects([
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": KUEUE_SERVICE_ACCOUNT, "namespace": ns}},
+            role, secrets,
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": "kueue-manager-rolebinding"}, "subjects": subject,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kueue-manager-role"}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "kueue-manager-secrets-rolebinding", "namespace": ns}, "subjects": subject,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "kueue-manager-secrets-role"}},
+            # The apiserver dials an ExternalName Service's name at the webhook's port: the manager on this host.
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": svc, "namespace": ns},
+             "spec": {"type": "ExternalName", "externalName": "127.0.0.1",
+                      "ports": [{"port": webhook_port, "protocol": "TCP"}]}},
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "kueue-webhook-server-cert", "namespace": ns}},
+            *webhooks,
+        ])
+        certs = self.dir / "kueue-certs"
+        shutil.rmtree(certs, ignore_errors=True)
+        certs.mkdir()
+        (self.dir / "kueue-config.json").write_text(json.dumps({
+            "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+            "namespace": ns,
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+            "metrics": {"bindAddress": "0"},
+            "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": str(certs)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": True, "webhookServiceName": svc,
+                                       "webhookSecretName": "kueue-webhook-server-cert"},
+            "manageJobsWithoutQueueName": False,
+            # The on-demand visibility API server needs in-cluster config for delegated authentication (and an
+            # APIService): without it the manager exits a second after it started.
+            "featureGates": {"VisibilityOnDemand": False},
+            "integrations": {"frameworks": ["ray.io/rayjob"]},
+        }))
+        kubeconfig = self.token_kubeconfig(ns, KUEUE_SERVICE_ACCOUNT, self.dir / "kueue.kubeconfig", duration="24h")
+        self._stop([pidfile] if pidfile.exists() else [])
+        self._start("kueue", [str(self.bin / "kueue"), f"--config={self.dir / 'kueue-config.json'}"],
+                    env={"KUBECONFIG": str(kubeconfig)})
+        self._wait("Kueue's webhook certificate", lambda: self._mount_kueue_certs(certs), timeout=120)
+        self._wait("Kueue ready", lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{health_port}/readyz", timeout=2).status == 200, timeout=180)
+        self._wait("Kueue webhooks answer the apiserver", self._kueue_webhooks_answer, timeout=120)
+        log(f"Kueue up (webhooks on 127.0.0.1:{webhook_port})")
+
+    def _mount_kueue_certs(self, certs: Path) -> bool:
+        """What the kubelet does for Kueue's pod: its webhook Secret (written by Kueue's certificate rotator)
+        as files in the webhook's certDir, which the rotator waits for."""
+        out = self.kubectl("get", "secret", "-n", KUEUE_NAMESPACE, "kueue-webhook-server-cert", "-o", "json", check=False)
+        data = json.loads(out.stdout).get("data") or {} if out.returncode == 0 else {}
+        if not all(data.get(k) for k in ("tls.crt", "tls.key", "ca.crt")):
+            return False
+        for key, value in data.items():
+            tmp = certs / f".{key}.tmp"
+            tmp.write_bytes(base64.b64decode(value))
+            tmp.chmod(0o600)
+            tmp.replace(certs / key)
+        return True
+
+    def _kueue_webhooks_answer(self) -> bool:
+        """A server-side dry run of a ResourceFlavor goes through Kueue's webhooks (sideEffects None)."""
+        rf = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "rlhf-probe"}}
+        return self.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(rf), check=False).returncode == 0
+
+    def _apply_objects(self, objs: list[dict]) -> None:
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
+
+    def token_kubeconfig(self, namespace: str, service_account: str, path: Path, duration: str = "2h") -> Path:
         """A kubeconfig that authenticates as a ServiceAccount (TokenRequest), to act with exactly its RBAC."""
-        token = self.kubectl("create", "token", service_account, "-n", namespace, "--duration=2h").stdout.strip()
+        token = self.kubectl("create", "token", service_account, "-n", namespace, f"--duration={duration}").stdout.strip()
         cfg = json.loads(self.kubeconfig.read_text())
         cfg["users"] = [{"name": "admin", "user": {"token": token}}]
         path.write_text(json.dumps(cfg))
@@ -446,11 +592,12 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--real-nodes", type=int, default=0, help="real nodes (containerd + kubelet) beside KWOK's")
+    p.add_argument("--kueue", action="store_true", help="also the real Kueue manager (ray.io/rayjob integration)")
     args = p.parse_args()
     binp = build() if args.action != "down" else Path("/nonexistent")
     c = Cluster(args.dir, binp)
     if args.action == "up":
-        c.up(args.nodes, args.gpus_per_node, real_nodes=args.real_nodes)
+        c.up(args.nodes, args.gpus_per_node, real_nodes=args.real_nodes, kueue=args.kueue)
         print(c.kubeconfig)
     elif args.action == "down":
         c.dir.mkdir(parents=True, exist_ok=True)
