@@ -124,6 +124,12 @@ class Trainer:
             self._load_optimizer_state(opt_state)
         self.sender: Any = None
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
+        # vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
+        # in the first init_weight_sync (bounded by weightSync.timeoutSeconds, which is for the transfer itself)
+        from rlhf_runtime import vllm_plugin, weight_sync
+
+        vllm_plugin.register()
+        weight_sync.vllm_has_trainer_api()
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for p in self.model.parameters())
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
@@ -265,7 +271,7 @@ class Trainer:
                 loss, st = grpo_loss(logp, old, adv, mask, a.clip_ratio, ref, a.kl_coef)
                 share = float(mask.sum()) / max(total_tokens, 1.0)
                 (loss * share).backward()
-                for k in stats:
+                for k in ("loss", "kl", "clip_fraction"):  # not grad_norm, set per epoch below
                     stats[k] += st[k] * share / a.epochs_per_step
             max_norm = self.spec.trainer.optimizer.max_grad_norm
             if max_norm > 0:
