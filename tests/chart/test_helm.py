@@ -58,6 +58,9 @@ def test_default_render_is_hardened_cluster_scoped(helm) -> None:
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert "delete" not in rule["verbs"], rule  # children go away by owner references
+    # Kopf's namespace observer runs only with --namespace; Kopf posts core/v1 Events only
+    # (tests/integration/test_privilege.py checks every granted rule against the audit log of a scenario)
+    assert not [r for r in rules if "namespaces" in r["resources"] or "events.k8s.io" in r["apiGroups"]], rules
 
 
 def test_namespaced_scope_uses_roles_only(helm) -> None:
@@ -67,6 +70,7 @@ def test_namespaced_scope_uses_roles_only(helm) -> None:
     observe = [d for d in docs if d["kind"] == "ClusterRole"]
     assert len(observe) == 1  # cluster-wide it may only read: watch CRDs and namespaces, list nodes and pods
     assert all(set(r["verbs"]) <= {"list", "watch"} for r in observe[0]["rules"])
+    assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in observe[0]["rules"]
     off = render(helm, "--set", "watch.scope=namespaces", "--set", "watch.watchNamespaces={team-a}",
                  "--set", "rbac.clusterCapacity=false")
     observe_off = next(d for d in off if d["kind"] == "ClusterRole")

@@ -20,7 +20,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (include "rlhf-operator.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
-{{/* The operator's permissions: exactly the calls operator/rlhf_operator/kube.py and Kopf make. */}}
+{{/* The operator's permissions: exactly the calls operator/rlhf_operator/kube.py and Kopf make
+(tests/integration/test_privilege.py compares them with the audit log of a full scenario). rlhfjobs/status get
+is never called: RBAC lets the operator create the runtime Role only with permissions it holds itself. */}}
 {{- define "rlhf-operator.rules" -}}
 - apiGroups: ["rlhf.dev"]
   resources: ["rlhfjobs"]
@@ -39,7 +41,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "delete"]   # delete: the head pod of a run stuck past spec.progressDeadlineSeconds
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create"]
@@ -51,8 +53,5 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["list", "patch"]   # spec.scheduling.queueName: why a job waits; spec.suspend -> Workload spec.active
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create"]   # kopf.event posts core/v1 Events (never events.k8s.io)
 {{- end -}}
