@@ -8,7 +8,7 @@ Writing (``tmp_dir`` + ``commit``): the trainer writes everything into ``.tmp-st
 
 1. fsyncs every regular file and every directory under it (the weights are on disk, not in the page cache),
 2. writes ``state.json`` (the step, the size of every file, ``extra``), fsyncs it and the directory,
-3. renames it to ``step-<N>`` and fsyncs the parent. When ``step-<N>`` already exists (a re-save of the same
+3. renames it to ``step-<N>`` and fsyncs the parent (and its parent). When ``step-<N>`` already exists (a re-save of the same
    step) the old one is first renamed aside to ``.old-step-<N>-<host>-<pid>/``, the new one renamed in, the
    parent fsynced, and only then the old one removed. If renaming the new one in fails, the old one is renamed
    back before the error propagates.
@@ -201,6 +201,10 @@ def commit(tmp: Path, root: str | Path, step: int, extra: dict | None = None) ->
                 log.warning("could not restore %s from %s: %s", final, aside, e)
         raise
     _fsync(root, directory=True)
+    try:  # the root's own entry, in case the trainer has just created it (the first checkpoint)
+        _fsync(root.parent, directory=True)
+    except OSError as e:  # e.g. a parent this process may not read: the checkpoint itself is durable
+        log.debug("fsync %s: %s", root.parent, e)
     if aside is not None:
         try:
             shutil.rmtree(aside)
