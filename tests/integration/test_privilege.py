@@ -49,8 +49,8 @@ AUDIT_SA_RULE = '  - level: Metadata\n    userGroups: ["system:serviceaccounts"]
 
 #: Granted (group, resource, verb) the operator never calls itself, and why each stays in the chart.
 GRANTED_NOT_CALLED = {
-    ("rlhf.dev", "rlhfjobs/status", "get"): "RBAC escalation check: the runtime Role the operator creates grants "
-                                           "get on rlhfjobs/status, so the operator must hold it",
+    ("rlhf.dev", "rlhfjobs/status", "get"): "RBAC escalation check: the runtime Role grants it, so its creator "
+                                           "must hold it (test_runtime_role_needs_get_on_status_held_by_the_operator)",
 }
 
 
@@ -100,7 +100,7 @@ class ChartOperator:
         cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": self.docs}))
         self.sa = f"{release}-rlhf-operator"
         self.user = f"system:serviceaccount:{self.system}:{self.sa}"
-        kc = cluster.token_kubeconfig(self.system, self.sa, tmp / f"{release}-sa.kubeconfig")
+        self.kubeconfig = kc = cluster.token_kubeconfig(self.system, self.sa, tmp / f"{release}-sa.kubeconfig")
         args = [a for a in self.deployment["spec"]["template"]["spec"]["containers"][0]["args"]
                 if not a.startswith(("--liveness", "--metrics-port"))]
         assert args == (["--all-namespaces"] if scope == "cluster" else [f"--namespace={self.team}"]), args
@@ -276,6 +276,42 @@ def test_runtime_role_and_binding_follow_the_rendered_ones(pcluster, papi, chart
     rb.delete_namespaced_role(f"{name}-runtime", ns)
     wait_for(lambda: canon(live(papi, "Role", ns, f"{name}-runtime")["rules"]) == canon(want["Role"]["rules"]),
              30, "the operator to recreate a deleted Role")
+
+
+def test_runtime_role_needs_get_on_status_held_by_the_operator(pcluster, papi, chart_op) -> None:
+    """Why ``GRANTED_NOT_CALLED`` keeps rlhfjobs/status get: the chart's ClusterRole without it cannot create a
+    job's runtime Role (RBAC refuses to grant what the creator does not hold); with it, it can."""
+    ns, system = chart_op.team, chart_op.system
+    apply(pcluster, cpu_job("alpha"), ns)
+    role = wait_for(lambda: rendered_rbac(papi, ns, "alpha"), 60, "alpha rendered")["Role"]
+    role["metadata"] = {"name": "escalation-probe", "namespace": ns}
+    full = next(d for d in chart_op.docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == chart_op.sa)
+    minus = [{**r, "verbs": [v for v in r["verbs"] if v != "get"]} if r["resources"] == ["rlhfjobs/status"] else r
+             for r in full["rules"]]
+    assert minus != full["rules"]
+    rbac = client.RbacAuthorizationV1Api(papi)
+    rbac.create_cluster_role({"metadata": {"name": "priv-minus-status-get"}, "rules": minus})
+    client.CoreV1Api(papi).create_namespaced_service_account(system, {"metadata": {"name": "minus"}})
+    rbac.create_cluster_role_binding({
+        "metadata": {"name": "priv-minus-status-get"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "priv-minus-status-get"},
+        "subjects": [{"kind": "ServiceAccount", "name": "minus", "namespace": system}]})
+
+    def create_as(kubeconfig: Path) -> tuple[int, str]:
+        try:
+            client.RbacAuthorizationV1Api(config.new_client_from_config(str(kubeconfig))).create_namespaced_role(
+                ns, role, dry_run="All")
+        except ApiException as e:
+            return e.status, json.loads(e.body)["message"]
+        return 201, ""
+
+    kc = pcluster.token_kubeconfig(system, "minus", chart_op.kubeconfig.parent / "minus.kubeconfig")
+    # (polled: until the new binding is in the authorizer's cache the refusal is a plain "cannot create roles")
+    _, msg = wait_for(lambda: (r := create_as(kc))[0] == 403 and "not currently held" in r[1] and r, 30,
+                      "the RBAC escalation refusal")
+    print(f"\nwithout rlhfjobs/status get: {msg[:400]}")
+    assert "attempting to grant RBAC permissions not currently held" in msg and "rlhfjobs/status" in msg, msg
+    assert create_as(chart_op.kubeconfig) == (201, "")
 
 
 # ------------------------------------------------------------------------------------------ 4. Pod Security
