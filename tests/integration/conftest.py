@@ -36,6 +36,14 @@ def cluster(tmp_path_factory) -> localcluster.Cluster:
 
 
 @pytest.fixture(scope="session")
+def kueue(cluster) -> localcluster.Cluster:
+    """The real Kueue manager in the session's cluster, installed by the first test that asks for it (it then
+    stays; with ``manageJobsWithoutQueueName: false`` it leaves RayJobs without a queue label alone)."""
+    cluster.install_kueue()
+    return cluster
+
+
+@pytest.fixture(scope="session")
 def api(cluster) -> client.ApiClient:
     return config.new_client_from_config(str(cluster.kubeconfig))
 
