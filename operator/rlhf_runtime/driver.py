@@ -487,7 +487,7 @@ class Runtime:
                 except DeadlineExceeded:
                     raise
                 except Exception as e:
-                    if self.async_mode or self.layout.dp_group or not _actor_died(e) or not self._dead(self.engines[i]):
+                    if self.async_mode or self.layout.dp_group or not _actor_died(e) or not self._dead(self.engines[i], "pid"):
                         raise
                     lost.append(i)
                     errors[i] = e
