@@ -525,7 +525,14 @@ def run_scenario(cluster, api, ns: str, tmp: Path) -> None:
     # a stuck run: the runtime (with its own token) reports progress 20 min ago, past progressDeadlineSeconds plus
     # the operator's grace; the operator deletes the run's Ray head pod once (Event EndingStuckRun)
     cust.patch_namespaced_custom_object(*grp, "with-data", {"spec": {"progressDeadlineSeconds": 10}})
-    cluster_name = cust.get_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", "with-data")["status"]["rayClusterName"]
+
+    def head_pod_cluster() -> str | None:  # after the resume KubeRay makes a new Ray cluster: wait for its head pod
+        name = (cust.get_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", "with-data").get("status") or {}
+                ).get("rayClusterName")
+        heads = core.list_namespaced_pod(ns, label_selector=f"ray.io/cluster={name},ray.io/node-type=head").items
+        return name if name and heads else None
+
+    cluster_name = wait_for(head_pod_cluster, 120, "the resumed run's Ray cluster and head pod")
     kc = cluster.token_kubeconfig(ns, "with-data-runtime", tmp / f"{ns}-with-data-runtime.kubeconfig")
     old = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=20)).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     StatusClient("with-data", ns, get_job(api, ns, "with-data")["metadata"]["uid"], kubeconfig=str(kc)).patch(
