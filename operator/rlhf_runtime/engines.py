@@ -20,6 +20,7 @@ Import only inside Ray actors (the module imports nothing heavy at import time; 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import time
@@ -158,6 +159,7 @@ class Engine:
         params = inspect.signature(self.llm.start_weight_update).parameters
         self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
         self._stale_cache = False  # prefix-cache KV computed with weights that a sync has since replaced
+        self._update_open = False  # between start_weight_update and finish_weight_update
 
     def ready(self) -> float:
         return self.start_seconds
@@ -182,9 +184,15 @@ class Engine:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        if self._update_open:  # the last sync never finished (its trainer died): close it, a full sync follows
+            # (vLLM itself closes it when update_weights failed: then finish raises, which is fine)
+            with contextlib.suppress(Exception):
+                self.llm.finish_weight_update()
+            self._update_open = False
         if not checkpoint_format:
             self.llm.collective_rpc(_worker_freeze)
         self.llm.start_weight_update(**self._start_args(checkpoint_format))
+        self._update_open = True
 
     def _start_args(self, checkpoint_format: bool) -> dict[str, Any]:
         if not self._start_kwargs:
@@ -221,6 +229,7 @@ class Engine:
         return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
 
     def finish_weight_update(self) -> None:
+        self._update_open = False
         self.llm.finish_weight_update()
         self._stale_cache = True  # reset before the next generate (keeps the reset out of the sync's time)
 
