@@ -12,6 +12,8 @@ of a live job are sent to the apiserver (server-side dry run). Properties:
 (c) a sample (>= 30) of the accepted specs is created for real with a running operator: each job reaches a
     sensible phase (Pending, Provisioning, Running; Suspended when suspended) and the operator neither crashes
     nor stalls (alive at the end, still reconciling a fresh job);
+(e) accepted => what the operator renders from it (the RayJob and the pod templates inside it) is admissible
+    too (server-side dry run): otherwise the job is accepted and then stuck, or its pods can never be made;
 (d) edits: a change of allowlisted fields only (``models.MUTABLE_FIELDS``) with valid values is accepted, any
     other change is refused with a message naming the field.
 
@@ -33,11 +35,12 @@ from typing import Any
 
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from rlhf_api import models as m
+from rlhf_operator import render
 from tests.helpers import wait_for
 from tests.integration.conftest import Operator
 
@@ -450,6 +453,27 @@ class Findings:
 RESULTS: dict[str, Any] = {}
 
 
+#: Always-run examples (besides the generated ones): values next to a limit of what the operator renders them
+#: into (KubeRay's int32 fields, label values, Kubernetes quantity suffixes, label-valued node selectors).
+EDGE_CASES = [
+    ("cpu-only", [("set", ("trainer", "resources", "memory"), "64K")], True),
+    ("cpu-only", [("set", ("rollout", "resources", "cpu"), "0.5m")], True),
+    ("cpu-only", [("set", ("activeDeadlineSeconds",), 2**31)], True),
+    ("cpu-only", [("set", ("ttlSecondsAfterFinished",), 2**31)], True),
+    ("cpu-only", [("set", ("scheduling", "queueName"), "team a")], True),
+    ("cpu-only", [("set", ("scheduling", "nodeSelector"), {"pool name": "a"})], True),
+    ("separate-tp2", [("set", ("placement", "gpuProduct"), "NVIDIA H100 80GB")], True),
+    ("cpu-only", [("set", ("env",), [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}])], True),
+    ("cpu-only", [("set", ("scheduling", "tolerations"), [{"operator": "Equal", "value": "x"}])], True),
+]
+
+
+def _edge_examples(fn):
+    for case in reversed(EDGE_CASES):
+        fn = example(case=case)(fn)
+    return fn
+
+
 def run_create_fuzz(raw: Raw, ns: str) -> dict[str, Any]:
     """(a) and (b) over CREATE_EXAMPLES generated specs; cached per module (test (c) reuses the accepted ones)."""
     if "create" in RESULTS:
@@ -459,6 +483,7 @@ def run_create_fuzz(raw: Raw, ns: str) -> dict[str, Any]:
 
     @settings(max_examples=CREATE_EXAMPLES, **SETTINGS)
     @given(case=CASE)
+    @_edge_examples
     def check(case: tuple) -> None:
         obj, paths, strict = build(case)
         findings.counts["sent"] += 1
@@ -497,6 +522,55 @@ def test_generated_specs_admission_agrees_with_models(raw, fuzz_ns) -> None:
     assert f.counts["sent"] >= CREATE_EXAMPLES * 0.95, f.counts
     assert f.counts["accepted"] >= 50 and f.counts["refused"] >= 100, f"too one-sided a generator: {f.counts}"
     assert not f.by_kind, "admission/model disagreements or unspecific refusals:\n" + f.report()
+
+
+def _probe_pods(rj: dict) -> list[tuple[str, dict]]:
+    """The pod templates inside a rendered RayJob, as Pods to dry-run (without the job's ServiceAccount, which
+    exists only once the operator made it)."""
+    spec = rj["spec"]
+    groups = [("head", spec["rayClusterSpec"]["headGroupSpec"]["template"]),
+              *[(g["groupName"], g["template"]) for g in spec["rayClusterSpec"]["workerGroupSpecs"]],
+              ("submitter", spec["submitterPodTemplate"])]
+    out = []
+    for group, tpl in groups:
+        pod_spec = copy.deepcopy(tpl["spec"])
+        pod_spec.pop("serviceAccountName", None)
+        for c in pod_spec.get("containers", []):
+            c.setdefault("image", "x")
+        out.append((group, {"apiVersion": "v1", "kind": "Pod", "spec": pod_spec,
+                            "metadata": {**copy.deepcopy(tpl.get("metadata") or {}), "name": f"probe-{group}"}}))
+    return out
+
+
+def test_accepted_specs_render_admissible_children(raw, fuzz_ns) -> None:
+    """(e) for every accepted spec of the create run: its RayJob and pod templates pass the apiserver too."""
+    res = run_create_fuzz(raw, fuzz_ns)
+    findings = Findings()
+    for case, obj, stored in res["accepted"]:
+        spec = m.RLHFJobSpec.model_validate(stored)
+        rj = render.render_ray_job(render.Job(obj["metadata"]["name"], fuzz_ns, "00000000-fuzz", spec))
+        findings.counts["rayjobs"] += 1
+        r = raw.s.post(f"{raw.server}/apis/ray.io/v1/namespaces/{fuzz_ns}/rayjobs", params={"dryRun": "All"},
+                       data=json.dumps(rj), timeout=30)
+        if r.status_code != 201:
+            findings.add("(e) accepted spec, RayJob refused (the job would be stuck without a phase)",
+                         f"{describe(case)} -> HTTP {r.status_code}: {r.json().get('message', '')[:400]}")
+            continue
+        for group, pod in _probe_pods(rj):
+            findings.counts["pods"] += 1
+            r = raw.s.post(f"{raw.server}/api/v1/namespaces/{fuzz_ns}/pods", params={"dryRun": "All"},
+                           data=json.dumps(pod), timeout=30)
+            if r.status_code == 403 and "no PriorityClass with name" in r.text:
+                continue  # cluster state, not the spec: the operator reports it (test_missing_priority_class...)
+            if r.status_code != 201:
+                findings.add("(e) accepted spec, its pods can never be created",
+                             f"{describe(case)} -> {group} pod HTTP {r.status_code}: "
+                             f"{r.json().get('message', '')[:400]}")
+                break
+    print(f"\n[fuzz render] {dict(findings.counts)}")
+    print(findings.report())
+    assert findings.counts["rayjobs"] >= 50
+    assert not findings.by_kind, "accepted specs whose children are refused:\n" + findings.report()
 
 
 # ------------------------------------------------------------------------------------------------ edits
