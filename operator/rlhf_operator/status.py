@@ -225,6 +225,8 @@ def verdict(obs: Observed) -> Verdict:
         runtime = {}  # a report of the run before a retry or a suspension: the new run has not reported yet
     rj_status = (obs.ray_job or {}).get("status") or {}
     deploy = rj_status.get("jobDeploymentStatus")
+    if runtime.get("state") == "Succeeded":  # finished before a suspension could stop it: done is done
+        return Verdict("Succeeded", "RuntimeSucceeded", f"finished {obs.old_status.get('step', '?')} steps")
     if obs.suspend:  # before any runtime failure: a suspended job's driver is terminated with its cluster
         if deploy in (None, "Suspended", "New", ""):
             return Verdict("Suspended", "Suspended", "spec.suspend is true: no Ray cluster is running")

@@ -28,6 +28,7 @@ from tests.helpers import wait_for
 #: Real nodes for the tier (two: head and workers can land on different nodes).
 REAL_NODES = int(os.environ.get("RLHF_REAL_NODES", "2"))
 RELEASE, SYSTEM_NS = "rlhf", "rlhf-system"
+RESTRICTED = ("pod-security.kubernetes.io/enforce=restricted", "pod-security.kubernetes.io/enforce-version=latest")
 
 
 @pytest.fixture(scope="session")
@@ -56,6 +57,9 @@ def rapi(real_cluster) -> client.ApiClient:
 def operator_release(real_cluster) -> str:
     """`helm install` of our chart with the locally built operator image, on a real node."""
     real_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", check=False)  # a reused cluster
+    # The operator's namespace enforces Pod Security "restricted": the chart's pod must pass it.
+    real_cluster.kubectl("create", "namespace", SYSTEM_NS, check=False)
+    real_cluster.kubectl("label", "--overwrite", "namespace", SYSTEM_NS, *RESTRICTED)
     real_cluster.install_operator_chart(RELEASE, SYSTEM_NS)
     yield RELEASE
     real_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, check=False)

@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import wait_for
 from tests.pods.conftest import apply, cpu_job, diagnostics, pods, status
 
-pytestmark = [pytest.mark.pods]
+pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
 
 
 def run_to_end(cluster, api, ns: str, job: dict, timeout: float) -> tuple[dict, list[str]]:

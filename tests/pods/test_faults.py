@@ -15,7 +15,7 @@ from kubernetes import client
 from tests.helpers import wait_for
 from tests.pods.conftest import apply, cpu_job, diagnostics, pods, status
 
-pytestmark = [pytest.mark.pods]
+pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
 
 
 def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int) -> dict:
@@ -118,3 +118,39 @@ def test_killed_operator_pod_is_replaced_and_duplicates_nothing(real_cluster, ra
     assert len(rayjobs) == 1, [r["metadata"]["name"] for r in rayjobs]
     cms = core.list_namespaced_config_map(ns, label_selector="rlhf.dev/job=opkill").items
     assert len(cms) == 1, [c.metadata.name for c in cms]
+
+
+def test_frozen_driver_is_ended_and_the_run_retried(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
+    """A driver that cannot act (SIGSTOP: no step, no heartbeat, its own watchdog frozen too): past
+    spec.progressDeadlineSeconds the job is Stalled; past the grace the operator deletes the run's head pod and
+    KubeRay retries (backoffLimit 1), resuming from the newest checkpoint."""
+    steps = 60
+    job = checkpointed_job(real_cluster, shared_dir, ns, "frozen", steps, retries=1)
+    job["spec"]["progressDeadlineSeconds"] = 60
+    apply(real_cluster, job, ns)
+    _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
+          lambda: (status(rapi, ns, "frozen").get("step") or 0) >= 4, 900)
+    head = next(p for p in pods(rapi, ns, "ray.io/node-type=head") if p.status.phase == "Running")
+    stop = ("for p in /proc/[0-9]*; do if tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q rlhf_runtime.driver; "
+            "then kill -STOP ${p#/proc/} && echo stopped ${p#/proc/}; fi; done")
+    out = real_cluster.kubectl("exec", "-n", ns, head.metadata.name, "-c", "ray-head", "--", "sh", "-c", stop)
+    assert "stopped" in out.stdout, out.stdout + out.stderr
+    t0 = time.monotonic()
+
+    def stalled() -> bool:
+        st = status(rapi, ns, "frozen")
+        c = next((c for c in st.get("conditions") or [] if c["type"] == "Stalled"), {})
+        return c.get("status") == "True" and c.get("reason") in ("ProgressDeadlineExceeded", "RuntimeUnresponsive")
+
+    _wait(real_cluster, rapi, ns, "Stalled (ProgressDeadlineExceeded)", stalled, 300)
+    stalled_s = time.monotonic() - t0
+    _wait(real_cluster, rapi, ns, "Succeeded after the retry",
+          lambda: status(rapi, ns, "frozen").get("phase") in ("Succeeded", "Failed"), 1200)
+    st = status(rapi, ns, "frozen")
+    events = _events(rapi, ns, "frozen")
+    print(f"\nFAULT SIGSTOP driver: Stalled after {stalled_s:.0f}s, {st.get('phase')} after "
+          f"{time.monotonic() - t0:.0f}s; resumed from step {(st.get('runtime') or {}).get('resumedFromStep')}")
+    assert st.get("phase") == "Succeeded", f"{st}\n{events}"
+    assert st["step"] == steps and (st.get("runtime") or {}).get("resumedFromStep", 0) >= 3, st.get("runtime")
+    assert any(e.startswith("EndingStuckRun") for e in events), events
+    assert any(e.startswith(("ProgressDeadlineExceeded", "RuntimeUnresponsive")) for e in events), events

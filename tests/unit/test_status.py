@@ -103,6 +103,8 @@ CASES = [
     ("resumed on a new cluster", obs(ray_job=rayjob("Running", cluster="j-fghij"), ray_cluster=READY_CLUSTER,
                                      old_status={"runtime": {"state": "Failed", "rayCluster": "j-abcde"}}),
      "Running", "WaitingForRuntime"),
+    ("succeeded just before a suspension", obs(suspend=True, ray_job=rayjob("Suspending"), old_status={
+        "runtime": {"state": "Succeeded", "rayCluster": "j-abcde"}, "step": 10}), "Succeeded", "RuntimeSucceeded"),
     # Kueue owns the RayJob's suspend when queueName is set.
     ("kueue: queued", obs(queue_name="q", ray_job=KUEUE_HELD, workload=QUOTA_SHORT), "Pending", "Queued"),
     ("kueue: queued, no workload yet", obs(queue_name="q", ray_job=KUEUE_HELD), "Pending", "Queued"),
