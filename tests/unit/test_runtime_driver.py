@@ -304,3 +304,59 @@ def test_actors_get_spec_env_over_the_runtime_defaults_and_no_forced_offline_hub
     assert rt.env["TOKENIZERS_PARALLELISM"] == "true" and rt.env["X"] == "1"
     assert "HF_HUB_OFFLINE" not in rt.env and "TRANSFORMERS_OFFLINE" not in rt.env
     assert rt.env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # CPU job defaults still there
+
+
+# ------------------------------------------------------------------------------ watchdog, recovery bound
+def test_watchdog_fires_once_when_no_progress_within_the_live_deadline() -> None:
+    from tests.helpers import wait_for
+
+    deadline = [600.0]
+    fired: list[str] = []
+    w = drv.Watchdog(lambda: deadline[0], fired.append, poll_seconds=0.01)
+    w.start()
+    try:
+        w.doing("train step 3: trainer rank 0")
+        w.progress()
+        assert w.remaining() > 590 and not fired
+        deadline[0] = 0.2  # a live edit of spec.progressDeadlineSeconds
+        wait_for(lambda: fired, timeout=10, what="the watchdog", interval=0.01)
+    finally:
+        w.stop()
+    assert fired == [("no training step completed within spec.progressDeadlineSeconds (0.2 s); "
+                     "stuck in: train step 3: trainer rank 0")]
+    assert w.fired == fired[0]
+
+
+def test_watchdog_stays_quiet_while_steps_complete() -> None:
+    from tests.helpers import wait_for
+
+    fired: list[str] = []
+    w = drv.Watchdog(lambda: 0.5, fired.append, poll_seconds=0.01)
+    w.start()
+    beats = []
+    try:
+        def beat() -> bool:
+            w.progress()
+            beats.append(1)
+            return len(beats) >= 40
+
+        wait_for(beat, timeout=30, what="40 progress beats", interval=0.05)  # 2 s of steps every 0.05 s
+    finally:
+        w.stop()
+    assert not fired
+
+
+def test_in_run_recoveries_are_bounded(cluster: Cluster) -> None:
+    rt = runtime({"checkpoint": {"volume": "v", "path": "/ckpt"},
+                  "volumes": [{"name": "v", "emptyDir": {}}]})
+    rt.recoveries = drv.MAX_RECOVERIES
+    with pytest.raises(RuntimeError, match=r"engine 1 died during rollout of step 4: in-run recovery limit \(3\) "
+                                           r"reached, failing the run \(spec.backoffLimit"):
+        rt.recover(engines=[1], trainers=False, where="rollout of step 4", error=RuntimeError("actor died"))
+
+
+def test_a_dead_trainer_without_checkpoints_fails_the_run(cluster: Cluster) -> None:
+    rt = runtime({})
+    rt.trainers = [object()]
+    with pytest.raises(RuntimeError, match="trainer rank 0 died during train step 2 and spec.checkpoint is not set"):
+        rt.recover(engines=[], trainers=True, where="train step 2", error=RuntimeError("actor died"))

@@ -138,3 +138,110 @@ def test_reports_name_the_ray_cluster_they_come_from(monkeypatch) -> None:
     assert "rayCluster" not in status_patch("Running")["status"]["runtime"]
     monkeypatch.setenv("RAY_CLUSTER_NAME", "job-xyz")  # what KubeRay sets in every Ray container
     assert own_ray_cluster() == "job-xyz"
+
+
+def test_patch_carries_progress_time_and_observed_generation() -> None:
+    runtime = status_patch("Running", progress_time="2026-01-01T00:00:05Z", observed_generation=3,
+                           heartbeat="2026-01-01T00:00:09Z")["status"]["runtime"]
+    assert runtime == {"state": "Running", "heartbeatTime": "2026-01-01T00:00:09Z",
+                       "progressTime": "2026-01-01T00:00:05Z", "observedGeneration": 3}
+    assert {"progressTime", "observedGeneration"}.isdisjoint(status_patch("Running")["status"]["runtime"])
+
+
+class JobFakeAPI(FakeAPI):
+    """Also serves the job itself (``get`` on rlhfjobs/<name>: metadata.generation and spec)."""
+
+    def __init__(self, uid: str) -> None:
+        super().__init__(uid)
+        self.generation, self.spec = 1, {"algorithm": {"steps": 5}}
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        api, base = self, super().handler()
+
+        class H(base):  # type: ignore[misc, valid-type]
+            def do_GET(self) -> None:
+                if self.path != PATH.removesuffix("/status"):
+                    return super().do_GET()
+                api.requests.append(("GET", self.path, "", None))
+                obj = {"metadata": {"name": "job1", "namespace": "ns1", "uid": api.uid,
+                                    "generation": api.generation}, "spec": api.spec}
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        return H
+
+
+@pytest.fixture
+def job_api(tmp_path: Path) -> Iterator[tuple[JobFakeAPI, Path]]:
+    api = JobFakeAPI(uid="uid-1")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), api.handler())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+    }))
+    yield api, kubeconfig
+    server.shutdown()
+
+
+def test_heartbeats_keep_progress_time_and_the_hook_reads_the_live_job(job_api: tuple[JobFakeAPI, Path]) -> None:
+    from tests.helpers import wait_for
+
+    api, kubeconfig = job_api
+    reporter = Reporter(StatusClient("job1", "ns1", "uid-1", str(kubeconfig)), heartbeat_seconds=0.05)
+    progress = reporter.mark_progress()
+    seen: list[dict[str, Any]] = []
+
+    def on_beat() -> None:
+        job = reporter.live_job()
+        seen.append(job)
+        reporter.observed_generation = job["metadata"]["generation"]
+
+    api.generation = 4
+    reporter.start_heartbeat(on_beat=on_beat)
+    try:
+        wait_for(lambda: [r for r in api.requests if r[0] == "PATCH"], timeout=10, what="a heartbeat", interval=0.02)
+    finally:
+        reporter.close()
+    beat = next(r for r in api.requests if r[0] == "PATCH")[3]["status"]["runtime"]
+    assert beat["progressTime"] == progress and beat["observedGeneration"] == 4, beat
+    assert seen[0]["spec"] == {"algorithm": {"steps": 5}}
+    assert ("GET", PATH.removesuffix("/status"), "", None) in api.requests  # the job itself, by name
+
+
+def test_a_job_config_that_does_not_parse_is_reported_failed(job_api: tuple[JobFakeAPI, Path], tmp_path: Path) -> None:
+    from rlhf_runtime import driver
+
+    api, kubeconfig = job_api
+    bad = tmp_path / "job.json"
+    cases = {
+        "not json": '{"apiVersion": "rlhf.dev/v1alpha1", "name": "job1", "namespace": "ns1", "uid": "uid-1", spec',
+        "other version": json.dumps({"apiVersion": "rlhf.dev/v2", "name": "job1", "namespace": "ns1",
+                                     "uid": "uid-1", "spec": {}}),
+        "invalid value": json.dumps({"apiVersion": "rlhf.dev/v1alpha1", "name": "job1", "namespace": "ns1",
+                                     "uid": "uid-1", "spec": {"model": {"name": "m"}, "image": "i",
+                                                              "algorithm": {"steps": -1}}}),
+    }
+    messages = {}
+    for case, text in cases.items():
+        bad.write_text(text)
+        api.requests.clear()
+        progress = tmp_path / f"{case}.jsonl"
+        assert driver.main(["--config", str(bad), "--kubeconfig", str(kubeconfig),
+                            "--progress-file", str(progress)]) == 1
+        patch = [r for r in api.requests if r[0] == "PATCH"]
+        assert len(patch) == 1, (case, api.requests)
+        runtime = patch[0][3]["status"]["runtime"]
+        assert runtime["state"] == "Failed" and runtime["message"].startswith(f"invalid job config {bad}: ")
+        assert json.loads(progress.read_text())["runtime"] == runtime
+        messages[case] = runtime["message"]
+    assert "JSONDecodeError" in messages["not json"]
+    assert "'rlhf.dev/v2' is not 'rlhf.dev/v1alpha1'" in messages["other version"]
+    assert "algorithm.steps" in messages["invalid value"]
