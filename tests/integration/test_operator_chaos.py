@@ -458,3 +458,46 @@ def test_peered_replicas_under_churn_and_kills(cluster, capi, tmp_path) -> None:
         for op in (active, standby):
             op.kill(signal.SIGTERM)
         client.CoreV1Api(capi).delete_namespace(ns)
+
+
+# ---------------------------------------------------------------------------------- delete, no recreation
+def test_deleted_jobs_children_are_not_recreated(cluster, capi, tmp_path) -> None:
+    """Delete each job as soon as its RayJob exists (no kill): the garbage collector removes the children and
+    the operator must not make them again (each RayJob created once, per the audit log). Judged after the
+    operator has reconciled a live sentinel job many times since the deletions."""
+    ns = f"chaos-del-{uuid.uuid4().hex[:6]}"
+    client.CoreV1Api(capi).create_namespace({"metadata": {"name": ns}})
+    world, audit = World(capi, ns, random.Random(SEED + 2)), Audit(cluster.audit_log)
+    co = world.co
+    op = Operator(cluster, ["--namespace", ns], tmp_path / "op.log").start()
+    try:
+        for _ in range(7):
+            world.create()
+        sentinel, doomed = "job-00", [f"job-{i:02d}" for i in range(1, 7)]
+        for name in doomed:
+            wait_for(lambda name=name: co.list_namespaced_custom_object(
+                "ray.io", "v1", ns, "rayjobs", label_selector=f"rlhf.dev/job={name}")["items"], 120, f"{name} RayJob")
+            co.delete_namespaced_custom_object(m.GROUP, m.VERSION, ns, m.PLURAL, name)
+            world.want[name]["deleted"] = True
+        # The sentinel's reconciles read its RayJob (audited): 15 of them after the deletions is ~15 resyncs.
+        audit.operator_requests(ns)
+        reads = 0
+
+        def resynced() -> bool:
+            nonlocal reads
+            events, audit.offset = audit._read(audit.offset)
+            reads += sum(1 for e in events if e.get("userAgent", "").startswith(OPERATOR_UA) and e["verb"] == "get"
+                         and (e.get("objectRef") or {}).get("resource") == "rayjobs"
+                         and (e.get("objectRef") or {}).get("name") == sentinel)
+            return reads >= 15
+
+        wait_for(resynced, 120, "15 reconciles of the sentinel job after the deletions")
+        world.converge("deleted jobs gone, sentinel Running", timeout=180)
+        creates = audit.rayjob_creates(ns)
+        made = {n: dict(creates.get(n, {})) for n in doomed}
+        print(f"\n[delete] RayJob create requests per deleted job: {made}")
+        assert all(c.get(201, 0) <= 1 and not c.get(409) for c in made.values()), (
+            f"children of deleted jobs were created again: {made}; operator log {op.log}")
+    finally:
+        op.kill(signal.SIGTERM)
+        client.CoreV1Api(capi).delete_namespace(ns)
