@@ -40,6 +40,31 @@ driver's head pod), as the engines of an expert-parallel DP group meet at engine
 without prompts gets a one-token placeholder request.
 ``--debug-skip-tensor NAME`` leaves one tensor out of every sync, which validation must catch.
 
+No silent hang. Every driver -> actor call has a deadline: weight-sync group init, syncs, sleep/wake,
+pause/resume, validation and pid/world-size queries ``spec.weightSync.timeoutSeconds``; actor starts, rollouts,
+train steps and checkpoint saves what is left of ``spec.progressDeadlineSeconds``. Past it the run fails with
+the call and its actors, e.g. "weight sync: trainer rank 0 -> 2 engines did not finish within
+weightSync.timeoutSeconds=20s". The trainer's engine calls, the gloo weight-transfer group and the FSDP2
+process group are bounded by ``weightSync.timeoutSeconds`` too. A watchdog thread (``Watchdog``) fails the run
+when no progress (the start, a trainer resume, each completed step) happened within
+``spec.progressDeadlineSeconds``: "no training step completed within spec.progressDeadlineSeconds (N s);
+stuck in: <activity>", reported as runtime state Failed, exit status 1 (the main thread is interrupted; the
+process exits by itself if it does not stop within ``WATCHDOG_GRACE_SECONDS``).
+
+Live edits: at each step boundary and from the heartbeat thread the driver reads its RLHFJob and adopts
+``spec.algorithm.steps`` (the loop ends at the new total, raised or lowered) and
+``spec.progressDeadlineSeconds``; ``status.runtime.observedGeneration`` is the generation applied and
+``status.runtime.progressTime`` the last progress. A job.json that does not parse (JSON, another apiVersion,
+invalid values) is reported as Failed with the parse error into the job its raw JSON names; exit status 1.
+
+In-run recovery (``weightSync.mode: sync``, independent engines): an engine actor that dies is replaced on
+its placement bundle, the weight-sync group is re-created with the trainer and the weights resynced; a rollout
+it was generating re-runs only its part. A dead trainer rank restarts every rank, which resume from the newest
+checkpoint (rank 0 picks it for all ranks; without ``spec.checkpoint`` the run fails). The runtime message
+says what happened ("recovered: engine 1 died during rollout of step 5 ..."), the progress file counts
+``replacements``. At most ``MAX_RECOVERIES`` (3, ``RLHF_MAX_RECOVERIES``) per run; the next fault fails the run
+and KubeRay's ``backoffLimit`` decides on a retry. A hang (deadline) is never "recovered" in-run.
+
 Exit status: 0 succeeded, 1 failed, 3 validation failed.
 """
 
