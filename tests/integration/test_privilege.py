@@ -509,10 +509,34 @@ def run_scenario(cluster, api, ns: str, tmp: Path) -> None:
                   "big-trainer Pending, its message saying the free GPUs are fragmented (nodes and pods listed)")
     print(f"\n[{ns}] big-trainer: {st['message']}")
 
-    # edits: steps (ConfigMap patched), suspend and resume (RayJob patched; a queued job's Kueue Workload)
+    # edits: steps (ConfigMap patched), later suspend and resume (RayJob patched; a queued job's Kueue Workload)
     cust.patch_namespaced_custom_object(*grp, "with-data", {"spec": {"algorithm": {"steps": 150}}})
     wait_for(lambda: json.loads(core.read_namespaced_config_map("with-data-config", ns).data[naming.CONFIG_KEY])
              ["spec"]["algorithm"]["steps"] == 150, 60, "ConfigMap follows algorithm.steps")
+    # a stuck run: the runtime (with its own token) reports progress 20 min ago, past progressDeadlineSeconds plus
+    # the operator's grace; the operator deletes the run's Ray head pod once (Event EndingStuckRun)
+    cust.patch_namespaced_custom_object(*grp, "with-data", {"spec": {"progressDeadlineSeconds": 10}})
+
+    def head_pod_cluster() -> str | None:  # the current Ray cluster, once its head pod exists
+        name = (cust.get_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", "with-data").get("status") or {}
+                ).get("rayClusterName")
+        heads = core.list_namespaced_pod(ns, label_selector=f"ray.io/cluster={name},ray.io/node-type=head").items
+        return name if name and heads else None
+
+    cluster_name = wait_for(head_pod_cluster, 120, "the run's Ray cluster and head pod")
+    kc = cluster.token_kubeconfig(ns, "with-data-runtime", tmp / f"{ns}-with-data-runtime.kubeconfig")
+    old = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=20)).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    StatusClient("with-data", ns, get_job(api, ns, "with-data")["metadata"]["uid"], kubeconfig=str(kc)).patch(
+        status_patch("Running", ray_cluster=cluster_name, progress_time=old))
+    try:
+        wait_for(lambda: any(e.reason == "EndingStuckRun" for e in core.list_namespaced_event(
+            ns, field_selector="involvedObject.name=with-data").items), 60, "the operator ending the stuck run")
+    except AssertionError as e:
+        evs = core.list_namespaced_event(ns, field_selector="involvedObject.name=with-data").items
+        raise AssertionError(f"{e}\nreported for Ray cluster {cluster_name}; RayJob now: "
+                             f"{cust.get_namespaced_custom_object('ray.io', 'v1', ns, 'rayjobs', 'with-data')['status']}"
+                             f"\nevents of with-data:\n" + "\n".join(
+                                 f"{x.count}x {x.reason}: {x.message}" for x in evs)) from None
     for suspend in (True, False):
         cust.patch_namespaced_custom_object(*grp, "with-data", {"spec": {"suspend": suspend}})
         wait_for(lambda s=suspend: cust.get_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", "with-data")
@@ -522,36 +546,18 @@ def run_scenario(cluster, api, ns: str, tmp: Path) -> None:
         cust.patch_namespaced_custom_object(*grp, "queued", {"spec": {"suspend": True}})
         wait_for(lambda: workloads(api, ns)[0]["spec"].get("active", True) is False, 60,
                  "the queued job's Workload deactivated by the operator")
-    # a stuck run: the runtime (with its own token) reports progress 20 min ago, past progressDeadlineSeconds plus
-    # the operator's grace; the operator deletes the run's Ray head pod once (Event EndingStuckRun)
-    cust.patch_namespaced_custom_object(*grp, "with-data", {"spec": {"progressDeadlineSeconds": 10}})
-
-    def head_pod_cluster() -> str | None:  # after the resume KubeRay makes a new Ray cluster: wait for its head pod
-        name = (cust.get_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", "with-data").get("status") or {}
-                ).get("rayClusterName")
-        heads = core.list_namespaced_pod(ns, label_selector=f"ray.io/cluster={name},ray.io/node-type=head").items
-        return name if name and heads else None
-
-    cluster_name = wait_for(head_pod_cluster, 120, "the resumed run's Ray cluster and head pod")
-    kc = cluster.token_kubeconfig(ns, "with-data-runtime", tmp / f"{ns}-with-data-runtime.kubeconfig")
-    old = (dt.datetime.now(dt.UTC) - dt.timedelta(minutes=20)).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-    StatusClient("with-data", ns, get_job(api, ns, "with-data")["metadata"]["uid"], kubeconfig=str(kc)).patch(
-        status_patch("Running", ray_cluster=cluster_name, progress_time=old))
-    wait_for(lambda: any(e.reason == "EndingStuckRun" for e in core.list_namespaced_event(
-        ns, field_selector="involvedObject.name=with-data").items), 60, "the operator ending the stuck run")
-    # a hand-edited Role and RoleBinding: the operator restores them (asserted by their own test)
+    # a hand-edited Role, then RoleBinding: the operator restores them (asserted by their own test). One after the
+    # other: a RoleBinding update while its Role holds a rule the operator lacks is refused by RBAC (escalation)
     rb = client.RbacAuthorizationV1Api(api)
     want = rendered_rbac(api, ns, "with-data")
     rb.patch_namespaced_role("with-data-runtime", ns, {"rules": [
         *want["Role"]["rules"], {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
+    wait_for(lambda: canon(live(api, "Role", ns, "with-data-runtime")["rules"]) == canon(want["Role"]["rules"]),
+             30, "Role restored")
     rb.patch_namespaced_role_binding("with-data-runtime", ns, {"subjects": [
         *want["RoleBinding"]["subjects"], {"kind": "ServiceAccount", "name": "default", "namespace": ns}]})
-    try:
-        wait_for(lambda: canon(live(api, "Role", ns, "with-data-runtime")["rules"]) == canon(want["Role"]["rules"])
-                 and canon(live(api, "RoleBinding", ns, "with-data-runtime")["subjects"])
-                 == canon(want["RoleBinding"]["subjects"]), 30, "Role and RoleBinding restored")
-    except AssertionError as e:
-        print(f"\nnot restored: {e}")
+    wait_for(lambda: canon(live(api, "RoleBinding", ns, "with-data-runtime")["subjects"])
+             == canon(want["RoleBinding"]["subjects"]), 30, "RoleBinding restored")
 
     # delete: Kopf removes its finalizer, owner references remove the children
     for name in names:
