@@ -217,3 +217,34 @@ def test_trainer_killed_restarts_from_the_newest_checkpoint(tiny_model: Path, tm
     assert actors(run)[-1]["trainers"][0] != victim
     print(f"trainer kill: resumed from step {newest[0]} in {rec['seconds']:.1f}s, Succeeded "
           f"{finished_after:.1f}s after the kill; steps {steps}")
+
+
+def test_engine_killed_while_the_trainer_trains_is_replaced_at_the_next_sync(tiny_model: Path, tmp_path: Path) -> None:
+    # Long training steps: the kill lands while the trainer trains; the next weight sync finds the engine dead.
+    spec = job_config(tiny_model, algorithm={"steps": 5, "epochsPerStep": 16})
+    cfg = write_config(tmp_path / "job.json", spec)
+    run = start_driver(tmp_path, cfg)
+    try:
+        wait_steps(run, 2, timeout=240, interval=0.01)
+        n = len(run.steps())
+        wait_for(lambda: len(run.steps()) > n, timeout=60, what="the next step", interval=0.005)
+        trainer, victim = actors(run)[-1]["trainers"][0], actors(run)[-1]["engines"][0]
+        before = cpu_ticks(trainer)
+        wait_for(lambda: cpu_ticks(trainer) - before >= 20, timeout=60, what="the trainer training", interval=0.01)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        assert run.wait(timeout=300) == 0, run.tail()
+        finished_after = time.monotonic() - killed
+    finally:
+        run.kill_group()
+    records = run.records()
+    recoveries = [r["recovery"] for r in records if "recovery" in r]
+    assert len(recoveries) == 1, recoveries
+    rec = recoveries[0]
+    assert rec["engines"] == [0] and not rec["trainers"], rec
+    assert rec["where"].startswith("weight sync: trainer rank 0 -> engine 0"), rec
+    assert records[-1]["runtime"]["state"] == "Succeeded"
+    assert records[-1]["replacements"] == {"engines": 1, "trainers": 0}
+    assert records[-1]["rerun_prompts"] == 0  # no rollout was lost: the step ran again from its sync
+    assert [r["step"] for r in run.steps()] == list(range(1, 6))
+    print(f"engine kill before a sync: recovered in {rec['seconds']:.1f}s, Succeeded {finished_after:.1f}s after")
