@@ -83,16 +83,19 @@ class History:
 
     def _run(self) -> None:
         co = client.CustomObjectsApi(self._api)
+        rv = None  # a re-opened watch goes on from the last event seen, so no write falls between two watches
         while not self._stop.is_set():
             try:
                 for ev in self._w.stream(co.list_namespaced_custom_object, m.GROUP, m.VERSION, self._ns, m.PLURAL,
-                                         timeout_seconds=30):
+                                         timeout_seconds=30, **({"resource_version": rv} if rv else {})):
                     obj = ev["object"]
+                    rv = obj["metadata"]["resourceVersion"]
                     entry = ((obj.get("status") or {}).get("phase"), cond(obj, "Ready").get("reason"))
                     log = self.seen[obj["metadata"]["name"]]
                     if entry[0] and (not log or log[-1] != entry):
                         log.append(entry)
-            except Exception:  # noqa: BLE001 - the watch is re-opened until stopped
+            except Exception:  # noqa: BLE001 - the watch is re-opened until stopped (a list again after 410 Gone)
+                rv = None
                 if self._stop.is_set():
                     return
 
