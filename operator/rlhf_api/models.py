@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
@@ -78,7 +78,13 @@ class Optimizer(Model):
 
 
 CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"
-MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$"
+MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+#: A Kubernetes label value (the rendered pods and RayJob carry these as labels or node selectors).
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+#: A Kubernetes label key: an optional DNS-subdomain prefix and a name of at most 63 characters.
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+INT32_MAX = 2**31 - 1
 
 
 class Resources(Model):
@@ -172,7 +178,8 @@ class Placement(Model):
     )
     gpu_product: str | None = Field(
         None,
-        max_length=128,
+        max_length=63,
+        pattern=LABEL_VALUE_PATTERN,
         description="If set, pods select nodes labelled nvidia.com/gpu.product=<value> (e.g. NVIDIA-H100-80GB-HBM3).",
     )
 
@@ -266,7 +273,7 @@ class Algorithm(Model):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to a frozen reference policy; 0 disables the reference.")
     clip_ratio: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip epsilon.")
     epochs_per_step: int = Field(1, ge=1, le=64, description="Optimiser passes over each rollout batch.")
-    seed: int = Field(0, ge=0, description="Seed for data order, sampling and init.")
+    seed: int = Field(0, ge=0, le=INT32_MAX, description="Seed for data order, sampling and init.")
 
 
 # ------------------------------------------------------------------------------------------ data/reward
@@ -338,6 +345,12 @@ class Checkpoint(Model):
 
 # ------------------------------------------------------------------------------------------ scheduling
 class Toleration(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("has(self.key) || (has(self.operator) && self.operator == 'Exists')",
+            "a toleration without a key must have operator Exists (it then tolerates every taint)"),
+        cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            "a toleration with operator Exists must not have a value", fieldPath=".value"),
+    ]})
     key: str | None = Field(None, description="Taint key.")
     operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal.")
     value: str | None = Field(None, description="Taint value.")
@@ -346,11 +359,18 @@ class Toleration(Model):
 
 
 class Scheduling(Model):
-    node_selector: dict[str, str] | None = Field(None, description="Node labels every pod of the job requires.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] | None = Field(
+        None,
+        description="Node labels every pod of the job requires.",
+        json_schema_extra={"maxProperties": 64, "x-kubernetes-validations": [cel(
+            "self.all(k, size(k) <= 316 && k.matches('" + LABEL_KEY_PATTERN.replace("\\", "\\\\") + "'))",
+            "scheduling.nodeSelector keys must be label keys ([prefix/]name, name at most 63 characters of "
+            "letters, digits, '-', '_', '.')")]},
+    )
     tolerations: list[Toleration] | None = Field(None, max_length=64, description="Tolerations for every pod.")
     priority_class_name: str | None = Field(None, max_length=253, description="PriorityClass for every pod.")
     queue_name: str | None = Field(
-        None, max_length=253,
+        None, max_length=63, pattern=LABEL_VALUE_PATTERN,
         description="Kueue LocalQueue: the RayJob is created suspended with label kueue.x-k8s.io/queue-name and runs "
         "when Kueue admits it (phase Pending, reason Queued, until then; Suspended, reason Preempted, if Kueue "
         "preempts it later, until it is admitted again).",
@@ -469,9 +489,9 @@ class RLHFJobSpec(Model):
         "(admission, preemption) and this field deactivates the job's Kueue Workload instead.",
     )
     ttl_seconds_after_finished: int | None = Field(
-        None, ge=0, description="Delete the Ray cluster this long after the job finished (status is kept)."
+        None, ge=0, le=INT32_MAX, description="Delete the Ray cluster this long after the job finished (status is kept)."
     )
-    active_deadline_seconds: int | None = Field(None, ge=1, description="Fail the job after this many seconds.")
+    active_deadline_seconds: int | None = Field(None, ge=1, le=INT32_MAX, description="Fail the job after this many seconds.")
     backoff_limit: int = Field(
         0, ge=0, le=100,
         description="How many times a failed run is retried before the job is Failed: a crashed driver, a lost "

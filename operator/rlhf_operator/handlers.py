@@ -9,8 +9,10 @@ No create/update handlers: Kopf then keeps no progress annotations, so an unchan
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
+import threading
 from typing import Any
 
 import kopf
@@ -39,6 +41,14 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """Authenticate Kopf exactly like our own client (in-cluster ServiceAccount, else KUBECONFIG)."""
     kube.api()  # loads the configuration once
     return kopf.login_via_client(**kwargs)
+
+
+def _api_message(e: ApiException) -> str:
+    """The apiserver's own message of a refused request."""
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)[:900]
+    except (ValueError, AttributeError):
+        return f"{e.status} {e.reason}"
 
 
 def _spec_error(e: ValidationError) -> str:
@@ -139,7 +149,13 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
         if not obs.kuberay_missing:
             job = render.Job(name, ns, meta["uid"], spec)
             if old_status.get("phase") not in status.TERMINAL or _invalid_before(old_status):
-                obs.ray_job = _ensure_children(job, body)
+                try:
+                    obs.ray_job = _ensure_children(job, body)
+                except ApiException as e:
+                    if e.status not in (400, 422):
+                        raise
+                    # refused for good (e.g. a value the RayJob's schema does not take): say so, do not retry-loop
+                    obs.child_rejected = _api_message(e)
                 obs.workload = _kueue_workload(job, obs.ray_job, body)
             else:
                 obs.ray_job = kube.get_ray_job(ns, names.ray_job)
@@ -204,8 +220,10 @@ def _end_stuck_run(obs: status.Observed, body: Any) -> None:
         return
     head = next((p for p in obs.pods if (p.get("metadata") or {}).get("labels", {}).get("ray.io/node-type") == "head"
                  and not p["metadata"].get("deletionTimestamp")), None)
-    if head is None:
-        return
+    reported = status.parse_time((obs.old_status.get("runtime") or {}).get("heartbeatTime"))
+    created = status.parse_time((head or {}).get("metadata", {}).get("creationTimestamp"))
+    if head is None or not reported or not created or created > reported:
+        return  # a head pod newer than the last report runs a run that has not reported yet: not the stuck one
     kube.delete_pod(head["metadata"]["namespace"], head["metadata"]["name"])
     _event(body, "EndingStuckRun", f"{why}: deleted the Ray head pod {head['metadata']['name']} so that the run "
            "fails and is retried or failed per spec.backoffLimit", warning=True)
@@ -224,41 +242,55 @@ def _data_missing(ns: str, spec: m.RLHFJobSpec) -> str | None:
     return None
 
 
-def _safe_reconcile(body: Any) -> None:
-    try:
-        reconcile(body)
-        metrics.RECONCILES.labels("ok").inc()
-    except ApiException as e:
-        metrics.RECONCILES.labels("api_error").inc()
-        # Transient API trouble (conflict, throttling, apiserver restart): retry on the next trigger.
-        raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
+#: One lock per job: a job's reconciles never overlap (an RLHFJob event, a RayJob event and the resync timer may
+#: fire together), and each starts from a fresh read of the RLHFJob, so no decision is taken on an older body
+#: than the one the previous reconcile saw (a stale ``suspend`` would flap the RayJob; a stale body of a deleted
+#: job would create its children again).
+_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _job_lock(ns: str, name: str) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault((ns, name), threading.Lock())
+
+
+def _safe_reconcile(ns: str, name: str, uid: str | None = None) -> None:
+    with _job_lock(ns, name):
+        try:
+            body = kube.get_rlhfjob(ns, name)
+            if body is None or (uid and body["metadata"]["uid"] != uid):
+                return  # deleted (or deleted and re-created: the new one gets its own events)
+            reconcile(body)
+            metrics.RECONCILES.labels("ok").inc()
+        except ApiException as e:
+            metrics.RECONCILES.labels("api_error").inc()
+            # Transient API trouble (conflict, throttling, apiserver restart): retry on the next trigger.
+            raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
 
 
 @kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
 def rlhfjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if type == "DELETED":
-        metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
+        metrics.forget(ns, name)
+        with _LOCKS_GUARD:
+            _LOCKS.pop((ns, name), None)
         return
-    _safe_reconcile(body)
+    _safe_reconcile(ns, name, body["metadata"].get("uid"))
 
 
 @kopf.timer(m.GROUP, m.VERSION, m.PLURAL, interval=RESYNC_SECONDS, sharp=False)
 def rlhfjob_resync(body: kopf.Body, **_: Any) -> None:
-    _safe_reconcile(body)
+    _safe_reconcile(body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid"))
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels={naming.LABEL_JOB: kopf.PRESENT})
 def rayjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     """A RayJob changed: reconcile its RLHFJob now instead of at the next resync."""
     owner = body["metadata"]["labels"][naming.LABEL_JOB]
-    ns = body["metadata"]["namespace"]
-    try:
-        job = kube.custom().get_namespaced_custom_object(m.GROUP, m.VERSION, ns, m.PLURAL, owner)
-    except ApiException as e:
-        if e.status == 404:
-            return
-        raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
-    _safe_reconcile(job)
+    uid = next((r.get("uid") for r in body["metadata"].get("ownerReferences") or [] if r.get("kind") == m.KIND), None)
+    _safe_reconcile(body["metadata"]["namespace"], owner, uid)
 
 
 @kopf.on.probe(id="kuberay")

@@ -107,6 +107,10 @@ def ensure_object(body: dict[str, Any]) -> str | None:
     return "updated"
 
 
+def get_rlhfjob(ns: str, name: str) -> dict[str, Any] | None:
+    return _missing_ok(custom().get_namespaced_custom_object, m.GROUP, m.VERSION, ns, m.PLURAL, name)
+
+
 def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:
     return _missing_ok(custom().get_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayjobs", name)
 

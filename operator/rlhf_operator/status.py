@@ -25,7 +25,7 @@ from typing import Any
 
 TERMINAL = ("Succeeded", "Failed")
 #: Non-terminal reasons that need a human: kstatus Stalled=True, Argo CD Degraded.
-STALLED_REASONS = ("Unschedulable", "KubeRayMissing", "PodCreationFailed", "InvalidSpec", "ProgressDeadlineExceeded",
+STALLED_REASONS = ("Unschedulable", "KubeRayMissing", "PodCreationFailed", "InvalidSpec", "ChildRejected", "ProgressDeadlineExceeded",
                    "RuntimeUnresponsive")
 #: A runtime that has not reported for this long (its heartbeat is every 15 s) is unresponsive.
 HEARTBEAT_TIMEOUT_SECONDS = 120
@@ -40,6 +40,7 @@ class Observed:
     invalid: str | None = None  # why the spec is invalid (defence behind admission), else None
     kuberay_missing: str | None = None  # why KubeRay cannot be used, else None
     data_missing: str | None = None  # why spec.data.configMap cannot be mounted, else None
+    child_rejected: str | None = None  # the apiserver refused a child object (its message), else None
     ray_job: dict[str, Any] | None = None
     ray_cluster: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
@@ -145,7 +146,7 @@ def _kueue_hold(obs: Observed) -> Verdict | None:
     return Verdict("Pending", "Queued", f"waiting for Kueue to admit the job in LocalQueue {obs.queue_name}")
 
 
-def _parse_time(value: Any) -> datetime | None:
+def parse_time(value: Any) -> datetime | None:
     if not value:
         return None
     try:
@@ -169,7 +170,7 @@ def stuck_run(obs: Observed) -> str | None:
         return None
     if runtime.get("state") not in ("Starting", "Running") or obs.suspend:
         return None
-    progress, heartbeat = _parse_time(runtime.get("progressTime")), _parse_time(runtime.get("heartbeatTime"))
+    progress, heartbeat = parse_time(runtime.get("progressTime")), parse_time(runtime.get("heartbeatTime"))
     if progress and obs.progress_deadline:
         idle = (obs.now - progress).total_seconds()
         if idle > obs.progress_deadline + RESTART_GRACE_SECONDS:
@@ -184,8 +185,8 @@ def _no_progress(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
     """A live runtime that completed no step within spec.progressDeadlineSeconds, or stopped reporting."""
     if obs.now is None:
         return None
-    heartbeat = _parse_time(runtime.get("heartbeatTime"))
-    progress = _parse_time(runtime.get("progressTime"))
+    heartbeat = parse_time(runtime.get("heartbeatTime"))
+    progress = parse_time(runtime.get("progressTime"))
     if progress and obs.progress_deadline and (obs.now - progress).total_seconds() > obs.progress_deadline:
         return Verdict("Running", "ProgressDeadlineExceeded",
                        f"no training step completed within spec.progressDeadlineSeconds ({obs.progress_deadline} s): "
@@ -220,6 +221,9 @@ def verdict(obs: Observed) -> Verdict:
         return Verdict(old_phase, ready.get("reason") or old_phase, obs.old_status.get("message") or "")
     if obs.invalid:
         return Verdict("Pending", "InvalidSpec", f"{obs.invalid}: fix the spec and the job proceeds")
+    if obs.child_rejected:
+        return Verdict("Pending", "ChildRejected", f"the apiserver refused an object made from the spec: "
+                       f"{obs.child_rejected}")
     runtime = obs.old_status.get("runtime") or {}
     if obs.ray_job is not None and _stale(runtime, obs.ray_job):
         runtime = {}  # a report of the run before a retry or a suspension: the new run has not reported yet

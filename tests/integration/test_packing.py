@@ -54,15 +54,18 @@ def big_job(name: str, prefix: str) -> dict:
 
 
 def test_worker_pods_pack_so_a_whole_node_stays_free(cluster, api, operator, namespace, pool) -> None:
-    prefix, nodes = pool
+    prefix, _ = pool
     small = pinned(load_sample("separate-nccl-tp2"), prefix)  # 1 trainer GPU + 1 engine x TP2 = 3 GPUs
     small["metadata"]["name"] = "small"
     apply(cluster, small, namespace)
     wait_for(lambda: (get_job(api, namespace, "small").get("status") or {}).get("phase") == "Running", 180,
              "the 3-GPU job Running")
     apply(cluster, big_job("big", prefix), namespace)
-    j = wait_for(lambda: (lambda j: j if (j.get("status") or {}).get("phase") == "Running" else None)(
-        get_job(api, namespace, "big")), 240, "the 16-GPU job Running on 4 x 8 GPUs with 3 taken")
+    def running():
+        j = get_job(api, namespace, "big")
+        return j if (j.get("status") or {}).get("phase") == "Running" else None
+
+    j = wait_for(running, 240, "the 16-GPU job Running on 4 x 8 GPUs with 3 taken")
     assert condition(j, "PodsScheduled")["status"] == "True"
     big = [p for p in ray_pods(api, namespace) if p.metadata.labels.get("rlhf.dev/job") == "big" and gpus(p)]
     by_role: dict[str, set[str]] = {}

@@ -52,6 +52,8 @@ CASES = [
     ("no rayjob yet", obs(), "Pending", "CreatingRayJob"),
     ("kuberay missing", obs(kuberay_missing="KubeRay CRDs missing"), "Pending", "KubeRayMissing"),
     ("invalid spec", obs(invalid="spec.x: bad"), "Pending", "InvalidSpec"),
+    ("child refused", obs(child_rejected='RayJob.ray.io "j" is invalid: spec.x: Invalid value'), "Pending",
+     "ChildRejected"),
     ("invalid spec fixed (written Failed by an older operator)", obs(
         old_status={"phase": "Failed", "conditions": [{"type": "Ready", "status": "False", "reason": "InvalidSpec",
                                                   "lastTransitionTime": "2026-11-22T11:00:00Z"}]}),
