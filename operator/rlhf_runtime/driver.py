@@ -62,7 +62,7 @@ its placement bundle, the weight-sync group is re-created with the trainer and t
 it was generating re-runs only its part. A dead trainer rank restarts every rank, which resume from the newest
 checkpoint (rank 0 picks it for all ranks; without ``spec.checkpoint`` the run fails). The runtime message
 says what happened ("recovered: engine 1 died during rollout of step 5 ..."), the progress file counts
-``replacements``. At most ``MAX_RECOVERIES`` (3, ``RLHF_MAX_RECOVERIES``) per run; the next fault fails the run
+``replacements``. At most ``MAX_RECOVERIES`` (3; ``RLHF_MAX_RECOVERIES``, 0 turns it off) per run; the next fault fails the run
 and KubeRay's ``backoffLimit`` decides on a retry. A hang (deadline) is never "recovered" in-run.
 
 Exit status: 0 succeeded, 1 failed, 3 validation failed.
@@ -101,8 +101,13 @@ EXIT_FAILED, EXIT_VALIDATION = 1, 3
 #: Consecutive ports a vLLM data-parallel group uses from its master port (engine and worker groups).
 DP_PORTS = 16
 #: In-run recoveries (engines replaced, trainers restarted) per run; one more fault fails the run and KubeRay's
-#: backoffLimit decides on a retry (a new Ray cluster).
-MAX_RECOVERIES = int(os.environ.get("RLHF_MAX_RECOVERIES", "3"))
+#: backoffLimit decides on a retry (a new Ray cluster). ``RLHF_MAX_RECOVERIES`` (e.g. in spec.env) overrides it;
+#: 0 turns in-run recovery off.
+MAX_RECOVERIES = 3
+
+
+def max_recoveries() -> int:
+    return int(os.environ.get("RLHF_MAX_RECOVERIES", str(MAX_RECOVERIES)))
 #: How long a liveness probe of an actor may take; one that does not answer is busy or stopped, not dead.
 PROBE_SECONDS = 10.0
 #: After the progress watchdog fired: time the main thread gets to report and clean up before the process exits.
@@ -566,20 +571,21 @@ class Runtime:
     def recover(self, engines: list[int], trainers: bool, where: str, error: BaseException) -> None:
         """Replace dead engines (same placement bundle) and, with ``trainers``, restart every trainer rank (they
         resume from the newest checkpoint); then re-create the weight-sync group and resync. At most
-        ``MAX_RECOVERIES`` per run; past that the run fails and KubeRay's backoffLimit takes over."""
+        ``max_recoveries()`` per run; past that the run fails and KubeRay's backoffLimit takes over."""
         self.recoveries += 1
+        limit = max_recoveries()
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         cause = f"{type(error).__name__}: {first[:200]}"
         dead = ", ".join(([self._trainers_desc()] if trainers else []) + [f"engine {i}" for i in engines])
-        if self.recoveries > MAX_RECOVERIES:
+        if self.recoveries > limit:
             raise RuntimeError(
-                f"{dead} died during {where}: in-run recovery limit ({MAX_RECOVERIES}) reached, failing the run "
+                f"{dead} died during {where}: in-run recovery limit ({limit}) reached, failing the run "
                 f"(spec.backoffLimit decides on a retry): {cause}"
             ) from error
         if trainers and self.spec.checkpoint is None:
             raise RuntimeError(f"{dead} died during {where} and spec.checkpoint is not set: no state to resume "
                                f"the trainer from, failing the run: {cause}") from error
-        log.warning("%s died during %s (%s): recovering (%d/%d)", dead, where, cause, self.recoveries, MAX_RECOVERIES)
+        log.warning("%s died during %s (%s): recovering (%d/%d)", dead, where, cause, self.recoveries, limit)
         t0 = time.monotonic()
         actions = []
         if trainers:
@@ -604,7 +610,7 @@ class Runtime:
         seconds = time.monotonic() - t0
         actions.append("weight-sync group re-created and weights resynced")
         msg = (f"recovered: {dead} died during {where} ({cause}); {'; '.join(actions)} in {seconds:.1f}s "
-               f"(recovery {self.recoveries}/{MAX_RECOVERIES})")
+               f"(recovery {self.recoveries}/{limit})")
         log.warning("%s", msg)
         if trainers:  # a resume: progress is counted from it
             self.watchdog.progress()

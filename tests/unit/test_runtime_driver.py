@@ -360,3 +360,10 @@ def test_a_dead_trainer_without_checkpoints_fails_the_run(cluster: Cluster) -> N
     rt.trainers = [object()]
     with pytest.raises(RuntimeError, match="trainer rank 0 died during train step 2 and spec.checkpoint is not set"):
         rt.recover(engines=[], trainers=True, where="train step 2", error=RuntimeError("actor died"))
+
+
+def test_rlhf_max_recoveries_0_turns_in_run_recovery_off(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLHF_MAX_RECOVERIES", "0")  # e.g. through spec.env: every fault goes to backoffLimit
+    rt = runtime({})
+    with pytest.raises(RuntimeError, match=r"engine 0 died during weight sync: in-run recovery limit \(0\) reached"):
+        rt.recover(engines=[0], trainers=False, where="weight sync", error=RuntimeError("actor died"))
