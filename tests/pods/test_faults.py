@@ -131,8 +131,10 @@ def test_frozen_driver_is_ended_and_the_run_retried(real_cluster, rapi, operator
     _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
           lambda: (status(rapi, ns, "frozen").get("step") or 0) >= 4, 900)
     head = next(p for p in pods(rapi, ns, "ray.io/node-type=head") if p.status.phase == "Running")
-    stop = ("for p in /proc/[0-9]*; do if tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q rlhf_runtime.driver; "
-            "then kill -STOP ${p#/proc/} && echo stopped ${p#/proc/}; fi; done")
+    # every process of the driver (not this shell, whose own command line names it too)
+    stop = ('for p in /proc/[0-9]*; do n=${p#/proc/}; [ "$n" = "$$" ] && continue; '
+            "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in *'for p in'*) ;; "
+            '*rlhf_runtime.driver*) kill -STOP $n && echo stopped $n;; esac; done')
     out = real_cluster.kubectl("exec", "-n", ns, head.metadata.name, "-c", "ray-head", "--", "sh", "-c", stop)
     assert "stopped" in out.stdout, out.stdout + out.stderr
     t0 = time.monotonic()
