@@ -134,22 +134,15 @@ class Trainer:
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
         """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``)
-        and broadcasts its step, so all FSDP ranks load the same step even when a save commits (or a torn one is
+        and broadcasts it (``checkpoint.agree``), so all FSDP ranks load the same step even when a save commits (or a torn one is
         cleaned up) between the ranks' own looks at the directory. ``None``: start from the base model."""
         c = self.spec.checkpoint
         if c is None:
             return None
-        found = ckpt.latest(c.path) if self.rank == 0 else None
-        if self.world_size == 1:
+        found = ckpt.agree(ckpt.latest(c.path) if self.rank == 0 else None, self.rank)  # a collective
+        if found is None or self.world_size == 1:
             return found
-        import torch.distributed as dist
-
-        box: list[Any] = [found[0] if found else None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return None
-        step = int(box[0])
-        path = ckpt.step_dir(c.path, step)
+        step, path = found
         if not path.is_dir():
             raise RuntimeError(
                 f"trainer rank {self.rank}: checkpoint step {step} chosen by rank 0 is not at {path} here: "
