@@ -596,6 +596,10 @@ class Runtime:
             self.done, self.resumed = int(info["step"]), info["resumed_from"]
             self.replacements["trainers"] += 1
             actions.append(f"trainers restarted, resumed from checkpoint step {self.resumed}")
+            # a restart like a retried run's (the operator shows Resuming): Starting with the resumed step
+            self.reporter.report("Starting", step=self.done, resumed_from_step=self.resumed, message=(
+                f"resumed from checkpoint step {self.resumed} after {dead} died during {where} "
+                f"(in-run recovery {self.recoveries}/{limit})"))
         for i in engines:
             self._kill(self.engines[i])
             self.engines[i] = self._make_engine(i)

@@ -210,6 +210,10 @@ def test_trainer_killed_restarts_from_the_newest_checkpoint(tiny_model: Path, tm
     assert records[-1]["runtime"]["state"] == "Succeeded"
     assert records[-1]["runtime"]["resumedFromStep"] == newest[0]
     assert records[-1]["replacements"] == {"engines": 0, "trainers": 1}
+    restart = [r["runtime"] for r in records
+               if r.get("runtime", {}).get("state") == "Starting" and "recovery" in r["runtime"].get("message", "")]
+    assert restart and restart[0]["resumedFromStep"] == newest[0], restart  # shown as Resuming by the operator
+    assert restart[0]["message"].startswith(f"resumed from checkpoint step {newest[0]} after trainer rank 0 died")
     at = next(k for k, r in enumerate(records) if "recovery" in r)
     after = [r["step"] for r in records[at + 1:] if "throughput" in r and r["runtime"]["state"] == "Running"]
     assert after == list(range(newest[0] + 1, 11)), after  # the counter continues from the checkpoint
