@@ -499,6 +499,14 @@ class RLHFJobSpec(Model):
         "backoffLimit) and, with spec.checkpoint, resumes from the newest checkpoint; without one it starts "
         "over. 0 (the default): the first failure is final.",
     )
+    in_run_recoveries: int = Field(
+        3, ge=0, le=100,
+        description="How many faults one run repairs in place: an engine actor that died is replaced (same GPUs) "
+        "and resynced, and only its part of the rollout re-runs; a dead trainer restarts every rank from the newest "
+        "checkpoint (needs spec.checkpoint). The next fault fails the run, and spec.backoffLimit decides on a retry "
+        "on a new Ray cluster. 0: every fault fails the run. Hangs are never repaired in place "
+        "(spec.progressDeadlineSeconds).",
+    )
     progress_deadline_seconds: int = Field(
         1800, ge=10, le=7 * 24 * 3600,
         description="Longest time a running job may go without completing a training step (counted from the "
@@ -612,6 +620,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("weightSync", "validate"), False),
     (("weightSync", "timeoutSeconds"), 600),
     (("progressDeadlineSeconds",), 1800),
+    (("inRunRecoveries",), 3),
 )
 
 

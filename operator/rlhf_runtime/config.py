@@ -73,6 +73,21 @@ def identity(path: str | os.PathLike[str] | None = None) -> tuple[str | None, st
     return get("name"), get("namespace"), get("uid")
 
 
+def check_model_path(name: str) -> None:
+    """A model named by a local path (``/...`` or ``./...``) must be a directory with ``config.json``: say so before
+    the hub client reads the path as a malformed repository id."""
+    if not name.startswith(("/", ".")):
+        return
+    path = Path(name)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"spec.model.name {name} does not exist: a local model must be a directory with config.json and the "
+            "tokenizer files, on a volume mounted in every pod (spec.volumes, spec.volumeMounts)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"spec.model.name {name} has no config.json: it is not a Hugging Face model directory")
+
+
 def spec_env(spec: RLHFJobSpec) -> dict[str, str]:
     """``spec.env`` as a dict: the operator puts it into every container; the runtime applies it to its own
     process and its actors too, so a local run (``--local``, no pod) sees the same environment."""

@@ -62,8 +62,8 @@ its placement bundle, the weight-sync group is re-created with the trainer and t
 it was generating re-runs only its part. A dead trainer rank restarts every rank, which resume from the newest
 checkpoint (rank 0 picks it for all ranks; without ``spec.checkpoint`` the run fails). The runtime message
 says what happened ("recovered: engine 1 died during rollout of step 5 ..."), the progress file counts
-``replacements``. At most ``MAX_RECOVERIES`` (3; ``RLHF_MAX_RECOVERIES``, 0 turns it off) per run; the next fault fails the run
-and KubeRay's ``backoffLimit`` decides on a retry. A hang (deadline) is never "recovered" in-run.
+``replacements``. At most ``spec.inRunRecoveries`` (default 3; 0 turns it off) per run; the next fault fails the
+run and KubeRay's ``backoffLimit`` decides on a retry. A hang (deadline) is never "recovered" in-run.
 
 Exit status: 0 succeeded, 1 failed, 3 validation failed.
 """
@@ -100,14 +100,6 @@ EXIT_FAILED, EXIT_VALIDATION = 1, 3
 
 #: Consecutive ports a vLLM data-parallel group uses from its master port (engine and worker groups).
 DP_PORTS = 16
-#: In-run recoveries (engines replaced, trainers restarted) per run; one more fault fails the run and KubeRay's
-#: backoffLimit decides on a retry (a new Ray cluster). ``RLHF_MAX_RECOVERIES`` (e.g. in spec.env) overrides it;
-#: 0 turns in-run recovery off.
-MAX_RECOVERIES = 3
-
-
-def max_recoveries() -> int:
-    return int(os.environ.get("RLHF_MAX_RECOVERIES", str(MAX_RECOVERIES)))
 #: How long a liveness probe of an actor may take; one that does not answer is busy or stopped, not dead.
 PROBE_SECONDS = 10.0
 #: After the progress watchdog fired: time the main thread gets to report and clean up before the process exits.
@@ -571,9 +563,9 @@ class Runtime:
     def recover(self, engines: list[int], trainers: bool, where: str, error: BaseException) -> None:
         """Replace dead engines (same placement bundle) and, with ``trainers``, restart every trainer rank (they
         resume from the newest checkpoint); then re-create the weight-sync group and resync. At most
-        ``max_recoveries()`` per run; past that the run fails and KubeRay's backoffLimit takes over."""
+        ``spec.inRunRecoveries`` per run; past that the run fails and KubeRay's backoffLimit takes over."""
         self.recoveries += 1
-        limit = max_recoveries()
+        limit = self.spec.in_run_recoveries
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         cause = f"{type(error).__name__}: {first[:200]}"
         dead = ", ".join(([self._trainers_desc()] if trainers else []) + [f"engine {i}" for i in engines])
@@ -778,7 +770,11 @@ class Runtime:
         tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
         if spec.model.revision:
             tok_kw["revision"] = spec.model.revision
-        tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
+        rc.check_model_path(spec.model.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
+        except OSError as e:
+            raise OSError(f"cannot load the tokenizer of spec.model.name {spec.model.name!r}: {e}") from e
         from transformers import AutoConfig
 
         rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
@@ -855,7 +851,8 @@ class Runtime:
         for s, pids, o in zip(batch, prompt_ids, outs):
             for k, comp in enumerate(o["samples"]):
                 text = tokenizer.decode(comp, skip_special_tokens=True)
-                rewards.append(float(reward_fn(s.prompt, text, s.answer, len(comp))))
+                rewards.append(float(reward_fn(s.prompt, text, s.answer, len(comp), index=len(rewards),
+                                               step=self.done + 1)))
                 t_prompts.append(pids)
                 t_completions.append(comp)
                 tokens += len(comp)

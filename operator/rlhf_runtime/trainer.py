@@ -290,9 +290,13 @@ class Trainer:
         Path(c.path).mkdir(parents=True, exist_ok=True)
         tmp = ckpt.tmp_dir(c.path, self.step)
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(str(tmp / "model"), state_dict=state)
-        torch.save(optim, tmp / "optimizer.pt")
-        final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model})
+        try:
+            self.model.save_pretrained(str(tmp / "model"), state_dict=state)
+            torch.save(optim, tmp / "optimizer.pt")
+            final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model})
+        except BaseException:  # e.g. a full disk: no partial copy left behind (the newest complete one stays)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         ckpt.prune(c.path, keep=2)
         return str(final)
 

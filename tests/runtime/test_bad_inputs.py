@@ -76,8 +76,6 @@ def test_missing_prompts_file_fails_before_ray(tiny_model: Path, tmp_path: Path)
 
 
 # ----------------------------------------------------------------------------------------------- model
-@pytest.mark.xfail(strict=True, reason="needs driver.py: check spec.model.name before AutoTokenizer (see the "
-                   "report); today: \"OSError: Repo id must be in the form 'repo_name' or 'namespace/repo_name'\"")
 def test_missing_model_path_fails_before_ray_naming_the_field(tiny_model: Path, tmp_path: Path) -> None:
     spec = job_config(tiny_model)
     spec["model"] = {**spec["model"], "name": str(tmp_path / "no-such-model")}

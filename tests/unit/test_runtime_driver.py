@@ -349,7 +349,7 @@ def test_watchdog_stays_quiet_while_steps_complete() -> None:
 def test_in_run_recoveries_are_bounded(cluster: Cluster) -> None:
     rt = runtime({"checkpoint": {"volume": "v", "path": "/ckpt"},
                   "volumes": [{"name": "v", "emptyDir": {}}]})
-    rt.recoveries = drv.MAX_RECOVERIES
+    rt.recoveries = rt.spec.in_run_recoveries  # default 3
     with pytest.raises(RuntimeError, match=r"engine 1 died during rollout of step 4: in-run recovery limit \(3\) "
                                            r"reached, failing the run \(spec.backoffLimit"):
         rt.recover(engines=[1], trainers=False, where="rollout of step 4", error=RuntimeError("actor died"))
@@ -362,8 +362,7 @@ def test_a_dead_trainer_without_checkpoints_fails_the_run(cluster: Cluster) -> N
         rt.recover(engines=[], trainers=True, where="train step 2", error=RuntimeError("actor died"))
 
 
-def test_rlhf_max_recoveries_0_turns_in_run_recovery_off(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RLHF_MAX_RECOVERIES", "0")  # e.g. through spec.env: every fault goes to backoffLimit
-    rt = runtime({})
+def test_in_run_recoveries_0_turns_in_run_recovery_off(cluster: Cluster) -> None:
+    rt = runtime({"inRunRecoveries": 0})  # every fault goes to backoffLimit
     with pytest.raises(RuntimeError, match=r"engine 0 died during weight sync: in-run recovery limit \(0\) reached"):
         rt.recover(engines=[0], trainers=False, where="weight sync", error=RuntimeError("actor died"))
