@@ -26,6 +26,9 @@ def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: i
         p.chmod(0o777)
     job["spec"]["checkpoint"] = {"volume": "shared", "path": f"/shared/ckpt/{ns}/{name}", "everyNSteps": 3}
     job["spec"]["backoffLimit"] = retries
+    # these tests are about a run lost with its pod and KubeRay's retry on a new cluster; repairs inside a run
+    # (an engine replaced, trainers restarted) are the runtime tier's (tests/runtime/test_runtime_faults.py)
+    job["spec"]["inRunRecoveries"] = 0
     return job
 
 
