@@ -103,12 +103,9 @@ def _hook_job(tiny_model: Path, module: str, steps: int, **over: Any) -> dict[st
 SAMPLE = r"on (a sample|sample \d+ of step {step}) \(prompt '.*', completion '.*'\)"
 
 
-@pytest.mark.parametrize(
-    ("returns", "shown"),
-    [("float('nan')", "returned nan"), ("float('inf')", "returned inf"), ("None", "returned None"),
-     ("'high'", "returned \"'high'\" (a str)")],
-    ids=["nan", "inf", "none", "text"],
-)
+# One bad result end to end (driver -> Failed report); every kind of bad result (inf, None, text, ...) is checked
+# on the reward function itself in tests/unit/test_runtime_data_rewards.py, without a Ray + vLLM run each.
+@pytest.mark.parametrize(("returns", "shown"), [("float('nan')", "returned nan")], ids=["nan"])
 def test_reward_hook_returning_a_non_number_fails_naming_hook_and_sample(
     tiny_model: Path, tmp_path: Path, returns: str, shown: str
 ) -> None:
