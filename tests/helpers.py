@@ -1,10 +1,15 @@
-"""Test helpers shared by the tiers: polling with a deadline (never bare sleeps)."""
+"""Test helpers shared by the tiers: polling with a deadline (never bare sleeps); the runtime's view of its
+RLHFJob over HTTP where no apiserver runs (``JobAPI``)."""
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -24,3 +29,82 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
         time.sleep(interval)
+
+
+class JobAPI:
+    """A local HTTP endpoint that answers, for one RLHFJob, what the apiserver answers the runtime's
+    ServiceAccount: ``get`` of the job (metadata with ``generation``, the spec) and ``get``/merge-``patch`` of its
+    status subresource. The test edits ``spec``/``generation`` to make a live edit; every PATCH body is kept."""
+
+    def __init__(self, name: str, namespace: str, uid: str, spec: dict[str, Any]) -> None:
+        self.name, self.namespace, self.uid = name, namespace, uid
+        self.spec, self.generation = json.loads(json.dumps(spec)), 1
+        self.patches: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, str, str, Any]] = []  # (method, path, content type, body), in order
+        self.lock = threading.Lock()
+        path = f"/apis/rlhf.dev/v1alpha1/namespaces/{namespace}/rlhfjobs/{name}"
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self) -> None:
+                if self.path not in (path, path + "/status"):
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                with api.lock:
+                    obj = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+                           "metadata": {"name": api.name, "namespace": api.namespace, "uid": api.uid,
+                                        "generation": api.generation},
+                           "spec": api.spec, "status": {}}
+                data = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                with api.lock:
+                    api.requests.append(("GET", self.path, "", None))
+                self._reply()
+
+            def do_PATCH(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with api.lock:
+                    api.patches.append(body)
+                    api.requests.append(("PATCH", self.path, self.headers["Content-Type"], body))
+                self._reply()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def edit(self, **spec: Any) -> int:
+        """A live edit (top-level spec keys; dicts merged one level): bumps ``metadata.generation``."""
+        with self.lock:
+            for key, value in spec.items():
+                if isinstance(value, dict) and isinstance(self.spec.get(key), dict):
+                    self.spec[key] = {**self.spec[key], **value}
+                else:
+                    self.spec[key] = value
+            self.generation += 1
+            return self.generation
+
+    def runtime_reports(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [p["status"]["runtime"] for p in self.patches]
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}],
+            "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        }))
+        return path
+
+    def close(self) -> None:
+        self.server.shutdown()

@@ -19,6 +19,7 @@ import pytest
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.tiny import tiny_job_spec
+from tests.helpers import JobAPI
 
 
 @pytest.fixture(scope="session")
@@ -92,83 +93,6 @@ def start_driver(
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Run(proc, progress, log)
 
-
-class JobAPI:
-    """A local HTTP endpoint that answers, for one RLHFJob, what the apiserver answers the runtime's
-    ServiceAccount: ``get`` of the job (metadata with ``generation``, the spec) and ``get``/merge-``patch`` of its
-    status subresource. The test edits ``spec``/``generation`` to make a live edit; every PATCH body is kept."""
-
-    def __init__(self, name: str, namespace: str, uid: str, spec: dict[str, Any]) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        self.name, self.namespace, self.uid = name, namespace, uid
-        self.spec, self.generation = json.loads(json.dumps(spec)), 1
-        self.patches: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        path = f"/apis/rlhf.dev/v1alpha1/namespaces/{namespace}/rlhfjobs/{name}"
-        api = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _reply(self) -> None:
-                if self.path not in (path, path + "/status"):
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                with api.lock:
-                    obj = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
-                           "metadata": {"name": api.name, "namespace": api.namespace, "uid": api.uid,
-                                        "generation": api.generation},
-                           "spec": api.spec, "status": {}}
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._reply()
-
-            def do_PATCH(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with api.lock:
-                    api.patches.append(body)
-                self._reply()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def edit(self, **spec: Any) -> int:
-        """A live edit (top-level spec keys; dicts merged one level): bumps ``metadata.generation``."""
-        with self.lock:
-            for key, value in spec.items():
-                if isinstance(value, dict) and isinstance(self.spec.get(key), dict):
-                    self.spec[key] = {**self.spec[key], **value}
-                else:
-                    self.spec[key] = value
-            self.generation += 1
-            return self.generation
-
-    def runtime_reports(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return [p["status"]["runtime"] for p in self.patches]
-
-    def kubeconfig(self, path: Path) -> Path:
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "c",
-            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-        }))
-        return path
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def start_reporting_driver(tmp: Path, config: Path, api: JobAPI, *args: str, name: str = "run",

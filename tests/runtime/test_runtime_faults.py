@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from rlhf_runtime import checkpoint as ckpt
-from tests.helpers import wait_for
-from tests.runtime.conftest import JobAPI, Run, job_config, start_driver, start_reporting_driver, write_config
+from tests.helpers import JobAPI, wait_for
+from tests.runtime.conftest import Run, job_config, start_driver, start_reporting_driver, write_config
 
 pytestmark = pytest.mark.runtime
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, status_patch
+from tests.helpers import JobAPI
 
 PATH = "/apis/rlhf.dev/v1alpha1/namespaces/ns1/rlhfjobs/job1/status"
 
@@ -39,62 +38,14 @@ def test_patch_body_holds_only_step_throughput_and_runtime() -> None:
         status_patch("Pending")
 
 
-class FakeAPI:
-    def __init__(self, uid: str) -> None:
-        self.uid = uid
-        self.requests: list[tuple[str, str, str, Any]] = []
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        api = self
-
-        class H(BaseHTTPRequestHandler):
-            def _reply(self) -> None:
-                if self.path != PATH:
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                obj = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
-                       "metadata": {"name": "job1", "namespace": "ns1", "uid": api.uid}, "status": {}}
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                api.requests.append(("GET", self.path, "", None))
-                self._reply()
-
-            def do_PATCH(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                api.requests.append(("PATCH", self.path, self.headers["Content-Type"], body))
-                self._reply()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        return H
-
-
 @pytest.fixture
-def fake_api(tmp_path: Path) -> Iterator[tuple[FakeAPI, Path]]:
-    api = FakeAPI(uid="uid-1")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), api.handler())
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }))
-    yield api, kubeconfig
-    server.shutdown()
+def fake_api(tmp_path: Path) -> Iterator[tuple[JobAPI, Path]]:
+    api = JobAPI("job1", "ns1", "uid-1", {"algorithm": {"steps": 5}})
+    yield api, api.kubeconfig(tmp_path / "kubeconfig")
+    api.close()
 
 
-def test_reports_are_merge_patches_on_the_status_subresource(fake_api: tuple[FakeAPI, Path], tmp_path: Path) -> None:
+def test_reports_are_merge_patches_on_the_status_subresource(fake_api: tuple[JobAPI, Path], tmp_path: Path) -> None:
     api, kubeconfig = fake_api
     progress = tmp_path / "progress.jsonl"
     reporter = Reporter(StatusClient("job1", "ns1", "uid-1", str(kubeconfig)), Metrics("job1", "ns1"), str(progress))
@@ -112,7 +63,7 @@ def test_reports_are_merge_patches_on_the_status_subresource(fake_api: tuple[Fak
     assert value == 0.5
 
 
-def test_refuses_to_report_into_another_job_with_the_same_name(fake_api: tuple[FakeAPI, Path]) -> None:
+def test_refuses_to_report_into_another_job_with_the_same_name(fake_api: tuple[JobAPI, Path]) -> None:
     api, kubeconfig = fake_api
     reporter = Reporter(StatusClient("job1", "ns1", "uid-OLD", str(kubeconfig)))
     with pytest.raises(ForeignJobError, match="refusing"):
@@ -148,53 +99,10 @@ def test_patch_carries_progress_time_and_observed_generation() -> None:
     assert {"progressTime", "observedGeneration"}.isdisjoint(status_patch("Running")["status"]["runtime"])
 
 
-class JobFakeAPI(FakeAPI):
-    """Also serves the job itself (``get`` on rlhfjobs/<name>: metadata.generation and spec)."""
-
-    def __init__(self, uid: str) -> None:
-        super().__init__(uid)
-        self.generation, self.spec = 1, {"algorithm": {"steps": 5}}
-
-    def handler(self) -> type[BaseHTTPRequestHandler]:
-        api, base = self, super().handler()
-
-        class H(base):  # type: ignore[misc, valid-type]
-            def do_GET(self) -> None:
-                if self.path != PATH.removesuffix("/status"):
-                    return super().do_GET()
-                api.requests.append(("GET", self.path, "", None))
-                obj = {"metadata": {"name": "job1", "namespace": "ns1", "uid": api.uid,
-                                    "generation": api.generation}, "spec": api.spec}
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        return H
-
-
-@pytest.fixture
-def job_api(tmp_path: Path) -> Iterator[tuple[JobFakeAPI, Path]]:
-    api = JobFakeAPI(uid="uid-1")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), api.handler())
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }))
-    yield api, kubeconfig
-    server.shutdown()
-
-
-def test_heartbeats_keep_progress_time_and_the_hook_reads_the_live_job(job_api: tuple[JobFakeAPI, Path]) -> None:
+def test_heartbeats_keep_progress_time_and_the_hook_reads_the_live_job(fake_api: tuple[JobAPI, Path]) -> None:
     from tests.helpers import wait_for
 
-    api, kubeconfig = job_api
+    api, kubeconfig = fake_api
     reporter = Reporter(StatusClient("job1", "ns1", "uid-1", str(kubeconfig)), heartbeat_seconds=0.05)
     progress = reporter.mark_progress()
     seen: list[dict[str, Any]] = []
@@ -216,10 +124,10 @@ def test_heartbeats_keep_progress_time_and_the_hook_reads_the_live_job(job_api: 
     assert ("GET", PATH.removesuffix("/status"), "", None) in api.requests  # the job itself, by name
 
 
-def test_a_job_config_that_does_not_parse_is_reported_failed(job_api: tuple[JobFakeAPI, Path], tmp_path: Path) -> None:
+def test_a_job_config_that_does_not_parse_is_reported_failed(fake_api: tuple[JobAPI, Path], tmp_path: Path) -> None:
     from rlhf_runtime import driver
 
-    api, kubeconfig = job_api
+    api, kubeconfig = fake_api
     bad = tmp_path / "job.json"
     cases = {
         "not json": '{"apiVersion": "rlhf.dev/v1alpha1", "name": "job1", "namespace": "ns1", "uid": "uid-1", spec',
