@@ -106,3 +106,14 @@ def load_sample(name: str) -> dict:
 
 def apply(cluster, obj: dict, ns: str, *extra: str, check: bool = True):
     return cluster.kubectl("apply", "-n", ns, *extra, "-f", "-", input=json.dumps(obj), check=check)
+
+
+def peering_namespace(cluster, api, prefix: str) -> str:
+    """A fresh namespace with the Kopf peering CRD installed and a KopfPeering ``rlhf`` in it."""
+    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": ns}})
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "kopf-peering.yaml"))
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
+                                     "--timeout=5s", check=False).returncode == 0, 60, "peering CRD")
+    apply(cluster, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlhf"}}, ns)
+    return ns

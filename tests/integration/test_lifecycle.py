@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import signal
-import uuid
 
 import pytest
 from kubernetes import client
@@ -13,7 +12,7 @@ from kubernetes import client
 from rlhf_api import models as m
 from rlhf_operator import render
 from tests.helpers import wait_for
-from tests.integration.conftest import REPO, Operator, apply, load_sample
+from tests.integration.conftest import Operator, apply, load_sample, peering_namespace
 
 pytestmark = pytest.mark.cluster
 SAMPLES = ["separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer"]
@@ -261,12 +260,7 @@ def test_liveness_endpoint_reports_kuberay(cluster, tmp_path) -> None:
 
 
 def test_two_peered_replicas_one_active_no_duplicates(cluster, api, tmp_path) -> None:
-    ns = f"peer-{uuid.uuid4().hex[:6]}"
-    client.CoreV1Api(api).create_namespace({"metadata": {"name": ns}})
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "kopf-peering.yaml"))
-    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
-                                     "--timeout=5s", check=False).returncode == 0, 60, "peering CRD")
-    apply(cluster, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlhf"}}, ns)
+    ns = peering_namespace(cluster, api, "peer")
     ops = [Operator(cluster, ["--namespace", ns, "--peering", "rlhf", "--priority", str(p)], tmp_path / f"op{p}.log")
            for p in (10, 20)]
 

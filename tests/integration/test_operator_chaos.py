@@ -31,7 +31,7 @@ from kubernetes import client, config
 
 from rlhf_api import models as m
 from tests.helpers import wait_for
-from tests.integration.conftest import REPO, Operator, apply
+from tests.integration.conftest import Operator, peering_namespace
 
 pytestmark = pytest.mark.cluster
 
@@ -374,12 +374,7 @@ def test_sigkill_at_random_points_under_churn(cluster, capi, tmp_path) -> None:
 # ----------------------------------------------------------------------------------------------- peering
 def test_peered_replicas_under_churn_and_kills(cluster, capi, tmp_path) -> None:
     rng = random.Random(SEED + 1)
-    ns = f"chaos-peer-{uuid.uuid4().hex[:6]}"
-    client.CoreV1Api(capi).create_namespace({"metadata": {"name": ns}})
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds" / "kopf-peering.yaml"))
-    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev",
-                                     "--timeout=5s", check=False).returncode == 0, 60, "peering CRD")
-    apply(cluster, {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlhf"}}, ns)
+    ns = peering_namespace(cluster, capi, "chaos-peer")
     world, audit = World(capi, ns, rng), Audit(cluster.audit_log)
     co = client.CustomObjectsApi(capi)
 
