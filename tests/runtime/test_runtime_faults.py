@@ -39,6 +39,14 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def the_recovery(run: Run) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The run's progress records and its one in-run recovery (exactly one must have happened)."""
+    records = run.records()
+    recoveries = [r["recovery"] for r in records if "recovery" in r]
+    assert len(recoveries) == 1, recoveries
+    return records, recoveries[0]
+
+
 def signal_pid(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -164,10 +172,7 @@ def test_engine_killed_mid_rollout_is_replaced_and_the_job_succeeds(tiny_model: 
         finished_after = time.monotonic() - killed
     finally:
         run.kill_group()
-    records = run.records()
-    recoveries = [r["recovery"] for r in records if "recovery" in r]
-    assert len(recoveries) == 1, recoveries
-    rec = recoveries[0]
+    records, rec = the_recovery(run)
     assert rec["engines"] == [1] and not rec["trainers"], rec
     assert rec["where"].startswith("rollout of step "), rec
     assert "recovered: engine 1 died during rollout of step" in next(
@@ -202,10 +207,7 @@ def test_trainer_killed_restarts_from_the_newest_checkpoint(tiny_model: Path, tm
         finished_after = time.monotonic() - killed
     finally:
         run.kill_group()
-    records = run.records()
-    recoveries = [r["recovery"] for r in records if "recovery" in r]
-    assert len(recoveries) == 1, recoveries
-    rec = recoveries[0]
+    records, rec = the_recovery(run)
     assert rec["trainers"] and rec["resumed_from"] == newest[0], (rec, newest)
     assert records[-1]["runtime"]["state"] == "Succeeded"
     assert records[-1]["runtime"]["resumedFromStep"] == newest[0]
@@ -241,10 +243,7 @@ def test_engine_killed_while_the_trainer_trains_is_replaced_at_the_next_sync(tin
         finished_after = time.monotonic() - killed
     finally:
         run.kill_group()
-    records = run.records()
-    recoveries = [r["recovery"] for r in records if "recovery" in r]
-    assert len(recoveries) == 1, recoveries
-    rec = recoveries[0]
+    records, rec = the_recovery(run)
     assert rec["engines"] == [0] and not rec["trainers"], rec
     assert rec["where"].startswith("weight sync: trainer rank 0 -> engine 0"), rec
     assert records[-1]["runtime"]["state"] == "Succeeded"
