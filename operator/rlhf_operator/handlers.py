@@ -285,6 +285,16 @@ def rlhfjob_resync(body: kopf.Body, **_: Any) -> None:
     _safe_reconcile(body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid"))
 
 
+@kopf.on.delete(m.GROUP, m.VERSION, m.PLURAL)
+def rlhfjob_deleted(body: kopf.Body, **_: Any) -> None:
+    """The finalizer's work: wait out any reconcile of this job that is in flight. Kopf removes the finalizer only
+    after this returns, so the garbage collector cannot delete the children between a reconcile's read of the job
+    and its create of a missing child (which re-created RayJobs of deleted jobs under load); every later reconcile
+    reads the job fresh, sees ``deletionTimestamp`` and creates nothing."""
+    with _job_lock(body["metadata"]["namespace"], body["metadata"]["name"]):
+        pass
+
+
 @kopf.on.event("ray.io", "v1", "rayjobs", labels={naming.LABEL_JOB: kopf.PRESENT})
 def rayjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     """A RayJob changed: reconcile its RLHFJob now instead of at the next resync."""

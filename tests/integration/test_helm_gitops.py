@@ -95,7 +95,7 @@ def test_reapplying_unchanged_manifest_writes_nothing(cluster, api, operator, na
     name = job["metadata"]["name"]
     apply(cluster, job, namespace)
     wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running")
-    # Settled: Running, and Kopf has put its finalizer on (it does so once, for the resync timer).
+    # Settled: Running, and Kopf has put its finalizer on (it does so once, for the delete handler and the resync timer).
     settled = wait_for(lambda: "rlhf.dev/finalizer" in (get_job(api, namespace, name)["metadata"].get("finalizers") or [])
                        and get_job(api, namespace, name)["metadata"]["resourceVersion"], 60, "finalizer present")
     rv_before = {
