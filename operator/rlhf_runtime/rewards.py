@@ -1,4 +1,6 @@
-"""Rewards: built-in rules and a user ``module:function`` hook. Pure Python, no torch.
+"""Rewards: built-in rules, a user ``module:function`` hook, a remote HTTP endpoint, and how the sources of
+``spec.reward`` (rule or function, model, endpoint) are combined. Pure Python, no torch (the reward model is
+``reward_model.py``).
 
 Rules (``spec.reward.rule``), with ``answer`` the sample's reference answer from the data when present:
 
@@ -13,16 +15,25 @@ A hook ``fn(prompt, completion, answer) -> float`` is imported once. Its result 
 one-element tensor). A hook that raises, or returns ``None``, text, NaN, an infinity or another non-number,
 fails the run with a ``RewardError`` naming the hook, the sample (its index and step when the caller passes
 ``index=``/``step=``, and the beginning of its prompt and completion) and what was wrong.
+
+``endpoint_rewards`` POSTs batches to ``spec.reward.endpoint.url`` (see ``RewardEndpoint``) and retries what may
+pass (connection errors, timeouts, HTTP 5xx and 429) with exponential backoff; ``combine`` weights the sources'
+rewards into one, ``normalize`` standardises them over a step's samples (``spec.reward.normalize``).
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib
+import json
 import math
 import re
-from collections.abc import Callable
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 
-from rlhf_api.models import Reward
+from rlhf_api.models import Reward, RewardEndpoint
 
 RewardFn = Callable[..., float]
 
@@ -95,9 +106,19 @@ def hook_reward(hook: Callable[[str, str, str | None], object], ref: str) -> Rew
     return reward
 
 
-def make_reward(spec: Reward) -> RewardFn:
+def make_reward(spec: Reward) -> RewardFn | None:
     """A function ``(prompt, completion, answer, num_tokens=None, *, index=None, step=None) -> float`` for
-    ``spec``; ``index``/``step`` only serve error messages (a hook's)."""
+    ``spec``'s rule or function; ``index``/``step`` only serve error messages (a hook's).
+
+    ``None`` when ``spec`` has neither (its only sources are ``model`` and/or ``endpoint``): the caller then
+    combines just those (``combine``), with no rule part. A ``spec`` with no source at all is an error, as is one
+    with both a rule and a function (the CRD rejects both; this guards specs built elsewhere)."""
+    if spec.rule and spec.function:
+        raise RewardError("spec.reward takes rule or function, not both (use model or endpoint to combine sources)")
+    if not spec.rule and not spec.function:
+        if spec.model is None and spec.endpoint is None:
+            raise RewardError("spec.reward needs a source: rule, function, model or endpoint")
+        return None
     if spec.function:
         return hook_reward(load_hook(spec.function), spec.function)
     rule = spec.rule
@@ -120,4 +141,126 @@ def make_reward(spec: Reward) -> RewardFn:
             got = n if n is not None else len(c)
             return max(0.0, 1.0 - abs(got - target) / target)
         return length
-    raise RewardError("reward needs exactly one of rule or function")
+    raise RewardError(f"unknown spec.reward.rule {rule!r} (exactMatch, contains, regex or length)")
+
+
+# ------------------------------------------------------------------------------------------ endpoint
+#: First retry delay of ``endpoint_rewards``; each next one doubles, up to ``BACKOFF_MAX``.
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 10.0
+
+
+class _Transient(Exception):
+    """A failed attempt worth retrying (connection error, timeout, HTTP 5xx or 429)."""
+
+
+def _post(url: str, body: bytes, timeout: float) -> object:
+    """One POST; the parsed JSON answer, ``_Transient`` for what a retry may fix, ``RewardError`` for the rest."""
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as e:
+        try:
+            text = e.read(300).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - the body is only for the message
+            text = ""
+        what = f"HTTP {e.code}: {text!r}" if text else f"HTTP {e.code} {e.reason}"
+        if e.code >= 500 or e.code == 429:
+            raise _Transient(what) from e
+        raise RewardError(f"answered {what}; not retried (a 4xx other than 429 is the request's fault)") from e
+    except TimeoutError as e:
+        raise _Transient(f"no answer within timeoutSeconds {timeout:g}") from e
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError):
+            raise _Transient(f"no answer within timeoutSeconds {timeout:g}") from e
+        raise _Transient(f"cannot connect: {e.reason}") from e
+    except (OSError, http.client.HTTPException) as e:  # reset, refused, a broken answer
+        raise _Transient(f"{type(e).__name__}: {e}") from e
+    try:
+        return json.loads(raw)
+    except ValueError:
+        text = raw[:200].decode("utf-8", "replace")
+        raise RewardError(f"answered HTTP {status} with a body that is not JSON: {text!r}") from None
+
+
+def _rewards_of(answer: object, n: int) -> list[float]:
+    """The ``rewards`` of an endpoint's ``answer``: exactly ``n`` finite numbers, else a ``RewardError``."""
+    rewards = answer.get("rewards") if isinstance(answer, dict) else None
+    if not isinstance(rewards, list):
+        raise RewardError(f'answered {_clip(json.dumps(answer), 120)}; it must answer {{"rewards": [{n} numbers]}}')
+    if len(rewards) != n:
+        raise RewardError(f"answered {len(rewards)} rewards for {n} completions; it must answer one per completion")
+    for i, r in enumerate(rewards):
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            raise RewardError(f"answered reward {i} = {_clip(json.dumps(r), 60)}; every reward must be a finite number")
+    return [float(r) for r in rewards]
+
+
+def endpoint_rewards(endpoint: RewardEndpoint, prompts: Sequence[str], completions: Sequence[str],
+                     answers: Sequence[str | None] | None) -> list[float]:
+    """One reward per completion from ``endpoint``: POST ``{"prompts", "completions", "answers"}`` (JSON; an
+    unknown answer is ``null``) in batches of ``endpoint.batch_size``, each answered by ``{"rewards": [...]}``.
+
+    A batch is tried ``1 + endpoint.retries`` times: connection errors, timeouts (``timeout_seconds``, the socket
+    timeout of the connect and of each read), HTTP 5xx and 429 are retried after 0.5 s, 1 s, 2 s, ... (at most
+    10 s); any other HTTP error, a body that is not JSON or a wrong ``rewards`` fails at once. Every failure is a
+    ``RewardError`` naming ``spec.reward.endpoint.url``, the batch, what went wrong and the attempts made."""
+    n = len(completions)
+    if len(prompts) != n or (answers is not None and len(answers) != n):
+        raise ValueError(f"{len(prompts)} prompts, {n} completions and "
+                         f"{'no' if answers is None else len(answers)} answers: they must match")
+    url, size, attempts = endpoint.url, endpoint.batch_size, 1 + endpoint.retries
+    out: list[float] = []
+    for start in range(0, n, size):
+        end = min(start + size, n)
+        body = json.dumps({
+            "prompts": list(prompts[start:end]), "completions": list(completions[start:end]),
+            "answers": list(answers[start:end]) if answers is not None else [None] * (end - start),
+        }).encode()
+        where = f"spec.reward.endpoint.url {url} (samples {start}..{end - 1} of {n})"
+        for attempt in range(1, attempts + 1):
+            try:
+                out.extend(_rewards_of(_post(url, body, endpoint.timeout_seconds), end - start))
+                break
+            except RewardError as e:
+                raise RewardError(f"{where} {e} (attempt {attempt} of {attempts})") from e
+            except _Transient as e:
+                if attempt == attempts:
+                    raise RewardError(f"{where} failed after {attempts} attempt{'s' if attempts > 1 else ''} "
+                                      f"(retries {endpoint.retries}); last error: {e}") from e
+                time.sleep(min(BACKOFF_FIRST * 2 ** (attempt - 1), BACKOFF_MAX))  # backoff, not a poll
+    return out
+
+
+# --------------------------------------------------------------------------------------- combining
+def combine(parts: dict[str, list[float]], weights: dict[str, float]) -> list[float]:
+    """The weighted sum ``sum(weights[k] * parts[k][i])`` per sample; every part must have a weight and all parts
+    the same length. ``parts`` keyed by source (``Reward.sources()``: rule, model, endpoint)."""
+    if not parts:
+        raise RewardError("no reward sources to combine")
+    missing = sorted(set(parts) - set(weights))
+    if missing:
+        raise RewardError(f"no weight for reward source(s) {', '.join(missing)}")
+    lengths = {k: len(v) for k, v in parts.items()}
+    if len(set(lengths.values())) != 1:
+        raise RewardError(f"reward sources scored different numbers of samples: {lengths}")
+    n = next(iter(lengths.values()))
+    return [sum(weights[k] * v[i] for k, v in parts.items()) for i in range(n)]
+
+
+def normalize(rewards: Sequence[float], how: str) -> list[float]:
+    """``spec.reward.normalize``: ``none`` leaves ``rewards`` as they are; ``batch`` gives ``(r - mean) / (std +
+    1e-6)`` over them (population std), and zeros when they are all equal."""
+    if how == "none":
+        return [float(r) for r in rewards]
+    if how != "batch":
+        raise RewardError(f"unknown spec.reward.normalize {how!r} (none or batch)")
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    if all(r == rewards[0] for r in rewards):
+        return [0.0] * len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + 1e-6) for r in rewards]

@@ -103,3 +103,63 @@ def tiny_job_spec(model: str | Path, steps: int) -> dict:
         "reward": {"rule": "contains", "target": "7"},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }
+
+
+def build_tiny_reward_model(
+    path: str | Path,
+    target: str = "a",
+    *,
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_labels: int = 1,
+) -> Path:
+    """Write a tiny Qwen2 reward model (``Qwen2ForSequenceClassification``, one label) and the character tokenizer
+    to ``path``; returns the path. Its score MEANS something: it is about the fraction of the scored text's
+    characters (prompt + completion) equal to ``target`` (``f / sqrt(1 + 0.01 f^2)``, so 0 for none and 0.995 for
+    all), so for a fixed prompt and completion length it rises strictly with the completion's share of ``target``.
+
+    The weights are set, not trained (deterministic, no seed). One decoder layer, one attention head:
+
+    * embeddings: ``target`` is unit vector ``e0``, every other token ``e1`` (equal norms, so RMSNorm scales all
+      tokens alike);
+    * attention: q_proj and k_proj zero, so every score is 0 and causal softmax averages uniformly over the
+      positions up to each token; v_proj reads ``e0`` (is this token ``target``?) and o_proj writes the average,
+      scaled by 0.1, into ``e2`` of the residual stream: at the last token ``e2`` holds 0.1 * the fraction;
+    * MLP: down_proj zero, so the layer adds nothing there; all norm weights are ones;
+    * score head: reads ``e2`` of the final-normed last non-pad token (what HF's sequence classification pools),
+      scaled back so the score is about the fraction.
+
+    ``num_labels`` other than 1 gives a model a reward scorer must reject (tests); its extra rows are zero.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    if len(target) != 1 or target not in CHARS:
+        raise ValueError(f"target must be one character of the tiny tokenizer ({CHARS!r}), got {target!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, head_dim=hidden_size, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=2, eos_token_id=3, pad_token_id=0, num_labels=num_labels,
+    )
+    model = Qwen2ForSequenceClassification(cfg).to(torch.float32)
+    carry = 0.1  # o_proj's scale: small, so the final norm barely bends the fraction
+    tid = len(SPECIAL) + CHARS.index(target)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        base, layer = model.model, model.model.layers[0]
+        base.embed_tokens.weight[:, 1] = 1.0
+        base.embed_tokens.weight[tid, 1] = 0.0
+        base.embed_tokens.weight[tid, 0] = 1.0
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, base.norm):
+            norm.weight.fill_(1.0)
+        # after input_layernorm a token is sqrt(hidden) * e0 or e1: v = [is target] in value dim 0
+        layer.self_attn.v_proj.weight[0, 0] = hidden_size ** -0.5
+        layer.self_attn.o_proj.weight[2, 0] = carry
+        # final norm: e2 component = carry * f * sqrt(hidden) / sqrt(1 + (carry f)^2)
+        model.score.weight[0, 2] = 1.0 / (carry * hidden_size ** 0.5)
+    model.save_pretrained(str(path))
+    build_tokenizer(path, vocab_size)
+    return path
