@@ -265,15 +265,68 @@ class Head(Model):
 
 
 # ------------------------------------------------------------------------------------------- algorithm
+class PPO(Model):
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of future token rewards in GAE.")
+    lambda_: float = Field(0.95, alias="lambda", ge=0, le=1, description="GAE lambda (bias/variance trade-off).")
+    value_clip: float = Field(
+        0.2, ge=0, le=100, description="Clip of the critic's value change per update (PPO value clipping); 0 disables it."
+    )
+    critic_learning_rate: float = Field(1e-5, gt=0, le=1, description="Learning rate of the critic.")
+    whiten_advantages: bool = Field(True, description="Normalise GAE advantages over the batch's completion tokens.")
+
+
+ALGORITHM_NAMES = ("grpo", "ppo", "rloo", "reinforce++")
+
+
 class Algorithm(Model):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm. GRPO: group-relative advantages, no critic.")
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.name == 'ppo' || !has(self.ppo)",
+            "algorithm.ppo (GAE and critic settings) applies to algorithm.name 'ppo' only", fieldPath=".ppo"),
+        cel("self.name != 'grpo' || self.klMode == 'loss'",
+            "algorithm.klMode 'reward' applies to ppo, rloo and reinforce++: GRPO puts the KL penalty in the loss",
+            fieldPath=".klMode"),
+        cel("!has(self.clipRatioHigh) || self.clipRatioHigh >= self.clipRatio",
+            "algorithm.clipRatioHigh must be at least algorithm.clipRatio (clip-higher widens the upper bound only)",
+            fieldPath=".clipRatioHigh"),
+    ]})
+    name: Literal["grpo", "ppo", "rloo", "reinforce++"] = Field(
+        "grpo",
+        description="RL algorithm. grpo: advantages relative to the prompt's group (mean and std of its samples), "
+        "no critic. rloo: leave-one-out baseline (each sample's reward minus the mean of the others of its prompt), "
+        "no critic. reinforce++: REINFORCE with the batch's mean and std as baseline (OpenRLHF's REINFORCE++), no "
+        "critic. ppo: a learned critic (spec.critic) and GAE advantages (algorithm.ppo).",
+    )
     steps: int = Field(100, ge=1, le=10_000_000, description="Training steps (may be raised on a running job).")
     prompts_per_step: int = Field(32, ge=1, le=1_000_000, description="Prompts per step (each sampled samplesPerPrompt times).")
     learning_rate: float = Field(1e-6, gt=0, le=1, description="Learning rate.")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to a frozen reference policy; 0 disables the reference.")
-    clip_ratio: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip epsilon.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL penalty to the frozen reference policy (spec.reference); 0 disables the reference."
+    )
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss",
+        description="Where the KL penalty goes: loss (k3 estimator added to the policy loss, GRPO's form) or reward "
+        "(k1 estimator subtracted from each token's reward before advantages, PPO's and REINFORCE++'s form).",
+    )
+    clip_ratio: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clip epsilon (lower bound 1 - clipRatio).")
+    clip_ratio_high: float | None = Field(
+        None, gt=0, le=10,
+        description="Upper clip epsilon (\"clip-higher\", DAPO): the ratio is clipped to [1 - clipRatio, "
+        "1 + clipRatioHigh]. Unset: clipRatio.",
+    )
+    loss_aggregation: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: the loss is the mean over all completion tokens of the batch (long answers weigh "
+        "more). sequence: the mean over each completion's tokens, then over completions.",
+    )
     epochs_per_step: int = Field(1, ge=1, le=64, description="Optimiser passes over each rollout batch.")
     seed: int = Field(0, ge=0, le=INT32_MAX, description="Seed for data order, sampling and init.")
+    ppo: PPO | None = Field(None, description="PPO settings (algorithm.name 'ppo'); unset: their defaults.")
+
+    def ppo_settings(self) -> PPO:
+        return self.ppo or PPO()
+
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 # ------------------------------------------------------------------------------------------ data/reward
@@ -297,19 +350,85 @@ class Data(Model):
         None, min_length=1, max_length=10000, description="Inline prompts (for small jobs and tests)."
     )
     config_map: ConfigMapKey | None = Field(
-        None, description="Prompts from a ConfigMap key (JSON lines with a 'prompt' field, or plain lines)."
+        None, description="Prompts from a ConfigMap key: JSON lines with a 'prompt' string or chat 'messages' "
+        "([{role, content}], rendered with the tokenizer's chat template), or plain lines."
     )
     path: str | None = Field(
         None, pattern=r"^/", max_length=4096, description="Absolute path of a prompts file on a mounted volume."
     )
     answer_field: str = Field("answer", description="JSON-lines field with the reference answer, if any.")
+    eval: EvalData | None = Field(
+        None, description="A held-out eval set: every evalEveryNSteps steps each of its prompts is answered greedily "
+        "(one sample, temperature 0) by the synced engines and scored by spec.reward; the mean is status.eval.")
+    eval_every_n_steps: int = Field(10, ge=1, le=1_000_000, description="Evaluate every N training steps (and "
+                                    "after the last).")
+
+
+class EvalData(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "(has(self.prompts) ? 1 : 0) + (has(self.configMap) ? 1 : 0) + (has(self.path) ? 1 : 0) == 1",
+        "data.eval needs exactly one of prompts, configMap or path")]})
+    prompts: list[str] | None = Field(None, min_length=1, max_length=10000, description="Inline eval prompts.")
+    config_map: ConfigMapKey | None = Field(
+        None, description="Eval prompts from a ConfigMap key (same formats as data.configMap; mount as for it).")
+    path: str | None = Field(None, pattern=r"^/", max_length=4096, description="Absolute path of an eval file.")
+    max_prompts: int = Field(64, ge=1, le=100_000, description="Use at most the first N eval prompts (file order).")
+
+
+class RolePlacement(Model):
+    """Where a model of its own (reward model, critic, reference) runs."""
+
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="colocated: on the trainer's GPUs (an actor beside each trainer worker shares its GPU). "
+        "separate: a worker group of its own (replicas pods x gpusPerReplica GPUs).",
+    )
+    replicas: int = Field(1, ge=1, le=512, description="separate: pods of this role.")
+    gpus_per_replica: int = Field(
+        1, ge=0, le=16,
+        description="separate: GPUs per pod, one worker per GPU. Ignored (0) for a CPU-only job "
+        "(trainer.gpusPerReplica 0).",
+    )
+    resources: Resources = sub(Resources, "separate: CPU and memory per pod of this role.")
+
+
+class RewardModel(RolePlacement):
+    name: str = Field(
+        min_length=1, max_length=512,
+        description="A Hugging Face sequence-classification model with one label (its logit is the score; "
+        "e.g. a reward model trained on preferences), as a hub id or an absolute path inside the pods. It scores "
+        "the prompt followed by the completion.",
+    )
+    revision: str | None = Field(None, max_length=128, description="Hub revision (branch, tag or commit).")
+    placement: Literal["colocated", "separate"] = Field(
+        "separate",
+        description="separate (default): a worker group of its own (replicas pods x gpusPerReplica GPUs, one "
+        "scoring worker per GPU). colocated: one scoring worker beside each trainer worker, on its GPU.",
+    )
+    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this source in the combined reward.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Samples scored per forward pass.")
+
+
+class RewardEndpoint(Model):
+    url: str = Field(
+        pattern=r"^https?://\S+$", max_length=2048,
+        description="HTTP(S) endpoint. It receives POST {\"prompts\": [...], \"completions\": [...], \"answers\": "
+        "[... or null]} (JSON) and answers {\"rewards\": [one number per completion]}.",
+    )
+    timeout_seconds: float = Field(30, gt=0, le=3600, description="Deadline of one request.")
+    retries: int = Field(3, ge=0, le=100, description="Retries of a failed or timed-out request (with backoff).")
+    batch_size: int = Field(64, ge=1, le=65536, description="Completions per request.")
+    weight: float = Field(1.0, ge=-1000, le=1000, description="Weight of this source in the combined reward.")
 
 
 class Reward(Model):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("has(self.rule) != has(self.function)", "reward needs exactly one of rule or function"),
+                cel("has(self.rule) || has(self.function) || has(self.model) || has(self.endpoint)",
+                    "reward needs a source: rule, function, model or endpoint"),
+                cel("!has(self.rule) || !has(self.function)",
+                    "reward takes rule or function, not both (use model or endpoint to combine sources)"),
                 cel(
                     "!has(self.rule) || self.rule != 'regex' || has(self.pattern)",
                     "reward.rule 'regex' needs reward.pattern",
@@ -335,6 +454,48 @@ class Reward(Model):
         description="User hook 'module:function' importable in the runtime image; called as "
         "fn(prompt: str, completion: str, answer: str | None) -> float.",
     )
+    rule_weight: float = Field(
+        1.0, ge=-1000, le=1000, description="Weight of rule or function in the combined reward."
+    )
+    model: RewardModel | None = Field(None, description="A reward model on GPUs (its own worker group or colocated).")
+    endpoint: RewardEndpoint | None = Field(None, description="A remote reward service over HTTP.")
+    normalize: Literal["none", "batch"] = Field(
+        "none",
+        description="none: the combined reward as is. batch: standardised over the step's samples (mean 0, std 1) "
+        "before advantages; status.throughput.rewardMean stays the raw mean.",
+    )
+
+    def sources(self) -> list[str]:
+        return [n for n, present in (("rule", self.rule or self.function), ("model", self.model),
+                                     ("endpoint", self.endpoint)) if present]
+
+
+class Critic(RolePlacement):
+    model: str | None = Field(
+        None, min_length=1, max_length=512,
+        description="Model the critic starts from (hub id or absolute path); its language-model head is replaced by "
+        "a value head. Unset: the policy's spec.model.name.",
+    )
+
+
+class Reference(RolePlacement):
+    placement: Literal["trainer", "colocated", "separate"] = Field(
+        "trainer",
+        description="Where the frozen reference policy (loaded only when algorithm.klCoef > 0) computes its "
+        "log-probabilities. trainer: inside each trainer worker (no extra actor). colocated: an actor of its own "
+        "beside each trainer worker, on its GPU. separate: a worker group of its own.",
+    )
+
+
+class Output(Model):
+    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
+    path: str = Field(
+        pattern=r"^/", max_length=4096,
+        description="Directory inside the pods (mount the volume there) where the trained model is written in "
+        "Hugging Face format (save_pretrained, safetensors, config, tokenizer): <path>/final at the end, "
+        "<path>/step-<N> every everyNSteps steps if set. status.output names the newest.",
+    )
+    every_n_steps: int | None = Field(None, ge=1, description="Also export every N steps (unset: only at the end).")
 
 
 class Checkpoint(Model):
@@ -377,9 +538,43 @@ class Scheduling(Model):
     )
 
 
+class KeyRef(Model):
+    name: str = Field(min_length=1, max_length=253, description="Secret or ConfigMap name (same namespace).")
+    key: str = Field(min_length=1, max_length=253, description="Key within it.")
+    optional: bool = Field(False, description="Start the pods even if it is missing.")
+
+
+class EnvVarSource(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+        "env[].valueFrom needs exactly one of secretKeyRef or configMapKeyRef")]})
+    secret_key_ref: KeyRef | None = Field(
+        None, description="A key of a Secret (e.g. HF_TOKEN for a gated model): the kubelet sets it in every "
+        "container; the operator and the runtime never read the value.")
+    config_map_key_ref: KeyRef | None = Field(None, description="A key of a ConfigMap.")
+
+
 class EnvVar(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "!has(self.valueFrom) || !has(self.value) || self.value == ''",
+        "env[].value and env[].valueFrom are exclusive", fieldPath=".valueFrom")]})
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$", max_length=256, description="Variable name.")
-    value: str = Field("", description="Value.")
+    value: str = Field("", description="Literal value.")
+    value_from: EnvVarSource | None = Field(None, description="Take the value from a Secret or ConfigMap key.")
+
+
+class NameRef(Model):
+    name: str = Field(min_length=1, max_length=253, description="Secret or ConfigMap name (same namespace).")
+    optional: bool = Field(False, description="Start the pods even if it is missing.")
+
+
+class EnvFromSource(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [cel(
+        "has(self.secretRef) != has(self.configMapRef)", "envFrom[] needs exactly one of secretRef or configMapRef")]})
+    prefix: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+                               description="Prefix for every variable name.")
+    secret_ref: NameRef | None = Field(None, description="Every key of a Secret as a variable.")
+    config_map_ref: NameRef | None = Field(None, description="Every key of a ConfigMap as a variable.")
 
 
 class VolumeMount(Model):
@@ -450,6 +645,29 @@ SPEC_RULES = [
         fieldPath=".rollout.sampling.samplesPerPrompt",
     ),
     cel(
+        "self.algorithm.name != 'rloo' || self.rollout.sampling.samplesPerPrompt >= 2",
+        "RLOO needs rollout.sampling.samplesPerPrompt >= 2: each sample's baseline is the mean of the other "
+        "samples of its prompt",
+        fieldPath=".rollout.sampling.samplesPerPrompt",
+    ),
+    cel(
+        "!has(self.critic) || self.algorithm.name == 'ppo'",
+        "spec.critic applies to algorithm.name 'ppo' only (grpo, rloo and reinforce++ have no critic)",
+        fieldPath=".critic",
+    ),
+    cel(
+        "self.reference.placement == 'trainer' || self.algorithm.klCoef > 0.0",
+        "spec.reference.placement other than 'trainer' needs algorithm.klCoef > 0 (without a KL penalty no "
+        "reference is loaded)",
+        fieldPath=".reference.placement",
+    ),
+    cel(
+        "!has(self.output) || (has(self.volumes) && self.volumes.exists(v, v.name == self.output.volume))",
+        "output.volume must name a volume in spec.volumes",
+        fieldPath=".output.volume",
+    ),
+
+    cel(
         "!has(self.checkpoint) || (has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
         "checkpoint.volume must name a volume in spec.volumes",
         fieldPath=".checkpoint.volume",
@@ -480,6 +698,12 @@ class RLHFJobSpec(Model):
     algorithm: Algorithm = sub(Algorithm, "The RL algorithm and its hyper-parameters.")
     data: Data = Field(description="Where the prompts come from.")
     reward: Reward = Field(description="How completions are scored.")
+    critic: Critic | None = Field(
+        None, description="PPO's critic (value model), trained beside the policy with FSDP2 like the trainer. Unset "
+        "with algorithm.name 'ppo': the policy's model, colocated with the trainer.")
+    reference: Reference = sub(Reference, "Where the frozen reference policy of the KL penalty runs.")
+    output: Output | None = Field(
+        None, description="Export the trained model in Hugging Face format (at the end; optionally every N steps).")
     checkpoint: Checkpoint | None = Field(None, description="Periodic checkpoints; the job resumes from the newest.")
     scheduling: Scheduling = sub(Scheduling, "Node selection, tolerations, priority and Kueue queue.")
     suspend: bool = Field(
@@ -515,7 +739,12 @@ class RLHFJobSpec(Model):
         "failed run (retried per spec.backoffLimit, resuming from the newest checkpoint). Set it above your slowest "
         "step plus model loading and engine start.",
     )
-    env: list[EnvVar] | None = Field(None, max_length=256, description="Extra environment for every container.")
+    env: list[EnvVar] | None = Field(
+        None, max_length=256,
+        description="Extra environment for every container: literal values, or valueFrom a Secret or ConfigMap key "
+        "(e.g. HF_TOKEN for a gated model; a Secret's value never enters the job's ConfigMap, status or Events).")
+    env_from: list[EnvFromSource] | None = Field(
+        None, max_length=64, description="Every key of these Secrets or ConfigMaps as environment of every container.")
     volumes: list[dict[str, Any]] | None = Field(
         None, max_length=64, description="Extra volumes for every pod.", json_schema_extra={"items": VOLUME_SCHEMA}
     )
@@ -530,14 +759,38 @@ class RLHFJobSpec(Model):
     def trainer_gpus(self) -> int:
         return self.trainer.replicas * self.trainer.gpus_per_replica
 
+    def critic_settings(self) -> Critic | None:
+        """The critic of a PPO job (spec.critic or its defaults); None for the critic-free algorithms."""
+        return (self.critic or Critic()) if self.algorithm.name == "ppo" else None
+
+    def reference_active(self) -> bool:
+        return self.algorithm.kl_coef > 0
+
+    def separate_roles(self) -> dict[str, RolePlacement]:
+        """The roles with worker groups of their own (name -> settings): reward model, critic, reference."""
+        roles: dict[str, RolePlacement] = {}
+        if self.reward.model is not None and self.reward.model.placement == "separate":
+            roles["reward"] = self.reward.model
+        critic = self.critic_settings()
+        if critic is not None and critic.placement == "separate":
+            roles["critic"] = critic
+        if self.reference_active() and self.reference.placement == "separate":
+            roles["reference"] = self.reference
+        return roles
+
+    def role_gpus(self, role: RolePlacement) -> int:
+        """GPUs per pod of a separate role (0 for a CPU-only job)."""
+        return 0 if self.cpu_only() else role.gpus_per_replica
+
     def engine_gpus(self) -> int:
         """GPUs of the engines (0 for a CPU-only job)."""
         return 0 if self.cpu_only() else self.rollout.engines * self.rollout.tensor_parallel_size
 
     def total_gpus(self) -> int:
+        roles = sum(r.replicas * self.role_gpus(r) for r in self.separate_roles().values())
         if self.placement.mode == "colocated":
-            return self.trainer_gpus()
-        return self.trainer_gpus() + self.engine_gpus()
+            return self.trainer_gpus() + roles
+        return self.trainer_gpus() + self.engine_gpus() + roles
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -571,6 +824,22 @@ class Throughput(Model):
     weight_sync_seconds: float | None = Field(None, description="Weight sync time of the last sync.")
     weight_sync_gbps: float | None = Field(None, description="Weight sync effective GB/s of the last sync.")
     reward_mean: float | None = Field(None, description="Mean reward of the last step.")
+    reward_seconds: float | None = Field(None, description="Scoring time of the last step (all reward sources).")
+    reference_seconds: float | None = Field(None, description="Reference log-probability time of the last step.")
+    critic_seconds: float | None = Field(None, description="Critic time of the last step (values and its update).")
+
+
+class OutputStatus(Model):
+    path: str | None = Field(None, description="Directory of the newest exported model.")
+    step: int | None = Field(None, description="Training step it was exported at.")
+    time: datetime | None = Field(None, description="When the export completed.")
+
+
+class EvalStatus(Model):
+    reward_mean: float | None = Field(None, description="Mean reward over the eval prompts (greedy answers).")
+    step: int | None = Field(None, description="Training step of the evaluation.")
+    prompts: int | None = Field(None, description="Eval prompts scored.")
+    time: datetime | None = Field(None, description="When the evaluation completed.")
 
 
 class RuntimeReport(Model):
@@ -605,6 +874,8 @@ class RLHFJobStatus(Model):
     total_steps: int | None = Field(None, description="spec.algorithm.steps.")
     throughput: Throughput | None = Field(None, description="Throughput of the last step.")
     runtime: RuntimeReport | None = Field(None, description="The runtime's own report.")
+    output: OutputStatus | None = Field(None, description="The newest exported model (spec.output).")
+    eval: EvalStatus | None = Field(None, description="The newest evaluation on spec.data.eval.")
     start_time: datetime | None = Field(None, description="When the job started running.")
     completion_time: datetime | None = Field(None, description="When the job finished.")
 
@@ -612,7 +883,7 @@ class RLHFJobStatus(Model):
 # ------------------------------------------------------------------------------ operator <-> runtime
 #: Spec fields only the operator reads (pod sizes): left out of the runtime's job.json.
 OPERATOR_ONLY_FIELDS: tuple[tuple[str, ...], ...] = (("head",), ("backoffLimit",), ("ttlSecondsAfterFinished",),
-                                                     ("activeDeadlineSeconds",))
+                                                     ("activeDeadlineSeconds",), ("envFrom",))
 #: Spec fields added after runtime 0.1.0, with their defaults. Runtimes up to 0.1.0 refuse a job.json with a key
 #: they do not know, so the operator leaves these out while they hold their default: an older runtime image
 #: then runs every job that does not ask for the newer feature.
@@ -621,6 +892,12 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("weightSync", "timeoutSeconds"), 600),
     (("progressDeadlineSeconds",), 1800),
     (("inRunRecoveries",), 3),
+    (("algorithm", "klMode"), "loss"),
+    (("algorithm", "lossAggregation"), "token"),
+    (("data", "evalEveryNSteps"), 10),
+    (("reward", "ruleWeight"), 1.0),
+    (("reward", "normalize"), "none"),
+    (("reference",), Reference().wire()),
 )
 
 
@@ -710,7 +987,7 @@ def edit_rules() -> list[dict[str, str]]:
         if wire == "algorithm":
             for aname, af in Algorithm.model_fields.items():
                 if f"algorithm.{af.alias or aname}" not in MUTABLE_FIELDS:
-                    rule(f"algorithm.{af.alias or aname}", optional=False)
+                    rule(f"algorithm.{af.alias or aname}", optional=not af.is_required() and af.default is None)
             continue
         rule(wire, optional=not f.is_required() and f.default is None)
     return rules

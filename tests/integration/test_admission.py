@@ -61,7 +61,39 @@ INVALID = [
     ("grpo needs groups", with_spec(rollout__sampling__samplesPerPrompt=1), "GRPO needs rollout.sampling.samplesPerPrompt >= 2"),
     ("two data sources", with_spec(data__prompts=["hi"]), "data needs exactly one of prompts, configMap or path"),
     ("no data source", with_spec(data={}), "data needs exactly one of prompts, configMap or path"),
-    ("reward rule and function", with_spec(reward__function="m:f"), "reward needs exactly one of rule or function"),
+    ("reward rule and function", with_spec(reward__function="m:f"), "reward takes rule or function, not both"),
+    ("reward without a source", with_spec(reward={"normalize": "batch"}),
+     "reward needs a source: rule, function, model or endpoint"),
+    ("reward endpoint not http", with_spec(reward={"endpoint": {"url": "ftp://x/score"}}),
+     "spec.reward.endpoint.url: Invalid value"),
+    ("reward model without name", with_spec(reward={"model": {"placement": "separate"}}),
+     "spec.reward.model.name: Required value"),
+    ("unknown algorithm", with_spec(algorithm__name="dpo"), 'Unsupported value: "dpo"'),
+    ("ppo settings on grpo", with_spec(algorithm__ppo={"gamma": 0.99}),
+     "algorithm.ppo (GAE and critic settings) applies to algorithm.name 'ppo' only"),
+    ("critic on grpo", with_spec(critic={"placement": "separate"}),
+     "spec.critic applies to algorithm.name 'ppo' only"),
+    ("kl in reward with grpo", with_spec(algorithm__klMode="reward"),
+     "algorithm.klMode 'reward' applies to ppo, rloo and reinforce++"),
+    ("clip-higher below clip", with_spec(algorithm__clipRatio=0.2, algorithm__clipRatioHigh=0.1),
+     "algorithm.clipRatioHigh must be at least algorithm.clipRatio"),
+    ("rloo needs groups", with_spec(algorithm__name="rloo", rollout__sampling__samplesPerPrompt=1),
+     "RLOO needs rollout.sampling.samplesPerPrompt >= 2"),
+    ("bad loss aggregation", with_spec(algorithm__lossAggregation="batch"), 'Unsupported value: "batch"'),
+    ("reference placed without kl", with_spec(reference={"placement": "separate"}, algorithm__klCoef=0),
+     "spec.reference.placement other than 'trainer' needs algorithm.klCoef > 0"),
+    ("output volume missing", with_spec(output={"volume": "out", "path": "/out"}),
+     "output.volume must name a volume in spec.volumes"),
+    ("env value and valueFrom", with_spec(env=[{"name": "T", "value": "x",
+                                               "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+     "env[].value and env[].valueFrom are exclusive"),
+    ("env valueFrom with two sources", with_spec(env=[{"name": "T", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}}]),
+     "env[].valueFrom needs exactly one of secretKeyRef or configMapKeyRef"),
+    ("envFrom with two sources", with_spec(envFrom=[{"secretRef": {"name": "s"}, "configMapRef": {"name": "c"}}]),
+     "envFrom[] needs exactly one of secretRef or configMapRef"),
+    ("eval set with two sources", with_spec(data__eval={"prompts": ["a"], "path": "/e.jsonl"}),
+     "data.eval needs exactly one of prompts, configMap or path"),
     ("regex without pattern", with_spec(reward={"rule": "regex"}), "reward.rule 'regex' needs reward.pattern"),
     ("bad reward hook", with_spec(reward={"function": "not a hook"}), "spec.reward.function: Invalid value"),
     ("checkpoint volume missing", with_spec(checkpoint={"volume": "ckpt", "path": "/ckpt"}),
@@ -89,7 +121,7 @@ def test_long_name_is_rejected(cluster) -> None:
 
 def test_valid_samples_pass_admission(cluster) -> None:
     for sample in ("separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer",
-                   "moe-expert-parallel"):
+                   "moe-expert-parallel", "ppo-reward-model"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
 
@@ -121,7 +153,8 @@ def test_immutable_fields_are_rejected_on_update(cluster) -> None:
         more["spec"]["ttlSecondsAfterFinished"] = 60
         more["spec"]["backoffLimit"] = 2
         more["spec"]["progressDeadlineSeconds"] = 900
-        assert apply(cluster, more, "default", check=False).returncode == 0
+        out = apply(cluster, more, "default", check=False)
+        assert out.returncode == 0, out.stderr
     finally:
         cluster.kubectl("delete", "rlhfjob", "immut", "-n", "default", "--wait=false", check=False)
 
