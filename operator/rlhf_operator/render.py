@@ -15,16 +15,28 @@ Layout (GPUs per pod = ``nvidia.com/gpu`` request = Ray ``num-gpus``):
   when the job is CPU-only, ``trainer.gpusPerReplica: 0``).
 * ``colocated``: one group ``colocated`` (``trainer.replicas`` pods x ``gpusPerReplica``); each GPU holds a
   trainer worker and an engine shard, Ray shares it with fractional GPUs.
+* roles with a model of their own and ``placement: separate`` (``spec.separate_roles()``: the reward model,
+  PPO's critic, the reference policy when ``algorithm.klCoef > 0``), in either mode: one group each, named
+  ``reward`` / ``critic`` / ``reference`` (the role's ``replicas`` pods x ``gpusPerReplica``, no GPU when the
+  job is CPU-only; the role's ``resources``). A colocated role needs no group: its actors share the trainer
+  workers' GPUs (``rlhf_runtime.placement``).
 
-Each worker advertises a Ray custom resource (``rlhf_trainer`` / ``rlhf_rollout`` / ``rlhf_colocated``) equal
-to its GPU count (1 on a CPU-only pod), so the runtime's placement groups land on the pods meant for them. The
-runtime's bundles ask for that resource (and GPUs), never for Ray CPUs, so the pods' CPU requests (from which
-KubeRay derives ``num-cpus``) only size the containers.
+Each worker advertises a Ray custom resource (``rlhf_trainer`` / ``rlhf_rollout`` / ``rlhf_colocated`` /
+``rlhf_reward`` / ``rlhf_critic`` / ``rlhf_reference``, ``rlhf_<group name>``) equal to its GPU count (1 on a
+pod without GPUs), so the runtime's placement groups land on the pods meant for them. The runtime's bundles ask
+for that resource (and GPUs), never for Ray CPUs, so the pods' CPU requests (from which KubeRay derives
+``num-cpus``) only size the containers.
 Packing: every worker pod prefers the node of its own group's pods (weight 100) and then of its job's pods
 (weight 50), a preferred pod affinity on ``kubernetes.io/hostname``. The default scheduler scores GPUs not at
 all (its resource scoring looks at CPU and memory), so without it a job's engine pods spread over every node
 and no node keeps enough GPUs free for a large trainer pod; packed, a job also keeps its NVLink traffic on
 one node where it fits.
+
+Environment: the head and worker containers get ``BASE_ENV``, then ``spec.env`` (a literal ``value``, or a
+``valueFrom`` Secret or ConfigMap key rendered as Kubernetes ``valueFrom``: the kubelet resolves it, so a
+secret's value never passes through the operator, the ConfigMap, the RayJob or the status), and
+``spec.envFrom`` as the container's ``envFrom``. KubeRay's submitter pod gets neither (it only runs
+``ray job submit``).
 
 Security: every container runs without privilege escalation and without Linux capabilities, under the
 runtime's default seccomp profile (Pod Security ``baseline`` and most of ``restricted``; ``runAsNonRoot`` is
@@ -84,12 +96,16 @@ def worker_groups(spec: RLHFJobSpec) -> list[Group]:
     """The Ray worker groups for a spec's placement (see module docstring)."""
     t, r = spec.trainer, spec.rollout
     if spec.placement.mode == "colocated":
-        return [Group("colocated", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory)]
-    engine_gpus = 0 if spec.cpu_only() else r.tensor_parallel_size  # CPU-only jobs: CPU engine pods too
-    return [
-        Group("trainer", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory),
-        Group("rollout", r.engines, engine_gpus, r.resources.cpu, r.resources.memory),
-    ]
+        groups = [Group("colocated", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory)]
+    else:
+        engine_gpus = 0 if spec.cpu_only() else r.tensor_parallel_size  # CPU-only jobs: CPU engine pods too
+        groups = [
+            Group("trainer", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory),
+            Group("rollout", r.engines, engine_gpus, r.resources.cpu, r.resources.memory),
+        ]
+    for name, role in spec.separate_roles().items():  # reward, critic, reference (those placed separately)
+        groups.append(Group(name, role.replicas, spec.role_gpus(role), role.resources.cpu, role.resources.memory))
+    return groups
 
 
 def runtime_config(job: Job) -> RuntimeConfig:
@@ -107,11 +123,19 @@ def render_config_map(job: Job) -> dict[str, Any]:
     }
 
 
-def _env(spec: RLHFJobSpec) -> list[dict[str, str]]:
-    env = dict(BASE_ENV)
+def _env(spec: RLHFJobSpec) -> list[dict[str, Any]]:
+    """``BASE_ENV`` then ``spec.env`` (same name: the user's entry wins, in BASE_ENV's place); a ``valueFrom``
+    entry stays a reference (``secretKeyRef`` / ``configMapKeyRef``: name, key, optional) for the kubelet."""
+    env: dict[str, dict[str, Any]] = {k: {"name": k, "value": v} for k, v in BASE_ENV.items()}
     for e in spec.env or []:
-        env[e.name] = e.value
-    return [{"name": k, "value": v} for k, v in env.items()]
+        env[e.name] = {"name": e.name, "valueFrom": e.value_from.wire()} if e.value_from else {
+            "name": e.name, "value": e.value}
+    return list(env.values())
+
+
+def _env_from(spec: RLHFJobSpec) -> list[dict[str, Any]]:
+    """``spec.envFrom`` as a container's ``envFrom`` (``secretRef`` / ``configMapRef``: name, optional; prefix)."""
+    return [s.wire() for s in spec.env_from or []]
 
 
 #: Container security context of every pod we render (see the module docstring).
@@ -151,19 +175,20 @@ def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memo
         volumes.append({"name": "rlhf-data", "configMap": {"name": spec.data.config_map.name}})
     mounts += [m.wire() for m in spec.volume_mounts or []]
     volumes += [dict(v) for v in spec.volumes or []]
+    main: dict[str, Any] = {
+        "name": container,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": _env(spec),
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": CONTAINER_SECURITY,
+    }
+    if spec.env_from:
+        main["envFrom"] = _env_from(spec)
     pod: dict[str, Any] = {
         "serviceAccountName": names.runtime_identity,
-        "containers": [
-            {
-                "name": container,
-                "image": spec.image,
-                "imagePullPolicy": "IfNotPresent",
-                "env": _env(spec),
-                "resources": resources,
-                "volumeMounts": mounts,
-                "securityContext": CONTAINER_SECURITY,
-            }
-        ],
+        "containers": [main],
         "volumes": volumes,
         "securityContext": POD_SECURITY,
     }

@@ -19,6 +19,23 @@ where and how many; a pod's CPU request only sizes its container. (Ray still giv
 * ``colocated``: one placement group per engine; trainer worker ``w`` shares engine ``w // TP``'s bundle
   ``w % TP`` (one GPU) with that engine's shard, each with a fractional GPU share.
 * CPU (``trainer.gpusPerReplica == 0``): the same shapes without GPUs, one bundle per pod.
+* roles with a model of their own (``Layout.roles``: ``reward`` when ``spec.reward.model`` is set, ``critic``
+  for PPO, ``reference`` when ``algorithm.klCoef > 0`` and ``spec.reference.placement`` is not ``trainer``),
+  in either mode:
+
+  - ``placement: separate``: a placement group named after the role, after the trainer and engine groups (in
+    the order reward, critic, reference), ``PACK``, on the role's worker group (custom resource
+    ``rlhf_<role>``): one bundle ``{"rlhf_<role>": 1, "GPU": 1}`` per GPU (``replicas x gpusPerReplica``), or
+    one ``{"rlhf_<role>": 1}`` per pod when the role has no GPUs (a CPU job); one actor per bundle with
+    ``num_gpus`` 1 (0 without GPUs).
+  - ``placement: colocated``: one actor beside each trainer worker, on that worker's bundle, sharing its GPU:
+    the trainer's share (1 in ``separate`` mode, ``COLOCATED_TRAINER_SHARE`` in ``colocated`` mode) is split
+    evenly between the trainer worker and its ``k`` colocated role actors, ``share / (1 + k)`` each, rounded
+    down to Ray's 4 decimals so that they never add up to more than the share (0 on a CPU job). Without
+    colocated roles the trainer keeps its whole share (the layouts are those of a job without roles).
+
+  The driver places ``layout.roles[role][i]`` like a trainer: ``group`` indexes ``Layout.groups``, ``bundle``
+  that group's bundles.
 * ``rollout.expertParallel``: the same shapes; ``Layout.dp_group`` tells the driver that the engines form one
   vLLM data-parallel group (``VLLM_DP_RANK`` / ``VLLM_DP_SIZE`` / ``VLLM_DP_MASTER_*`` per engine, set by the
   driver once it knows engine 0's node) whose ranks step together.
@@ -30,10 +47,11 @@ same shape (TP>1: its Ray workers) on the same GPUs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from decimal import ROUND_DOWN, Decimal
 from typing import Any
 
-from rlhf_api.models import RLHFJobSpec
+from rlhf_api.models import RLHFJobSpec, RolePlacement
 
 #: Fractional GPU shares (Ray scheduling tokens; memory is set by gpuMemoryUtilization). Each bundle keeps
 #: VALIDATION_SHARE free for the fresh engine (or its TP workers) of the validation mode.
@@ -41,6 +59,8 @@ VALIDATION_SHARE = 0.1
 COLOCATED_TRAINER_SHARE = 0.45
 COLOCATED_ENGINE_SHARE = 0.45
 SEPARATE_TP_WORKER_SHARE = 0.9
+#: The roles that may run a model of their own, in the order of their placement groups.
+ROLES = ("reward", "critic", "reference")
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,9 @@ class Layout:
     engines: list[EnginePlacement]
     gpu: bool
     dp_group: bool = False  # engines form one vLLM data-parallel (expert-parallel) group
+    #: The active roles ("reward", "critic", "reference"; see the module docstring) -> their actors, one per
+    #: bundle of the role's own group (separate) or one per trainer worker, on its bundle (colocated).
+    roles: dict[str, list[ActorPlacement]] = field(default_factory=dict)
 
     def totals(self) -> dict[str, float]:
         """Resources of all bundles together (what a local Ray must offer)."""
@@ -93,6 +116,52 @@ def _bundle(resource: str, gpu: bool) -> dict[str, float]:
     if gpu:
         b["GPU"] = 1
     return b
+
+
+def active_roles(spec: RLHFJobSpec) -> dict[str, RolePlacement]:
+    """The roles that run a model of their own (name -> settings, in ``ROLES`` order): the reward model when
+    set, PPO's critic, the reference when the KL penalty is on and it does not run inside the trainer."""
+    roles: dict[str, RolePlacement] = {}
+    if spec.reward.model is not None:
+        roles["reward"] = spec.reward.model
+    critic = spec.critic_settings()
+    if critic is not None:
+        roles["critic"] = critic
+    if spec.reference_active() and spec.reference.placement != "trainer":
+        roles["reference"] = spec.reference
+    return roles
+
+
+def split_share(share: float, ways: int) -> float:
+    """``share / ways`` rounded down to 4 decimals (Ray's resource granularity): ``ways`` of them never add up
+    to more than ``share``."""
+    return float((Decimal(str(share)) / ways).quantize(Decimal("0.0001"), rounding=ROUND_DOWN))
+
+
+def _with_roles(spec: RLHFJobSpec, layout: Layout, trainer_share: float) -> Layout:
+    """``layout`` plus the active roles: a group of its own for each separate role, an actor on each trainer
+    worker's bundle for each colocated one (the trainer's ``trainer_share`` split evenly with them)."""
+    roles = active_roles(spec)
+    if not roles:
+        return layout
+    gpu = layout.gpu
+    colocated = [name for name, r in roles.items() if r.placement == "colocated"]
+    trainers = layout.trainers
+    share = 0.0
+    if colocated:
+        share = split_share(trainer_share, 1 + len(colocated)) if gpu else 0
+        trainers = [replace(t, num_gpus=share) for t in trainers]
+    groups = list(layout.groups)
+    placed: dict[str, list[ActorPlacement]] = {}
+    for name, role in roles.items():
+        if role.placement == "colocated":
+            placed[name] = [ActorPlacement(t.group, t.bundle, 0, share) for t in trainers]
+            continue
+        role_gpus = spec.role_gpus(role)
+        n = role.replicas * role_gpus if role_gpus else role.replicas
+        groups.append(PlacementGroupSpec(name, [_bundle(f"rlhf_{name}", role_gpus > 0) for _ in range(n)], "PACK"))
+        placed[name] = [ActorPlacement(len(groups) - 1, b, 0, 1 if role_gpus else 0) for b in range(n)]
+    return replace(layout, groups=groups, trainers=trainers, roles=placed)
 
 
 def compute_layout(spec: RLHFJobSpec) -> Layout:
@@ -130,7 +199,7 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
             else:
                 env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(COLOCATED_ENGINE_SHARE)}
                 engines.append(EnginePlacement(e, 0, 0, 0, env, executor="ray"))
-        return Layout(groups, trainers, engines, gpu, dp_group)
+        return _with_roles(spec, Layout(groups, trainers, engines, gpu, dp_group), COLOCATED_TRAINER_SHARE)
 
     groups = [PlacementGroupSpec("trainer", [_bundle("rlhf_trainer", gpu) for _ in range(workers)], "PACK")]
     groups += [
@@ -145,7 +214,7 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
         else:
             env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(SEPARATE_TP_WORKER_SHARE)}
             engines.append(EnginePlacement(1 + e, 0, 0, 0, env, "ray"))
-    return Layout(groups, trainers, engines, gpu, dp_group)
+    return _with_roles(spec, Layout(groups, trainers, engines, gpu, dp_group), 1)
 
 
 def spread(items: list[Any], n: int) -> list[list[int]]:

@@ -63,6 +63,8 @@ def test_layouts() -> None:
     assert colo == {"colocated": (1, 4)}
     multi = gpus_by_group(render.render_ray_job(job_of(REPO / "crds/samples/multinode-trainer.yaml")))
     assert multi == {"trainer": (2, 8), "rollout": (4, 2)}
+    ppo = gpus_by_group(render.render_ray_job(job_of(REPO / "crds/samples/ppo-reward-model.yaml")))
+    assert ppo == {"trainer": (1, 1), "rollout": (1, 1), "reward": (1, 1), "reference": (1, 1)}  # critic colocated
 
 
 def test_head_has_no_gpus_and_pods_get_shm_config_and_scheduling() -> None:
@@ -320,9 +322,18 @@ RUNTIME_0_1_KEYS = {
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
 def test_job_json_of_default_specs_is_readable_by_the_0_1_runtime(sample: Path) -> None:
     """Runtimes up to 0.1.0 refuse unknown keys (``extra="forbid"``): new fields must not reach job.json
-    unless the user sets them (operator-only fields never)."""
+    unless the user sets them (operator-only fields never). A sample that asks for newer features (e.g.
+    ppo-reward-model) may send new keys, but only at or under a field the sample itself sets."""
     payload = json.loads(render.render_config_map(job_of(sample))["data"][naming.CONFIG_KEY])
-    assert _key_paths(payload) <= RUNTIME_0_1_KEYS, _key_paths(payload) - RUNTIME_0_1_KEYS
+    user_set = _key_paths({"spec": yaml.safe_load(sample.read_text())["spec"]})
+
+    def set_by_user(path: str) -> bool:
+        parts = path.split(".")
+        return any(".".join(parts[:i]) in user_set for i in range(2, len(parts) + 1))
+
+    new = {p for p in _key_paths(payload) - RUNTIME_0_1_KEYS if not set_by_user(p)}
+    assert not new, new
+    assert "envFrom" not in payload["spec"] and "head" not in payload["spec"]
 
 
 def test_job_json_leaves_out_operator_only_fields_and_new_defaults() -> None:
@@ -359,3 +370,140 @@ def test_backoff_limit_becomes_kuberays_retries_and_stays_out_of_job_json() -> N
     assert render.render_ray_job(j)["spec"]["backoffLimit"] == 2
     payload = json.loads(render.render_config_map(j)["data"][naming.CONFIG_KEY])
     assert "backoffLimit" not in payload["spec"]  # operator-only: an older runtime never sees it
+
+
+# ---------------------------------------------------------------------- reward model, critic, reference
+def _with(job: render.Job, **update: Any) -> render.Job:
+    return render.Job(job.name, job.namespace, job.uid, job.spec.model_copy(update=update))
+
+
+def _roles_job(**update: Any) -> render.Job:
+    """The multinode sample (GPU product, tolerations, priority) as PPO with every role separate."""
+    job = job_of(REPO / "crds/samples/multinode-trainer.yaml")
+    spec = job.spec.model_copy(update={
+        "algorithm": job.spec.algorithm.model_copy(update={"name": "ppo", "kl_coef": 0.01}),
+        "reward": job.spec.reward.model_copy(update={"model": m.RewardModel(
+            name="rm", replicas=2, gpus_per_replica=2, resources=m.Resources(cpu="4", memory="32Gi"))}),
+        "critic": m.Critic(placement="separate", replicas=1, gpus_per_replica=8,
+                           resources=m.Resources(cpu="16", memory="128Gi")),
+        "reference": m.Reference(placement="separate", replicas=3, gpus_per_replica=1),
+        **update,
+    })
+    return render.Job(job.name, job.namespace, job.uid, spec)
+
+
+def test_separate_roles_get_worker_groups_of_their_own() -> None:
+    job = _roles_job()
+    rj = render.render_ray_job(job)
+    groups = {g["groupName"]: g for g in rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+    assert list(groups) == ["trainer", "rollout", "reward", "critic", "reference"]
+    assert gpus_by_group(rj) == {"trainer": (2, 8), "rollout": (4, 2), "reward": (2, 2), "critic": (1, 8),
+                                 "reference": (3, 1)}
+    assert sum(r * g for r, g in gpus_by_group(rj).values()) == job.spec.total_gpus() == 16 + 8 + 4 + 8 + 3
+    sizes = {"reward": ("4", "32Gi"), "critic": ("16", "128Gi"), "reference": ("8", "64Gi")}
+    for name, (cpu, memory) in sizes.items():
+        g = groups[name]
+        assert (g["minReplicas"], g["maxReplicas"]) == (g["replicas"], g["replicas"])
+        pod = g["template"]["spec"]
+        res = pod["containers"][0]["resources"]
+        assert (res["requests"]["cpu"], res["requests"]["memory"], res["limits"]["memory"]) == (cpu, memory, memory)
+        # the role's Ray custom resource, one unit per GPU, as KubeRay hands it to `ray start`
+        start = kuberay_ray_start(g)
+        assert start["resources"] == {f"rlhf_{name}": res["limits"][render.GPU]}
+        assert start["node"][f"rlhf_{name}"] == start["node"]["GPU"] == res["limits"][render.GPU]
+        # like every worker group: role label, packing, the job's scheduling, the GPU product, the security
+        assert g["template"]["metadata"]["labels"][naming.LABEL_ROLE] == name
+        assert pod["affinity"] == render.pack_affinity(job.name, name)
+        assert pod["nodeSelector"][render.GPU_PRODUCT_LABEL] == "NVIDIA-H100-80GB-HBM3"
+        assert pod["priorityClassName"] == "training" and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["containers"][0]["securityContext"] == render.CONTAINER_SECURITY
+        assert pod["serviceAccountName"] == naming.child_names(job.name).runtime_identity
+        assert pod["containers"][0]["env"] == groups["trainer"]["template"]["spec"]["containers"][0]["env"]
+
+
+def test_colocated_and_inactive_roles_get_no_group() -> None:
+    job = _roles_job(critic=m.Critic(), reference=m.Reference(placement="colocated"))
+    assert [g.name for g in render.worker_groups(job.spec)] == ["trainer", "rollout", "reward"]
+    # no KL penalty: no reference at all; GRPO: no critic
+    grpo = _roles_job(algorithm=m.Algorithm(), critic=None)
+    assert [g.name for g in render.worker_groups(grpo.spec)] == ["trainer", "rollout", "reward"]
+    colocated = _with(job_of(REPO / "crds/samples/colocated-ipc-dp.yaml"),
+                      algorithm=m.Algorithm(name="ppo", kl_coef=0.1),
+                      critic=m.Critic(placement="separate", gpus_per_replica=2),
+                      reference=m.Reference(placement="separate"))
+    assert [(g.name, g.replicas, g.gpus) for g in render.worker_groups(colocated.spec)] == [
+        ("colocated", 1, 4), ("critic", 1, 2), ("reference", 1, 1)]
+
+
+def test_cpu_job_roles_get_cpu_pods_with_one_custom_resource_unit() -> None:
+    job = _roles_job(trainer=m.Trainer(gpus_per_replica=0, resources=m.Resources(cpu="250m", memory="2Gi")))
+    rj = render.render_ray_job(job)
+    for g in rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        pod = g["template"]["spec"]
+        assert render.GPU not in pod["containers"][0]["resources"]["limits"], g["groupName"]
+        assert render.GPU_PRODUCT_LABEL not in pod.get("nodeSelector", {})
+        assert g["rayStartParams"]["num-gpus"] == "0"
+        assert kuberay_ray_start(g)["resources"] == {f"rlhf_{g['groupName']}": 1}
+    assert job.spec.total_gpus() == 0
+
+
+SECRET_TOKEN = "hf_SECRET-never-rendered-4f1d9c"
+
+
+def _secret_env_job() -> render.Job:
+    job = job_of(REPO / "crds/samples/ppo-reward-model.yaml")
+    return _with(job, env=[
+        m.EnvVar(name="HF_TOKEN", value_from=m.EnvVarSource(secret_key_ref=m.KeyRef(name="hf-token", key="token"))),
+        m.EnvVar(name="DATA_URL", value_from=m.EnvVarSource(
+            config_map_key_ref=m.KeyRef(name="urls", key="data", optional=True))),
+        m.EnvVar(name="NCCL_DEBUG", value="INFO"),
+    ], env_from=[
+        m.EnvFromSource(secret_ref=m.NameRef(name="wandb")),
+        m.EnvFromSource(prefix="CFG_", config_map_ref=m.NameRef(name="settings", optional=True)),
+    ])
+
+
+def test_env_value_from_and_env_from_on_every_container() -> None:
+    rj = render.render_ray_job(_secret_env_job())["spec"]
+    containers = [rj["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in rj["rayClusterSpec"]["workerGroupSpecs"]]
+    assert len(containers) == 1 + 4  # head, trainer, rollout, reward, reference
+    for c in containers:
+        env = {e["name"]: e for e in c["env"]}
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": "hf-token", "key": "token", "optional": False}}}
+        assert env["DATA_URL"] == {"name": "DATA_URL", "valueFrom": {
+            "configMapKeyRef": {"name": "urls", "key": "data", "optional": True}}}
+        assert env["NCCL_DEBUG"] == {"name": "NCCL_DEBUG", "value": "INFO"}  # literal, overrides BASE_ENV
+        assert env["RLHF_JOB_CONFIG"]["value"] == "/etc/rlhf/job.json"
+        assert c["envFrom"] == [{"secretRef": {"name": "wandb", "optional": False}},
+                                {"prefix": "CFG_", "configMapRef": {"name": "settings", "optional": True}}]
+    # KubeRay's submitter pod gets no environment of ours (it did not before either)
+    sub = rj["submitterPodTemplate"]["spec"]["containers"][0]
+    assert "env" not in sub and "envFrom" not in sub
+    # without spec.envFrom no envFrom key at all (the existing renders stay as they were)
+    plain = render.render_ray_job(job_of(REPO / "crds/samples/separate-nccl-tp2.yaml"))["spec"]
+    assert all("envFrom" not in g["template"]["spec"]["containers"][0]
+               for g in [plain["rayClusterSpec"]["headGroupSpec"], *plain["rayClusterSpec"]["workerGroupSpecs"]])
+
+
+def test_config_map_holds_secret_references_never_values() -> None:
+    """The spec can only name a Secret's key (there is no field for its value), and the operator never reads
+    Secrets: the ConfigMap (job.json), like the RayJob, carries the reference and no value; spec.envFrom is
+    operator-only and stays out of job.json altogether."""
+    job = _secret_env_job()
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
+              "stringData": {"token": SECRET_TOKEN}}  # what the cluster would hold
+    cm = render.render_config_map(job)
+    payload = json.loads(cm["data"][naming.CONFIG_KEY])
+    (hf,) = [e for e in payload["spec"]["env"] if e["name"] == "HF_TOKEN"]
+    assert hf["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token", "optional": False}}
+    assert hf.get("value", "") == ""
+    assert "envFrom" not in payload["spec"]
+    for rendered in (cm, render.render_ray_job(job), *render.render_runtime_rbac(job)):
+        text = json.dumps(rendered)
+        assert secret["stringData"]["token"] not in text
+        assert "stringData" not in text and '"kind": "Secret"' not in text
+    # the runtime reads the same reference back (and can only resolve it from its own environment)
+    cfg = m.RuntimeConfig.model_validate_json(cm["data"][naming.CONFIG_KEY])
+    assert cfg.spec.env == job.spec.env

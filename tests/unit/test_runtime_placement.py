@@ -8,7 +8,14 @@ import pytest
 
 from rlhf_api.models import RLHFJobSpec
 from rlhf_runtime.config import engine_kwargs
-from rlhf_runtime.placement import VALIDATION_SHARE, PlacementError, compute_layout, spread
+from rlhf_runtime.placement import (
+    COLOCATED_TRAINER_SHARE,
+    VALIDATION_SHARE,
+    PlacementError,
+    compute_layout,
+    split_share,
+    spread,
+)
 
 
 def spec(**over: Any) -> RLHFJobSpec:
@@ -103,6 +110,21 @@ LAYOUTS = {
     "gpu-separate-few-cpus": {"trainer": {"replicas": 2, "gpusPerReplica": 8, "strategy": "fsdp2",
                                           "resources": {"cpu": "4"}},
                               "rollout": {"engines": 4, "tensorParallelSize": 2, "resources": {"cpu": "1"}}},
+    "gpu-separate-roles": {"trainer": {"replicas": 2, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                           "algorithm": {"name": "ppo", "klCoef": 0.01},
+                           "reward": {"model": {"name": "rm", "replicas": 2, "gpusPerReplica": 2,
+                                                "resources": {"cpu": "2"}}},
+                           "critic": {"placement": "separate", "gpusPerReplica": 4, "resources": {"cpu": "1"}},
+                           "reference": {"placement": "separate", "replicas": 3}},
+    "gpu-colocated-mode-separate-roles": {
+        "trainer": {"gpusPerReplica": 4, "strategy": "fsdp2"}, "rollout": {"engines": 4},
+        "placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
+        "algorithm": {"name": "ppo", "klCoef": 0.01}, "reference": {"placement": "separate", "gpusPerReplica": 2},
+        "reward": {"model": {"name": "rm", "placement": "colocated"}}},
+    "cpu-roles": {"trainer": {"gpusPerReplica": 0, "resources": {"cpu": "250m", "memory": "2Gi"}},
+                  "algorithm": {"name": "ppo", "klCoef": 0.01},
+                  "reward": {"model": {"name": "rm", "replicas": 2, "resources": {"cpu": "500m", "memory": "2Gi"}}},
+                  "reference": {"placement": "separate", "gpusPerReplica": 2}},
 }
 
 
@@ -131,7 +153,8 @@ def test_every_bundle_fits_the_pods_the_operator_renders(name: str) -> None:
             assert all(node.get(k, 0) >= v for k, v in b.items()), (b, node)
         for k in {k for b in bundles for k in b}:
             assert sum(b.get(k, 0) for b in bundles) <= pods * node.get(k, 0), (k, bundles, node)
-    assert all(a.num_cpus == 0 for a in [*lay.trainers, *lay.engines])
+    assert all(a.num_cpus == 0 for a in [*lay.trainers, *lay.engines, *(a for r in lay.roles.values() for a in r)])
+    assert set(offered) == {k for pg in lay.groups for b in pg.bundles for k in b if k.startswith("rlhf_")}
 
 
 @pytest.mark.parametrize(
@@ -171,3 +194,170 @@ def test_expert_parallel_needs_a_moe_model_with_enough_experts() -> None:
     with pytest.raises(ValueError, match="shards 2 experts over engines x tensorParallelSize = 4 GPUs"):
         check_model(s, {"num_experts": 2})
     check_model(spec(rollout={"engines": 4}), {"model_type": "qwen2"})  # dense without EP: fine
+
+
+# ----------------------------------------------------------------------------- reward model, critic, reference
+def ppo(**over: Any) -> RLHFJobSpec:
+    """A PPO job (a critic always) with a KL penalty (a reference) and a reward model; ``over`` on top."""
+    base: dict[str, Any] = {
+        "algorithm": {"name": "ppo", "klCoef": 0.01},
+        "reward": {"rule": "contains", "target": "x", "model": {"name": "rm"}},
+    }
+    base.update(over)
+    return spec(**base)
+
+
+def shares_per_bundle(lay: Any) -> dict[tuple[int, int], float]:
+    """GPU share taken on each bundle by every actor the driver places (trainers, engines, roles)."""
+    out: dict[tuple[int, int], float] = {}
+    actors = [*lay.trainers, *lay.engines, *(a for acts in lay.roles.values() for a in acts)]
+    for a in actors:
+        out[(a.group, a.bundle)] = out.get((a.group, a.bundle), 0) + a.num_gpus
+    for e in lay.engines:  # TP>1: the engine's Ray workers take VLLM_RAY_PER_WORKER_GPUS of each of its bundles
+        if e.executor == "ray":
+            for b in e.env["VLLM_RAY_BUNDLE_INDICES"].split(","):
+                key = (e.group, int(b))
+                out[key] = out.get(key, 0) + float(e.env["VLLM_RAY_PER_WORKER_GPUS"])
+    return out
+
+
+def test_separate_roles_get_placement_groups_of_their_own() -> None:
+    s = ppo(trainer={"replicas": 2, "gpusPerReplica": 2, "strategy": "fsdp2"},
+            reward={"rule": "contains", "target": "x",
+                    "model": {"name": "rm", "placement": "separate", "replicas": 2, "gpusPerReplica": 2}},
+            critic={"placement": "separate", "replicas": 1, "gpusPerReplica": 4},
+            reference={"placement": "separate", "replicas": 3, "gpusPerReplica": 1})
+    lay = compute_layout(s)
+    assert [g.name for g in lay.groups] == ["trainer", "engine-0", "reward", "critic", "reference"]
+    assert list(lay.roles) == ["reward", "critic", "reference"] == list(s.separate_roles())
+    for name, n in {"reward": 4, "critic": 4, "reference": 3}.items():
+        gi = [g.name for g in lay.groups].index(name)
+        assert lay.groups[gi].bundles == [{f"rlhf_{name}": 1, "GPU": 1}] * n
+        assert lay.groups[gi].strategy == "PACK"
+        assert [(a.group, a.bundle, a.num_cpus, a.num_gpus) for a in lay.roles[name]] == [
+            (gi, b, 0, 1) for b in range(n)]
+    assert [t.num_gpus for t in lay.trainers] == [1] * 4  # no colocated role: the trainer keeps its GPU
+    assert lay.totals() == {"GPU": 4 + 1 + 4 + 4 + 3, "rlhf_trainer": 4, "rlhf_rollout": 1, "rlhf_reward": 4,
+                            "rlhf_critic": 4, "rlhf_reference": 3}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_colocated_roles_share_each_trainer_gpu_evenly_in_separate_mode(k: int) -> None:
+    roles = [("critic", {}), ("reference", {"reference": {"placement": "colocated"}}),
+             ("reward", {"reward": {"rule": "contains", "target": "x", "model": {"name": "rm", "placement": "colocated"}}})]
+    over: dict[str, Any] = {"trainer": {"replicas": 2, "gpusPerReplica": 2, "strategy": "fsdp2"}}
+    for _, o in roles[:k]:
+        over.update(o)
+    if k < 3:
+        over.setdefault("reward", {"rule": "contains", "target": "x"})  # no reward model
+    if k < 2:
+        over["algorithm"] = {"name": "ppo"}  # no KL: no reference
+    lay = compute_layout(ppo(**over))
+    assert sorted(lay.roles) == sorted(r for r, _ in roles[:k])
+    assert [g.name for g in lay.groups] == ["trainer", "engine-0"]  # no group of their own
+    share = {1: 0.5, 2: 0.3333, 3: 0.25}[k]
+    assert [t.num_gpus for t in lay.trainers] == [share] * 4
+    for acts in lay.roles.values():  # one actor beside each trainer worker, on its bundle
+        assert [(a.group, a.bundle, a.num_cpus, a.num_gpus) for a in acts] == [(0, b, 0, share) for b in range(4)]
+    per_bundle = shares_per_bundle(lay)
+    assert all(per_bundle[(0, b)] <= 1 for b in range(4))
+    assert lay.totals() == {"GPU": 5, "rlhf_trainer": 4, "rlhf_rollout": 1}
+
+
+def test_colocated_roles_split_the_trainer_share_in_colocated_mode() -> None:
+    s = ppo(trainer={"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2"},
+            rollout={"engines": 2, "tensorParallelSize": 2},
+            placement={"mode": "colocated"}, weightSync={"backend": "ipc"},
+            reward={"rule": "contains", "target": "x", "model": {"name": "rm", "placement": "colocated"}},
+            reference={"placement": "colocated"})
+    lay = compute_layout(s)
+    assert [g.name for g in lay.groups] == ["engine-0", "engine-1"]
+    assert list(lay.roles) == ["reward", "critic", "reference"]
+    share = 0.1125  # COLOCATED_TRAINER_SHARE / 4
+    assert share == COLOCATED_TRAINER_SHARE / 4 and [t.num_gpus for t in lay.trainers] == [share] * 4
+    for acts in lay.roles.values():
+        assert [(a.group, a.bundle, a.num_gpus) for a in acts] == [(t.group, t.bundle, share) for t in lay.trainers]
+    # trainer + its roles + the engine shard leave VALIDATION_SHARE free on every GPU
+    assert all(v + VALIDATION_SHARE <= 1 + 1e-9 for v in shares_per_bundle(lay).values())
+    # a 3-way split of 0.45 rounds down (0.15 each) and 1/3 to 0.3333: never above the share
+    assert split_share(COLOCATED_TRAINER_SHARE, 3) == 0.15 and split_share(1, 3) == 0.3333
+    assert split_share(COLOCATED_TRAINER_SHARE, 7) == 0.0642 and 7 * 0.0642 <= COLOCATED_TRAINER_SHARE
+
+
+def test_colocated_mode_with_separate_roles() -> None:
+    s = ppo(trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"}, rollout={"engines": 2},
+            placement={"mode": "colocated"}, weightSync={"backend": "ipc"},
+            critic={"placement": "separate", "gpusPerReplica": 2})
+    lay = compute_layout(s)
+    assert [g.name for g in lay.groups] == ["engine-0", "engine-1", "reward", "critic"]
+    assert list(lay.roles) == ["reward", "critic"]  # klCoef > 0 but reference.placement 'trainer': no actor
+    assert [t.num_gpus for t in lay.trainers] == [COLOCATED_TRAINER_SHARE] * 2  # nothing colocated beside it
+    assert [(a.group, a.bundle, a.num_gpus) for a in lay.roles["critic"]] == [(3, 0, 1), (3, 1, 1)]
+    assert [(a.group, a.bundle, a.num_gpus) for a in lay.roles["reward"]] == [(2, 0, 1)]
+
+
+def test_cpu_job_roles_take_one_bundle_per_pod_and_no_gpu() -> None:
+    s = ppo(trainer={"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2"},
+            reward={"rule": "contains", "target": "x",
+                    "model": {"name": "rm", "placement": "separate", "replicas": 2, "gpusPerReplica": 4}},
+            reference={"placement": "colocated"})
+    lay = compute_layout(s)
+    assert not lay.gpu
+    assert [g.name for g in lay.groups] == ["trainer", "engine-0", "reward"]
+    assert lay.groups[2].bundles == [{"rlhf_reward": 1}] * 2  # one per pod: a CPU job's roles have no GPUs
+    assert [(a.group, a.bundle, a.num_gpus) for a in lay.roles["reward"]] == [(2, 0, 0), (2, 1, 0)]
+    for role in ("critic", "reference"):
+        assert [(a.group, a.bundle, a.num_gpus) for a in lay.roles[role]] == [(0, 0, 0), (0, 1, 0)]
+    assert all(t.num_gpus == 0 for t in lay.trainers)
+    assert "GPU" not in lay.totals()
+
+
+def test_a_role_without_gpus_in_a_gpu_job_takes_one_cpu_bundle_per_pod() -> None:
+    s = spec(reward={"rule": "contains", "target": "x",
+                     "model": {"name": "rm", "replicas": 3, "gpusPerReplica": 0}})
+    lay = compute_layout(s)
+    assert lay.gpu and lay.groups[-1].bundles == [{"rlhf_reward": 1}] * 3
+    assert [a.num_gpus for a in lay.roles["reward"]] == [0, 0, 0]
+
+
+def test_inactive_roles_leave_the_layout_as_it_was() -> None:
+    for s in (spec(), spec(algorithm={"klCoef": 0.1}),  # reference inside the trainer
+              spec(reference={"placement": "separate"}),  # klCoef 0: no reference at all
+              spec(critic={"placement": "separate"})):  # GRPO: no critic (admission refuses spec.critic anyway)
+        lay = compute_layout(s)
+        assert lay.roles == {}
+        assert lay == compute_layout(spec())
+        assert [g.name for g in lay.groups] == ["trainer", "engine-0"]
+        assert [t.num_gpus for t in lay.trainers] == [1]
+
+
+ROLE_COMBOS = {
+    "separate-all": {"reward": {"rule": "contains", "target": "x", "model": {"name": "rm"}},
+                     "critic": {"placement": "separate"}, "reference": {"placement": "separate"}},
+    "colocated-all": {"reward": {"rule": "contains", "target": "x", "model": {"name": "rm", "placement": "colocated"}},
+                      "reference": {"placement": "colocated"}},
+    "mixed": {"reference": {"placement": "separate", "gpusPerReplica": 2}},
+}
+MODES = {
+    "separate-tp2": {"trainer": {"replicas": 2, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                     "rollout": {"engines": 2, "tensorParallelSize": 2}},
+    "colocated-tp2": {"trainer": {"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2"},
+                      "rollout": {"engines": 2, "tensorParallelSize": 2},
+                      "placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"}},
+    "cpu": {"trainer": {"gpusPerReplica": 0}},
+}
+
+
+@pytest.mark.parametrize("combo", sorted(ROLE_COMBOS))
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_gpu_shares_never_exceed_a_bundle(mode: str, combo: str) -> None:
+    lay = compute_layout(ppo(**{**MODES[mode], **ROLE_COMBOS[combo]}))
+    bundles = {(gi, bi): b for gi, g in enumerate(lay.groups) for bi, b in enumerate(g.bundles)}
+    for key, used in shares_per_bundle(lay).items():
+        assert key in bundles, key
+        assert used <= bundles[key].get("GPU", 0) + 1e-9, (key, used)
+        if mode == "colocated-tp2" and key[0] < 2:  # engine bundles keep the validation share free
+            assert used + VALIDATION_SHARE <= 1 + 1e-9
+    for acts in lay.roles.values():
+        assert all(a.num_cpus == 0 and round(a.num_gpus, 4) == a.num_gpus for a in acts)
+    assert sum(b.get("GPU", 0) for b in bundles.values()) == ppo(**{**MODES[mode], **ROLE_COMBOS[combo]}).total_gpus()
