@@ -662,6 +662,19 @@ SPEC_RULES = [
         fieldPath=".reference.placement",
     ),
     cel(
+        "(!has(self.reward.model) || self.reward.model.gpusPerReplica <= self.placement.gpusPerNode) && "
+        "(!has(self.critic) || self.critic.gpusPerReplica <= self.placement.gpusPerNode) && "
+        "self.reference.gpusPerReplica <= self.placement.gpusPerNode",
+        "reward.model, critic and reference gpusPerReplica must not exceed placement.gpusPerNode",
+    ),
+    cel(
+        "!has(self.data.eval) || !has(self.data.eval.configMap) || "
+        "(has(self.data.configMap) && self.data.eval.configMap.name == self.data.configMap.name)",
+        "data.eval.configMap must name the ConfigMap of data.configMap (another key of it): the pods mount that "
+        "one ConfigMap",
+        fieldPath=".data.eval.configMap",
+    ),
+    cel(
         "!has(self.output) || (has(self.volumes) && self.volumes.exists(v, v.name == self.output.volume))",
         "output.volume must name a volume in spec.volumes",
         fieldPath=".output.volume",

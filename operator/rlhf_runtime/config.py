@@ -89,9 +89,11 @@ def check_model_path(name: str) -> None:
 
 
 def spec_env(spec: RLHFJobSpec) -> dict[str, str]:
-    """``spec.env`` as a dict: the operator puts it into every container; the runtime applies it to its own
-    process and its actors too, so a local run (``--local``, no pod) sees the same environment."""
-    return {e.name: e.value for e in spec.env or []}
+    """``spec.env``'s literal values as a dict: the operator puts them into every container; the runtime applies
+    them to its own process and its actors too, so a local run (``--local``, no pod) sees the same environment.
+    Entries ``valueFrom`` a Secret or ConfigMap are left out: the kubelet sets them in every container and the
+    actors inherit them (an empty value here would override the token)."""
+    return {e.name: e.value for e in spec.env or [] if e.value_from is None}
 
 
 def actor_env(spec: RLHFJobSpec, gpu: bool) -> dict[str, str]:

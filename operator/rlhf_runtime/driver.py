@@ -85,13 +85,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
+from rlhf_runtime import advantages as adv_plan
 from rlhf_runtime import config as rc
 from rlhf_runtime import node_files
-from rlhf_runtime.data import load_samples, step_batch
-from rlhf_runtime.grpo import group_advantages
+from rlhf_runtime.data import Sample, load_eval_samples, load_samples, render_prompt, step_batch
 from rlhf_runtime.placement import ActorPlacement, compute_layout, spread
-from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient
-from rlhf_runtime.rewards import make_reward
+from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, now_rfc3339
+from rlhf_runtime.rewards import combine, endpoint_rewards, make_reward, normalize
 
 log = logging.getLogger("rlhf_runtime")
 VALIDATION_PROMPTS = 8
@@ -286,6 +286,9 @@ class Runtime:
         self.recoveries = 0
         self.replacements = {"engines": 0, "trainers": 0}
         self.rerun_prompts = 0  # prompts of a rollout generated again after their engine died
+        self.roles: dict[str, list[Any]] = {}  # "reward" / "critic" / "reference" actors (placement.Layout.roles)
+        self.output: dict[str, Any] | None = None  # status.output: the newest export
+        self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
 
     # ----------------------------------------------------------------------------------- setup
     def connect(self) -> None:
@@ -383,6 +386,39 @@ class Runtime:
         infos = self._get_step([t.info.remote() for t in self.trainers], f"start of {self._trainers_desc()}")
         self.trainer_pids = [i.get("pid") for i in infos]
         return infos[0]
+
+    def start_roles(self) -> None:
+        """The actors of the roles beside the policy (``placement.Layout.roles``): reward model scorers, the
+        critic's workers (FSDP2 over them when there are several), reference workers."""
+        import ray
+
+        from rlhf_runtime.reward_model import RewardScorer
+        from rlhf_runtime.roles import CriticModel, ReferenceModel
+
+        spec, cfg_json = self.spec, self.cfg.model_dump_json(by_alias=True)
+        for role, places in self.layout.roles.items():
+            addr = port = None
+            if role == "critic" and len(places) > 1:
+                addr, port = self._address_on(places[0])
+            actors = []
+            for rank, a in enumerate(places):
+                opts = ray.remote({"reward": RewardScorer, "critic": CriticModel, "reference": ReferenceModel}[role])
+                opts = opts.options(num_cpus=a.num_cpus, num_gpus=a.num_gpus,
+                                    scheduling_strategy=self._strategy(a.group, a.bundle),
+                                    runtime_env={"env_vars": {**self.env, **a.env}})
+                if role == "reward":
+                    m = spec.reward.model
+                    assert m is not None
+                    actors.append(opts.remote(m.name, m.revision, spec.model.dtype, m.batch_size, None,
+                                              spec.model.trust_remote_code))
+                elif role == "critic":
+                    actors.append(opts.remote(cfg_json, rank, len(places), addr, port))
+                else:
+                    actors.append(opts.remote(cfg_json))
+            self.roles[role] = actors
+        if self.roles:
+            self._get_step([a.info.remote() for acts in self.roles.values() for a in acts],
+                           f"start of {', '.join(f'{len(v)} {k} actor(s)' for k, v in self.roles.items())}")
 
     def _make_engine(self, i: int) -> Any:
         """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
@@ -483,7 +519,7 @@ class Runtime:
 
     def launch_rollout(self, tokenizer: Any, batch: list[Any], sampling: dict[str, Any], step: int) -> Rollout:
         """Start generation for ``batch`` on the engines (round-robin DP); ``collect`` waits for it."""
-        prompt_ids = [self.encode(tokenizer, s.prompt) for s in batch]
+        prompt_ids = [render_prompt(s, tokenizer) for s in batch]
         parts = {i: idx for i, idx in enumerate(spread(prompt_ids, len(self.engines)))}
         refs: dict[int, Any] = {}
         for i, idx in parts.items():
@@ -617,32 +653,35 @@ class Runtime:
                          "count": self.recoveries},
             "replacements": dict(self.replacements)})
         self.record_actors()
-    def validate(self, tokenizer: Any, samples: list[Any]) -> dict[str, Any]:
+    def validate(self, tokenizer: Any, samples: list[Any], path: str | None = None) -> dict[str, Any]:
         """Every engine's greedy tokens for the first prompts == those of a fresh engine (same shape, on the
-        same GPUs) loaded from the trainer's weights. Engines of a DP (expert-parallel) group are compared
-        rank by rank with a fresh DP group of the same size."""
+        same GPUs) loaded from the trainer's weights, or from ``path`` (the exported model, on a volume every
+        pod mounts). Engines of a DP (expert-parallel) group are compared rank by rank with a fresh DP group
+        of the same size."""
         import ray
 
-        prompts = [self.encode(tokenizer, s.prompt) for s in samples[:VALIDATION_PROMPTS]]
+        prompts = [render_prompt(s, tokenizer) for s in samples[:VALIDATION_PROMPTS]]
         greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
         synced = [[o["samples"][0] for o in out]
                   for out in self._get([e.generate.remote(prompts, greedy) for e in self.engines],
                                        f"validation: greedy rollout on {self._engines_desc()}")]
         ranks = list(range(len(self.engines))) if self.layout.dp_group else [0]
         dp = self._address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
-        copies = self._copy_weights(ranks)
+        copies = self._copy_weights(ranks) if path is None else [(None, path) for _ in ranks]
+        what = "the exported model" if path else "a fresh engine"
         try:
             fresh_actors: list[Any] = []
             try:
-                for i, (_, path) in zip(ranks, copies):
-                    fresh_actors.append(self._fresh_engine(i, path, dp))
+                for i, (_, where) in zip(ranks, copies):
+                    fresh_actors.append(self._fresh_engine(i, where, dp))
                 outs = self._get([a.generate.remote(prompts, greedy) for a in fresh_actors],
                                  f"validation: start and greedy rollout of {len(fresh_actors)} fresh engine(s)")
             finally:
                 for a in fresh_actors:
                     ray.kill(a)
         finally:
-            self._remove_copies(copies)
+            if path is None:
+                self._remove_copies(copies)
         fresh = [[o["samples"][0] for o in out] for out in outs]
         # independent engines (no DP group) are all compared with the one fresh engine
         mismatched_by_engine = {
@@ -651,21 +690,21 @@ class Runtime:
         }
         mismatched = mismatched_by_engine[0]
         bad = {i: m for i, m in mismatched_by_engine.items() if m}
-        result = {"validated": not bad, "prompts": len(prompts), "engines": len(self.engines),
+        result = {"validated": not bad, "of": what, "prompts": len(prompts), "engines": len(self.engines),
                   "mismatched": mismatched, "mismatched_by_engine": bad, "synced": synced[0], "fresh": fresh[0],
-                  "weights": [path for _, path in copies]}  # node-local copies, removed by now
-        self.reporter._write_progress({"validation": result})
+                  "weights": [w for _, w in copies]}  # node-local copies, removed by now
+        self.reporter._write_progress({"export_validation" if path else "validation": result})
         if bad:
             i = next(iter(bad))
             k = bad[i][0]
             f = fresh[i if dp else 0]
             raise ValidationError(
-                f"weight-sync validation failed: {len(bad[i])}/{len(prompts)} prompts of engine {i} differ from a "
-                f"fresh engine ({len(bad)}/{len(self.engines)} engines differ); first: prompt {k}: synced "
+                f"weight-sync validation failed: {len(bad[i])}/{len(prompts)} prompts of engine {i} differ from "
+                f"{what} ({len(bad)}/{len(self.engines)} engines differ); first: prompt {k}: synced "
                 f"{synced[i][k][:16]} vs fresh {f[k][:16]}"
             )
-        log.info("weight-sync validation passed: %d prompts token for token on %d engine(s)", len(prompts),
-                 len(self.engines))
+        log.info("weight-sync validation passed: %d prompts token for token on %d engine(s) vs %s", len(prompts),
+                 len(self.engines), what)
         return result
 
     def _copy_weights(self, ranks: list[int]) -> list[tuple[Any, str]]:
@@ -732,10 +771,7 @@ class Runtime:
 
     @staticmethod
     def encode(tokenizer: Any, text: str) -> list[int]:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
-        return ids
+        return render_prompt(Sample(text), tokenizer)
 
     # --------------------------------------------------------------------------------- live edits
     def refresh_spec(self) -> None:
@@ -766,6 +802,7 @@ class Runtime:
         spec = self.spec
         self.watchdog.doing("loading data, tokenizer and reward")
         samples = load_samples(spec.data)
+        eval_samples = load_eval_samples(spec.data)
         reward_fn = make_reward(spec.reward)
         tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
         if spec.model.revision:
@@ -788,6 +825,7 @@ class Runtime:
         self.resumed = info["resumed_from"]
         msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
         self.reporter.report("Starting", step=self.done, message=msg, resumed_from_step=self.resumed)
+        self.start_roles()
         self.start_engines()
         self.record_actors()
         self.init_sync()
@@ -808,16 +846,17 @@ class Runtime:
             if self.done >= self.total:
                 break
             try:
-                tp = self.step(tokenizer, samples, reward_fn, sampling, n, every) or tp
+                tp = self.step(tokenizer, samples, reward_fn, sampling, n, every, eval_samples) or tp
             except Exception as e:  # noqa: BLE001 - recover_from re-raises what it cannot repair
                 self.pending = None
                 self.recover_from(e)
+        self.finish(tokenizer, samples, reward_fn, eval_samples)
         self.reporter.report("Succeeded", step=self.done, throughput=tp or None,
                              message=f"completed {self.done} steps", resumed_from_step=self.resumed,
                              extra={"replacements": dict(self.replacements), "rerun_prompts": self.rerun_prompts})
 
     def step(self, tokenizer: Any, samples: list[Any], reward_fn: Any, sampling: dict[str, Any], n: int,
-             every: int) -> dict[str, float]:
+             every: int, eval_samples: list[Any] | None = None) -> dict[str, float]:
         """One training step from ``self.done``; returns its throughput."""
         a, spec = self.spec.algorithm, self.spec
         done = self.done
@@ -828,6 +867,9 @@ class Runtime:
         elif self.asleep:
             self._get([e.wake_up.remote(None) for e in self.engines], f"wake-up of {self._engines_desc()}")
             self.asleep = False
+        if (eval_samples and done and done % spec.data.eval_every_n_steps == 0 and self.synced_at == done
+                and (self.evaluation or {}).get("step") != done):
+            self.evaluate(tokenizer, eval_samples, reward_fn)
         if self.pending is None:
             batch = step_batch(samples, done, a.prompts_per_step, a.seed)
             self.pending = self.launch_rollout(tokenizer, batch, sampling, done)
@@ -843,16 +885,14 @@ class Runtime:
         if self.sleeps:  # free the GPU for training
             self.sleep_engines(next_syncs=not self.async_mode and done + 1 - self.synced_at >= every)
 
-        rewards: list[float] = []
         t_prompts: list[list[int]] = []
         t_completions: list[list[int]] = []
+        items: list[tuple[Any, str]] = []  # (sample, completion text) per trained sample
         tokens = 0
         swap = {"mixed_samples": 0, "tokens_before_swap": 0, "tokens_after_swap": 0}
         for s, pids, o in zip(batch, prompt_ids, outs):
             for k, comp in enumerate(o["samples"]):
-                text = tokenizer.decode(comp, skip_special_tokens=True)
-                rewards.append(float(reward_fn(s.prompt, text, s.answer, len(comp), index=len(rewards),
-                                               step=self.done + 1)))
+                items.append((s, tokenizer.decode(comp, skip_special_tokens=True)))
                 t_prompts.append(pids)
                 t_completions.append(comp)
                 tokens += len(comp)
@@ -861,14 +901,29 @@ class Runtime:
                     swap["tokens_before_swap"] += si
                     swap["tokens_after_swap"] += len(comp) - si
                     swap["mixed_samples"] += int(0 < si < len(comp))
-        advantages = group_advantages(rewards, n)
+        t_reward = time.perf_counter()
+        rewards = self.score(items, [len(c) for c in t_completions], reward_fn, self.done + 1)
+        reward_s = time.perf_counter() - t_reward
+        scores = normalize(rewards, spec.reward.normalize)
+        seqs = {"prompts": t_prompts, "completions": t_completions}
+        plan, role_s = self.token_inputs(seqs, scores, n)
         t_train = time.perf_counter()
+        train_batch: dict[str, Any] = {**seqs, "advantages": plan["advantages"]}
+        for key in ("old_logprobs", "ref_logprobs"):
+            if plan.get(key) is not None:
+                train_batch[key] = plan[key]
         w = len(self.trainers)
+        critic = self.roles.get("critic") or []
+        critic_refs = [c.train.remote(self._shard({**seqs, "returns": plan["returns"], "values": plan["values"]},
+                                                  r, len(critic))) for r, c in enumerate(critic)]
         stats = self._get_step([
-            t.train.remote({"prompts": t_prompts[r::w], "completions": t_completions[r::w],
-                            "advantages": advantages[r::w]})
-            for r, t in enumerate(self.trainers)
+            t.train.remote(self._shard(train_batch, r, w)) for r, t in enumerate(self.trainers)
         ], f"train step {done + 1}: {self._trainers_desc()}")[0]
+        if critic_refs:
+            stats.update(self._get_step(critic_refs, f"critic update of step {done + 1}")[0])
+            role_s["critic_seconds"] = role_s.get("critic_seconds", 0.0) + stats.get("critic_train_s", 0.0)
+        if plan.get("kl") is not None:
+            stats["kl_in_reward"] = plan["kl"]
         train_s = time.perf_counter() - t_train
         done = int(stats["step"])
         if spec.checkpoint and (done % spec.checkpoint.every_n_steps == 0 or done == self.total):
@@ -878,11 +933,15 @@ class Runtime:
             self.last_sync = self.sync()  # pauses the next rollout mid-request
             self.synced_at = done
         self.done = done
+        out = self.spec.output
+        if out and out.every_n_steps and done % out.every_n_steps == 0 and done < self.total:
+            self.export(f"{out.path.rstrip('/')}/step-{done}")
         self.watchdog.progress()
         self.reporter.mark_progress()
         step_s = time.perf_counter() - t_step
         reward_mean = sum(rewards) / len(rewards)
         tp = _throughput(step_s, rollout_s, train_s, tokens, len(rewards), self.last_sync, reward_mean)
+        tp.update(reward_seconds=reward_s, **role_s)
         extra: dict[str, Any] = {"train": stats, "sync": self.last_sync, "tokens": tokens,
                                  "replacements": dict(self.replacements)}
         if self.async_mode:
@@ -893,6 +952,129 @@ class Runtime:
                              resumed_from_step=self.resumed, extra=extra)
         return tp
 
+    # ------------------------------------------------------------------------- rewards, roles, outputs
+    @staticmethod
+    def _shard(batch: dict[str, Any], r: int, w: int) -> dict[str, Any]:
+        """Worker ``r`` of ``w``'s slice (every ``w``-th sample from ``r``) of each list in ``batch``."""
+        return {k: v[r::w] for k, v in batch.items()}
+
+    @staticmethod
+    def _merge(parts: list[list[Any]]) -> list[Any]:
+        """Inverse of ``_shard`` over all workers' results."""
+        out: list[Any] = [None] * sum(len(p) for p in parts)
+        for r, part in enumerate(parts):
+            out[r::len(parts)] = part
+        return out
+
+    def score(self, items: list[tuple[Any, str]], lengths: list[int], reward_fn: Any, step: int) -> list[float]:
+        """The combined reward of each (sample, completion text): rule or hook, reward model scorers (spread
+        over them) and endpoint, weighted (``spec.reward``); not yet normalised."""
+        rw = self.spec.reward
+        prompts, texts = [s.prompt for s, _ in items], [t for _, t in items]
+        scorers = self.roles.get("reward") or []
+        refs = [a.score.remote(prompts[r::len(scorers)], texts[r::len(scorers)]) for r, a in enumerate(scorers)]
+        parts: dict[str, list[float]] = {}
+        weights: dict[str, float] = {}
+        if reward_fn is not None:
+            parts["rule"] = [float(reward_fn(s.prompt, t, s.answer, n, index=i, step=step))
+                             for i, ((s, t), n) in enumerate(zip(items, lengths))]
+            weights["rule"] = rw.rule_weight
+        if rw.endpoint is not None:
+            parts["endpoint"] = endpoint_rewards(rw.endpoint, prompts, texts, [s.answer for s, _ in items])
+            weights["endpoint"] = rw.endpoint.weight
+        if refs:
+            parts["model"] = self._merge(self._get(refs, f"reward model scoring of step {step}"))
+            weights["model"] = rw.model.weight if rw.model else 1.0
+        return combine(parts, weights)
+
+    def token_inputs(self, seqs: dict[str, Any], scores: list[float], n: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """The trainer's advantages (``advantages.plan``), gathering first what they need: the policy's
+        per-token log-probabilities (trainer ranks), the reference's (its actors, or the trainer's own) and the
+        critic's values. Returns the plan (plus ``old_logprobs``/``ref_logprobs``/``values`` to hand on) and
+        per-role seconds."""
+        a, spec = self.spec.algorithm, self.spec
+        role_s: dict[str, float] = {}
+        lengths = [len(c) for c in seqs["completions"]]
+        refs_actors = self.roles.get("reference") or []
+        external_ref = bool(refs_actors) and spec.reference_active()
+        if not adv_plan.needs_token_inputs(a) and not external_ref:
+            return adv_plan.plan(a, scores, n, lengths), role_s
+        t0 = time.perf_counter()
+        w = len(self.trainers)
+        trainer_refs = [t.logprobs.remote(self._shard(seqs, r, w)) for r, t in enumerate(self.trainers)]
+        ref_refs = [x.logprobs.remote(self._shard(seqs, r, len(refs_actors))) for r, x in enumerate(refs_actors)]
+        critic = self.roles.get("critic") or []
+        value_refs = [c.values.remote(self._shard(seqs, r, len(critic))) for r, c in enumerate(critic)]
+        outs = self._get_step(trainer_refs, f"log-probabilities of the policy: {self._trainers_desc()}")
+        logp = self._merge([o["logp"] for o in outs])
+        ref = self._merge([o["ref"] for o in outs]) if outs[0]["ref"] is not None else None
+        if ref_refs:
+            t_ref = time.perf_counter()
+            ref = self._merge(self._get_step(ref_refs, f"reference log-probabilities ({len(refs_actors)} actor(s))"))
+            role_s["reference_seconds"] = time.perf_counter() - t_ref
+        values = None
+        if value_refs:
+            t_v = time.perf_counter()
+            values = self._merge(self._get_step(value_refs, f"critic values ({len(critic)} worker(s))"))
+            role_s["critic_seconds"] = time.perf_counter() - t_v
+        if ref is not None and "reference_seconds" not in role_s:
+            role_s["reference_seconds"] = time.perf_counter() - t0  # inside the trainer, with its own pass
+        plan = adv_plan.plan(a, scores, n, lengths, logp=logp, ref=ref, values=values)
+        plan["old_logprobs"] = logp
+        plan["ref_logprobs"] = ref if external_ref else None
+        plan["values"] = values
+        return plan, role_s
+
+    def evaluate(self, tokenizer: Any, eval_samples: list[Any], reward_fn: Any) -> dict[str, Any]:
+        """Greedy answers (one each) of the synced engines to the eval prompts, scored like training samples
+        (not normalised); the mean goes to ``status.eval``."""
+        greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
+        self.watchdog.doing(f"evaluation at step {self.done}")
+        ro = self.launch_rollout(tokenizer, eval_samples, greedy, self.done)
+        outs = self.collect(ro)
+        comps = [o["samples"][0] for o in outs]
+        items = [(s, tokenizer.decode(c, skip_special_tokens=True)) for s, c in zip(eval_samples, comps)]
+        rewards = self.score(items, [len(c) for c in comps], reward_fn, self.done)
+        self.evaluation = {"reward_mean": sum(rewards) / len(rewards), "step": self.done, "prompts": len(rewards),
+                           "time": now_rfc3339()}
+        log.info("eval at step %d: mean reward %.4f over %d prompts", self.done, self.evaluation["reward_mean"],
+                 len(rewards))
+        self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
+                             resumed_from_step=self.resumed, evaluation=self.evaluation,
+                             extra={"eval": {**self.evaluation, "completions": [t for _, t in items]}})
+        return self.evaluation
+
+    def export(self, path: str) -> str:
+        """The current policy in Hugging Face format at ``path`` (``Trainer.export``); ``status.output``."""
+        self.watchdog.doing(f"export to {path}")
+        t0 = time.perf_counter()
+        self._get_step([t.export.remote(path) for t in self.trainers], f"export to {path}: {self._trainers_desc()}")
+        self.output = {"path": path, "step": self.done, "time": now_rfc3339()}
+        log.info("exported step %d to %s in %.1fs", self.done, path, time.perf_counter() - t0)
+        self.reporter.report("Running", step=self.done, message=f"exported step {self.done} to {path}",
+                             resumed_from_step=self.resumed, output=self.output)
+        return path
+
+    def finish(self, tokenizer: Any, samples: list[Any], reward_fn: Any, eval_samples: list[Any]) -> None:
+        """After the last step: sync the engines to the final policy when anything reads them (evaluation,
+        validation of the export), evaluate, export to ``<output.path>/final``; with validation on, the
+        exported directory must give the synced engines' greedy tokens."""
+        out, validate = self.spec.output, self.validate_first_sync
+        if eval_samples or (out and validate):
+            if self.synced_at != self.done:
+                self.last_sync = self.sync()
+                self.synced_at = self.done
+            elif self.asleep:
+                self._get([e.wake_up.remote(None) for e in self.engines], f"wake-up of {self._engines_desc()}")
+                self.asleep = False
+        if eval_samples and (self.evaluation or {}).get("step") != self.done:
+            self.evaluate(tokenizer, eval_samples, reward_fn)
+        if out:
+            path = self.export(f"{out.path.rstrip('/')}/final")
+            if validate:
+                self.watchdog.doing("validation of the exported model")
+                self.validate(tokenizer, samples, path=path)
+
     def shutdown(self) -> None:
         import ray
 
@@ -900,7 +1082,7 @@ class Runtime:
             return
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.engines + self.trainers:
+        for actor in self.engines + self.trainers + [a for acts in self.roles.values() for a in acts]:
             try:
                 ray.kill(actor)
             except ValueError as e:  # not an actor handle any more

@@ -10,6 +10,8 @@ body holds ONLY::
 
     {"status": {"step": N,                       # completed training steps
                 "throughput": {<rlhf_api.models.Throughput wire names>},
+                "output": {"path", "step", "time"},   # the newest export (spec.output), when there is one
+                "eval": {"rewardMean", "step", "prompts", "time"},   # the newest evaluation (spec.data.eval)
                 "runtime": {"state": Starting|Running|Succeeded|Failed, "message": ...,
                             "heartbeatTime": RFC 3339, "resumedFromStep": N,
                             "progressTime": RFC 3339,       # run start/resume, then each completed step
@@ -65,7 +67,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rlhf_api.models import GROUP, PLURAL, VERSION, RuntimeReport, Throughput
+from rlhf_api.models import GROUP, PLURAL, VERSION, EvalStatus, OutputStatus, RuntimeReport, Throughput
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +110,11 @@ def status_patch(
     ray_cluster: str | None = None,
     progress_time: str | None = None,
     observed_generation: int | None = None,
+    output: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The merge-patch body (pure). ``throughput`` uses snake_case ``Throughput`` field names."""
+    """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``) and ``evaluation``
+    (``EvalStatus``) use snake_case field names."""
     if state is not None and state not in STATES:
         raise ValueError(f"state must be one of {STATES}")
     status: dict[str, Any] = {}
@@ -127,6 +132,10 @@ def status_patch(
     if progress_time:
         runtime["progressTime"] = progress_time
     status["runtime"] = runtime
+    if output:
+        status["output"] = OutputStatus(**output).wire()
+    if evaluation:
+        status["eval"] = EvalStatus(**evaluation).wire()
     return {"status": status}
 
 
@@ -269,11 +278,13 @@ class Reporter:
         message: str | None = None,
         resumed_from_step: int | None = None,
         extra: dict[str, Any] | None = None,
+        output: dict[str, Any] | None = None,
+        evaluation: dict[str, Any] | None = None,
     ) -> None:
         body = status_patch(
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
-            observed_generation=self.observed_generation,
+            observed_generation=self.observed_generation, output=output, evaluation=evaluation,
         )
         with self.lock:
             self.state = state

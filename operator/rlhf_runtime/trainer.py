@@ -1,4 +1,4 @@
-"""The trainer: an HF Transformers causal-LM policy trained with GRPO, in a Ray actor.
+"""The trainer: an HF Transformers causal-LM policy trained with a clipped policy gradient, in a Ray actor.
 
 One ``Trainer`` actor per trainer worker. ``strategy: single`` is one worker (GPU or CPU). ``strategy: fsdp2``
 runs one worker per trainer GPU, each joining a torch.distributed NCCL group (rank 0's address is handed out
@@ -10,9 +10,11 @@ Guarantees:
 
 * Optimiser: AdamW with ``algorithm.learningRate`` and ``trainer.optimizer`` (betas, weight decay), gradient
   clipping at ``maxGradNorm`` (0 disables it).
-* Loss: ``rlhf_runtime.grpo`` (clipped policy gradient, optional k3 KL to a frozen copy of the initial
-  policy when ``klCoef > 0``), token-averaged over the batch, ``epochsPerStep`` passes, micro-batches of
-  ``MICRO_BATCH`` sequences with gradient accumulation.
+* Loss: ``rlhf_runtime.algorithms.policy_loss`` (clipped policy gradient with ``clipRatio`` /
+  ``clipRatioHigh``, optional k3 KL to the frozen initial policy when ``klCoef > 0`` and ``klMode`` loss),
+  aggregated per ``lossAggregation`` over the batch, ``epochsPerStep`` passes, micro-batches of
+  ``roles.MICRO_BATCH`` sequences with gradient accumulation. Advantages come from the driver, per sample or
+  per token (PPO's GAE, KL in the reward).
 * Checkpoints (``rlhf_runtime.checkpoint``): the model (``save_pretrained``), the optimiser state and the
   step, written atomically; a new actor resumes from the newest one, so the step counter continues. Under
   FSDP2 both are gathered to full tensors (``torch.distributed.checkpoint.state_dict``) and every rank takes
@@ -34,9 +36,10 @@ import torch
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import checkpoint as ckpt
 from rlhf_runtime import node_files
-from rlhf_runtime.grpo import grpo_loss, token_logprobs
+from rlhf_runtime.algorithms import policy_loss
+from rlhf_runtime.grpo import token_logprobs
+from rlhf_runtime.roles import chunks, from_lists, pad, to_lists
 
-MICRO_BATCH = 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
@@ -105,7 +108,7 @@ class Trainer:
         if spec.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref = None
-        if spec.algorithm.kl_coef > 0:
+        if spec.reference_active() and spec.reference.placement == "trainer":
             # The reference is the initial policy (the base model), also after a resume.
             self.ref = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device).eval()
             self.ref.requires_grad_(False)
@@ -224,36 +227,58 @@ class Trainer:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # -------------------------------------------------------------------------------------- training
-    def _batch(self, seqs: list[list[int]], prompt_lens: list[int]) -> tuple[torch.Tensor, ...]:
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        attn = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width)
-        for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-            ids[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            mask[i, p : len(s)] = 1  # completion tokens only
-        return ids.to(self.device), attn.to(self.device), mask.to(self.device)
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Per completion token (``roles.to_lists``): log-probabilities under the current policy (``logp``) and,
+        with the reference inside the trainer, under the reference (``ref``, else None). Under FSDP every rank
+        calls it with its own slice."""
+        temp = self.spec.rollout.sampling.temperature or 1.0
+        p, c = batch["prompts"], batch["completions"]
+        logp: list[list[float]] = []
+        ref: list[list[float]] | None = [] if self.ref is not None else None
+        self.model.eval()
+        for idx in chunks(len(p)):
+            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+            ids, attn, _ = pad(pp, cc, self.device)
+            logp += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
+            if ref is not None:
+                ref += to_lists(token_logprobs(self.ref, ids, attn, temp), pp, cc)
+        return {"logp": logp, "ref": ref}
 
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
-        """``batch``: ``prompts`` (token ids per sample), ``completions`` (token ids per sample),
-        ``advantages`` (one float per sample). Returns loss statistics and the step counter."""
+        """``batch``: ``prompts`` and ``completions`` (token ids per sample) and ``advantages``: one float per
+        sample, or one per completion token (lists). Optional per-token lists: ``old_logprobs`` (the policy's
+        before this step, from ``logprobs``; computed here when absent) and ``ref_logprobs`` (from a reference
+        actor; else the trainer's own reference, if any). The KL penalty enters the loss only with
+        ``algorithm.klMode`` loss. Returns loss statistics and the step counter."""
         t0 = time.perf_counter()
         a = self.spec.algorithm
         temp = self.spec.rollout.sampling.temperature or 1.0
-        seqs = [p + c for p, c in zip(batch["prompts"], batch["completions"])]
-        plens = [len(p) for p in batch["prompts"]]
-        adv_all = torch.tensor(batch["advantages"], dtype=torch.float32, device=self.device)
-        chunks = [list(range(i, min(i + MICRO_BATCH, len(seqs)))) for i in range(0, len(seqs), MICRO_BATCH)]
+        p, c = batch["prompts"], batch["completions"]
+        kl_in_loss = a.kl_coef > 0 and a.kl_mode == "loss"
         prepared = []
         total_tokens = 0.0
         self.model.eval()
         with torch.no_grad():
-            for idx in chunks:
-                ids, attn, mask = self._batch([seqs[i] for i in idx], [plens[i] for i in idx])
-                old = token_logprobs(self.model, ids, attn, temp)
-                ref = token_logprobs(self.ref, ids, attn, temp) if self.ref is not None else None
-                prepared.append((ids, attn, mask, old, ref, adv_all[idx]))
+            for idx in chunks(len(p)):
+                pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+                ids, attn, mask = pad(pp, cc, self.device)
+                w = ids.shape[1]
+                adv_in = [batch["advantages"][i] for i in idx]
+                if isinstance(adv_in[0], list):
+                    adv = from_lists(adv_in, pp, w, self.device)
+                else:
+                    adv = torch.tensor(adv_in, dtype=torch.float32, device=self.device)
+                if batch.get("old_logprobs") is not None:
+                    old = from_lists([batch["old_logprobs"][i] for i in idx], pp, w, self.device)
+                else:
+                    old = token_logprobs(self.model, ids, attn, temp)
+                ref = None
+                if kl_in_loss and batch.get("ref_logprobs") is not None:
+                    ref = from_lists([batch["ref_logprobs"][i] for i in idx], pp, w, self.device)
+                elif kl_in_loss and self.ref is not None:
+                    ref = token_logprobs(self.ref, ids, attn, temp)
+                prepared.append((ids, attn, mask, old, ref, adv))
                 total_tokens += float(mask.sum())
         self.model.train()
         stats: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
@@ -261,8 +286,12 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             for ids, attn, mask, old, ref, adv in prepared:
                 logp = token_logprobs(self.model, ids, attn, temp)
-                loss, st = grpo_loss(logp, old, adv, mask, a.clip_ratio, ref, a.kl_coef)
-                share = float(mask.sum()) / max(total_tokens, 1.0)
+                loss, st = policy_loss(logp, old, adv, mask, a.clip_ratio, a.clip_high(), a.loss_aggregation, ref,
+                                       a.kl_coef if kl_in_loss else 0.0)
+                if a.loss_aggregation == "token":
+                    share = float(mask.sum()) / max(total_tokens, 1.0)
+                else:
+                    share = len(ids) / len(p)
                 (loss * share).backward()
                 for k in ("loss", "kl", "clip_fraction"):  # not grad_norm, set per epoch below
                     stats[k] += st[k] * share / a.epochs_per_step
@@ -311,6 +340,37 @@ class Trainer:
         for name in TOKENIZER_FILES:
             if (base / name).is_file() and not (out / name).exists():
                 shutil.copy(base / name, out / name)
+        return str(out)
+
+    def export(self, path: str) -> str | None:
+        """The current policy in Hugging Face format at ``path`` (``spec.output``): weights (safetensors),
+        config and the base model's tokenizer, written to a temporary sibling and renamed into place, so
+        ``path`` is either the previous export or the complete new one. A collective under FSDP: every rank
+        calls it; rank 0 writes and returns the path."""
+        from transformers import AutoTokenizer
+
+        out = Path(path)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.save_weights(str(tmp))
+            if self.rank != 0:
+                return None
+            kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
+            if self.spec.model.revision:
+                kw["revision"] = self.spec.model.revision
+            AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(str(tmp))
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            if out.exists():
+                out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return str(out)
 
     def stage_weights(self) -> list[str] | None:

@@ -24,6 +24,7 @@ import pytest
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import driver as drv
 from rlhf_runtime import node_files
+from rlhf_runtime.data import Sample
 
 HEAD_IP = "10.0.0.1"
 
@@ -256,7 +257,7 @@ def _start_for_validation(rt: drv.Runtime) -> None:
         rt.engine_kwargs.append({"model": "m", "gpu_memory_utilization": 0.5})
 
 
-SAMPLES = [types.SimpleNamespace(prompt=p) for p in ("ab", "cd", "ef", "gh")]
+SAMPLES = [Sample(p) for p in ("ab", "cd", "ef", "gh")]
 
 
 def _leftovers(cluster: Cluster) -> list[str]:

@@ -1,0 +1,209 @@
+"""Models beside the policy, each in Ray actors of its own: the frozen reference and PPO's critic.
+
+(The reward model is ``rlhf_runtime.reward_model.RewardScorer``.) Where they run is ``placement.Layout.roles``:
+on the trainer's GPUs (colocated: one actor beside each trainer worker) or in a worker group of their own.
+
+Batches are the trainer's: ``prompts`` and ``completions`` as token ids per sample. Per-token results are lists
+over each sample's *completion* tokens only (``to_lists``/``from_lists`` convert from/to the padded ``[B, T]``
+layout, where the completion of sample ``i`` sits at positions ``len(prompt_i) .. len(seq_i) - 1``).
+
+* ``ReferenceModel.logprobs``: log-probabilities of each completion token under the initial policy (the base
+  model), the same alignment and temperature as the trainer's (``grpo.token_logprobs``).
+* ``CriticModel``: the policy's architecture (or ``spec.critic.model``) with a one-output token head
+  (``AutoModelForTokenClassification``, ``num_labels=1``). Its value for completion token ``t`` is the head's
+  output at position ``t - 1``: the value of the state the token was generated from. ``train`` takes PPO's
+  clipped value loss (``algorithms.value_loss``) against the returns, ``epochsPerStep`` passes, its own AdamW
+  at ``algorithm.ppo.criticLearningRate``. Several critic workers shard it with FSDP2, like the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+from rlhf_runtime.algorithms import value_loss
+from rlhf_runtime.grpo import token_logprobs
+
+MICRO_BATCH = 64
+
+
+def pad(prompts: list[list[int]], completions: list[list[int]], device: Any) -> tuple[torch.Tensor, ...]:
+    """``(input_ids, attention_mask, completion_mask)``, each ``[B, T]``, right-padded."""
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width)
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        mask[i, len(p) : len(s)] = 1
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+def to_lists(x: torch.Tensor, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+    """The completion positions of each row of ``x`` ([B, T]) as plain lists."""
+    rows = x.detach().float().cpu()
+    return [rows[i, len(p) : len(p) + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+def from_lists(values: list[list[float]], prompts: list[list[int]], width: int, device: Any) -> torch.Tensor:
+    """Inverse of ``to_lists``: a ``[B, width]`` tensor, zeros outside the completions."""
+    out = torch.zeros(len(values), width)
+    for i, (v, p) in enumerate(zip(values, prompts)):
+        if v:
+            out[i, len(p) : len(p) + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out.to(device)
+
+
+def chunks(n: int) -> list[list[int]]:
+    return [list(range(i, min(i + MICRO_BATCH, n))) for i in range(0, n, MICRO_BATCH)]
+
+
+def _device(spec: RLHFJobSpec) -> torch.device:
+    gpu = torch.cuda.is_available() and spec.trainer.gpus_per_replica > 0
+    if gpu:
+        torch.cuda.set_device(0)  # the actor sees only its own GPU share
+    return torch.device("cuda", 0) if gpu else torch.device("cpu")
+
+
+def _init_group(spec: RLHFJobSpec, device: torch.device, rank: int, world: int, addr: str | None,
+                port: int | None) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(addr), str(port)
+    timeout = timedelta(seconds=spec.weight_sync.timeout_seconds)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+
+
+def _load_kwargs(spec: RLHFJobSpec, revision: bool = True) -> dict[str, Any]:
+    kw: dict[str, Any] = {"dtype": getattr(torch, spec.model.dtype), "trust_remote_code": spec.model.trust_remote_code}
+    if revision and spec.model.revision:
+        kw["revision"] = spec.model.revision
+    return kw
+
+
+class ReferenceModel:
+    """The frozen initial policy in an actor of its own (``spec.reference.placement`` colocated or separate)."""
+
+    def __init__(self, config_json: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
+        self.device = _device(spec)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **_load_kwargs(spec)).to(self.device)
+        self.model.eval().requires_grad_(False)
+
+    def info(self) -> dict[str, Any]:
+        return {"device": str(self.device), "pid": os.getpid(),
+                "parameters": sum(p.numel() for p in self.model.parameters())}
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, Any]) -> list[list[float]]:
+        temp = self.spec.rollout.sampling.temperature or 1.0
+        p, c = batch["prompts"], batch["completions"]
+        out: list[list[float]] = []
+        for idx in chunks(len(p)):
+            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+            ids, attn, _ = pad(pp, cc, self.device)
+            out += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
+        return out
+
+
+class CriticModel:
+    """PPO's value model; one actor per critic worker (FSDP2 over all of them when there are several)."""
+
+    def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
+                 dist_port: int | None = None) -> None:
+        from transformers import AutoModelForTokenClassification
+
+        self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
+        critic = spec.critic_settings()
+        if critic is None:
+            raise ValueError("a critic runs only for algorithm.name 'ppo'")
+        self.rank, self.world_size = rank, world_size
+        self.device = _device(spec)
+        torch.manual_seed(spec.algorithm.seed + 1)
+        if world_size > 1:
+            _init_group(spec, self.device, rank, world_size, dist_addr, dist_port)
+        source = critic.model or spec.model.name
+        try:
+            self.model = AutoModelForTokenClassification.from_pretrained(
+                source, num_labels=1, **_load_kwargs(spec, revision=critic.model is None)).to(self.device)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load the critic from {'spec.critic.model' if critic.model else 'spec.model.name'}"
+                             f" {source!r} as a token-classification model with one output: {e}") from e
+        if spec.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        if world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            base = getattr(self.model, self.model.base_model_prefix, self.model)
+            for layer in getattr(base, "layers", []):
+                fully_shard(layer)
+            fully_shard(self.model)
+        ppo, o = spec.algorithm.ppo_settings(), spec.trainer.optimizer
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=ppo.critic_learning_rate, betas=(o.beta1, o.beta2),
+                                     weight_decay=o.weight_decay)
+        self.updates = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"device": str(self.device), "pid": os.getpid(), "rank": self.rank, "world": self.world_size}
+
+    def _values(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        v = self.model(input_ids=ids, attention_mask=attn).logits[..., 0].float()[:, :-1]
+        return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, Any]) -> list[list[float]]:
+        self.model.eval()
+        p, c = batch["prompts"], batch["completions"]
+        out: list[list[float]] = []
+        for idx in chunks(len(p)):
+            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+            ids, attn, _ = pad(pp, cc, self.device)
+            out += to_lists(self._values(ids, attn), pp, cc)
+        return out
+
+    def train(self, batch: dict[str, Any]) -> dict[str, float]:
+        """``batch``: prompts, completions, ``returns`` and ``values`` (the values ``values`` gave before this
+        update) per completion token. Returns loss statistics."""
+        t0 = time.perf_counter()
+        a = self.spec.algorithm
+        p, c = batch["prompts"], batch["completions"]
+        prepared, total = [], 0.0
+        for idx in chunks(len(p)):
+            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+            ids, attn, mask = pad(pp, cc, self.device)
+            w = ids.shape[1]
+            ret = from_lists([batch["returns"][i] for i in idx], pp, w, self.device)
+            old = from_lists([batch["values"][i] for i in idx], pp, w, self.device)
+            prepared.append((ids, attn, mask, ret, old))
+            total += float(mask.sum())
+        stats = {"value_loss": 0.0, "value_clip_fraction": 0.0}
+        self.model.train()
+        for _ in range(a.epochs_per_step):
+            self.opt.zero_grad(set_to_none=True)
+            for ids, attn, mask, ret, old in prepared:
+                loss, st = value_loss(self._values(ids, attn), old, ret, mask, a.ppo_settings().value_clip,
+                                      a.loss_aggregation)
+                share = float(mask.sum()) / max(total, 1.0) if a.loss_aggregation == "token" else len(ids) / len(p)
+                (loss * share).backward()
+                for k in stats:
+                    stats[k] += st[k] * share / a.epochs_per_step
+            max_norm = self.spec.trainer.optimizer.max_grad_norm
+            if max_norm > 0:
+                stats["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            self.opt.step()
+        self.model.eval()
+        self.updates += 1
+        stats["critic_train_s"] = time.perf_counter() - t0
+        return stats
