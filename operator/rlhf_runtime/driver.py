@@ -411,14 +411,18 @@ class Runtime:
                     assert m is not None
                     actors.append(opts.remote(m.name, m.revision, spec.model.dtype, m.batch_size, None,
                                               spec.model.trust_remote_code))
-                elif role == "critic":
-                    actors.append(opts.remote(cfg_json, rank, len(places), addr, port))
+                elif role == "critic":  # resumes at the trainer's step (self.done, from start_trainers)
+                    actors.append(opts.remote(cfg_json, rank, len(places), addr, port, self.done or None))
                 else:
                     actors.append(opts.remote(cfg_json))
             self.roles[role] = actors
         if self.roles:
-            self._get_step([a.info.remote() for acts in self.roles.values() for a in acts],
-                           f"start of {', '.join(f'{len(v)} {k} actor(s)' for k, v in self.roles.items())}")
+            flat = self._get_step([a.info.remote() for acts in self.roles.values() for a in acts],
+                                  f"start of {', '.join(f'{len(v)} {k} actor(s)' for k, v in self.roles.items())}")
+            infos, at = {}, 0
+            for k, v in self.roles.items():
+                infos[k], at = flat[at : at + len(v)], at + len(v)
+            self.reporter._write_progress({"time": time.time(), "roles": infos})
 
     def _make_engine(self, i: int) -> Any:
         """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
@@ -927,6 +931,9 @@ class Runtime:
         train_s = time.perf_counter() - t_train
         done = int(stats["step"])
         if spec.checkpoint and (done % spec.checkpoint.every_n_steps == 0 or done == self.total):
+            if critic:  # first: every policy checkpoint then has its critic
+                self._get_step([c.save_checkpoint.remote(done) for c in critic],
+                               f"critic checkpoint save at step {done}")
             self._get_step([t.save_checkpoint.remote() for t in self.trainers],
                            f"checkpoint save at step {done}: {self._trainers_desc()}")
         if self.async_mode and done < self.total and done - self.synced_at >= every:

@@ -14,22 +14,31 @@ layout, where the completion of sample ``i`` sits at positions ``len(prompt_i) .
   output at position ``t - 1``: the value of the state the token was generated from. ``train`` takes PPO's
   clipped value loss (``algorithms.value_loss``) against the returns, ``epochsPerStep`` passes, its own AdamW
   at ``algorithm.ppo.criticLearningRate``. Several critic workers shard it with FSDP2, like the trainer.
+  With ``spec.checkpoint`` it is checkpointed beside the policy, under ``<checkpoint.path>/critic`` with the
+  same crash-safe layout (``rlhf_runtime.checkpoint``), at the trainer's steps; a resumed run's critic loads the
+  step the trainer resumed from (the critic is saved first, so that step always has one), or starts afresh
+  with a warning when it is missing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+from rlhf_runtime import checkpoint as ckpt
 from rlhf_runtime.algorithms import value_loss
 from rlhf_runtime.grpo import token_logprobs
 
 MICRO_BATCH = 64
+log = logging.getLogger("rlhf_runtime")
 
 
 def pad(prompts: list[list[int]], completions: list[list[int]], device: Any) -> tuple[torch.Tensor, ...]:
@@ -84,6 +93,35 @@ def _init_group(spec: RLHFJobSpec, device: torch.device, rank: int, world: int, 
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
 
 
+def full_model_state(model: Any, world_size: int) -> dict[str, torch.Tensor] | None:
+    """FSDP2: the full (unsharded) state dict on CPU, gathered by every rank (a collective); None without FSDP."""
+    if world_size == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: Any, opt: Any, world_size: int) -> dict[str, Any]:
+    """The optimiser state to checkpoint. FSDP2: the *full* state (every rank's shards gathered, keyed by
+    parameter name, on rank 0's CPU; a collective, every rank calls it); else the plain state dict."""
+    if world_size == 1:
+        return opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: Any, opt: Any, state: dict[str, Any], world_size: int) -> None:
+    """Inverse of ``full_optimizer_state``; FSDP2: every rank reads the full state and keeps its own shards."""
+    if world_size == 1:
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
 def _load_kwargs(spec: RLHFJobSpec, revision: bool = True) -> dict[str, Any]:
     kw: dict[str, Any] = {"dtype": getattr(torch, spec.model.dtype), "trust_remote_code": spec.model.trust_remote_code}
     if revision and spec.model.revision:
@@ -122,7 +160,7 @@ class CriticModel:
     """PPO's value model; one actor per critic worker (FSDP2 over all of them when there are several)."""
 
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
-                 dist_port: int | None = None) -> None:
+                 dist_port: int | None = None, resume_step: int | None = None) -> None:
         from transformers import AutoModelForTokenClassification
 
         self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
@@ -135,6 +173,16 @@ class CriticModel:
         if world_size > 1:
             _init_group(spec, self.device, rank, world_size, dist_addr, dist_port)
         source = critic.model or spec.model.name
+        self.root = Path(spec.checkpoint.path) / "critic" if spec.checkpoint else None
+        opt_state, self.resumed_from = None, None
+        if resume_step and self.root is not None:
+            saved = ckpt.step_dir(self.root, resume_step)
+            if (saved / "state.json").is_file():  # written last: the step directory is complete
+                source, self.resumed_from = str(saved / "model"), resume_step
+                opt_state = torch.load(saved / "optimizer.pt", map_location="cpu", weights_only=False)
+            else:
+                log.warning("no critic checkpoint for step %d under %s: the critic starts afresh", resume_step,
+                            self.root)
         try:
             self.model = AutoModelForTokenClassification.from_pretrained(
                 source, num_labels=1, **_load_kwargs(spec, revision=critic.model is None)).to(self.device)
@@ -153,10 +201,34 @@ class CriticModel:
         ppo, o = spec.algorithm.ppo_settings(), spec.trainer.optimizer
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=ppo.critic_learning_rate, betas=(o.beta1, o.beta2),
                                      weight_decay=o.weight_decay)
+        if opt_state is not None:
+            load_optimizer_state(self.model, self.opt, opt_state, world_size)
         self.updates = 0
 
     def info(self) -> dict[str, Any]:
-        return {"device": str(self.device), "pid": os.getpid(), "rank": self.rank, "world": self.world_size}
+        return {"device": str(self.device), "pid": os.getpid(), "rank": self.rank, "world": self.world_size,
+                "resumed_from": self.resumed_from}
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """The critic at training step ``step`` (a collective under FSDP: every rank calls it; rank 0 writes)."""
+        if self.root is None:
+            return None
+        state = full_model_state(self.model, self.world_size)
+        optim = full_optimizer_state(self.model, self.opt, self.world_size)
+        if self.rank != 0:
+            return None
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.tmp_dir(self.root, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self.model.save_pretrained(str(tmp / "model"), state_dict=state)
+            torch.save(optim, tmp / "optimizer.pt")
+            final = ckpt.commit(tmp, self.root, step, {"role": "critic"})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        ckpt.prune(self.root, keep=2)
+        return str(final)
 
     def _values(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         v = self.model(input_ids=ids, attention_mask=attn).logits[..., 0].float()[:, :-1]

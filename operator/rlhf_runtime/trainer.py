@@ -38,7 +38,15 @@ from rlhf_runtime import checkpoint as ckpt
 from rlhf_runtime import node_files
 from rlhf_runtime.algorithms import policy_loss
 from rlhf_runtime.grpo import token_logprobs
-from rlhf_runtime.roles import chunks, from_lists, pad, to_lists
+from rlhf_runtime.roles import (
+    chunks,
+    from_lists,
+    full_model_state,
+    full_optimizer_state,
+    load_optimizer_state,
+    pad,
+    to_lists,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
@@ -198,33 +206,13 @@ class Trainer:
         return self.sender.send()
 
     def _optimizer_state(self) -> dict[str, Any]:
-        """The optimiser state to checkpoint. FSDP2: the *full* state (every rank's shards gathered, keyed by
-        parameter name, on rank 0's CPU; a collective, every rank calls it); else the plain state dict."""
-        if self.world_size == 1:
-            return self.opt.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(
-            self.model, self.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        return full_optimizer_state(self.model, self.opt, self.world_size)
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Inverse of ``_optimizer_state``; FSDP2: every rank reads the full state and keeps its own shards."""
-        if self.world_size == 1:
-            self.opt.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(self.model, self.opt, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True))
+        load_optimizer_state(self.model, self.opt, state, self.world_size)
 
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """FSDP2: the full (unsharded) state dict on CPU, gathered by every rank; None without FSDP."""
-        if self.world_size == 1:
-            return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full_model_state(self.model, self.world_size)
 
     # -------------------------------------------------------------------------------------- training
     @torch.no_grad()

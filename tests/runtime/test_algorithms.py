@@ -89,3 +89,30 @@ def test_critic_free_algorithms_train_ten_steps(tiny_model: Path, tmp_path: Path
         assert r["throughput"]["referenceSeconds"] > 0 and r["sync"]["bytes"] > 0, r
     rewards = [r["throughput"]["rewardMean"] for r in steps]
     assert _mean(rewards[-3:]) > _mean(rewards[:3]), rewards
+
+
+def test_ppo_critic_is_checkpointed_and_resumed_with_the_policy(tiny_model: Path, reward_model: Path,
+                                                                tmp_path: Path) -> None:
+    """A PPO run checkpoints its critic (FSDP2 over two CPU critic workers in a group of their own) beside the
+    policy; a second run on the same checkpoint volume resumes both at the same step."""
+    ckpt = tmp_path / "ckpt"
+    spec = job_config(
+        tiny_model,
+        algorithm={"name": "ppo", "steps": 3, "learningRate": 3e-3},
+        rollout={"engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
+                 "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 2}},
+        reward={"model": {"name": str(reward_model), "placement": "colocated"}},
+        critic={"placement": "separate", "replicas": 2},
+        checkpoint={"volume": "ckpt", "path": str(ckpt), "everyNSteps": 3},
+        volumes=[{"name": "ckpt", "emptyDir": {}}],
+    )
+    first = start_driver(tmp_path, write_config(tmp_path / "job.json", spec), name="first")
+    assert first.wait(timeout=400) == 0, first.tail()
+    assert (ckpt / "critic" / "step-00000003" / "state.json").is_file()
+    spec["algorithm"]["steps"] = 5
+    second = start_driver(tmp_path, write_config(tmp_path / "job2.json", spec), name="second")
+    assert second.wait(timeout=400) == 0, second.tail()
+    roles = [r["roles"] for r in second.records() if "roles" in r][0]
+    assert [c["resumed_from"] for c in roles["critic"]] == [3, 3], roles
+    assert [r["step"] for r in second.steps()] == [4, 5]
+    assert (ckpt / "critic" / "step-00000005" / "state.json").is_file()
