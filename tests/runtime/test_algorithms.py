@@ -112,7 +112,7 @@ def test_ppo_critic_is_checkpointed_and_resumed_with_the_policy(tiny_model: Path
     spec["algorithm"]["steps"] = 5
     second = start_driver(tmp_path, write_config(tmp_path / "job2.json", spec), name="second")
     assert second.wait(timeout=400) == 0, second.tail()
-    roles = [r["roles"] for r in second.records() if "roles" in r][0]
+    roles = next(r["roles"] for r in second.records() if "roles" in r)
     assert [c["resumed_from"] for c in roles["critic"]] == [3, 3], roles
     assert [r["step"] for r in second.steps()] == [4, 5]
     assert (ckpt / "critic" / "step-00000005" / "state.json").is_file()
