@@ -1015,15 +1015,15 @@ class Runtime:
         outs = self._get_step(trainer_refs, f"log-probabilities of the policy: {self._trainers_desc()}")
         logp = self._merge([o["logp"] for o in outs])
         ref = self._merge([o["ref"] for o in outs]) if outs[0]["ref"] is not None else None
-        if ref_refs:
-            t_ref = time.perf_counter()
-            ref = self._merge(self._get_step(ref_refs, f"reference log-probabilities ({len(refs_actors)} actor(s))"))
-            role_s["reference_seconds"] = time.perf_counter() - t_ref
+        if ref_refs:  # the actors' own compute time (they run beside the trainer's pass)
+            got = self._get_step(ref_refs, f"reference log-probabilities ({len(refs_actors)} actor(s))")
+            ref = self._merge([g["logp"] for g in got])
+            role_s["reference_seconds"] = max(g["seconds"] for g in got)
         values = None
         if value_refs:
-            t_v = time.perf_counter()
-            values = self._merge(self._get_step(value_refs, f"critic values ({len(critic)} worker(s))"))
-            role_s["critic_seconds"] = time.perf_counter() - t_v
+            got = self._get_step(value_refs, f"critic values ({len(critic)} worker(s))")
+            values = self._merge([g["values"] for g in got])
+            role_s["critic_seconds"] = max(g["seconds"] for g in got)
         if ref is not None and "reference_seconds" not in role_s:
             role_s["reference_seconds"] = time.perf_counter() - t0  # inside the trainer, with its own pass
         plan = adv_plan.plan(a, scores, n, lengths, logp=logp, ref=ref, values=values)

@@ -145,7 +145,9 @@ class ReferenceModel:
                 "parameters": sum(p.numel() for p in self.model.parameters())}
 
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, Any]) -> list[list[float]]:
+    def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``{"logp": per completion token, "seconds": compute time}``."""
+        t0 = time.perf_counter()
         temp = self.spec.rollout.sampling.temperature or 1.0
         p, c = batch["prompts"], batch["completions"]
         out: list[list[float]] = []
@@ -153,7 +155,7 @@ class ReferenceModel:
             pp, cc = [p[i] for i in idx], [c[i] for i in idx]
             ids, attn, _ = pad(pp, cc, self.device)
             out += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
-        return out
+        return {"logp": out, "seconds": time.perf_counter() - t0}
 
 
 class CriticModel:
@@ -235,7 +237,9 @@ class CriticModel:
         return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
 
     @torch.no_grad()
-    def values(self, batch: dict[str, Any]) -> list[list[float]]:
+    def values(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``{"values": per completion token, "seconds": compute time}``."""
+        t0 = time.perf_counter()
         self.model.eval()
         p, c = batch["prompts"], batch["completions"]
         out: list[list[float]] = []
@@ -243,7 +247,7 @@ class CriticModel:
             pp, cc = [p[i] for i in idx], [c[i] for i in idx]
             ids, attn, _ = pad(pp, cc, self.device)
             out += to_lists(self._values(ids, attn), pp, cc)
-        return out
+        return {"values": out, "seconds": time.perf_counter() - t0}
 
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
         """``batch``: prompts, completions, ``returns`` and ``values`` (the values ``values`` gave before this
