@@ -42,6 +42,11 @@ def tiny_job(model: Path) -> dict:
 
 def test_runtime_reports_progress_into_the_rlhfjob(cluster, api, operator, namespace, tiny_model, tmp_path) -> None:
     job = tiny_job(tiny_model)
+    # an eval set and an export: status.eval and status.output pass the real apiserver's status schema
+    job["spec"]["data"]["eval"] = {"prompts": ["abc", "go"]}
+    job["spec"]["data"]["evalEveryNSteps"] = 3
+    job["spec"]["output"] = {"volume": "out", "path": str(tmp_path / "out")}
+    job["spec"]["volumes"] = [{"name": "out", "emptyDir": {}}]
     apply(cluster, job, namespace)
     wait_for(lambda: phase(api, namespace, "tiny") == "Running", 180, "Running (Ray cluster ready on KWOK)")
 
@@ -91,6 +96,10 @@ def test_runtime_reports_progress_into_the_rlhfjob(cluster, api, operator, names
                         "Succeeded after the driver finished")
         assert done["status"]["step"] == STEPS and done["status"]["totalSteps"] == STEPS
         assert done["status"]["completionTime"]
+        assert done["status"]["eval"]["step"] == STEPS and done["status"]["eval"]["prompts"] == 2
+        assert done["status"]["output"] == {**done["status"]["output"], "path": str(tmp_path / "out" / "final"),
+                                            "step": STEPS}
+        assert (tmp_path / "out" / "final" / "config.json").is_file()
         assert seen_steps == sorted(seen_steps)
         # The operator exports what the runtime reported, for every job, on its own /metrics.
         import urllib.request
