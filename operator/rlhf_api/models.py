@@ -92,6 +92,42 @@ class Resources(Model):
     memory: str = Field("64Gi", pattern=MEMORY_PATTERN, max_length=32, description="Memory request per pod.")
 
 
+#: trainer.lora.targetModules by default: the attention projections of Llama/Qwen-style decoders.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class LoRA(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.targetModules.all(m, !(m in ['lm_head', 'embed_tokens']))",
+            "trainer.lora.targetModules must name linear layers of the decoder (e.g. q_proj, v_proj, gate_proj): "
+            "vLLM serves no LoRA adapter on lm_head or embed_tokens",
+            fieldPath=".targetModules"),
+    ]})
+    rank: int = Field(
+        8, ge=1, le=256,
+        description="Rank r of the low-rank update B x A (A: r x in_features, B: out_features x r) of each target "
+        "module. The adapter, and so every weight sync, grows linearly with it; the engines reserve LoRA slots of "
+        "the next vLLM size up (1, 8, 16, 32, 64, 128, 256).",
+    )
+    alpha: int = Field(
+        16, ge=1, le=65536,
+        description="LoRA alpha: the update is scaled by alpha / rank (PEFT's lora_alpha), so W' = W + "
+        "(alpha / rank) B A.",
+    )
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = (
+        Field(
+            default_factory=lambda: list(LORA_DEFAULT_TARGETS), min_length=1, max_length=64,
+            description="Names of the linear modules that get an adapter, matched against the last part of each "
+            "module's name (PEFT's target_modules), e.g. q_proj, k_proj, v_proj, o_proj (attention) and gate_proj, "
+            "up_proj, down_proj (MLP) in Llama/Qwen-style models. A name the model does not have fails the trainer "
+            "at start; lm_head and embed_tokens are refused (vLLM serves no adapter there).",
+            json_schema_extra={"x-kubernetes-list-type": "set", "default": list(LORA_DEFAULT_TARGETS)},
+        )
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (PEFT's "
+                           "lora_dropout); rollouts and log-probabilities never use it.")
+
+
 class Trainer(Model):
     model_config = ConfigDict(
         json_schema_extra={
@@ -101,6 +137,12 @@ class Trainer(Model):
                     "trainer.strategy 'single' trains in one process on one GPU: use replicas=1 and "
                     "gpusPerReplica<=1, or strategy 'fsdp2'",
                     fieldPath=".strategy",
+                ),
+                cel(
+                    "!has(self.lora) || self.strategy == 'single'",
+                    "trainer.lora trains the adapter in one process: use trainer.strategy 'single' (FSDP2 sharding "
+                    "of a LoRA policy is not supported), or drop trainer.lora for full fine-tuning",
+                    fieldPath=".lora",
                 ),
             ]
         }
@@ -115,6 +157,17 @@ class Trainer(Model):
     optimizer: Optimizer = sub(Optimizer, "Optimiser settings (the learning rate is in spec.algorithm).")
     resources: Resources = sub(Resources, "CPU and memory per trainer pod (GPUs come from gpusPerReplica).")
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
+    lora: LoRA | None = Field(
+        None,
+        description="Train a LoRA adapter instead of the whole model: the base model (spec.model) stays frozen, "
+        "the optimiser updates only the adapter (rank x (in + out) values per target module), and each weight "
+        "sync sends only the adapter (a safetensors file, kilobytes to megabytes, through Ray's object store; "
+        "weightSync.backend, packed and bucketSizeMB do not apply): the engines load the base model's real "
+        "weights at start and serve every rollout with the newest adapter (vLLM LoRA). Checkpoints hold the "
+        "adapter and its optimiser state; exports (spec.output) and weight-sync validation use the merged "
+        "weights W + (alpha / rank) B A, a plain Hugging Face model. Needs trainer.strategy 'single', "
+        "weightSync.mode 'sync' and no rollout.expertParallel. Unset: full fine-tuning.",
+    )
 
 
 # --------------------------------------------------------------------------------------------- rollout
@@ -637,6 +690,18 @@ SPEC_RULES = [
         "!self.rollout.expertParallel || self.weightSync.mode == 'sync'",
         "rollout.expertParallel needs weightSync.mode 'sync': expert-parallel engines step together and cannot be "
         "paused one by one",
+        fieldPath=".rollout.expertParallel",
+    ),
+    cel(
+        "!has(self.trainer.lora) || self.weightSync.mode == 'sync'",
+        "trainer.lora needs weightSync.mode 'sync': the adapter is swapped between rollouts (the async engines, "
+        "paused mid-request, serve no LoRA adapter)",
+        fieldPath=".weightSync.mode",
+    ),
+    cel(
+        "!has(self.trainer.lora) || !self.rollout.expertParallel",
+        "trainer.lora cannot be combined with rollout.expertParallel: LoRA on expert-parallel engines is not "
+        "supported; set expertParallel to false or drop trainer.lora",
         fieldPath=".rollout.expertParallel",
     ),
     cel(

@@ -111,18 +111,36 @@ def resolve_backend(spec: RLHFJobSpec, gpu: bool) -> str:
     return spec.weight_sync.backend if gpu else "gloo"
 
 
+#: The ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``, 0.24 and 0.32 alike).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: Engine keyword arguments that turn on LoRA serving (``engine_kwargs``); a plain engine has none of them.
+LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of rank ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
 def engine_kwargs(
     spec: RLHFJobSpec, model: str, backend: str, executor: str, gpu: bool, seed: int = 0
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` (``weight_transfer_config`` is added by the
-    engine actor from ``weight_transfer_backend``, since it is a vLLM object)."""
+    engine actor from ``weight_transfer_backend``, since it is a vLLM object). Full fine-tuning: dummy weights
+    (the first sync sends the real ones). LoRA: the base model's real weights, which no sync replaces, and one
+    LoRA slot of at least the adapter's rank (``LORA_ENGINE_KEYS``)."""
     r = spec.rollout
+    lora = spec.trainer.lora
     kw: dict[str, Any] = {
         "model": model,
         "dtype": spec.model.dtype,
         "tensor_parallel_size": r.tensor_parallel_size,
         "distributed_executor_backend": executor,
-        "load_format": "dummy",  # real weights arrive with the first sync, before the first rollout
+        # full fine-tuning: real weights arrive with the first sync, before the first rollout
+        "load_format": "auto" if lora else "dummy",
         "skip_tokenizer_init": True,
         "enforce_eager": r.enforce_eager or not gpu,
         "gpu_memory_utilization": r.gpu_memory_utilization,
@@ -139,7 +157,23 @@ def engine_kwargs(
         kw["enable_sleep_mode"] = True
     if r.expert_parallel:
         kw["enable_expert_parallel"] = True
+    if lora:
+        kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1)
     return kw
+
+
+def check_lora(spec: RLHFJobSpec) -> None:
+    """What ``trainer.lora`` cannot be combined with (the CRD's CEL rules refuse these at admission; a local run
+    meets them here): raises ValueError with what to change."""
+    if spec.trainer.lora is None:
+        return
+    if spec.trainer.strategy != "single":
+        raise ValueError("trainer.lora needs trainer.strategy 'single' (FSDP2 sharding of a LoRA policy is not "
+                         "supported)")
+    if spec.weight_sync.mode != "sync":
+        raise ValueError("trainer.lora needs weightSync.mode 'sync' (the async engines serve no LoRA adapter)")
+    if spec.rollout.expert_parallel:
+        raise ValueError("trainer.lora cannot be combined with rollout.expertParallel")
 
 
 def engines_sleep(spec: RLHFJobSpec, gpu: bool) -> bool:

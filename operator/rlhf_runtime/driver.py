@@ -25,6 +25,15 @@ RLHF_COLOCATED_SLEEP_LEVEL=1) and wake weights -> sync -> wake KV cache (GPU; CP
 Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
 
+LoRA (``spec.trainer.lora``): the engines start with the base model's real weights and LoRA enabled; a sync is
+the adapter only: trainer rank 0 serialises it (``Trainer.adapter_payload``) and the driver hands that object,
+through Ray's object store and without fetching it itself, to every engine (``Engine.load_adapter``), which
+switches its rollouts to it under a new LoRA id. No weight-transfer group is made. The sync result says
+``format: lora``, the adapter's ``bytes`` and the policy's ``full_bytes``. Validation compares the synced engines
+(base + adapter) with a fresh plain engine loaded from the merged weights, after the first sync (the adapter is
+still zero there) and again after the last step (the trained adapter; the exported model when ``spec.output``
+is set).
+
 Validation (``spec.weightSync.validate``, ``--validate`` or RLHF_VALIDATE=1): after the first sync, every engine's
 greedy output for the first prompts must equal, token for token, that of a fresh engine of the same shape
 loaded from the trainer's weights; engines of an expert-parallel DP group are compared rank by rank with a
@@ -229,7 +238,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--validate", action="store_true", default=os.environ.get("RLHF_VALIDATE") == "1",
                    help="validate the first weight sync (also spec.weightSync.validate, RLHF_VALIDATE=1)")
     p.add_argument("--debug-skip-tensor", default=os.environ.get("RLHF_DEBUG_SKIP_TENSOR"),
-                   help="debug: leave this tensor out of every weight sync")
+                   help="debug: leave this tensor out of every weight sync (LoRA: every adapter tensor whose name "
+                   "contains it)")
     p.add_argument("--progress-file", default=os.environ.get("RLHF_PROGRESS_FILE"))
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("RLHF_METRICS_PORT", "0")))
     p.add_argument("--async-pause-after-tokens", type=int,
@@ -271,6 +281,9 @@ class Runtime:
         self.sleeps = rc.engines_sleep(self.spec, self.gpu)
         self.env = rc.actor_env(self.spec, self.gpu)
         self.validate_first_sync = rc.validation_enabled(self.spec, opts.validate)
+        self.lora = self.spec.trainer.lora is not None  # adapter-only syncs (sync_adapter)
+        self.adapter_id = 0  # the engines' vLLM LoRA id: one more per adapter sync
+        self.param_bytes = 0  # the policy's full weights (Trainer.info), beside an adapter sync's bytes
         self.pgs: list[Any] = []
         self.trainers: list[Any] = []
         self.engines: list[Any] = []
@@ -385,6 +398,7 @@ class Runtime:
             self.trainers.append(actor)
         infos = self._get_step([t.info.remote() for t in self.trainers], f"start of {self._trainers_desc()}")
         self.trainer_pids = [i.get("pid") for i in infos]
+        self.param_bytes = int(infos[0].get("param_bytes") or 0)
         return infos[0]
 
     def start_roles(self) -> None:
@@ -477,7 +491,10 @@ class Runtime:
                 "VLLM_DP_MASTER_IP": address[0], "VLLM_DP_MASTER_PORT": str(address[1])}
 
     def init_sync(self) -> None:
-        """(Re-)create the weight-transfer group trainer rank 0 <-> every engine (after a replacement too)."""
+        """(Re-)create the weight-transfer group trainer rank 0 <-> every engine (after a replacement too). LoRA:
+        none (the adapter travels through Ray's object store)."""
+        if self.lora:
+            return
         worlds = self._get([e.world_size.remote() for e in self.engines], f"world size of {self._engines_desc()}")
         ws = self.spec.weight_sync
         skip = [self.opts.skip_tensor] if self.opts.skip_tensor else None
@@ -497,7 +514,10 @@ class Runtime:
         elif self.asleep:
             self._get([e.wake_up.remote(["weights"]) for e in self.engines], f"wake-up of {self._engines_desc()}")
         t1 = time.perf_counter()
-        results = self._get([t.sync_weights.remote() for t in self.trainers], f"weight sync: {self._sync_desc()}")
+        if self.lora:
+            results = [self.sync_adapter()]
+        else:
+            results = self._get([t.sync_weights.remote() for t in self.trainers], f"weight sync: {self._sync_desc()}")
         t2 = time.perf_counter()
         if self.async_mode:
             self._get([e.resume.remote() for e in self.engines], f"resume of {self._engines_desc()}")
@@ -511,12 +531,28 @@ class Runtime:
         r["transfer_gbps"] = r["bytes"] / r["send_s"] / 1e9 if r["send_s"] > 0 else 0.0
         return r
 
+    def sync_adapter(self) -> dict[str, Any]:
+        """(LoRA) Trainer rank 0's adapter files to every engine, through Ray's object store (the driver passes
+        the object on without fetching it); each engine serves from then on with it, under a new LoRA id."""
+        self.adapter_id += 1
+        t = time.perf_counter()
+        skip = [self.opts.skip_tensor] if self.opts.skip_tensor else None
+        payload = self.trainers[0].adapter_payload.remote(skip)
+        loads = self._get([e.load_adapter.remote(payload, self.adapter_id) for e in self.engines],
+                          f"adapter sync: trainer rank 0 -> {self._engines_desc()}")
+        wall = time.perf_counter() - t
+        return {"format": "lora", "bytes": float(loads[0]["bytes"]), "full_bytes": float(self.param_bytes),
+                "adapter_id": self.adapter_id, "send_s": wall, "serialize_s": loads[0]["serialize_s"],
+                "write_s": max(x["write_s"] for x in loads), "load_s": max(x["load_s"] for x in loads)}
+
     def sleep_engines(self, next_syncs: bool) -> float:
         """Colocated: put the engines to sleep while the trainer trains. Level 2 (weights discarded, nothing
         copied to the CPU) when the next wake is followed by a full weight sync, which overwrites every
-        weight anyway; level 1 (weights offloaded to CPU) otherwise. Returns the seconds it took."""
+        weight anyway; level 1 (weights offloaded to CPU) otherwise, and always with LoRA (an adapter sync does
+        not bring the base weights back). Returns the seconds it took."""
         t = time.perf_counter()
-        level = 2 if next_syncs and os.environ.get("RLHF_COLOCATED_SLEEP_LEVEL", "auto") == "auto" else 1
+        full = next_syncs and not self.lora
+        level = 2 if full and os.environ.get("RLHF_COLOCATED_SLEEP_LEVEL", "auto") == "auto" else 1
         self._get([e.sleep.remote(level) for e in self.engines], f"sleep of {self._engines_desc()}")
         self.asleep = True
         return time.perf_counter() - t
@@ -757,6 +793,8 @@ class Runtime:
         from rlhf_runtime.placement import VALIDATION_SHARE
 
         kw = dict(self.engine_kwargs[i], model=str(path), load_format="auto")
+        for key in rc.LORA_ENGINE_KEYS:  # LoRA: a plain engine of the merged weights
+            kw.pop(key, None)
         e = self.layout.engines[i]
         env = {**self.env, **e.env, **(self._dp_env(i, dp) if dp else {})}
         if self.gpu:
@@ -819,6 +857,7 @@ class Runtime:
         from transformers import AutoConfig
 
         rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
+        rc.check_lora(spec)
         self.refresh_spec()
         self.reporter.report("Starting", message="starting Ray actors")
         self.watchdog.doing("connecting to Ray and placing actors")
@@ -1064,10 +1103,12 @@ class Runtime:
 
     def finish(self, tokenizer: Any, samples: list[Any], reward_fn: Any, eval_samples: list[Any]) -> None:
         """After the last step: sync the engines to the final policy when anything reads them (evaluation,
-        validation of the export), evaluate, export to ``<output.path>/final``; with validation on, the
-        exported directory must give the synced engines' greedy tokens."""
+        validation of the export or, with LoRA, of the trained adapter), evaluate, export to
+        ``<output.path>/final``; with validation on, the exported directory (without an export and with LoRA: a
+        fresh engine of the merged weights) must give the synced engines' greedy tokens."""
         out, validate = self.spec.output, self.validate_first_sync
-        if eval_samples or (out and validate):
+        lora_check = validate and self.lora and not out  # the first validation saw the zero adapter only
+        if eval_samples or (out and validate) or lora_check:
             if self.synced_at != self.done:
                 self.last_sync = self.sync()
                 self.synced_at = self.done
@@ -1081,6 +1122,9 @@ class Runtime:
             if validate:
                 self.watchdog.doing("validation of the exported model")
                 self.validate(tokenizer, samples, path=path)
+        if lora_check:
+            self.watchdog.doing("weight-sync validation of the trained adapter")
+            self.validate(tokenizer, samples)
 
     def shutdown(self) -> None:
         import ray

@@ -10,6 +10,11 @@ After every weight update the prefix cache is reset before the next ``generate``
 computed with the old weights; a cached prefix would also take a different prefill path than a fresh
 engine, which breaks token-for-token validation).
 
+LoRA (``trainer.lora``): an ``Engine`` started with ``enable_lora`` serves every rollout with its newest adapter.
+``load_adapter(payload, adapter_id)`` writes the adapter files (``rlhf_runtime.lora``) to a fresh temporary
+directory, drops the previous adapter (vLLM's ``remove_lora`` and its directory) and loads the new one under a new
+integer id (``add_lora``), so no request runs on a half-replaced adapter and no KV of the old one is reused.
+
 ``AsyncEngine.generate`` runs while the trainer trains; ``pause()`` freezes in-flight requests
 (``pause_generation(mode="keep")``), the weight sync runs, ``resume()`` continues them. Each sample records
 ``swap_index``: how many of its tokens were generated before the swap (``-1`` if it finished before it).
@@ -23,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -160,6 +167,7 @@ class Engine:
         self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
         self._stale_cache = False  # prefix-cache KV computed with weights that a sync has since replaced
         self._update_open = False  # between start_weight_update and finish_weight_update
+        self.lora_request: Any = None  # LoRA: the adapter every generate uses (load_adapter)
 
     def ready(self) -> float:
         return self.start_seconds
@@ -177,8 +185,35 @@ class Engine:
         if self._stale_cache:  # never serve KV of the old weights to a prompt of the new ones
             self._stale_cache = not self.llm.reset_prefix_cache()
         sp = SamplingParams(detokenize=False, **sampling)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                                 lora_request=self.lora_request)
         return _pack(outs)
+
+    def load_adapter(self, payload: dict[str, Any], adapter_id: int) -> dict[str, Any]:
+        """(LoRA) Serve the rollouts from now on with the adapter of ``payload`` (``Trainer.adapter_payload``),
+        under vLLM LoRA id ``adapter_id`` (new for every sync). Returns ``bytes`` received, seconds to write and
+        to load it, and the trainer's ``serialize_s``."""
+        from vllm.lora.request import LoRARequest
+
+        from rlhf_runtime import lora
+
+        t0 = time.perf_counter()
+        path = lora.write_files(payload["files"], tempfile.mkdtemp(prefix=f"rlhf-lora-{adapter_id}-"))
+        t1 = time.perf_counter()
+        old, self.lora_request = self.lora_request, None
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        request = LoRARequest(f"rlhf-adapter-{adapter_id}", adapter_id, str(path))
+        try:
+            self.llm.llm_engine.add_lora(request)
+        except Exception as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RuntimeError(f"vLLM cannot serve the adapter of spec.trainer.lora: {e}") from e
+        self.lora_request = request
+        self._stale_cache = True
+        return {"bytes": sum(len(b) for b in payload["files"].values()), "write_s": t1 - t0,
+                "load_s": time.perf_counter() - t1, "serialize_s": payload.get("serialize_s", 0.0)}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})

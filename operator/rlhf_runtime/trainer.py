@@ -19,6 +19,12 @@ Guarantees:
   step, written atomically; a new actor resumes from the newest one, so the step counter continues. Under
   FSDP2 both are gathered to full tensors (``torch.distributed.checkpoint.state_dict``) and every rank takes
   its own shards back on resume. FSDP2 also runs on CPU over gloo (tests).
+* LoRA (``trainer.lora``, ``rlhf_runtime.lora``): the base model is frozen and wrapped with a PEFT adapter;
+  the optimiser holds the adapter's parameters only. The in-trainer reference is the same model with the
+  adapter disabled (no second copy of the base). A sync is ``adapter_payload`` (the adapter files, handed to
+  the engines by the driver through Ray's object store), not the weight-transfer group. Checkpoints hold
+  ``adapter/`` (the adapter files, full precision) instead of ``model/``; ``save_weights``/``export``/
+  ``stage_weights`` write the merged weights (a plain HF model).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime import lora as lora_mod
 from rlhf_runtime import node_files
 from rlhf_runtime.algorithms import policy_loss
 from rlhf_runtime.grpo import token_logprobs
@@ -100,6 +107,7 @@ class Trainer:
 
         self.step = 0
         self.resumed_from: int | None = None
+        self.lora = spec.trainer.lora
         source = spec.model.name
         opt_state = None
         found = self._agreed_checkpoint()
@@ -107,16 +115,33 @@ class Trainer:
             self.step, path = found
             self.resumed_from = self.step
             source = str(path / "model")
+            if (path / "adapter").is_dir() != bool(self.lora):
+                raise RuntimeError(f"checkpoint step {self.step} at {path} holds "
+                                   f"{'a LoRA adapter' if (path / 'adapter').is_dir() else 'a full model'}, but "
+                                   f"spec.trainer.lora is {'set' if self.lora else 'unset'}: use another "
+                                   "spec.checkpoint.path")
             opt_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
         self.base_model = spec.model.name
         kw: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": spec.model.trust_remote_code}
-        if spec.model.revision and not found:
+        if spec.model.revision and (not found or self.lora):
             kw["revision"] = spec.model.revision
-        self.model = AutoModelForCausalLM.from_pretrained(source, **kw).to(self.device)
-        if spec.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        if self.lora:  # the frozen base from spec.model, the adapter from the checkpoint
+            self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device)
+            if spec.trainer.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable()
+                self.model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
+            self.model = lora_mod.wrap(self.model, self.lora)
+            if found:
+                tensors, _ = lora_mod.deserialize(lora_mod.read_files(found[1] / "adapter"))
+                lora_mod.load_adapter(self.model, tensors)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(source, **kw).to(self.device)
+            if spec.trainer.gradient_checkpointing:
+                self.model.gradient_checkpointing_enable()
         self.ref = None
-        if spec.reference_active() and spec.reference.placement == "trainer":
+        # the reference inside the trainer: a model of its own, or (LoRA) the policy with its adapter disabled
+        self.own_ref = spec.reference_active() and spec.reference.placement == "trainer"
+        if self.own_ref and not self.lora:
             # The reference is the initial policy (the base model), also after a resume.
             self.ref = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device).eval()
             self.ref.requires_grad_(False)
@@ -127,9 +152,9 @@ class Trainer:
                 fully_shard(layer)
             fully_shard(self.model)
         o = spec.trainer.optimizer
+        params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.algorithm.learning_rate, betas=(o.beta1, o.beta2),
-            weight_decay=o.weight_decay,
+            params, lr=spec.algorithm.learning_rate, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
         )
         if opt_state is not None:
             self._load_optimizer_state(opt_state)
@@ -141,7 +166,9 @@ class Trainer:
 
         vllm_plugin.register()
         weight_sync.vllm_has_trainer_api()
-        self.param_bytes = sum(p.numel() * self.dtype.itemsize for p in self.model.parameters())
+        # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
+        self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
+                               if ".lora_" not in n)
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
         """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``)
@@ -205,6 +232,20 @@ class Trainer:
             torch.cuda.synchronize()
         return self.sender.send()
 
+    def adapter_payload(self, skip: list[str] | None = None) -> dict[str, Any]:
+        """(LoRA) What a weight sync sends instead of the weights: ``files``, the adapter files
+        (``lora.serialize``: safetensors in the spec dtype, and the config), ``bytes`` (their size) and
+        ``serialize_s``. ``skip``: leave out every adapter tensor whose name contains one of these (the
+        validation debug option)."""
+        if not self.lora:
+            raise RuntimeError("adapter_payload needs spec.trainer.lora")
+        t = time.perf_counter()
+        tensors = {k: v.detach().to(self.dtype) for k, v in lora_mod.adapter_tensors(self.model).items()
+                   if not any(name in k for name in skip or [])}
+        files = lora_mod.serialize(tensors, lora_mod.adapter_config(self.lora, self.base_model))
+        return {"files": files, "bytes": sum(len(b) for b in files.values()), "tensors": len(tensors),
+                "serialize_s": time.perf_counter() - t}
+
     def _optimizer_state(self) -> dict[str, Any]:
         return full_optimizer_state(self.model, self.opt, self.world_size)
 
@@ -223,15 +264,22 @@ class Trainer:
         temp = self.spec.rollout.sampling.temperature or 1.0
         p, c = batch["prompts"], batch["completions"]
         logp: list[list[float]] = []
-        ref: list[list[float]] | None = [] if self.ref is not None else None
+        ref: list[list[float]] | None = [] if self.own_ref else None
         self.model.eval()
         for idx in chunks(len(p)):
             pp, cc = [p[i] for i in idx], [c[i] for i in idx]
             ids, attn, _ = pad(pp, cc, self.device)
             logp += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
             if ref is not None:
-                ref += to_lists(token_logprobs(self.ref, ids, attn, temp), pp, cc)
+                ref += to_lists(self._ref_logprobs(ids, attn, temp), pp, cc)
         return {"logp": logp, "ref": ref}
+
+    def _ref_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temp: float) -> torch.Tensor:
+        """The in-trainer reference's token log-probabilities (LoRA: the base model, adapter disabled)."""
+        if self.ref is not None:
+            return token_logprobs(self.ref, ids, attn, temp)
+        with self.model.disable_adapter():
+            return token_logprobs(self.model, ids, attn, temp)
 
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
         """``batch``: ``prompts`` and ``completions`` (token ids per sample) and ``advantages``: one float per
@@ -264,8 +312,8 @@ class Trainer:
                 ref = None
                 if kl_in_loss and batch.get("ref_logprobs") is not None:
                     ref = from_lists([batch["ref_logprobs"][i] for i in idx], pp, w, self.device)
-                elif kl_in_loss and self.ref is not None:
-                    ref = token_logprobs(self.ref, ids, attn, temp)
+                elif kl_in_loss and self.own_ref:
+                    ref = self._ref_logprobs(ids, attn, temp)
                 prepared.append((ids, attn, mask, old, ref, adv))
                 total_tokens += float(mask.sum())
         self.model.train()
@@ -308,9 +356,14 @@ class Trainer:
         tmp = ckpt.tmp_dir(c.path, self.step)
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self.model.save_pretrained(str(tmp / "model"), state_dict=state)
+            if self.lora:  # the adapter in full precision (the base is spec.model's)
+                files = lora_mod.serialize(lora_mod.adapter_tensors(self.model),
+                                           lora_mod.adapter_config(self.lora, self.base_model))
+                lora_mod.write_files(files, tmp / "adapter")
+            else:
+                self.model.save_pretrained(str(tmp / "model"), state_dict=state)
             torch.save(optim, tmp / "optimizer.pt")
-            final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model})
+            final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
         except BaseException:  # e.g. a full disk: no partial copy left behind (the newest complete one stays)
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -318,12 +371,17 @@ class Trainer:
         return str(final)
 
     def save_weights(self, path: str) -> str:
-        """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``."""
+        """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``; with LoRA the
+        merged weights (``lora.merged_state``), a plain HF model."""
         out = Path(path)
         state = self._full_state_dict()  # a collective under FSDP: the driver calls every rank
         if self.rank != 0:
             return str(out)
-        self.model.save_pretrained(str(out), state_dict=state)
+        if self.lora:
+            self.model.get_base_model().save_pretrained(str(out), state_dict=lora_mod.merged_state(self.model,
+                                                                                                 self.lora))
+        else:
+            self.model.save_pretrained(str(out), state_dict=state)
         base = Path(self.base_model)
         for name in TOKENIZER_FILES:
             if (base / name).is_file() and not (out / name).exists():

@@ -104,6 +104,18 @@ INVALID = [
      "checkpoint.volume must name a volume in spec.volumes"),
     ("gpu memory above 1", with_spec(rollout__gpuMemoryUtilization=1.5), "spec.rollout.gpuMemoryUtilization: Invalid value: 1.5"),
     ("negative temperature", with_spec(rollout__sampling__temperature=-1), "spec.rollout.sampling.temperature: Invalid value: -1"),
+    ("lora with fsdp2", with_spec(trainer__strategy="fsdp2", trainer__gpusPerReplica=2, trainer__lora={}),
+     "trainer.lora trains the adapter in one process: use trainer.strategy 'single'"),
+    ("lora with async", with_spec(trainer__lora={}, weightSync__mode="async"),
+     "trainer.lora needs weightSync.mode 'sync'"),
+    ("lora with expert parallel", with_spec(trainer__lora={}, rollout__expertParallel=True),
+     "trainer.lora cannot be combined with rollout.expertParallel"),
+    ("lora on lm_head", with_spec(trainer__lora={"targetModules": ["q_proj", "lm_head"]}),
+     "vLLM serves no LoRA adapter on lm_head or embed_tokens"),
+    ("lora rank above 256", with_spec(trainer__lora={"rank": 512}), "spec.trainer.lora.rank: Invalid value: 512"),
+    ("lora without targets", with_spec(trainer__lora={"targetModules": []}), "spec.trainer.lora.targetModules"),
+    ("lora duplicate targets", with_spec(trainer__lora={"targetModules": ["q_proj", "q_proj"]}),
+     "spec.trainer.lora.targetModules[1]: Duplicate value"),
     ("missing model", with_spec(model=DELETE), "spec.model: Required value"),
     ("missing image", with_spec(image=DELETE), "spec.image: Required value"),
 ]
@@ -125,7 +137,7 @@ def test_long_name_is_rejected(cluster) -> None:
 
 def test_valid_samples_pass_admission(cluster) -> None:
     for sample in ("separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer",
-                   "moe-expert-parallel", "ppo-reward-model"):
+                   "moe-expert-parallel", "ppo-reward-model", "lora-adapter-sync"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
 
