@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from gpu_sync import MODELS, build_model  # noqa: E402
+from gpu_sync import MODELS, build_model
 
 ROLE_KEYS = ("stepSeconds", "rolloutSeconds", "rewardSeconds", "referenceSeconds", "criticSeconds", "trainSeconds",
              "weightSyncSeconds", "rolloutTokensPerSecond")

@@ -944,12 +944,13 @@ class Runtime:
                     swap["tokens_before_swap"] += si
                     swap["tokens_after_swap"] += len(comp) - si
                     swap["mixed_samples"] += int(0 < si < len(comp))
+        seqs = {"prompts": t_prompts, "completions": t_completions}
+        pending = self.launch_token_inputs(seqs)  # runs while the rewards are computed
         t_reward = time.perf_counter()
         rewards = self.score(items, [len(c) for c in t_completions], reward_fn, self.done + 1)
         reward_s = time.perf_counter() - t_reward
         scores = normalize(rewards, spec.reward.normalize)
-        seqs = {"prompts": t_prompts, "completions": t_completions}
-        plan, role_s = self.token_inputs(seqs, scores, n)
+        plan, role_s = self.token_inputs(pending, seqs, scores, n)
         t_train = time.perf_counter()
         train_batch: dict[str, Any] = {**seqs, "advantages": plan["advantages"]}
         for key in ("old_logprobs", "ref_logprobs"):
@@ -1033,41 +1034,52 @@ class Runtime:
             weights["model"] = rw.model.weight if rw.model else 1.0
         return combine(parts, weights)
 
-    def token_inputs(self, seqs: dict[str, Any], scores: list[float], n: int) -> tuple[dict[str, Any], dict[str, float]]:
-        """The trainer's advantages (``advantages.plan``), gathering first what they need: the policy's
-        per-token log-probabilities (trainer ranks), the reference's (its actors, or the trainer's own) and the
-        critic's values. Returns the plan (plus ``old_logprobs``/``ref_logprobs``/``values`` to hand on) and
-        per-role seconds."""
+    def launch_token_inputs(self, seqs: dict[str, Any]) -> dict[str, Any] | None:
+        """Start what the advantages need beyond the scores (``token_inputs`` gathers it), so that it runs
+        while the rewards are computed: the policy's per-token log-probabilities (trainer ranks), the
+        reference's (its actors, or the trainer's own) and the critic's values. None when nothing is needed."""
         a, spec = self.spec.algorithm, self.spec
-        role_s: dict[str, float] = {}
-        lengths = [len(c) for c in seqs["completions"]]
         refs_actors = self.roles.get("reference") or []
         external_ref = bool(refs_actors) and spec.reference_active()
         if not adv_plan.needs_token_inputs(a) and not external_ref:
+            return None
+        w, critic = len(self.trainers), self.roles.get("critic") or []
+        return {
+            "trainer": [t.logprobs.remote(self._shard(seqs, r, w)) for r, t in enumerate(self.trainers)],
+            "reference": [x.logprobs.remote(self._shard(seqs, r, len(refs_actors)))
+                          for r, x in enumerate(refs_actors)],
+            "critic": [c.values.remote(self._shard(seqs, r, len(critic))) for r, c in enumerate(critic)],
+            "external_ref": external_ref,
+        }
+
+    def token_inputs(self, pending: dict[str, Any] | None, seqs: dict[str, Any], scores: list[float],
+                     n: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """The trainer's advantages (``advantages.plan``) from the scores and what ``launch_token_inputs``
+        started. Returns the plan (plus ``old_logprobs``/``ref_logprobs``/``values`` to hand on) and per-role
+        seconds (each role's own compute time)."""
+        a = self.spec.algorithm
+        lengths = [len(c) for c in seqs["completions"]]
+        role_s: dict[str, float] = {}
+        if pending is None:
             return adv_plan.plan(a, scores, n, lengths), role_s
-        t0 = time.perf_counter()
-        w = len(self.trainers)
-        trainer_refs = [t.logprobs.remote(self._shard(seqs, r, w)) for r, t in enumerate(self.trainers)]
-        ref_refs = [x.logprobs.remote(self._shard(seqs, r, len(refs_actors))) for r, x in enumerate(refs_actors)]
-        critic = self.roles.get("critic") or []
-        value_refs = [c.values.remote(self._shard(seqs, r, len(critic))) for r, c in enumerate(critic)]
-        outs = self._get_step(trainer_refs, f"log-probabilities of the policy: {self._trainers_desc()}")
+        outs = self._get_step(pending["trainer"], f"log-probabilities of the policy: {self._trainers_desc()}")
         logp = self._merge([o["logp"] for o in outs])
-        ref = self._merge([o["ref"] for o in outs]) if outs[0]["ref"] is not None else None
-        if ref_refs:  # the actors' own compute time (they run beside the trainer's pass)
-            got = self._get_step(ref_refs, f"reference log-probabilities ({len(refs_actors)} actor(s))")
+        ref = None
+        if outs[0]["ref"] is not None:  # the reference inside the trainer: its pass is part of the trainer's
+            ref = self._merge([o["ref"] for o in outs])
+            role_s["reference_seconds"] = max(o["seconds"] for o in outs)
+        if pending["reference"]:
+            got = self._get_step(pending["reference"], f"reference log-probabilities ({len(pending['reference'])} actor(s))")
             ref = self._merge([g["logp"] for g in got])
             role_s["reference_seconds"] = max(g["seconds"] for g in got)
         values = None
-        if value_refs:
-            got = self._get_step(value_refs, f"critic values ({len(critic)} worker(s))")
+        if pending["critic"]:
+            got = self._get_step(pending["critic"], f"critic values ({len(pending['critic'])} worker(s))")
             values = self._merge([g["values"] for g in got])
             role_s["critic_seconds"] = max(g["seconds"] for g in got)
-        if ref is not None and "reference_seconds" not in role_s:
-            role_s["reference_seconds"] = time.perf_counter() - t0  # inside the trainer, with its own pass
         plan = adv_plan.plan(a, scores, n, lengths, logp=logp, ref=ref, values=values)
         plan["old_logprobs"] = logp
-        plan["ref_logprobs"] = ref if external_ref else None
+        plan["ref_logprobs"] = ref if pending["external_ref"] else None
         plan["values"] = values
         return plan, role_s
 

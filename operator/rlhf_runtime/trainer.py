@@ -259,8 +259,9 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Per completion token (``roles.to_lists``): log-probabilities under the current policy (``logp``) and,
-        with the reference inside the trainer, under the reference (``ref``, else None). Under FSDP every rank
-        calls it with its own slice."""
+        with the reference inside the trainer, under the reference (``ref``, else None); ``seconds`` of compute.
+        Under FSDP every rank calls it with its own slice."""
+        t0 = time.perf_counter()
         temp = self.spec.rollout.sampling.temperature or 1.0
         p, c = batch["prompts"], batch["completions"]
         logp: list[list[float]] = []
@@ -272,7 +273,7 @@ class Trainer:
             logp += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
             if ref is not None:
                 ref += to_lists(self._ref_logprobs(ids, attn, temp), pp, cc)
-        return {"logp": logp, "ref": ref}
+        return {"logp": logp, "ref": ref, "seconds": time.perf_counter() - t0}
 
     def _ref_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temp: float) -> torch.Tensor:
         """The in-trainer reference's token log-probabilities (LoRA: the base model, adapter disabled)."""
