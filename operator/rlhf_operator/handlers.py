@@ -29,6 +29,9 @@ RESYNC_SECONDS = float(os.environ.get("RLHF_RESYNC_SECONDS", "10"))
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = naming.FINALIZER
+    # A job deleted while its (sync) resync timer runs: Kopf removes the finalizer only once the timer has
+    # exited, and looks again every cancellation_polling seconds (default 60: deletions then took a minute).
+    settings.background.cancellation_polling = 1.0
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=m.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=m.GROUP)
     settings.posting.level = logging.WARNING  # only our own events, not Kopf's handler chatter
