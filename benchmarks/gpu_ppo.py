@@ -38,27 +38,6 @@ ROLE_KEYS = ("stepSeconds", "rolloutSeconds", "rewardSeconds", "referenceSeconds
              "weightSyncSeconds", "rolloutTokensPerSecond")
 
 
-def build_reward_model(path: Path, name: str, gpu: bool) -> dict[str, Any]:
-    """The policy's architecture with a one-output sequence-classification head, random weights."""
-    import torch
-    import transformers
-
-    from rlhf_runtime.tiny import build_tokenizer
-
-    arch, cfg_kw = MODELS[name]
-    cfg = getattr(transformers, f"{arch}Config")(**cfg_kw, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-                                                 num_labels=1)
-    torch.manual_seed(1)
-    dtype = torch.bfloat16 if gpu else torch.float32
-    with torch.device("cuda" if gpu else "cpu"):
-        model = getattr(transformers, f"{arch}ForSequenceClassification")(cfg).to(dtype)
-    model.save_pretrained(str(path))
-    build_tokenizer(path, cfg_kw["vocab_size"])
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    return {"architecture": f"{arch}ForSequenceClassification", "params": params}
-
-
 def job_spec(model: Path, rm: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     gpu = not args.cpu
     prompts = [f"question {i}: what is {i} + {i * 7 % 13}?" for i in range(args.prompts)]
@@ -105,7 +84,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     model_info = build_model(work / "policy", args.model, not args.cpu)
-    rm_info = build_reward_model(work / "rm", args.model, not args.cpu)
+    # the policy's architecture with a one-output sequence-classification head, random weights
+    rm_info = build_model(work / "rm", args.model, not args.cpu, head="ForSequenceClassification", seed=1,
+                          num_labels=1)
     build_s = time.time() - t0
 
     from rlhf_api.models import RuntimeConfig

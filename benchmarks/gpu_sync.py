@@ -164,26 +164,28 @@ def median(xs: list[float]) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ model
-def build_model(path: Path, name: str, gpu: bool) -> dict[str, Any]:
-    """Random-init model from the architecture config, saved in bf16 (GPU) / fp32 (CPU), plus tokenizer."""
+def build_model(path: Path, name: str, gpu: bool, head: str = "ForCausalLM", seed: int = 0,
+                **config: Any) -> dict[str, Any]:
+    """Random-init model from the architecture config (``<arch><head>``, ``config`` added to it), saved in bf16
+    (GPU) / fp32 (CPU), plus tokenizer."""
     import torch
     import transformers
 
     from rlhf_runtime.tiny import build_tokenizer
 
     arch, cfg_kw = MODELS[name]
-    cfg = getattr(transformers, f"{arch}Config")(**cfg_kw, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{arch}Config")(**cfg_kw, bos_token_id=2, eos_token_id=3, pad_token_id=0, **config)
+    torch.manual_seed(seed)
     dtype = torch.bfloat16 if gpu else torch.float32
     with torch.device("cuda" if gpu else "cpu"):
-        model = getattr(transformers, f"{arch}ForCausalLM")(cfg).to(dtype)
+        model = getattr(transformers, f"{arch}{head}")(cfg).to(dtype)
     model.save_pretrained(str(path))
     build_tokenizer(path, cfg_kw["vocab_size"])
     params = sum(p.numel() for p in model.parameters())
     del model
     if gpu:
         torch.cuda.empty_cache()
-    return {"architecture": f"{arch}ForCausalLM", "config": cfg_kw, "params": params,
+    return {"architecture": f"{arch}{head}", "config": cfg_kw, "params": params,
             "param_bytes": params * dtype.itemsize, "dtype": str(dtype).split(".")[-1]}
 
 

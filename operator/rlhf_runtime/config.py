@@ -73,19 +73,19 @@ def identity(path: str | os.PathLike[str] | None = None) -> tuple[str | None, st
     return get("name"), get("namespace"), get("uid")
 
 
-def check_model_path(name: str) -> None:
-    """A model named by a local path (``/...`` or ``./...``) must be a directory with ``config.json``: say so before
-    the hub client reads the path as a malformed repository id."""
+def check_model_path(name: str, field: str = "spec.model.name", kind: str = "model") -> None:
+    """A model named by a local path (``/...`` or ``./...``) must be a directory with ``config.json``: say so,
+    naming ``field``, before the hub client reads the path as a malformed repository id."""
     if not name.startswith(("/", ".")):
         return
     path = Path(name)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"spec.model.name {name} does not exist: a local model must be a directory with config.json and the "
+            f"{field} {name} does not exist: a local {kind} must be a directory with config.json and the "
             "tokenizer files, on a volume mounted in every pod (spec.volumes, spec.volumeMounts)"
         )
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"spec.model.name {name} has no config.json: it is not a Hugging Face model directory")
+        raise FileNotFoundError(f"{field} {name} has no config.json: it is not a Hugging Face model directory")
 
 
 def spec_env(spec: RLHFJobSpec) -> dict[str, str]:

@@ -97,7 +97,7 @@ from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import advantages as adv_plan
 from rlhf_runtime import config as rc
 from rlhf_runtime import node_files
-from rlhf_runtime.data import Sample, load_eval_samples, load_samples, render_prompt, step_batch
+from rlhf_runtime.data import load_eval_samples, load_samples, render_prompt, step_batch
 from rlhf_runtime.placement import ActorPlacement, compute_layout, spread
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, now_rfc3339
 from rlhf_runtime.rewards import combine, endpoint_rewards, make_reward, normalize
@@ -810,10 +810,6 @@ class Runtime:
             num_cpus=0, num_gpus=0, scheduling_strategy=self._strategy(e.group, e.bundle),
             runtime_env={"env_vars": env},
         ).remote(kw, env)
-
-    @staticmethod
-    def encode(tokenizer: Any, text: str) -> list[int]:
-        return render_prompt(Sample(text), tokenizer)
 
     # --------------------------------------------------------------------------------- live edits
     def refresh_spec(self) -> None:

@@ -4,8 +4,8 @@
   ``(r - mean(group)) / (std(group) + eps)``; a group whose rewards are all equal gets zeros (no signal).
   Every reward must be a finite number (a NaN or an infinity would poison its whole group and the update):
   ``ValueError`` naming the first bad one.
-* Loss (torch, imported lazily): per completion token, ``ratio = exp(logp - old_logp)``,
-  ``pg = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``; plus, when ``kl_coef > 0``, the k3 estimator
+* Loss (``algorithms.policy_loss`` in its symmetric, token-averaged form): per completion token,
+  ``ratio = exp(logp - old_logp)``, ``pg = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``; plus, when ``kl_coef > 0``, the k3 estimator
   of KL to the frozen reference ``exp(ref - logp) - (ref - logp) - 1`` times ``kl_coef``. Token losses are
   averaged over all completion tokens of the batch (prompt and padding tokens are masked out).
 """
@@ -40,25 +40,11 @@ def grpo_loss(
     ref_logp: Any = None,
     kl_coef: float = 0.0,
 ) -> tuple[Any, dict[str, float]]:
-    """``logp``/``old_logp``/``ref_logp``/``mask``: [B, T] tensors; ``advantages``: [B]. Returns (loss, stats)."""
-    import torch
+    """``logp``/``old_logp``/``ref_logp``/``mask``: [B, T] tensors; ``advantages``: [B]. Returns (loss, stats):
+    ``algorithms.policy_loss`` with symmetric clipping and token aggregation."""
+    from rlhf_runtime.algorithms import policy_loss
 
-    mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(-1)
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    kl_mean = 0.0
-    if kl_coef > 0 and ref_logp is not None:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1
-        per_token = per_token + kl_coef * kl
-        kl_mean = float((kl * mask).sum() / mask.sum().clamp(min=1))
-    denom = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / denom
-    clip_frac = float((((ratio - 1).abs() > clip_ratio).to(mask.dtype) * mask).sum() / denom)
-    return loss, {"loss": float(loss.detach()), "kl": kl_mean, "clip_fraction": clip_frac}
+    return policy_loss(logp, old_logp, advantages, mask, clip_ratio, clip_ratio, "token", ref_logp, kl_coef)
 
 
 def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, temperature: float = 1.0) -> Any:

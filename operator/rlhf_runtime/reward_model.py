@@ -15,26 +15,11 @@ end, where the score is read.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
+from rlhf_runtime.config import check_model_path
+
 FIELD = "spec.reward.model.name"
-
-
-def check_reward_model_path(name: str) -> None:
-    """A reward model named by a local path (``/...`` or ``./...``) must be a directory with ``config.json``: say
-    so, naming ``spec.reward.model.name``, before the hub client reads the path as a malformed repository id. (The
-    rule of ``rlhf_runtime.config.check_model_path``, whose messages name ``spec.model.name``.)"""
-    if not name.startswith(("/", ".")):
-        return
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"{FIELD} {name} does not exist: a local reward model must be a directory with config.json and the "
-            "tokenizer files, on a volume mounted in every pod (spec.volumes, spec.volumeMounts)"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{FIELD} {name} has no config.json: it is not a Hugging Face model directory")
 
 
 class RewardScorer:
@@ -50,7 +35,7 @@ class RewardScorer:
         if dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"unknown dtype {dtype!r} for the reward model {name!r} (bfloat16, float16 or float32)")
         torch_dtype = getattr(torch, dtype)
-        check_reward_model_path(name)
+        check_model_path(name, FIELD, "reward model")
         self.name, self.batch_size = name, batch_size
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}

@@ -70,6 +70,14 @@ def from_lists(values: list[list[float]], prompts: list[list[int]], width: int, 
     return out.to(device)
 
 
+def micro_share(mask: torch.Tensor, total_tokens: float, rows: int, aggregation: str) -> float:
+    """The weight of one micro-batch's loss (``mask``: its completion tokens) in the whole batch's: its share of
+    the batch's ``total_tokens`` (token aggregation) or of its ``rows`` sequences (sequence aggregation)."""
+    if aggregation == "token":
+        return float(mask.sum()) / max(total_tokens, 1.0)
+    return len(mask) / rows
+
+
 def chunks(n: int) -> list[list[int]]:
     return [list(range(i, min(i + MICRO_BATCH, n))) for i in range(0, n, MICRO_BATCH)]
 
@@ -271,7 +279,7 @@ class CriticModel:
             for ids, attn, mask, ret, old in prepared:
                 loss, st = value_loss(self._values(ids, attn), old, ret, mask, a.ppo_settings().value_clip,
                                       a.loss_aggregation)
-                share = float(mask.sum()) / max(total, 1.0) if a.loss_aggregation == "token" else len(ids) / len(p)
+                share = micro_share(mask, total, len(p), a.loss_aggregation)
                 (loss * share).backward()
                 for k in stats:
                     stats[k] += st[k] * share / a.epochs_per_step

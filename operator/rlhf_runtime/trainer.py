@@ -51,6 +51,7 @@ from rlhf_runtime.roles import (
     full_model_state,
     full_optimizer_state,
     load_optimizer_state,
+    micro_share,
     pad,
     to_lists,
 )
@@ -157,7 +158,7 @@ class Trainer:
             params, lr=spec.algorithm.learning_rate, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
         )
         if opt_state is not None:
-            self._load_optimizer_state(opt_state)
+            load_optimizer_state(self.model, self.opt, opt_state, self.world_size)
         self.sender: Any = None
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
         # vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
@@ -246,15 +247,6 @@ class Trainer:
         return {"files": files, "bytes": sum(len(b) for b in files.values()), "tensors": len(tensors),
                 "serialize_s": time.perf_counter() - t}
 
-    def _optimizer_state(self) -> dict[str, Any]:
-        return full_optimizer_state(self.model, self.opt, self.world_size)
-
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
-        load_optimizer_state(self.model, self.opt, state, self.world_size)
-
-    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return full_model_state(self.model, self.world_size)
-
     # -------------------------------------------------------------------------------------- training
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -325,10 +317,7 @@ class Trainer:
                 logp = token_logprobs(self.model, ids, attn, temp)
                 loss, st = policy_loss(logp, old, adv, mask, a.clip_ratio, a.clip_high(), a.loss_aggregation, ref,
                                        a.kl_coef if kl_in_loss else 0.0)
-                if a.loss_aggregation == "token":
-                    share = float(mask.sum()) / max(total_tokens, 1.0)
-                else:
-                    share = len(ids) / len(p)
+                share = micro_share(mask, total_tokens, len(p), a.loss_aggregation)
                 (loss * share).backward()
                 for k in ("loss", "kl", "clip_fraction"):  # not grad_norm, set per epoch below
                     stats[k] += st[k] * share / a.epochs_per_step
@@ -349,8 +338,8 @@ class Trainer:
         c = self.spec.checkpoint
         if c is None:
             return None
-        state = self._full_state_dict()  # collectives under FSDP: every rank takes part
-        optim = self._optimizer_state()
+        state = full_model_state(self.model, self.world_size)  # collectives under FSDP: every rank takes part
+        optim = full_optimizer_state(self.model, self.opt, self.world_size)
         if self.rank != 0:
             return None
         Path(c.path).mkdir(parents=True, exist_ok=True)
@@ -375,7 +364,7 @@ class Trainer:
         """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``; with LoRA the
         merged weights (``lora.merged_state``), a plain HF model."""
         out = Path(path)
-        state = self._full_state_dict()  # a collective under FSDP: the driver calls every rank
+        state = full_model_state(self.model, self.world_size)  # a collective under FSDP: the driver calls every rank
         if self.rank != 0:
             return str(out)
         if self.lora:
