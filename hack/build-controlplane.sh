@@ -22,8 +22,8 @@ K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.7}"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 # v1.7.0 is the target, but the Go module proxy answers 403 "This module version is not available" for its zip
-# (checked 2026-11-22); v1.6.1 is the newest KubeRay release the proxy serves.
-KUBERAY_VERSION="${KUBERAY_VERSION:-v1.6.1}"
+# (checked 2026-11-23); v1.6.2 is the newest KubeRay release the proxy serves.
+KUBERAY_VERSION="${KUBERAY_VERSION:-v1.6.2}"
 HELM_VERSION="${HELM_VERSION:-v3.19.5}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
 # The module proxy lists no Kueue versions but serves exact ones (v0.17.1 yes, v0.18.0 no, checked 2026-11-23).

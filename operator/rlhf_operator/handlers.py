@@ -1,18 +1,29 @@
-"""Kopf handlers: thin, level-based, idempotent.
+"""Kopf wiring and the reconcile of one job: event-driven, from watch caches, one reconcile per job at a time.
 
-Every trigger (an RLHFJob event, a RayJob event, a periodic timer) runs the same ``reconcile``: parse the
-spec, save child names to status, create what is missing (owned via ``kopf.adopt``), patch what may change,
-observe children, compute status with the pure ``status.compute`` and write it only if it changed.
-No create/update handlers: Kopf then keeps no progress annotations, so an unchanged object is never written.
+- **Caches**: Kopf indexes (``cache``) of RLHFJobs and of the RayJobs, RayClusters, pods, ConfigMaps, runtime
+  ServiceAccounts/Roles/RoleBindings and Kueue Workloads labelled for our jobs (label selectors applied
+  server-side: the operator never receives other pods). Kopf runs no handler before every index is filled, so a
+  restarted operator sees everything it made before it decides anything.
+- **Triggers**: every watch event of those kinds adds its job's key to a coalescing ``WorkQueue``; a job's
+  reconciles never overlap, and the last event is always seen. There is no periodic resync: the only timers are
+  the moments a live run's report or progress deadline runs out (``status.next_check``).
+- **Reconcile**: read the job's snapshot from the caches, create what is missing (owned by the job), patch what
+  may change, compute status with the pure ``status.compute`` and write it only when it changed; one Event per
+  transition. Writes are remembered in the cache until the watch shows them (``Caches.remember``).
+- **No finalizer**: the children are owned objects (the garbage collector deletes them), so a job deletes
+  without an operator running. Creating a missing child is the one risky step (a job deleted meanwhile would
+  get it again): it is preceded by a fresh read of the job, the only read outside the caches. Kopf removes the
+  finalizer (``rlhf.dev/finalizer``) older operators put on jobs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
-import os
-import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -20,23 +31,51 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from rlhf_api import models as m
-from rlhf_operator import kube, metrics, naming, render, status
+from rlhf_operator import cache, kube, metrics, naming, render, status
+from rlhf_operator.workqueue import WorkQueue
 
 log = logging.getLogger("rlhf_operator")
-RESYNC_SECONDS = float(os.environ.get("RLHF_RESYNC_SECONDS", "10"))
+WORKERS = 16  # main --workers
+CACHE = cache.Caches()
+QUEUE: WorkQueue | None = None
+#: Kopf's pause switch (a peer of higher priority is active), set by ``main`` when it runs with peering; while it
+#: is on, keys are dropped (the active peer does the work). ``PEERING`` without a switch holds every key.
+PAUSED: Any = None
+PEERING = False
+_EXECUTOR: ThreadPoolExecutor | None = None
+#: Seconds before a reconcile refused by the API (conflict, throttling, an apiserver restart) is retried.
+API_RETRY_SECONDS = 5.0
+#: Re-check a missing data ConfigMap after these many seconds (doubling, at most DATA_RECHECK_MAX).
+DATA_RECHECK_MIN, DATA_RECHECK_MAX = 2.0, 60.0
+
+
+def _held() -> bool:
+    return PEERING and (PAUSED is None or PAUSED.is_on())
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+    global QUEUE, _EXECUTOR
+    # Kopf removes this finalizer from jobs an older operator put it on (no handler here requires one).
     settings.persistence.finalizer = naming.FINALIZER
-    # A job deleted while its (sync) resync timer runs: Kopf removes the finalizer only once the timer has
-    # exited, and looks again every cancellation_polling seconds (default 60: deletions then took a minute).
-    settings.background.cancellation_polling = 1.0
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=m.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=m.GROUP)
-    settings.posting.level = logging.WARNING  # only our own events, not Kopf's handler chatter
-    settings.watching.server_timeout = 60
-    settings.execution.max_workers = int(os.environ.get("RLHF_WORKERS", "8"))
+    settings.posting.level = logging.WARNING  # Kopf's own chatter; our Events are posted by kube.post_event
+    settings.watching.server_timeout = 300
+    selector = naming.LABEL_JOB  # label present: only what we made (KubeRay copies the RayJob's labels down)
+    for res in (("ray.io", "rayjobs"), ("ray.io", "rayclusters"), ("v1", "pods"), ("v1", "configmaps"),
+                ("v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                ("rbac.authorization.k8s.io", "rolebindings")):
+        settings.watching.label_selectors[res] = selector
+    settings.watching.label_selectors[kube.KUEUE_GROUP, "workloads"] = kube.KUEUE_JOB_UID_LABEL
+    CACHE.bind({k: v for k, v in kwargs.items() if k.startswith("rlhf_")})
+    _EXECUTOR = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rlhf-io")
+    QUEUE = WorkQueue(_reconcile_key, WORKERS, hold=_held)
+    QUEUE.start()
+
+
+@kopf.on.cleanup()
+async def shutdown(**_: Any) -> None:
+    if QUEUE is not None:
+        await QUEUE.stop()
 
 
 @kopf.on.login()
@@ -44,6 +83,126 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """Authenticate Kopf exactly like our own client (in-cluster ServiceAccount, else KUBECONFIG)."""
     kube.api()  # loads the configuration once
     return kopf.login_via_client(**kwargs)
+
+
+# ------------------------------------------------------------------------------------- caches (indexes)
+@kopf.index(m.GROUP, m.VERSION, m.PLURAL)
+def rlhf_jobs(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): cache.job(body)}
+
+
+@kopf.index("ray.io", "v1", "rayjobs", labels={naming.LABEL_JOB: kopf.PRESENT})
+def rlhf_ray_jobs(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[naming.LABEL_JOB]): cache.ray_job(body)}
+
+
+@kopf.index("ray.io", "v1", "rayclusters", labels={naming.LABEL_JOB: kopf.PRESENT})
+def rlhf_ray_clusters(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[naming.LABEL_JOB]): cache.ray_cluster(body)}
+
+
+@kopf.index("v1", "pods", labels={naming.LABEL_JOB: kopf.PRESENT, cache.CLUSTER_LABEL: kopf.PRESENT})
+def rlhf_pods(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[cache.CLUSTER_LABEL]): cache.pod(body)}
+
+
+@kopf.index("v1", "configmaps", labels={naming.LABEL_JOB: kopf.PRESENT})
+def rlhf_config_maps(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): cache.config_map(body)}
+
+
+def _rbac_index(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[Any, Any]:
+    return {(namespace, body["kind"], name): cache.rbac_object(body)}
+
+
+rlhf_rbac_sa = kopf.index("v1", "serviceaccounts", id="rlhf_rbac_sa", labels={naming.LABEL_JOB: kopf.PRESENT})(
+    _rbac_index)
+rlhf_rbac_role = kopf.index("rbac.authorization.k8s.io", "v1", "roles", id="rlhf_rbac_role",
+                            labels={naming.LABEL_JOB: kopf.PRESENT})(_rbac_index)
+rlhf_rbac_binding = kopf.index("rbac.authorization.k8s.io", "v1", "rolebindings", id="rlhf_rbac_binding",
+                               labels={naming.LABEL_JOB: kopf.PRESENT})(_rbac_index)
+
+
+@kopf.index(kube.KUEUE_GROUP, "workloads")
+def rlhf_workloads(body: kopf.Body, namespace: str, **_: Any) -> dict[Any, Any]:
+    owner = cache.owner_name(body, "RayJob")
+    return {(namespace, owner): cache.workload(body)} if owner else {}
+
+
+# ------------------------------------------------------------------------------------- triggers (events)
+@kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
+async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
+    CACHE.seen("job", (namespace, name), body, deleted=type == "DELETED")
+    if type == "DELETED":
+        metrics.forget(namespace, name)
+        _DATA_CHECKS.pop((namespace, name), None)
+        if QUEUE is not None:
+            QUEUE.forget((namespace, name))
+        return
+    _add((namespace, name))
+
+
+def _child_event(kind: str, key_of: Any) -> Any:
+    async def on_event(type: str | None, body: kopf.Body, namespace: str, name: str, labels: dict[str, str],
+                       **_: Any) -> None:
+        CACHE.seen(kind, key_of(namespace, name, body), body, deleted=type == "DELETED")
+        job = labels.get(naming.LABEL_JOB) or cache.owner_name(body, "RayJob")
+        if job:
+            _add((namespace, job))
+    return on_event
+
+
+def _by_name(namespace: str, name: str, body: Any) -> Any:
+    return (namespace, name)
+
+
+def _add(key: tuple[str, str]) -> None:
+    if QUEUE is not None:
+        QUEUE.add(key)
+
+
+_PRESENT = {naming.LABEL_JOB: kopf.PRESENT}
+kopf.on.event("ray.io", "v1", "rayjobs", id="rayjob_event", labels=_PRESENT)(_child_event("RayJob", _by_name))
+kopf.on.event("ray.io", "v1", "rayclusters", id="raycluster_event", labels=_PRESENT)(_child_event("RayCluster", _by_name))
+kopf.on.event("v1", "pods", id="pod_event", labels=_PRESENT)(_child_event("Pod", _by_name))
+kopf.on.event("v1", "configmaps", id="configmap_event", labels=_PRESENT)(_child_event("ConfigMap", _by_name))
+kopf.on.event("v1", "serviceaccounts", id="sa_event", labels=_PRESENT)(_child_event("ServiceAccount", _by_name))
+kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", id="role_event", labels=_PRESENT)(
+    _child_event("Role", _by_name))
+kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", id="rolebinding_event", labels=_PRESENT)(
+    _child_event("RoleBinding", _by_name))
+kopf.on.event(kube.KUEUE_GROUP, "workloads", id="workload_event")(_child_event("Workload", _by_name))
+
+
+# ------------------------------------------------------------------------------------------- reconcile
+@dataclass
+class Outcome:
+    """What a reconcile wrote (remembered in the cache until the watch shows it) and when to look again."""
+    written: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
+    again: float | None = None
+
+
+async def _reconcile_key(key: tuple[str, str]) -> float | None:
+    ns, name = key
+    snap = CACHE.snapshot(ns, name)
+    if snap.job is None:
+        return None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        out = await loop.run_in_executor(_EXECUTOR, reconcile, snap)
+        metrics.RECONCILES.labels("ok").inc()
+    except ApiException as e:
+        metrics.RECONCILES.labels("api_error").inc()
+        # Transient API trouble (conflict, throttling, apiserver restart): retry soon from the caches.
+        log.warning("reconcile of %s/%s: Kubernetes API %s %s; retrying in %s s", ns, name, e.status, e.reason,
+                    API_RETRY_SECONDS)
+        return API_RETRY_SECONDS
+    finally:
+        metrics.RECONCILE_SECONDS.observe(loop.time() - started)
+    for kind, k, obj in out.written:
+        CACHE.remember(kind, k, obj)
+    return out.again
 
 
 def _api_message(e: ApiException) -> str:
@@ -64,39 +223,68 @@ def _spec_error(e: ValidationError) -> str:
 
 def _event(body: Any, reason: str, message: str, warning: bool = False) -> None:
     try:
-        kopf.event(body, type="Warning" if warning else "Normal", reason=reason, message=message[:1000])
+        kube.post_event(body, "Warning" if warning else "Normal", reason, message)
     except Exception:  # events are best effort; never fail a reconcile over one
         log.exception("could not post event %s", reason)
 
 
-def _ensure_children(job: render.Job, body: Any) -> dict[str, Any] | None:
-    """Create what is missing, patch what may change; returns the live RayJob (None if just created)."""
-    for obj in render.render_runtime_rbac(job):
-        kopf.adopt(obj, owner=body)
-        if kube.ensure_object(obj) == "updated":
-            _event(body, "Updated", f"{obj['kind']} {obj['metadata']['name']} restored to the rendered one")
-    cm = render.render_config_map(job)
-    kopf.adopt(cm, owner=body)
-    existing = kube.get_config_map(job.namespace, cm["metadata"]["name"])
-    if existing is None:
-        if kube.create_config_map(cm):
-            _event(body, "Created", f"ConfigMap {cm['metadata']['name']}")
-    elif (existing.get("data") or {}) != cm["data"]:
-        kube.replace_config_map_data(job.namespace, cm["metadata"]["name"], cm["data"])
+def _still_wanted(job: render.Job) -> bool:
+    """A fresh read before creating a child: the job still exists, is the same object and is not being deleted
+    (the cache may not have seen a deletion yet; the child of a deleted job would be created again)."""
+    live = kube.get_rlhfjob(job.namespace, job.name)
+    return bool(live) and live["metadata"].get("uid") == job.uid and not live["metadata"].get("deletionTimestamp")
 
+
+def _ensure_children(job: render.Job, body: Any, snap: cache.Snapshot, out: Outcome,
+                     data_missing: bool = False) -> dict[str, Any] | None:
+    """Create what the cache says is missing, patch what may change; returns the RayJob (the one created, if so),
+    or None when the job turned out to be gone or its data ConfigMap is missing (no RayJob is made then)."""
+    ns = job.namespace
+    rbac = render.render_runtime_rbac(job)
+    cm = render.render_config_map(job)
     rj = render.render_ray_job(job)
-    kopf.adopt(rj, owner=body)
-    name = rj["metadata"]["name"]
-    live = kube.get_ray_job(job.namespace, name)
-    queued = bool(job.spec.scheduling.queue_name)
-    if live is None:
-        if kube.create_ray_job(rj):
-            _event(body, "Created", f"RayJob {name} ({_layout(job.spec)})")
+    for obj in (*rbac, cm, rj):
+        kopf.adopt(obj, owner=body)
+    names = [(o["kind"], o["metadata"]["name"]) for o in rbac]
+    missing = (any(k not in snap.rbac for k in names) or snap.config_map is None
+               or (snap.ray_job is None and not data_missing))
+    if missing and not _still_wanted(job):
         return None
+    for obj in rbac:
+        have = snap.rbac.get((obj["kind"], obj["metadata"]["name"]))
+        done, written = kube.ensure_object(obj, have)
+        if written is not None:
+            out.written.append((obj["kind"], (ns, obj["metadata"]["name"]), cache.rbac_object({**written, "kind": obj["kind"]})))
+        if done == "updated":
+            _event(body, "Updated", f"{obj['kind']} {obj['metadata']['name']} restored to the rendered one")
+    cm_name = cm["metadata"]["name"]
+    if snap.config_map is None:
+        made = kube.create_config_map(cm)
+        if made is not None:
+            out.written.append(("ConfigMap", (ns, cm_name), cache.config_map(made)))
+            _event(body, "Created", f"ConfigMap {cm_name}")
+    elif snap.config_map.get("data") != cm["data"]:
+        patched = kube.replace_config_map_data(ns, cm_name, cm["data"])
+        out.written.append(("ConfigMap", (ns, cm_name), cache.config_map(patched)))
+
+    name = rj["metadata"]["name"]
+    live = snap.ray_job
+    queued = bool(job.spec.scheduling.queue_name)
+    if live is None and data_missing:
+        return None  # its pods could not mount the data: they would hold GPUs and never start
+    if live is None:
+        made = kube.create_ray_job(rj)
+        if made is not None:
+            live = cache.ray_job(made)
+            out.written.append(("RayJob", (ns, name), live))
+            _event(body, "Created", f"RayJob {name} ({_layout(job.spec)})")
+            return live
+        fetched = kube.get_ray_job(ns, name)  # it existed (made by a peer the cache has not shown yet)
+        return cache.ray_job(fetched) if fetched else None
     patch = render.ray_job_mutable_patch(rj, live, kueue=queued)
     if patch:
-        kube.patch_ray_job(job.namespace, name, patch)
-        live = {**live, "spec": {**(live.get("spec") or {}), **patch["spec"]}}
+        live = cache.ray_job(kube.patch_ray_job(ns, name, patch))
+        out.written.append(("RayJob", (ns, name), live))
         if "suspend" in patch["spec"]:
             _event(body, "Suspended" if job.spec.suspend else "Resumed", f"RayJob {name}")
         rest = sorted(set(patch["spec"]) - {"suspend"})
@@ -105,16 +293,21 @@ def _ensure_children(job: render.Job, body: Any) -> dict[str, Any] | None:
     return live
 
 
-def _kueue_workload(job: render.Job, live: dict[str, Any] | None, body: Any) -> dict[str, Any] | None:
+def _kueue_workload(job: render.Job, live: dict[str, Any] | None, body: Any, snap: cache.Snapshot,
+                    out: Outcome) -> dict[str, Any] | None:
     """With spec.scheduling.queueName: the RayJob's Kueue Workload, whose ``spec.active`` follows spec.suspend
     (Kueue owns the RayJob's suspend; deactivating the Workload is how a queued job is suspended)."""
     if not job.spec.scheduling.queue_name or not live:
         return None
-    workload = kube.find_workload(job.namespace, live["metadata"]["uid"])
+    uid = live["metadata"].get("uid")
+    mine = [w for w in snap.workloads if (w["metadata"].get("labels") or {}).get(kube.KUEUE_JOB_UID_LABEL) == uid]
+    workload = max(mine, key=lambda w: w["metadata"].get("creationTimestamp") or "") if mine else None
     if workload is not None and (workload.get("spec") or {}).get("active", True) == job.spec.suspend:
-        kube.set_workload_active(workload, not job.spec.suspend)
+        patched = cache.workload(kube.set_workload_active(workload, not job.spec.suspend))
+        out.written.append(("Workload", (job.namespace, workload["metadata"]["name"]), patched))
         _event(body, "Suspended" if job.spec.suspend else "Resumed",
                f"Kueue Workload {workload['metadata']['name']} active={not job.spec.suspend}")
+        workload = patched
     return workload
 
 
@@ -126,46 +319,51 @@ def _layout(spec: m.RLHFJobSpec) -> str:
     )
 
 
-def reconcile(body: Any, now: dt.datetime | None = None) -> None:
+def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
+    """One job, from its snapshot; runs in a worker thread. Returns what it wrote and when to look again."""
+    out = Outcome()
+    body = snap.job
+    assert body is not None
     meta, name, ns = body["metadata"], body["metadata"]["name"], body["metadata"]["namespace"]
     old_status = dict(body.get("status") or {})
     obs = status.Observed(generation=meta.get("generation", 1), old_status=old_status)
     if meta.get("deletionTimestamp"):
-        return
+        return out
     try:
         spec = m.RLHFJobSpec.model_validate(dict(body.get("spec") or {}))
     except ValidationError as e:
         obs.invalid = _spec_error(e)
         spec = None
+    children: dict[str, str] = {}
     if spec is not None:
         obs.total_steps = spec.algorithm.steps
         obs.suspend = spec.suspend
-        names = naming.child_names(name)
-        if (old_status.get("children") or {}).get("rayJob") != names.ray_job:
-            # Names are saved before anything is created: a restarted operator finds, never duplicates.
-            kube.patch_status(ns, name, {"children": names.as_status()})
-            old_status["children"] = {**(old_status.get("children") or {}), **names.as_status()}
-        obs.data_missing = _data_missing(ns, spec)
+        children = naming.child_names(name).as_status()
+        obs.data_missing, data_again = _data_missing(ns, name, meta.get("generation", 1), spec)
+        out.again = data_again
         obs.kuberay_missing = kube.kuberay_missing()
         obs.queue_name = spec.scheduling.queue_name
         obs.progress_deadline = spec.progress_deadline_seconds
-        if not obs.kuberay_missing:
+        if obs.kuberay_missing:
+            out.again = _sooner(out.again, KUBERAY_RECHECK_SECONDS)
+        else:
             job = render.Job(name, ns, meta["uid"], spec)
             if old_status.get("phase") not in status.TERMINAL or _invalid_before(old_status):
                 try:
-                    obs.ray_job = _ensure_children(job, body)
+                    obs.ray_job = _ensure_children(job, body, snap, out, bool(obs.data_missing))
                 except ApiException as e:
                     if e.status not in (400, 422):
                         raise
                     # refused for good (e.g. a value the RayJob's schema does not take): say so, do not retry-loop
                     obs.child_rejected = _api_message(e)
-                obs.workload = _kueue_workload(job, obs.ray_job, body)
+                obs.workload = _kueue_workload(job, obs.ray_job, body, snap, out)
             else:
-                obs.ray_job = kube.get_ray_job(ns, names.ray_job)
+                obs.ray_job = snap.ray_job
+            _delete_duplicates(obs.ray_job, snap, body)
             cluster = ((obs.ray_job or {}).get("status") or {}).get("rayClusterName")
             if cluster:
-                obs.ray_cluster = kube.get_ray_cluster(ns, cluster)
-                obs.pods = kube.list_pods(ns, f"ray.io/cluster={cluster}")
+                obs.ray_cluster = next((c for c in snap.clusters if c["metadata"]["name"] == cluster), None)
+                obs.pods = snap.pods(cluster)
                 if status.capacity_message({}, obs.pods, None) is not None:  # a pod waits for GPUs
                     nodes = kube.gpu_nodes()
                     if nodes is not None:
@@ -174,11 +372,15 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
     if spec is not None and obs.ray_cluster and old_status.get("phase") not in status.TERMINAL:
         _end_stuck_run(obs, body)
     new = status.compute(obs, obs.now)
+    if children:
+        new["children"] = {**(old_status.get("children") or {}), **children, **(new.get("children") or {})}
+    out.again = _sooner(out.again, status.next_check(obs))
     metrics.observe(ns, name, {**old_status, **new})
     patch = status.changed(old_status, new)
     if not patch:
-        return
-    kube.patch_status(ns, name, patch)
+        return out
+    written = kube.patch_status(ns, name, patch)
+    out.written.append(("job", (ns, name), cache.job(written)))
     metrics.STATUS_WRITES.inc()
     old_phase = old_status.get("phase")
     reason = _ready_reason(new)
@@ -190,6 +392,28 @@ def reconcile(body: Any, now: dt.datetime | None = None) -> None:
         _event(body, reason, new["message"], warning=reason in WARNING_REASONS)
     if obs.data_missing and _condition_flipped(old_status, new, "DataAvailable"):
         _event(body, "DataConfigMapMissing", obs.data_missing, warning=True)
+    return out
+
+
+#: While KubeRay's CRDs are missing, look for them again this often (no event says they appeared).
+KUBERAY_RECHECK_SECONDS = 30.0
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _delete_duplicates(ray_job: dict[str, Any] | None, snap: cache.Snapshot, body: Any) -> None:
+    """Whatever KubeRay does, a RayJob holds one Ray cluster: older clusters of the same RayJob that its status no
+    longer names are deleted (``status.duplicate_clusters``), with a Warning Event and a metric."""
+    for c in status.duplicate_clusters(ray_job, snap.clusters):
+        meta = c["metadata"]
+        kube.delete_ray_cluster(meta["namespace"], meta["name"], meta["uid"])
+        metrics.DUPLICATE_CLUSTERS.inc()
+        current = (ray_job or {}).get("status", {}).get("rayClusterName")
+        _event(body, "DuplicateRayClusterDeleted", f"RayCluster {meta['name']} (created "
+               f"{meta.get('creationTimestamp')}) belonged to RayJob {ray_job['metadata']['name']} beside its "
+               f"current cluster {current}: deleted, so that it holds no GPUs", warning=True)
 
 
 #: Ready reasons that get an Event when they appear without a phase change: a run restarted (e.g. a lost head pod:
@@ -232,78 +456,34 @@ def _end_stuck_run(obs: status.Observed, body: Any) -> None:
            "fails and is retried or failed per spec.backoffLimit", warning=True)
 
 
-def _data_missing(ns: str, spec: m.RLHFJobSpec) -> str | None:
-    """The prompts ConfigMap must exist and hold its key, or the pods cannot mount it."""
+#: (namespace, job) -> (generation, ConfigMap name, key, message or None, seconds to the next check)
+_DATA_CHECKS: dict[tuple[str, str], tuple[int, str, str, str | None, float]] = {}
+
+
+def _data_missing(ns: str, job: str, generation: int, spec: m.RLHFJobSpec) -> tuple[str | None, float | None]:
+    """The prompts ConfigMap must exist and hold its key, or the pods cannot mount it. It is the user's (not
+    labelled, not cached): read once per spec generation while present, and while missing again after 2, 4 ...
+    60 s (the only repeated read, and only for a job that waits for its data). Returns (why missing or None,
+    seconds until it must be read again or None)."""
     ref = spec.data.config_map
     if ref is None:
-        return None
+        _DATA_CHECKS.pop((ns, job), None)
+        return None, None
+    seen = _DATA_CHECKS.get((ns, job))
+    if seen and seen[:3] == (generation, ref.name, ref.key) and seen[3] is None:
+        return None, None
     cm = kube.get_config_map(ns, ref.name)
     if cm is None:
-        return f"ConfigMap {ref.name} (spec.data.configMap) not found in namespace {ns}"
-    if ref.key not in (cm.get("data") or {}) and ref.key not in (cm.get("binaryData") or {}):
-        return f"ConfigMap {ref.name} has no key {ref.key} (spec.data.configMap.key)"
-    return None
-
-
-#: One lock per job: a job's reconciles never overlap (an RLHFJob event, a RayJob event and the resync timer may
-#: fire together), and each starts from a fresh read of the RLHFJob, so no decision is taken on an older body
-#: than the one the previous reconcile saw (a stale ``suspend`` would flap the RayJob; a stale body of a deleted
-#: job would create its children again).
-_LOCKS: dict[tuple[str, str], threading.Lock] = {}
-_LOCKS_GUARD = threading.Lock()
-
-
-def _job_lock(ns: str, name: str) -> threading.Lock:
-    with _LOCKS_GUARD:
-        return _LOCKS.setdefault((ns, name), threading.Lock())
-
-
-def _safe_reconcile(ns: str, name: str, uid: str | None = None) -> None:
-    with _job_lock(ns, name):
-        try:
-            body = kube.get_rlhfjob(ns, name)
-            if body is None or (uid and body["metadata"]["uid"] != uid):
-                return  # deleted (or deleted and re-created: the new one gets its own events)
-            reconcile(body)
-            metrics.RECONCILES.labels("ok").inc()
-        except ApiException as e:
-            metrics.RECONCILES.labels("api_error").inc()
-            # Transient API trouble (conflict, throttling, apiserver restart): retry on the next trigger.
-            raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
-
-
-@kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
-def rlhfjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    if type == "DELETED":
-        metrics.forget(ns, name)
-        with _LOCKS_GUARD:
-            _LOCKS.pop((ns, name), None)
-        return
-    _safe_reconcile(ns, name, body["metadata"].get("uid"))
-
-
-@kopf.timer(m.GROUP, m.VERSION, m.PLURAL, interval=RESYNC_SECONDS, sharp=False)
-def rlhfjob_resync(body: kopf.Body, **_: Any) -> None:
-    _safe_reconcile(body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid"))
-
-
-@kopf.on.delete(m.GROUP, m.VERSION, m.PLURAL)
-def rlhfjob_deleted(body: kopf.Body, **_: Any) -> None:
-    """The finalizer's work: wait out any reconcile of this job that is in flight. Kopf removes the finalizer only
-    after this returns, so the garbage collector cannot delete the children between a reconcile's read of the job
-    and its create of a missing child (which re-created RayJobs of deleted jobs under load); every later reconcile
-    reads the job fresh, sees ``deletionTimestamp`` and creates nothing."""
-    with _job_lock(body["metadata"]["namespace"], body["metadata"]["name"]):
-        pass
-
-
-@kopf.on.event("ray.io", "v1", "rayjobs", labels={naming.LABEL_JOB: kopf.PRESENT})
-def rayjob_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-    """A RayJob changed: reconcile its RLHFJob now instead of at the next resync."""
-    owner = body["metadata"]["labels"][naming.LABEL_JOB]
-    uid = next((r.get("uid") for r in body["metadata"].get("ownerReferences") or [] if r.get("kind") == m.KIND), None)
-    _safe_reconcile(body["metadata"]["namespace"], owner, uid)
+        why = f"ConfigMap {ref.name} (spec.data.configMap) not found in namespace {ns}"
+    elif ref.key not in (cm.get("data") or {}) and ref.key not in (cm.get("binaryData") or {}):
+        why = f"ConfigMap {ref.name} has no key {ref.key} (spec.data.configMap.key)"
+    else:
+        why = None
+    again = None
+    if why is not None:
+        again = min(DATA_RECHECK_MAX, 2 * seen[4]) if seen and seen[3] is not None else DATA_RECHECK_MIN
+    _DATA_CHECKS[(ns, job)] = (generation, ref.name, ref.key, why, again or 0.0)
+    return why, again
 
 
 @kopf.on.probe(id="kuberay")

@@ -6,7 +6,9 @@ first); reads tolerate ``404``. Nothing here decides anything: that is ``render`
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
+import socket
 import time
 from typing import Any
 
@@ -57,54 +59,69 @@ def get_config_map(ns: str, name: str) -> dict[str, Any] | None:
     return to_dict(cm) if cm is not None else None
 
 
-def _created(call: Any, *args: Any) -> bool:
-    """Run a create call: True when created, False when it already existed (409)."""
+def _created(call: Any, *args: Any) -> dict[str, Any] | None:
+    """Run a create call: the created object, or None when it already existed (409)."""
     try:
-        call(*args)
-        return True
+        return _plain(call(*args))
     except ApiException as e:
         if e.status == 409:
-            return False
+            return None
         raise
 
 
-def create_config_map(body: dict[str, Any]) -> bool:
+def _plain(obj: Any) -> dict[str, Any]:
+    return obj if isinstance(obj, dict) else to_dict(obj)
+
+
+def create_config_map(body: dict[str, Any]) -> dict[str, Any] | None:
     return _created(core().create_namespaced_config_map, body["metadata"]["namespace"], body)
 
 
-def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> None:
-    core().patch_namespaced_config_map(name, ns, {"data": data})
+def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+    return _plain(core().patch_namespaced_config_map(name, ns, {"data": data}))
 
 
 #: The fields of a Role/RoleBinding the operator keeps as rendered (a RoleBinding's roleRef cannot change).
 RBAC_FIELDS = {"Role": ("rules",), "RoleBinding": ("subjects",), "ServiceAccount": ()}
 
 
-def ensure_object(body: dict[str, Any]) -> str | None:
-    """Create a ServiceAccount/Role/RoleBinding if absent; bring a Role's rules or a RoleBinding's subjects back to
-    the rendered ones when they differ (edited by hand, or rendered differently by a newer operator). GET first:
-    no write when it matches. Returns "created", "updated" or None."""
-    kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+def _rbac_calls(kind: str) -> tuple[Any, Any, Any]:
     if kind == "ServiceAccount":
-        read, create, replace = (core().read_namespaced_service_account, core().create_namespaced_service_account,
-                                 None)
-    elif kind == "Role":
-        read, create, replace = (rbac().read_namespaced_role, rbac().create_namespaced_role,
-                                 rbac().replace_namespaced_role)
-    elif kind == "RoleBinding":
-        read, create, replace = (rbac().read_namespaced_role_binding, rbac().create_namespaced_role_binding,
-                                 rbac().replace_namespaced_role_binding)
-    else:
-        raise ValueError(f"unsupported kind {kind}")
-    live = _missing_ok(read, name, ns)
+        return core().read_namespaced_service_account, core().create_namespaced_service_account, None
+    if kind == "Role":
+        return rbac().read_namespaced_role, rbac().create_namespaced_role, rbac().replace_namespaced_role
+    if kind == "RoleBinding":
+        return (rbac().read_namespaced_role_binding, rbac().create_namespaced_role_binding,
+                rbac().replace_namespaced_role_binding)
+    raise ValueError(f"unsupported kind {kind}")
+
+
+def rbac_differs(body: dict[str, Any], have: dict[str, Any]) -> bool:
+    return any(have.get(f) != body.get(f) for f in RBAC_FIELDS[body["kind"]])
+
+
+def ensure_object(body: dict[str, Any], have: dict[str, Any] | None) -> tuple[str | None, dict[str, Any] | None]:
+    """Create a ServiceAccount/Role/RoleBinding that ``have`` (the cached one) says is absent; bring a Role's rules
+    or a RoleBinding's subjects back to the rendered ones when the cached one differs (edited by hand, or
+    rendered differently by a newer operator). No request when the cached one matches.
+    Returns ("created" | "updated" | None, the object written or None)."""
+    kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+    read, create, replace = _rbac_calls(kind)
+    if have is None:
+        made = _created(create, ns, body)
+        return ("created", made) if made is not None else (None, None)
+    if replace is None or not rbac_differs(body, have):
+        return None, None
+    live = _missing_ok(read, name, ns)  # the full object and its resourceVersion, for an update
     if live is None:
-        return "created" if _created(create, ns, body) else None
-    have = to_dict(live)
-    if replace is None or all(have.get(f) == body.get(f) for f in RBAC_FIELDS[kind]):
-        return None
-    updated = {**have, **{f: body.get(f) for f in RBAC_FIELDS[kind]}}
-    replace(name, ns, updated)  # carries resourceVersion: a concurrent change conflicts (409) and is retried
-    return "updated"
+        made = _created(create, ns, body)
+        return ("created", made) if made is not None else (None, None)
+    current = to_dict(live)
+    if not rbac_differs(body, current):
+        return None, current
+    updated = {**current, **{f: body.get(f) for f in RBAC_FIELDS[kind]}}
+    # carries resourceVersion: a concurrent change conflicts (409) and is retried
+    return "updated", _plain(replace(name, ns, updated))
 
 
 def get_rlhfjob(ns: str, name: str) -> dict[str, Any] | None:
@@ -115,21 +132,37 @@ def get_ray_job(ns: str, name: str) -> dict[str, Any] | None:
     return _missing_ok(custom().get_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayjobs", name)
 
 
-def create_ray_job(body: dict[str, Any]) -> bool:
+def create_ray_job(body: dict[str, Any]) -> dict[str, Any] | None:
     ns = body["metadata"]["namespace"]
     return _created(custom().create_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayjobs", body)
 
 
-def patch_ray_job(ns: str, name: str, patch: dict[str, Any]) -> None:
-    custom().patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, "rayjobs", name, patch)
+def patch_ray_job(ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    return custom().patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, "rayjobs", name, patch)
 
 
-def get_ray_cluster(ns: str, name: str) -> dict[str, Any] | None:
-    return _missing_ok(custom().get_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayclusters", name)
+def delete_ray_cluster(ns: str, name: str, uid: str) -> None:
+    """Delete one RayCluster, only if it still is the one seen (``uid`` precondition)."""
+    _missing_ok(custom().delete_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayclusters", name,
+                body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"})
 
 
-def list_pods(ns: str, selector: str) -> list[dict[str, Any]]:
-    return [to_dict(p) for p in core().list_namespaced_pod(ns, label_selector=selector).items]
+def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """A core/v1 Event about ``obj`` (an RLHFJob), as ``kubectl describe`` shows them."""
+    meta = obj["metadata"]
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    core().create_namespaced_event(meta["namespace"], {
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": obj.get("apiVersion", f"{m.GROUP}/{m.VERSION}"), "kind": obj.get("kind", m.KIND),
+                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": type_, "reason": reason, "message": message[:1000],
+        "source": {"component": EVENT_COMPONENT}, "reportingComponent": EVENT_COMPONENT,
+        "reportingInstance": socket.gethostname()[:128],
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    })
+
+
+EVENT_COMPONENT = "rlhf-operator"
 
 
 # ------------------------------------------------------------------------------------------------ Kueue
@@ -138,25 +171,10 @@ KUEUE_VERSIONS = ("v1beta2", "v1beta1")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
-def find_workload(ns: str, job_uid: str) -> dict[str, Any] | None:
-    """The Kueue Workload of a RayJob (Kueue labels it with the job's uid); None if none (yet) or no Kueue."""
-    for version in KUEUE_VERSIONS:
-        try:
-            items = custom().list_namespaced_custom_object(
-                KUEUE_GROUP, version, ns, "workloads", label_selector=f"{KUEUE_JOB_UID_LABEL}={job_uid}"
-            )["items"]
-        except ApiException as e:
-            if e.status == 404:  # this version not served (or no Kueue at all)
-                continue
-            raise
-        return max(items, key=lambda w: w["metadata"]["creationTimestamp"]) if items else None
-    return None
-
-
-def set_workload_active(workload: dict[str, Any], active: bool) -> None:
+def set_workload_active(workload: dict[str, Any], active: bool) -> dict[str, Any]:
     group_version = workload["apiVersion"].split("/", 1)[1]
     meta = workload["metadata"]
-    custom().patch_namespaced_custom_object(
+    return custom().patch_namespaced_custom_object(
         KUEUE_GROUP, group_version, meta["namespace"], "workloads", meta["name"], {"spec": {"active": active}}
     )
 
@@ -243,5 +261,5 @@ def _discover_kuberay() -> str | None:
     return None
 
 
-def patch_status(ns: str, name: str, status: dict[str, Any]) -> None:
-    custom().patch_namespaced_custom_object_status(m.GROUP, m.VERSION, ns, m.PLURAL, name, {"status": status})
+def patch_status(ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    return custom().patch_namespaced_custom_object_status(m.GROUP, m.VERSION, ns, m.PLURAL, name, {"status": status})

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import socket
+from typing import Any
 
 import kopf
 
@@ -29,6 +30,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL, '' to disable")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--workers", type=int, default=16, help="jobs reconciled at the same time (default 16)")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
 
@@ -40,12 +42,36 @@ def own_identity() -> str:
     return f"{socket.gethostname()}/{os.getpid()}"
 
 
+def follow_kopf_pauses() -> None:
+    """With peering, our work queue must stop while Kopf is paused for a peer of higher priority (Kopf then stops
+    its watches; our time-based re-checks would act on a frozen cache). Kopf keeps that switch (a ToggleSet, on
+    while paused) private and hands it to its orchestrator: wrap the orchestrator to take it. If Kopf's internals
+    change, ``handlers.PAUSED`` stays None and the queue holds every key (safe, and the peering tests fail)."""
+    from kopf._core.reactor import orchestration
+
+    from rlhf_operator import handlers
+
+    original = orchestration.orchestrator
+
+    async def orchestrator(*args: Any, operator_paused: Any, **kwargs: Any) -> None:
+        handlers.PAUSED = operator_paused
+        await original(*args, operator_paused=operator_paused, **kwargs)
+
+    handlers.PEERING = True
+    orchestration.orchestrator = orchestrator
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.verbose:  # Kopf logs every timer run at INFO; keep the operator log about our own decisions
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    import rlhf_operator.handlers  # noqa: F401  (registers the handlers)
+    import rlhf_operator.handlers  # registers the handlers
+
+    rlhf_operator.handlers.WORKERS = max(1, args.workers)
+
+    if args.peering:
+        follow_kopf_pauses()
 
     if args.metrics_port:
         from rlhf_operator import metrics

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from rlhf_api.models import PHASES
 
 RECONCILES = Counter("rlhf_operator_reconciles_total", "Reconcile runs by result.", ["result"])
+RECONCILE_SECONDS = Histogram("rlhf_operator_reconcile_seconds", "Wall time of one job's reconcile.",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+DUPLICATE_CLUSTERS = Counter("rlhf_operator_duplicate_rayclusters_deleted_total",
+                             "RayClusters deleted because their RayJob had moved on to another cluster.")
 STATUS_WRITES = Counter("rlhf_operator_status_writes_total", "Status patches written (only on change).")
+JOB_RECONCILES = Counter("rlhf_job_reconciles_total", "Reconciles of the job (each triggered by an event of it or "
+                         "of one of its children, or by a deadline of its run).", ["namespace", "job"])
 PHASE = Gauge("rlhf_job_phase", "1 for the job's current phase, 0 for the others.", ["namespace", "job", "phase"])
 STEP = Gauge("rlhf_job_step", "Last completed training step.", ["namespace", "job"])
 THROUGHPUT = {
@@ -30,6 +36,7 @@ def serve(port: int) -> None:
 
 
 def observe(namespace: str, job: str, status: dict[str, Any]) -> None:
+    JOB_RECONCILES.labels(namespace, job).inc()
     for phase in PHASES:
         PHASE.labels(namespace, job, phase).set(1 if status.get("phase") == phase else 0)
     if status.get("step") is not None:
@@ -43,7 +50,7 @@ def observe(namespace: str, job: str, status: dict[str, Any]) -> None:
 def forget(namespace: str, job: str) -> None:
     for phase in PHASES:
         _remove(PHASE, namespace, job, phase)
-    for gauge in [STEP, *THROUGHPUT.values()]:
+    for gauge in [STEP, JOB_RECONCILES, *THROUGHPUT.values()]:
         _remove(gauge, namespace, job)
 
 

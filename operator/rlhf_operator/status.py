@@ -26,7 +26,7 @@ from typing import Any
 TERMINAL = ("Succeeded", "Failed")
 #: Non-terminal reasons that need a human: kstatus Stalled=True, Argo CD Degraded.
 STALLED_REASONS = ("Unschedulable", "KubeRayMissing", "PodCreationFailed", "InvalidSpec", "ChildRejected", "ProgressDeadlineExceeded",
-                   "RuntimeUnresponsive")
+                   "RuntimeUnresponsive", "DataConfigMapMissing")
 #: A runtime that has not reported for this long (its heartbeat is every 15 s) is unresponsive.
 HEARTBEAT_TIMEOUT_SECONDS = 120
 
@@ -248,6 +248,9 @@ def verdict(obs: Observed) -> Verdict:
         return Verdict("Succeeded", "RuntimeSucceeded", f"finished {obs.old_status.get('step', '?')} steps")
     if obs.kuberay_missing:
         return Verdict("Pending", "KubeRayMissing", obs.kuberay_missing)
+    if obs.data_missing and runtime.get("state") not in ("Starting", "Running"):
+        # no pod can mount it: the operator does not create the RayJob (its pods would hold GPUs, never starting)
+        return Verdict("Pending", "DataConfigMapMissing", f"{obs.data_missing}: the job starts once it exists")
     ray_status = rj_status.get("jobStatus")
     if obs.ray_job is None:
         return Verdict("Pending", "CreatingRayJob", "creating the RayJob")
@@ -382,3 +385,49 @@ def compute(obs: Observed, now: datetime) -> dict[str, Any]:
 def changed(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``new`` whose values differ from ``old`` (a merge patch; empty when nothing changed)."""
     return {k: v for k, v in new.items() if old.get(k) != v}
+
+
+def next_check(obs: Observed) -> float | None:
+    """Seconds until the verdict of an unchanged world changes by the clock alone (a live runtime's report gets
+    too old, its progress deadline passes, or either passes the point where the operator ends the run), so the
+    operator looks again then without polling; None when only an event can change it."""
+    runtime = obs.old_status.get("runtime") or {}
+    if (obs.now is None or obs.ray_job is None or obs.suspend or _stale(runtime, obs.ray_job)
+            or runtime.get("state") not in ("Starting", "Running")
+            or obs.old_status.get("phase") in TERMINAL):
+        return None
+    moments = []
+    heartbeat, progress = parse_time(runtime.get("heartbeatTime")), parse_time(runtime.get("progressTime"))
+    if heartbeat:
+        moments += [(heartbeat - obs.now).total_seconds() + s
+                    for s in (HEARTBEAT_TIMEOUT_SECONDS, 2 * HEARTBEAT_TIMEOUT_SECONDS)]
+    if progress and obs.progress_deadline:
+        moments += [(progress - obs.now).total_seconds() + s
+                    for s in (obs.progress_deadline, obs.progress_deadline + RESTART_GRACE_SECONDS)]
+    ahead = [t for t in moments if t > 0]
+    return min(ahead) + 1.0 if ahead else None
+
+
+def duplicate_clusters(ray_job: dict[str, Any] | None, clusters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """RayClusters of this RayJob that KubeRay no longer uses: owned by it (same uid), not being deleted, and
+    created before the cluster its status names. KubeRay names a cluster in the RayJob's status before it
+    creates it and never returns to an older name, so an older unnamed cluster is a leftover of a lost race
+    (two clusters for one RayJob, each holding GPUs). A newer unnamed one is left alone: it may be the next
+    cluster, named in a status the cache has not seen yet."""
+    if not ray_job:
+        return []
+    uid = (ray_job.get("metadata") or {}).get("uid")
+    current = ((ray_job.get("status") or {}).get("rayClusterName")) or ""
+    named = next((c for c in clusters if c["metadata"]["name"] == current), None)
+    if not uid or named is None:
+        return []
+    since = parse_time(named["metadata"].get("creationTimestamp"))
+    out = []
+    for c in clusters:
+        meta = c["metadata"]
+        owned = any(r.get("uid") == uid for r in meta.get("ownerReferences") or [])
+        created = parse_time(meta.get("creationTimestamp"))
+        if (owned and meta["name"] != current and not meta.get("deletionTimestamp") and created and since
+                and created <= since):
+            out.append(c)
+    return out

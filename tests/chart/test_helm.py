@@ -57,8 +57,9 @@ def test_default_render_is_hardened_cluster_scoped(helm) -> None:
     rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-        # children go away by owner references; the one delete: a stuck run's Ray head pod (handlers._end_stuck_run)
-        assert "delete" not in rule["verbs"] or rule["resources"] == ["pods"], rule
+        # children go away by owner references; the deletes: a stuck run's Ray head pod (handlers._end_stuck_run)
+        # and a RayCluster its RayJob no longer uses (handlers._delete_duplicates)
+        assert "delete" not in rule["verbs"] or rule["resources"] in (["pods"], ["rayclusters"]), rule
     # Kopf's namespace observer runs only with --namespace; Kopf posts core/v1 Events only
     # (tests/integration/test_privilege.py checks every granted rule against the audit log of a scenario)
     assert not [r for r in rules if "namespaces" in r["resources"] or "events.k8s.io" in r["apiGroups"]], rules
@@ -100,7 +101,7 @@ def test_metrics_service_and_monitor(helm) -> None:
         (["--set", "replicaCount=2"], "peering"),
         (["--set", "watch.scope=namespaces"], "watchNamespaces"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
-        (["--set", "resyncSeconds=0"], "resyncSeconds"),
+        (["--set", "workers=0"], "workers"),
         (["--set", "unknownKey=1"], "unknownKey"),
     ],
 )

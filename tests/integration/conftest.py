@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -53,10 +54,27 @@ class Operator:
 
     def __init__(self, cluster: localcluster.Cluster, args: list[str], log: Path, kubeconfig: Path | None = None):
         self.kubeconfig = kubeconfig or cluster.kubeconfig
+        if not any(a.startswith("--metrics-port") for a in args):
+            args = [*args, "--metrics-port", str(localcluster.free_port())]
+        self.metrics_port = int(next(a.split("=", 1)[1] if "=" in a else args[i + 1]
+                                     for i, a in enumerate(args) if a.startswith("--metrics-port")))
         self.args, self.log, self.proc = args, log, None
 
+    def reconciles(self, namespace: str | None = None, job: str | None = None) -> float:
+        """Reconciles this operator process has run (its Prometheus counters), of one job if named; 0 before it
+        serves metrics."""
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return 0.0
+        if job is None:
+            prefix = "rlhf_operator_reconciles_total{"
+        else:
+            prefix = f'rlhf_job_reconciles_total{{job="{job}",namespace="{namespace}"}}'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
     def start(self) -> Operator:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "RLHF_RESYNC_SECONDS": "2"}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlhf_operator.main", "--liveness", "", *self.args],
             stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True,  # noqa: SIM115
@@ -79,10 +97,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def operator(cluster, tmp_path_factory):
     """One operator for the session, watching namespaces named it-*, serving metrics on ``op.metrics_port``."""
-    port = free_port()
-    op = Operator(cluster, ["--namespace", "it-*", "--metrics-port", str(port)],
-                  tmp_path_factory.mktemp("op") / "operator.log").start()
-    op.metrics_port = port
+    op = Operator(cluster, ["--namespace", "it-*"], tmp_path_factory.mktemp("op") / "operator.log").start()
     yield op
     op.kill(signal.SIGTERM)
 
@@ -104,7 +119,14 @@ def load_sample(name: str) -> dict:
     return yaml.safe_load((REPO / "crds" / "samples" / f"{name}.yaml").read_text())
 
 
-def apply(cluster, obj: dict, ns: str, *extra: str, check: bool = True):
+def apply(cluster, obj: dict, ns: str, *extra: str, check: bool = True, data: bool = True):
+    """kubectl apply; for an RLHFJob whose spec.data.configMap names a ConfigMap, that ConfigMap is made first
+    (one prompt) unless ``data`` is False: without it the operator holds the job Pending (DataConfigMapMissing)."""
+    ref = ((obj.get("spec") or {}).get("data") or {}).get("configMap") if obj.get("kind") == "RLHFJob" else None
+    if ref and data:
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": ref["name"]},
+              "data": {ref.get("key", "prompts.jsonl"): '{"prompt": "1+1?"}\n'}}
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(cm))
     return cluster.kubectl("apply", "-n", ns, *extra, "-f", "-", input=json.dumps(obj), check=check)
 
 

@@ -294,7 +294,7 @@ def test_two_peered_replicas_one_active_no_duplicates(cluster, api, tmp_path) ->
 def test_missing_data_config_map_is_reported_until_it_exists(cluster, api, operator, namespace) -> None:
     job = load_sample("separate-nccl-tp2")  # data.configMap: gsm8k-prompts / prompts.jsonl
     name = job["metadata"]["name"]
-    apply(cluster, job, namespace)
+    apply(cluster, job, namespace, data=False)
 
     def cond(ctype: str) -> dict:
         return condition(get_job(api, namespace, name), ctype)
@@ -302,6 +302,10 @@ def test_missing_data_config_map_is_reported_until_it_exists(cluster, api, opera
     wait_for(lambda: cond("DataAvailable")["status"] == "False", 60, "DataAvailable=False")
     assert "gsm8k-prompts" in cond("DataAvailable")["message"]
     assert cond("Stalled")["reason"] == "DataConfigMapMissing"
+    # not Running while no pod could mount its data; no RayJob (its pods would hold GPUs and never start)
+    assert phase(api, namespace, name) == "Pending" and cond("Ready")["reason"] == "DataConfigMapMissing"
+    assert not client.CustomObjectsApi(api).list_namespaced_custom_object(
+        "ray.io", "v1", namespace, "rayjobs", label_selector=f"rlhf.dev/job={name}")["items"]
     events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     assert any(e.type == "Warning" and e.reason == "DataConfigMapMissing" for e in events)
 
@@ -310,3 +314,4 @@ def test_missing_data_config_map_is_reported_until_it_exists(cluster, api, opera
     )
     wait_for(lambda: cond("DataAvailable")["status"] == "True" and cond("Stalled")["status"] == "False", 60,
              "DataAvailable=True once the ConfigMap exists")
+    wait_for(lambda: phase(api, namespace, name) == "Running", 120, "Running once its data exists")

@@ -24,9 +24,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 (tests/integration/test_privilege.py compares them with the audit log of a full scenario). rlhfjobs/status get
 is never called: RBAC lets the operator create the runtime Role only with permissions it holds itself. */}}
 {{- define "rlhf-operator.rules" -}}
+# The operator reconciles from watch caches (list + watch) of what it labels; it reads the apiserver directly only
+# for the job before creating a child (get), a user's data ConfigMap (get) and an object it is about to update.
 - apiGroups: ["rlhf.dev"]
   resources: ["rlhfjobs"]
-  verbs: ["get", "list", "watch", "patch"]   # patch: Kopf's finalizer (rlhf.dev/finalizer) for the resync timer
+  verbs: ["get", "list", "watch", "patch"]   # patch: Kopf removes the finalizer older operators (resync timer) put on jobs
 - apiGroups: ["rlhf.dev"]
   resources: ["rlhfjobs/status"]
   verbs: ["get", "patch"]
@@ -35,23 +37,23 @@ is never called: RBAC lets the operator create the runtime Role only with permis
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["ray.io"]
   resources: ["rayclusters"]
-  verbs: ["get"]
+  verbs: ["list", "watch", "delete"]   # delete: a RayCluster its RayJob no longer uses (duplicate)
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "delete"]   # delete: the head pod of a run stuck past spec.progressDeadlineSeconds
+  verbs: ["list", "watch", "delete"]   # delete: the head pod of a run stuck past spec.progressDeadlineSeconds
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["get", "create"]
+  verbs: ["list", "watch", "create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "update"]   # update: a Role/RoleBinding follows the rendered one
+  verbs: ["get", "list", "watch", "create", "update"]   # update: a Role/RoleBinding follows the rendered one
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["list", "patch"]   # spec.scheduling.queueName: why a job waits; spec.suspend -> Workload spec.active
+  verbs: ["list", "watch", "patch"]   # spec.scheduling.queueName: why a job waits; spec.suspend -> Workload spec.active
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]   # kopf.event posts core/v1 Events (never events.k8s.io)
+  verbs: ["create"]   # the operator posts core/v1 Events (never events.k8s.io)
 {{- end -}}
