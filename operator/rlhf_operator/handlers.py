@@ -135,7 +135,7 @@ async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name:
     CACHE.seen("job", (namespace, name), body, deleted=type == "DELETED")
     if type == "DELETED":
         metrics.forget(namespace, name)
-        _DATA_CHECKS.pop((namespace, name), None)
+        forget(namespace, name)
         if QUEUE is not None:
             QUEUE.forget((namespace, name))
         return
@@ -240,11 +240,7 @@ def _ensure_children(job: render.Job, body: Any, snap: cache.Snapshot, out: Outc
     """Create what the cache says is missing, patch what may change; returns the RayJob (the one created, if so),
     or None when the job turned out to be gone or its data ConfigMap is missing (no RayJob is made then)."""
     ns = job.namespace
-    rbac = render.render_runtime_rbac(job)
-    cm = render.render_config_map(job)
-    rj = render.render_ray_job(job)
-    for obj in (*rbac, cm, rj):
-        kopf.adopt(obj, owner=body)
+    rbac, cm, rj = _rendered(job, body)
     names = [(o["kind"], o["metadata"]["name"]) for o in rbac]
     missing = (any(k not in snap.rbac for k in names) or snap.config_map is None
                or (snap.ray_job is None and not data_missing))
@@ -273,14 +269,21 @@ def _ensure_children(job: render.Job, body: Any, snap: cache.Snapshot, out: Outc
     if live is None and data_missing:
         return None  # its pods could not mount the data: they would hold GPUs and never start
     if live is None:
-        made = kube.create_ray_job(rj)
-        if made is not None:
+        # Read before creating: the cache may lag (a peer made it while this replica was paused, and the RayJob
+        # watch is re-listed after the RLHFJob one); a create that finds it (409) would be a second attempt.
+        fetched = kube.get_ray_job(ns, name)
+        if fetched is not None:
+            live = cache.ray_job(fetched)
+            out.written.append(("RayJob", (ns, name), live))
+        else:
+            made = kube.create_ray_job(rj)
+            if made is None:  # made in between by someone else
+                fetched = kube.get_ray_job(ns, name)
+                return cache.ray_job(fetched) if fetched else None
             live = cache.ray_job(made)
             out.written.append(("RayJob", (ns, name), live))
             _event(body, "Created", f"RayJob {name} ({_layout(job.spec)})")
             return live
-        fetched = kube.get_ray_job(ns, name)  # it existed (made by a peer the cache has not shown yet)
-        return cache.ray_job(fetched) if fetched else None
     patch = render.ray_job_mutable_patch(rj, live, kueue=queued)
     if patch:
         live = cache.ray_job(kube.patch_ray_job(ns, name, patch))
@@ -329,11 +332,7 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
     obs = status.Observed(generation=meta.get("generation", 1), old_status=old_status)
     if meta.get("deletionTimestamp"):
         return out
-    try:
-        spec = m.RLHFJobSpec.model_validate(dict(body.get("spec") or {}))
-    except ValidationError as e:
-        obs.invalid = _spec_error(e)
-        spec = None
+    spec, obs.invalid = _parsed(body)
     children: dict[str, str] = {}
     if spec is not None:
         obs.total_steps = spec.algorithm.steps
@@ -368,6 +367,9 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
                     nodes = kube.gpu_nodes()
                     if nodes is not None:
                         obs.capacity = status.capacity_message(nodes, obs.pods, spec.scheduling.node_selector)
+                        # the free GPUs change with other jobs' pods (no event of ours): look again when the
+                        # shared capacity snapshot (one list of nodes and pods for all jobs) is renewed
+                        out.again = _sooner(out.again, kube.CAPACITY_CACHE_SECONDS)
     obs.now = now or dt.datetime.now(dt.UTC)
     if spec is not None and obs.ray_cluster and old_status.get("phase") not in status.TERMINAL:
         _end_stuck_run(obs, body)
@@ -414,6 +416,45 @@ def _delete_duplicates(ray_job: dict[str, Any] | None, snap: cache.Snapshot, bod
         _event(body, "DuplicateRayClusterDeleted", f"RayCluster {meta['name']} (created "
                f"{meta.get('creationTimestamp')}) belonged to RayJob {ray_job['metadata']['name']} beside its "
                f"current cluster {current}: deleted, so that it holds no GPUs", warning=True)
+
+
+#: Per job, the parsed spec and the rendered children of its current generation: most reconciles are of an
+#: unchanged spec (events of pods and clusters), and parsing and rendering are most of a reconcile's CPU.
+_PARSED: dict[tuple[str, str], tuple[tuple[str, int], m.RLHFJobSpec | None, str | None]] = {}
+_RENDERED: dict[tuple[str, str], tuple[tuple[str, int], Any]] = {}
+
+
+def _parsed(body: dict[str, Any]) -> tuple[m.RLHFJobSpec | None, str | None]:
+    """The job's spec, or None and why it is invalid (a defence behind admission)."""
+    meta = body["metadata"]
+    key, version = (meta["namespace"], meta["name"]), (meta.get("uid", ""), meta.get("generation", 1))
+    held = _PARSED.get(key)
+    if held is None or held[0] != version:
+        try:
+            held = (version, m.RLHFJobSpec.model_validate(dict(body.get("spec") or {})), None)
+        except ValidationError as e:
+            held = (version, None, _spec_error(e))
+        _PARSED[key] = held
+    return held[1], held[2]
+
+
+def _rendered(job: render.Job, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The runtime RBAC, ConfigMap and RayJob of the job's generation, owned by the job (read-only: shared by
+    the reconciles of that generation)."""
+    key, version = (job.namespace, job.name), (job.uid, body["metadata"].get("generation", 1))
+    held = _RENDERED.get(key)
+    if held is None or held[0] != version:
+        rbac, cm, rj = render.render_runtime_rbac(job), render.render_config_map(job), render.render_ray_job(job)
+        for obj in (*rbac, cm, rj):
+            kopf.adopt(obj, owner=body)
+        held = (version, (rbac, cm, rj))
+        _RENDERED[key] = held
+    return held[1]
+
+
+def forget(ns: str, name: str) -> None:
+    for memo in (_PARSED, _RENDERED, _DATA_CHECKS):
+        memo.pop((ns, name), None)
 
 
 #: Ready reasons that get an Event when they appear without a phase change: a run restarted (e.g. a lost head pod:

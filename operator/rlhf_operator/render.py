@@ -215,7 +215,7 @@ def ray_resources(group: Group) -> str:
     """``rayStartParams.resources`` of a worker group: its custom resource as single-quoted compact JSON,
     ``'{"rlhf_trainer":8}'``.
 
-    KubeRay v1.6.1 (``controllers/ray/common/pod.go``) parses this value in ``getResourcesMap``
+    KubeRay v1.6.2 (``controllers/ray/common/pod.go``) parses this value in ``getResourcesMap``
     (``strings.Trim(value, "'\"` ")`` then ``json.Unmarshal``: a JSON object after trimming, no escaped
     quotes) and copies it verbatim into the container's ``bash -c`` command line (``convertParamMap``:
     `` --resources=<value> ``), so the shell's single quotes hand Ray the bare JSON. This is the exact form

@@ -474,10 +474,18 @@ def test_deleted_jobs_children_are_not_recreated(cluster, capi, tmp_path) -> Non
                 "ray.io", "v1", ns, "rayjobs", label_selector=f"rlhf.dev/job={name}")["items"], 120, f"{name} RayJob")
             co.delete_namespaced_custom_object(m.GROUP, m.VERSION, ns, m.PLURAL, name)
             world.want[name]["deleted"] = True
-        # Every child the garbage collector deletes is an event that reconciles its (deleted) job: judged after
-        # 15 reconciles since the deletions.
-        base = op.reconciles()
-        wait_for(lambda: op.reconciles() >= base + 15, 120, "15 reconciles after the deletions")
+        # Every child the garbage collector deletes is an event that reconciles its (deleted) job: judged once the
+        # collector is done and a reconcile queued after all of those has run (the sentinel's, after a poke).
+        def leftovers() -> list[str]:
+            return [f"{plural}/{o['metadata']['name']}" for plural in ("rayjobs", "rayclusters")
+                    for o in co.list_namespaced_custom_object("ray.io", "v1", ns, plural)["items"]
+                    if o["metadata"].get("labels", {}).get("rlhf.dev/job") in doomed]
+
+        wait_for(lambda: not leftovers(), 180, "the deleted jobs' RayJobs and RayClusters garbage-collected")
+        base = op.reconciles(ns, "job-00")
+        client.CoreV1Api(capi).patch_namespaced_config_map("job-00-config", ns, {"metadata": {"annotations": {
+            "test/poke": "1"}}})
+        wait_for(lambda: op.reconciles(ns, "job-00") > base, 60, "a reconcile of the sentinel after the deletions")
         world.converge("deleted jobs gone, sentinel Running", timeout=180)
         creates = audit.rayjob_creates(ns)
         made = {n: dict(creates.get(n, {})) for n in doomed}

@@ -168,7 +168,7 @@ def test_runtime_identity_can_only_touch_its_own_job() -> None:
     assert all(p["template"]["spec"]["serviceAccountName"] == names.runtime_identity for p in pods)
 
 
-# ------------------------------------------------------------------------------ KubeRay v1.6.1, ported
+# ------------------------------------------------------------------------------ KubeRay v1.6.2, ported
 _SUFFIX = {"m": Fraction(1, 1000), "": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
@@ -180,7 +180,7 @@ def quantity(q: str) -> Fraction:
 
 
 def kuberay_ray_start(group: dict[str, Any]) -> dict[str, Any]:
-    """What KubeRay v1.6.1 (``controllers/ray/common/pod.go``) makes of a rendered worker group, ported line by
+    """What KubeRay v1.6.2 (``controllers/ray/common/pod.go``) makes of a rendered worker group, ported line by
     line; all rayStartParams values are strings (Go ``map[string]string``):
 
     * ``setMissingRayStartParams`` (worker): ``address`` (here ``HEAD:6379``), ``metrics-export-port`` 8080,

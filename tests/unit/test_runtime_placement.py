@@ -130,7 +130,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_bundle_fits_the_pods_the_operator_renders(name: str) -> None:
-    """The runtime's placement groups against what each rendered worker pod's raylet offers (KubeRay v1.6.1:
+    """The runtime's placement groups against what each rendered worker pod's raylet offers (KubeRay v1.6.2:
     ``num-cpus`` = the container's CPU request rounded up, ``num-gpus`` and ``resources`` from rayStartParams,
     see test_render.kuberay_ray_start): every bundle must fit a pod of its group, and each group's pods
     together must hold all of its bundles (the old bundles asked 1 CPU each, 2 when colocated: a colocated pod
