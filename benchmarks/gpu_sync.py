@@ -315,7 +315,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     from transformers import AutoTokenizer
 
     from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime.data import load_samples, step_batch
+    from rlhf_runtime.data import load_samples, render_prompt, step_batch
     from rlhf_runtime.driver import Options, Runtime, ValidationError
     from rlhf_runtime.report import Metrics, Reporter
 
@@ -372,7 +372,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         stages["validate_s"] = time.perf_counter() - t
         print(f"[{layout}:{model_name}] validation {result['validation']}", flush=True)
         save(result)
-        prompts = [rt.encode(tokenizer, s.prompt) for s in samples[:8]]
+        prompts = [render_prompt(s, tokenizer) for s in samples[:8]]
         max_new = cfg.spec.rollout.sampling.max_tokens
         reference = greedy(rt, prompts, max_new)
 
@@ -443,13 +443,13 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         rollouts = []
         for i in range(1 + args.rollouts):  # a warm-up on batch 0, then the same batch 1 every time
             batch = step_batch(samples, min(i, 1), cfg.spec.algorithm.prompts_per_step, 0)
-            refs, parts, pids, batch, t0 = rt.launch_rollout(tokenizer, batch, sampling)
-            outs = rt.collect(refs, parts, len(pids))
-            dt = time.perf_counter() - t0
+            ro = rt.launch_rollout(tokenizer, batch, sampling, 0)
+            outs = rt.collect(ro)
+            batch, dt = ro.batch, time.perf_counter() - ro.t_launch
             tokens = sum(len(c) for o in outs for c in o["samples"])
             rollouts.append({"seconds": dt, "tokens": tokens, "samples": sum(len(o["samples"]) for o in outs),
                              "tokens_per_second": tokens / dt})
-        BARE_INPUTS.update(prompts=[rt.encode(tokenizer, x.prompt) for x in batch], sampling=sampling,
+        BARE_INPUTS.update(prompts=[render_prompt(x, tokenizer) for x in batch], sampling=sampling,
                            kwargs=dict(rt.engine_kwargs[0], model=str(model_path), load_format="auto"),
                            env=dict(rt.env), engine_gpu=0 if rt.colocated else 1, engines=len(rt.engines),
                            runs=args.rollouts)
@@ -465,9 +465,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                 for k in range(1, len(engines) + 1):
                     rt.engines = engines[:k]
                     batch = step_batch(samples, 1, cfg.spec.algorithm.prompts_per_step, 0)
-                    refs, parts, pids, batch, t0 = rt.launch_rollout(tokenizer, batch, sampling)
-                    outs = rt.collect(refs, parts, len(pids))
-                    dt = time.perf_counter() - t0
+                    ro = rt.launch_rollout(tokenizer, batch, sampling, 0)
+                    outs = rt.collect(ro)
+                    dt = time.perf_counter() - ro.t_launch
                     tokens = sum(len(c) for o in outs for c in o["samples"])
                     scaling.append({"engines": k, "seconds": dt, "tokens": tokens, "tokens_per_second": tokens / dt})
                     print(f"[{layout}:{model_name}] rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
@@ -480,7 +480,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         if rt.sleeps:
             rt.sleep_engines(next_syncs=True)
         w = len(rt.trainers)
-        pr = [pids[i] for i, o in enumerate(outs) for _ in o["samples"]]
+        pr = [ro.prompt_ids[i] for i, o in enumerate(outs) for _ in o["samples"]]
         comps = [c for o in outs for c in o["samples"]]
         adv = [((i % 8) - 3.5) / 2.3 for i in range(len(comps))]
         t = time.perf_counter()

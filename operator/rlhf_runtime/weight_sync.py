@@ -21,6 +21,7 @@ engine's old value), cast to the spec dtype; ``skip`` drops names on purpose (th
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -172,6 +173,19 @@ def _as_weight_source(src: ParamSource) -> Any:
         from vllm.distributed.weight_transfer.base import WeightSource
     except ImportError:
         return src
+
+    if hasattr(WeightSource, "iter_full"):
+        # vLLM >= 0.33: ``metadata`` is a cached property (checked when the class is made) and engines that
+        # consume whole tensors (broadcast, IPC) read ``iter_full()``; every rank owns every name (owners None).
+        class _SourceFull(WeightSource):
+            @functools.cached_property
+            def metadata(self) -> list[Any]:
+                return src.metadata()
+
+            def iter_full(self):
+                return iter(src)
+
+        return _SourceFull()
 
     class _Source(WeightSource):
         def metadata(self) -> list[Any]:
