@@ -194,6 +194,8 @@ def summarize(obj: dict[str, Any]) -> dict[str, Any]:
         "finalized": FINALIZER in (meta.get("finalizers") or []),
         "phase": st.get("phase") or st.get("jobDeploymentStatus"),  # RLHFJob phase / RayJob deployment status
         "owner": owner.get("name"),
+        "ready_reason": next((c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Ready"), None),
+        "cluster": st.get("rayClusterName"),
     }
 
 
@@ -492,6 +494,37 @@ def create_phase(a, api, cluster, ns, proc) -> dict[str, Any]:
     }
 
 
+def report_phase(a, api, ns, watches) -> dict[str, Any]:
+    """What a runtime's first report does: each job's status patched as the runtime patches it (state Running,
+    step 1, its Ray cluster, heartbeat and progress now), at the creation rate; per job the seconds from the patch
+    call to the first watch event where the job's Ready reason is the operator's verdict on it (Training), i.e.
+    what `kubectl get rlhfjobs` then shows."""
+    clusters = {s["name"]: s["cluster"] for s in objects(watches["rayjobs"]).values()}
+    custom = client.CustomObjectsApi(api)
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def report(name: str) -> None:
+        custom.patch_namespaced_custom_object_status("rlhf.dev", "v1alpha1", ns, "rlhfjobs", name, {"status": {
+            "step": 1, "runtime": {"state": "Running", "rayCluster": clusters.get(name), "heartbeatTime": now,
+                                   "progressTime": now}}})
+
+    names = sorted(clusters)
+    log(f"reporting as the runtime for {len(names)} jobs at {a.rate}/s")
+    start = time.time()
+    sent, _ = paced_creates(names, a.rate, report)
+
+    def seen() -> dict[str, float]:
+        return first_time(watches["rlhfjobs"], lambda _t, s: s["ready_reason"] == "Training", after=start)
+
+    timed_out = None
+    try:
+        wait_until("every job's Ready reason Training after its report", lambda: len(seen()) == len(names), 300)
+    except SystemExit as e:
+        timed_out = str(e)
+    return {"timed_out": timed_out, "start": start, "end": time.time(),
+            "result": {"report_to_training_s": latencies(sent, seen()), "jobs": len(names)}}
+
+
 def peer_phase(a, api, cluster, ns, peer_ns, nodes) -> dict[str, Any]:
     """KubeRay alone: the operator's RayJobs, created directly in ``peer_ns`` at the same rate."""
     rendered = client.CustomObjectsApi(api).list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]
@@ -730,6 +763,10 @@ def main() -> int:
 
         steady = steady_phase(a, api, ns, proc, created["watches"])
         result["steady"] = steady["result"]
+        reported = report_phase(a, api, ns, created["watches"])
+        result["report"] = reported["result"]
+        if reported["timed_out"]:
+            failures.append(reported["timed_out"])
         deleted = delete_phase(a, api, cluster, ns, proc, created["watches"])
         result["delete"] = deleted["result"]
         if deleted["timed_out"]:
@@ -740,6 +777,7 @@ def main() -> int:
         result["create"]["operator_requests"] = request_report(reqs, t_first, t_converged, a.jobs)
         result["peer"]["our_operator_requests_meanwhile"] = request_report(reqs, t_converged, steady["start"], a.jobs)
         result["steady"]["operator_requests"] = request_report(reqs, steady["start"], steady["end"], a.jobs)
+        result["report"]["operator_requests"] = request_report(reqs, reported["start"], reported["end"], a.jobs)
         result["delete"]["operator_requests"] = request_report(reqs, deleted["start"], deleted["end"], a.jobs)
         result["watch_errors"] = {f"{ns}/{p}": w["errors"] for p, w in created["watches"].items() if w["errors"]}
         result["failures"] = failures
@@ -778,6 +816,7 @@ def print_table(r: dict[str, Any]) -> None:
     row("peer: create RayJob -> RayJob ADDED", p["create_to_rayjob_added_s"])
     row("peer (KubeRay): create RayJob -> RayCluster ADDED", p["create_to_raycluster_added_s"])
     row("peer (KubeRay): create RayJob -> RayJob Running", p["create_to_rayjob_running_s"])
+    row("ours: runtime report -> Ready reason Training", r["report"]["report_to_training_s"])
     print(f"ratio ours/KubeRay: p50 {num(r['ratio']['p50'])}, p99 {num(r['ratio']['p99'])}")
     cr = c["operator_requests"]
     print(f"create phase ({cr['window_s']} s): operator {cr['requests_per_job']} requests/job, "
