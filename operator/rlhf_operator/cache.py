@@ -130,13 +130,19 @@ class Caches:
         return list(store) if store is not None else []
 
     # ---- writes we made, until the watch shows them
-    def remember(self, kind: str, key: Hashable, obj: dict[str, Any]) -> None:
+    def remember(self, kind: str, key: Hashable, obj: dict[str, Any] | None) -> None:
+        """A write of ours: the object as written, or None for one we deleted (absent until the watch says so)."""
         self._overlay[(kind, key)] = (time.monotonic(), obj)
 
     def seen(self, kind: str, key: Hashable, obj: Mapping[str, Any] | None, deleted: bool = False) -> None:
-        """A watch event of ``kind``/``key``: drop our remembered write once the watch caught up (or it is gone)."""
+        """A watch event of ``kind``/``key``: drop our remembered write once the watch caught up (or it is gone;
+        for a deletion of ours: once the watch shows it deleted or being deleted)."""
         held = self._overlay.get((kind, key))
         if held is None:
+            return
+        if held[1] is None:
+            if deleted or ((obj or {}).get("metadata") or {}).get("deletionTimestamp"):
+                self._overlay.pop((kind, key), None)
             return
         mine, theirs = resource_version(held[1]), resource_version(obj)
         if deleted or mine is None or theirs is None or theirs >= mine:
@@ -150,6 +156,8 @@ class Caches:
         if time.monotonic() - at > OVERLAY_SECONDS:
             self._overlay.pop((kind, key), None)
             return indexed
+        if mine is None:  # deleted by us; the watch has not shown it yet
+            return None
         if indexed is not None:
             a, b = resource_version(mine), resource_version(indexed)
             if a is None or b is None or b >= a:
@@ -176,17 +184,22 @@ class Caches:
             if found is not None:
                 rbac[(kind, names.runtime_identity)] = found
         rj = self._newest("RayJob", (ns, names.ray_job), rj)
-        clusters = self._values("rlhf_ray_clusters", (ns, name))
+        clusters = self._each("RayCluster", ns, self._values("rlhf_ray_clusters", (ns, name)))
         cluster_names = {c["metadata"]["name"] for c in clusters} | {((rj or {}).get("status") or {}).get("rayClusterName")}
         return Snapshot(
             job=self.job(ns, name),
             ray_job=rj,
             clusters=clusters,
-            pods_by_cluster={c: self._values("rlhf_pods", (ns, c)) for c in cluster_names if c},
+            pods_by_cluster={c: self._each("Pod", ns, self._values("rlhf_pods", (ns, c))) for c in cluster_names if c},
             config_map=self._newest("ConfigMap", (ns, names.config_map), cm),
             rbac=rbac,
-            workloads=self._values("rlhf_workloads", (ns, names.ray_job)),
+            workloads=self._each("Workload", ns, self._values("rlhf_workloads", (ns, names.ray_job))),
         )
+
+    def _each(self, kind: str, ns: str, indexed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Objects of a many-per-job index, each with our remembered write over it (a deleted one left out)."""
+        newest = (self._newest(kind, (ns, o["metadata"]["name"]), o) for o in indexed)
+        return [o for o in newest if o is not None]
 
     def job_keys(self) -> Iterable[tuple[str, str]]:
         return list((self.indexes.get("rlhf_jobs") or {}).keys())

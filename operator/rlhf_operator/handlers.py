@@ -6,7 +6,8 @@
   restarted operator sees everything it made before it decides anything.
 - **Triggers**: every watch event of those kinds adds its job's key to a coalescing ``WorkQueue``; a job's
   reconciles never overlap, and the last event is always seen. There is no periodic resync: the only timers are
-  the moments a live run's report or progress deadline runs out (``status.next_check``).
+  the moments a live run's report or progress deadline runs out (``status.next_check``) and, while a pod waits
+  for GPUs, the renewal of the shared capacity snapshot.
 - **Reconcile**: read the job's snapshot from the caches, create what is missing (owned by the job), patch what
   may change, compute status with the pure ``status.compute`` and write it only when it changed; one Event per
   transition. Writes are remembered in the cache until the watch shows them (``Caches.remember``).
@@ -142,18 +143,14 @@ async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name:
     _add((namespace, name))
 
 
-def _child_event(kind: str, key_of: Any) -> Any:
+def _child_event(kind: str) -> Any:
     async def on_event(type: str | None, body: kopf.Body, namespace: str, name: str, labels: dict[str, str],
                        **_: Any) -> None:
-        CACHE.seen(kind, key_of(namespace, name, body), body, deleted=type == "DELETED")
+        CACHE.seen(kind, (namespace, name), body, deleted=type == "DELETED")
         job = labels.get(naming.LABEL_JOB) or cache.owner_name(body, "RayJob")
         if job:
             _add((namespace, job))
     return on_event
-
-
-def _by_name(namespace: str, name: str, body: Any) -> Any:
-    return (namespace, name)
 
 
 def _add(key: tuple[str, str]) -> None:
@@ -162,23 +159,23 @@ def _add(key: tuple[str, str]) -> None:
 
 
 _PRESENT = {naming.LABEL_JOB: kopf.PRESENT}
-kopf.on.event("ray.io", "v1", "rayjobs", id="rayjob_event", labels=_PRESENT)(_child_event("RayJob", _by_name))
-kopf.on.event("ray.io", "v1", "rayclusters", id="raycluster_event", labels=_PRESENT)(_child_event("RayCluster", _by_name))
-kopf.on.event("v1", "pods", id="pod_event", labels=_PRESENT)(_child_event("Pod", _by_name))
-kopf.on.event("v1", "configmaps", id="configmap_event", labels=_PRESENT)(_child_event("ConfigMap", _by_name))
-kopf.on.event("v1", "serviceaccounts", id="sa_event", labels=_PRESENT)(_child_event("ServiceAccount", _by_name))
+kopf.on.event("ray.io", "v1", "rayjobs", id="rayjob_event", labels=_PRESENT)(_child_event("RayJob"))
+kopf.on.event("ray.io", "v1", "rayclusters", id="raycluster_event", labels=_PRESENT)(_child_event("RayCluster"))
+kopf.on.event("v1", "pods", id="pod_event", labels=_PRESENT)(_child_event("Pod"))
+kopf.on.event("v1", "configmaps", id="configmap_event", labels=_PRESENT)(_child_event("ConfigMap"))
+kopf.on.event("v1", "serviceaccounts", id="sa_event", labels=_PRESENT)(_child_event("ServiceAccount"))
 kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", id="role_event", labels=_PRESENT)(
-    _child_event("Role", _by_name))
+    _child_event("Role"))
 kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", id="rolebinding_event", labels=_PRESENT)(
-    _child_event("RoleBinding", _by_name))
-kopf.on.event(kube.KUEUE_GROUP, "workloads", id="workload_event")(_child_event("Workload", _by_name))
+    _child_event("RoleBinding"))
+kopf.on.event(kube.KUEUE_GROUP, "workloads", id="workload_event")(_child_event("Workload"))
 
 
 # ------------------------------------------------------------------------------------------- reconcile
 @dataclass
 class Outcome:
     """What a reconcile wrote (remembered in the cache until the watch shows it) and when to look again."""
-    written: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
+    written: list[tuple[str, Any, dict[str, Any] | None]] = field(default_factory=list)  # None: deleted
     again: float | None = None
 
 
@@ -358,7 +355,7 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
                 obs.workload = _kueue_workload(job, obs.ray_job, body, snap, out)
             else:
                 obs.ray_job = snap.ray_job
-            _delete_duplicates(obs.ray_job, snap, body)
+            _delete_duplicates(obs.ray_job, snap, body, out)
             cluster = ((obs.ray_job or {}).get("status") or {}).get("rayClusterName")
             if cluster:
                 obs.ray_cluster = next((c for c in snap.clusters if c["metadata"]["name"] == cluster), None)
@@ -372,7 +369,7 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
                         out.again = _sooner(out.again, kube.CAPACITY_CACHE_SECONDS)
     obs.now = now or dt.datetime.now(dt.UTC)
     if spec is not None and obs.ray_cluster and old_status.get("phase") not in status.TERMINAL:
-        _end_stuck_run(obs, body)
+        _end_stuck_run(obs, body, out)
     new = status.compute(obs, obs.now)
     if children:
         new["children"] = {**(old_status.get("children") or {}), **children, **(new.get("children") or {})}
@@ -405,12 +402,13 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _delete_duplicates(ray_job: dict[str, Any] | None, snap: cache.Snapshot, body: Any) -> None:
+def _delete_duplicates(ray_job: dict[str, Any] | None, snap: cache.Snapshot, body: Any, out: Outcome) -> None:
     """Whatever KubeRay does, a RayJob holds one Ray cluster: older clusters of the same RayJob that its status no
     longer names are deleted (``status.duplicate_clusters``), with a Warning Event and a metric."""
     for c in status.duplicate_clusters(ray_job, snap.clusters):
         meta = c["metadata"]
         kube.delete_ray_cluster(meta["namespace"], meta["name"], meta["uid"])
+        out.written.append(("RayCluster", (meta["namespace"], meta["name"]), None))  # not deleted twice
         metrics.DUPLICATE_CLUSTERS.inc()
         current = (ray_job or {}).get("status", {}).get("rayClusterName")
         _event(body, "DuplicateRayClusterDeleted", f"RayCluster {meta['name']} (created "
@@ -479,7 +477,7 @@ def _condition_flipped(old: dict[str, Any], new: dict[str, Any], ctype: str) -> 
     return of(old) != of(new)
 
 
-def _end_stuck_run(obs: status.Observed, body: Any) -> None:
+def _end_stuck_run(obs: status.Observed, body: Any, out: Outcome) -> None:
     """A run that is stuck past its deadline and did not end itself: delete its Ray head pod, once. KubeRay then
     counts a failed run (retried per spec.backoffLimit from the newest checkpoint, or final): the restart policy
     also holds for a frozen driver."""
@@ -493,6 +491,7 @@ def _end_stuck_run(obs: status.Observed, body: Any) -> None:
     if head is None or not reported or not created or created > reported:
         return  # a head pod newer than the last report runs a run that has not reported yet: not the stuck one
     kube.delete_pod(head["metadata"]["namespace"], head["metadata"]["name"])
+    out.written.append(("Pod", (head["metadata"]["namespace"], head["metadata"]["name"]), None))  # once
     _event(body, "EndingStuckRun", f"{why}: deleted the Ray head pod {head['metadata']['name']} so that the run "
            "fails and is retried or failed per spec.backoffLimit", warning=True)
 

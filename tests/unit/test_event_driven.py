@@ -244,3 +244,14 @@ def test_duplicate_clusters_are_the_older_unnamed_ones_of_the_same_ray_job() -> 
     assert st.duplicate_clusters({**rj, "status": {}}, [older, named]) == []
     assert st.duplicate_clusters(rj, [older, newer]) == []
     assert st.duplicate_clusters(None, [older]) == []
+
+
+def test_a_deletion_of_ours_hides_the_object_until_the_watch_shows_it_going() -> None:
+    stray = cluster("j-a", "2026-11-23T11:00:00Z")
+    c = caches(clusters=[stray, cluster("j-b", "2026-11-23T11:00:05Z")])
+    c.remember("RayCluster", ("ns", "j-a"), None)  # deleted by a reconcile: the next one must not delete it again
+    assert [x["metadata"]["name"] for x in c.snapshot("ns", "j").clusters] == ["j-b"]
+    c.seen("RayCluster", ("ns", "j-a"), {"metadata": {"name": "j-a", "resourceVersion": "3"}})  # an older event
+    assert c.overlays() == 1
+    c.seen("RayCluster", ("ns", "j-a"), {"metadata": {"name": "j-a", "deletionTimestamp": "2026-11-23T12:00:00Z"}})
+    assert c.overlays() == 0
