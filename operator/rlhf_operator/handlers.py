@@ -23,7 +23,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +68,7 @@ async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         settings.watching.label_selectors[res] = selector
     settings.watching.label_selectors[kube.KUEUE_GROUP, "workloads"] = kube.KUEUE_JOB_UID_LABEL
     CACHE.bind({k: v for k, v in kwargs.items() if k.startswith("rlhf_")})
+    await asyncio.get_running_loop().run_in_executor(None, kube.warm_up)  # not on the first job's path
     _EXECUTOR = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rlhf-io")
     QUEUE = WorkQueue(_reconcile_key, WORKERS, hold=_held)
     QUEUE.start()
@@ -218,69 +219,78 @@ def _spec_error(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+#: Requests of one reconcile that do not depend on each other run side by side here (the reconcile's own thread
+#: waits for them): a new job's reads, then its runtime RBAC and ConfigMap, cost one round trip each, not four.
+_IO = ThreadPoolExecutor(max_workers=32, thread_name_prefix="rlhf-req")
+#: Events are posted off the reconcile's path, in the order they were decided (one thread), stamped when decided.
+_EVENTS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-events")
+
+
+def _together(*calls: Any) -> list[Any]:
+    """Run the zero-argument ``calls`` side by side; their results in order (the first error raised, after every
+    call has ended, so no request of this reconcile outlives it)."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    futures = [_IO.submit(c) for c in calls]
+    wait(futures)
+    return [f.result() for f in futures]
+
+
 def _event(body: Any, reason: str, message: str, warning: bool = False) -> None:
-    try:
-        kube.post_event(body, "Warning" if warning else "Normal", reason, message)
-    except Exception:  # events are best effort; never fail a reconcile over one
-        log.exception("could not post event %s", reason)
+    """Post a core/v1 Event about the job, asynchronously (best effort: an Event never fails a reconcile)."""
+    at = dt.datetime.now(dt.UTC)
+
+    def post() -> None:
+        try:
+            kube.post_event(body, "Warning" if warning else "Normal", reason, message, at=at)
+        except Exception:
+            log.exception("could not post event %s", reason)
+
+    _EVENTS.submit(post)
 
 
-def _still_wanted(job: render.Job) -> bool:
-    """A fresh read before creating a child: the job still exists, is the same object and is not being deleted
+def _still_wanted(live: dict[str, Any] | None, job: render.Job) -> bool:
+    """From a fresh read before creating a child: the job still exists, is the same object and is not being deleted
     (the cache may not have seen a deletion yet; the child of a deleted job would be created again)."""
-    live = kube.get_rlhfjob(job.namespace, job.name)
     return bool(live) and live["metadata"].get("uid") == job.uid and not live["metadata"].get("deletionTimestamp")
 
 
 def _ensure_children(job: render.Job, body: Any, snap: cache.Snapshot, out: Outcome,
-                     data_missing: bool = False) -> dict[str, Any] | None:
+                     data_missing: bool = False, fresh: Future[Any] | None = None) -> dict[str, Any] | None:
     """Create what the cache says is missing, patch what may change; returns the RayJob (the one created, if so),
-    or None when the job turned out to be gone or its data ConfigMap is missing (no RayJob is made then)."""
+    or None when the job turned out to be gone or its data ConfigMap is missing (no RayJob is made then).
+
+    Creating is done in three round trips: the fresh reads (``fresh``: the job and the RayJob, started by
+    ``reconcile`` beside its data check), the runtime RBAC and ConfigMap side by side, then the RayJob (its pods
+    need the ServiceAccount and the ConfigMap, so those exist first)."""
     ns = job.namespace
     rbac, cm, rj = _rendered(job, body)
-    names = [(o["kind"], o["metadata"]["name"]) for o in rbac]
-    missing = (any(k not in snap.rbac for k in names) or snap.config_map is None
-               or (snap.ray_job is None and not data_missing))
-    if missing and not _still_wanted(job):
-        return None
-    for obj in rbac:
-        have = snap.rbac.get((obj["kind"], obj["metadata"]["name"]))
-        done, written = kube.ensure_object(obj, have)
-        if written is not None:
-            out.written.append((obj["kind"], (ns, obj["metadata"]["name"]), cache.rbac_object({**written, "kind": obj["kind"]})))
-        if done == "updated":
-            _event(body, "Updated", f"{obj['kind']} {obj['metadata']['name']} restored to the rendered one")
-    cm_name = cm["metadata"]["name"]
-    if snap.config_map is None:
-        made = kube.create_config_map(cm)
-        if made is not None:
-            out.written.append(("ConfigMap", (ns, cm_name), cache.config_map(made)))
-            _event(body, "Created", f"ConfigMap {cm_name}")
-    elif snap.config_map.get("data") != cm["data"]:
-        patched = kube.replace_config_map_data(ns, cm_name, cm["data"])
-        out.written.append(("ConfigMap", (ns, cm_name), cache.config_map(patched)))
-
     name = rj["metadata"]["name"]
     live = snap.ray_job
+    if _missing(job, snap, data_missing):
+        live_job, fetched = fresh.result() if fresh is not None else _fresh_reads(job)
+        if not _still_wanted(live_job, job):
+            return None
+        if live is None and fetched is not None:
+            # The cache lagged (a peer made it while this replica was paused, and the RayJob watch is re-listed
+            # after the RLHFJob one): a create would only be answered 409.
+            live = cache.ray_job(fetched)
+            out.written.append(("RayJob", (ns, name), live))
+    _together(*[lambda obj=obj: _ensure_rbac(obj, snap, body, out) for obj in rbac],
+              lambda: _ensure_config_map(cm, snap, body, out))
+
     queued = bool(job.spec.scheduling.queue_name)
     if live is None and data_missing:
         return None  # its pods could not mount the data: they would hold GPUs and never start
     if live is None:
-        # Read before creating: the cache may lag (a peer made it while this replica was paused, and the RayJob
-        # watch is re-listed after the RLHFJob one); a create that finds it (409) would be a second attempt.
-        fetched = kube.get_ray_job(ns, name)
-        if fetched is not None:
-            live = cache.ray_job(fetched)
-            out.written.append(("RayJob", (ns, name), live))
-        else:
-            made = kube.create_ray_job(rj)
-            if made is None:  # made in between by someone else
-                fetched = kube.get_ray_job(ns, name)
-                return cache.ray_job(fetched) if fetched else None
-            live = cache.ray_job(made)
-            out.written.append(("RayJob", (ns, name), live))
-            _event(body, "Created", f"RayJob {name} ({_layout(job.spec)})")
-            return live
+        made = kube.create_ray_job(rj)
+        if made is None:  # made in between by someone else
+            fetched = kube.get_ray_job(ns, name)
+            return cache.ray_job(fetched) if fetched else None
+        live = cache.ray_job(made)
+        out.written.append(("RayJob", (ns, name), live))
+        _event(body, "Created", f"RayJob {name} ({_layout(job.spec)})")
+        return live
     patch = render.ray_job_mutable_patch(rj, live, kueue=queued)
     if patch:
         live = cache.ray_job(kube.patch_ray_job(ns, name, patch))
@@ -291,6 +301,42 @@ def _ensure_children(job: render.Job, body: Any, snap: cache.Snapshot, out: Outc
         if rest:
             _event(body, "Updated", f"RayJob {name}: {', '.join(rest)} from the spec")
     return live
+
+
+def _missing(job: render.Job, snap: cache.Snapshot, data_missing: bool = False) -> bool:
+    """Does the cache say a child of the job is missing (so that a create, preceded by fresh reads, follows)?"""
+    names = naming.child_names(job.name)
+    return (any((k, names.runtime_identity) not in snap.rbac for k in ("ServiceAccount", "Role", "RoleBinding"))
+            or snap.config_map is None or (snap.ray_job is None and not data_missing))
+
+
+def _fresh_reads(job: render.Job) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The job and its RayJob read from the apiserver, side by side (before a create: see ``_ensure_children``)."""
+    got = _together(lambda: kube.get_rlhfjob(job.namespace, job.name),
+                    lambda: kube.get_ray_job(job.namespace, naming.child_names(job.name).ray_job))
+    return got[0], got[1]
+
+
+def _ensure_rbac(obj: dict[str, Any], snap: cache.Snapshot, body: Any, out: Outcome) -> None:
+    have = snap.rbac.get((obj["kind"], obj["metadata"]["name"]))
+    done, written = kube.ensure_object(obj, have)
+    if written is not None:
+        out.written.append((obj["kind"], (obj["metadata"]["namespace"], obj["metadata"]["name"]),
+                            cache.rbac_object({**written, "kind": obj["kind"]})))
+    if done == "updated":
+        _event(body, "Updated", f"{obj['kind']} {obj['metadata']['name']} restored to the rendered one")
+
+
+def _ensure_config_map(cm: dict[str, Any], snap: cache.Snapshot, body: Any, out: Outcome) -> None:
+    ns, cm_name = cm["metadata"]["namespace"], cm["metadata"]["name"]
+    if snap.config_map is None:
+        made = kube.create_config_map(cm)
+        if made is not None:
+            out.written.append(("ConfigMap", (ns, cm_name), cache.config_map(made)))
+            _event(body, "Created", f"ConfigMap {cm_name}")
+    elif snap.config_map.get("data") != cm["data"]:
+        patched = kube.replace_config_map_data(ns, cm_name, cm["data"])
+        out.written.append(("ConfigMap", (ns, cm_name), cache.config_map(patched)))
 
 
 def _kueue_workload(job: render.Job, live: dict[str, Any] | None, body: Any, snap: cache.Snapshot,
@@ -335,6 +381,10 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
         obs.total_steps = spec.algorithm.steps
         obs.suspend = spec.suspend
         children = naming.child_names(name).as_status()
+        job = render.Job(name, ns, meta["uid"], spec)
+        creating = old_status.get("phase") not in status.TERMINAL or _invalid_before(old_status)
+        # a child is missing: the fresh reads that precede a create go out beside the data check
+        fresh = _IO.submit(_fresh_reads, job) if creating and _missing(job, snap) else None
         obs.data_missing, data_again = _data_missing(ns, name, meta.get("generation", 1), spec)
         out.again = data_again
         obs.kuberay_missing = kube.kuberay_missing()
@@ -343,10 +393,9 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
         if obs.kuberay_missing:
             out.again = _sooner(out.again, KUBERAY_RECHECK_SECONDS)
         else:
-            job = render.Job(name, ns, meta["uid"], spec)
-            if old_status.get("phase") not in status.TERMINAL or _invalid_before(old_status):
+            if creating:
                 try:
-                    obs.ray_job = _ensure_children(job, body, snap, out, bool(obs.data_missing))
+                    obs.ray_job = _ensure_children(job, body, snap, out, bool(obs.data_missing), fresh)
                 except ApiException as e:
                     if e.status not in (400, 422):
                         raise

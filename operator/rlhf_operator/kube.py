@@ -2,12 +2,19 @@
 
 Create calls tolerate ``409 AlreadyExists`` (another replica or a previous life of this process got there
 first); reads tolerate ``404``. Nothing here decides anything: that is ``render`` and ``status``.
+
+Every answer is the apiserver's JSON as plain dicts (``_preload_content=False``): the operator works on dicts,
+and the client's typed models (pydantic-validated since kubernetes 34) cost a deserialisation into objects and a
+serialisation back per call. The client also imports each API and model module on first use, under Python's
+import lock (``CoreV1Api`` alone takes about 1.4 s on a busy core): ``warm_up`` does that at startup, not on
+the first job's create path.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
+import json
 import socket
 import time
 from typing import Any
@@ -20,57 +27,69 @@ from rlhf_api import models as m
 RAY_GROUP, RAY_VERSION = "ray.io", "v1"
 
 
+#: Keep-alive connections to the apiserver: at least as many as requests in flight (the reconcile workers, the
+#: requests each runs side by side, the Event poster); beyond the pool, every request pays a new TLS handshake.
+CONNECTIONS = 128
+
+
 @functools.cache
 def api() -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = CONNECTIONS
+    return client.ApiClient(configuration)
 
 
+@functools.cache
 def core() -> client.CoreV1Api:
     return client.CoreV1Api(api())
 
 
+@functools.cache
 def rbac() -> client.RbacAuthorizationV1Api:
     return client.RbacAuthorizationV1Api(api())
 
 
+@functools.cache
 def custom() -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api())
 
 
+def warm_up() -> None:
+    """Import the client's API modules now (startup), so that no reconcile waits for them."""
+    core(), rbac(), custom()
+
+
+def _json(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call an API method; its answer as the apiserver's JSON (dicts), never the client's typed models."""
+    resp = call(*args, _preload_content=False, **kwargs)
+    return json.loads(resp.data) if resp.data else None
+
+
 def _missing_ok(call: Any, *args: Any, **kwargs: Any) -> Any:
     try:
-        return call(*args, **kwargs)
+        return _json(call, *args, **kwargs)
     except ApiException as e:
         if e.status == 404:
             return None
         raise
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    return api().sanitize_for_serialization(obj)
-
-
 def get_config_map(ns: str, name: str) -> dict[str, Any] | None:
-    cm = _missing_ok(core().read_namespaced_config_map, name, ns)
-    return to_dict(cm) if cm is not None else None
+    return _missing_ok(core().read_namespaced_config_map, name, ns)
 
 
 def _created(call: Any, *args: Any) -> dict[str, Any] | None:
     """Run a create call: the created object, or None when it already existed (409)."""
     try:
-        return _plain(call(*args))
+        return _json(call, *args)
     except ApiException as e:
         if e.status == 409:
             return None
         raise
-
-
-def _plain(obj: Any) -> dict[str, Any]:
-    return obj if isinstance(obj, dict) else to_dict(obj)
 
 
 def create_config_map(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -78,7 +97,7 @@ def create_config_map(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> dict[str, Any]:
-    return _plain(core().patch_namespaced_config_map(name, ns, {"data": data}))
+    return _json(core().patch_namespaced_config_map, name, ns, {"data": data})
 
 
 #: The fields of a Role/RoleBinding the operator keeps as rendered (a RoleBinding's roleRef cannot change).
@@ -116,12 +135,12 @@ def ensure_object(body: dict[str, Any], have: dict[str, Any] | None) -> tuple[st
     if live is None:
         made = _created(create, ns, body)
         return ("created", made) if made is not None else (None, None)
-    current = to_dict(live)
+    current = live
     if not rbac_differs(body, current):
         return None, current
     updated = {**current, **{f: body.get(f) for f in RBAC_FIELDS[kind]}}
     # carries resourceVersion: a concurrent change conflicts (409) and is retried
-    return "updated", _plain(replace(name, ns, updated))
+    return "updated", _json(replace, name, ns, updated)
 
 
 def get_rlhfjob(ns: str, name: str) -> dict[str, Any] | None:
@@ -138,7 +157,7 @@ def create_ray_job(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def patch_ray_job(ns: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-    return custom().patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, "rayjobs", name, patch)
+    return _json(custom().patch_namespaced_custom_object, RAY_GROUP, RAY_VERSION, ns, "rayjobs", name, patch)
 
 
 def delete_ray_cluster(ns: str, name: str, uid: str) -> None:
@@ -147,11 +166,12 @@ def delete_ray_cluster(ns: str, name: str, uid: str) -> None:
                 body={"preconditions": {"uid": uid}, "propagationPolicy": "Background"})
 
 
-def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    """A core/v1 Event about ``obj`` (an RLHFJob), as ``kubectl describe`` shows them."""
+def post_event(obj: dict[str, Any], type_: str, reason: str, message: str, at: dt.datetime | None = None) -> None:
+    """A core/v1 Event about ``obj`` (an RLHFJob), as ``kubectl describe`` shows them, stamped ``at`` (default:
+    now)."""
     meta = obj["metadata"]
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    core().create_namespaced_event(meta["namespace"], {
+    now = (at or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    _json(core().create_namespaced_event, meta["namespace"], {
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
         "involvedObject": {"apiVersion": obj.get("apiVersion", f"{m.GROUP}/{m.VERSION}"), "kind": obj.get("kind", m.KIND),
                            "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
@@ -174,9 +194,8 @@ KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 def set_workload_active(workload: dict[str, Any], active: bool) -> dict[str, Any]:
     group_version = workload["apiVersion"].split("/", 1)[1]
     meta = workload["metadata"]
-    return custom().patch_namespaced_custom_object(
-        KUEUE_GROUP, group_version, meta["namespace"], "workloads", meta["name"], {"spec": {"active": active}}
-    )
+    return _json(custom().patch_namespaced_custom_object,
+                 KUEUE_GROUP, group_version, meta["namespace"], "workloads", meta["name"], {"spec": {"active": active}})
 
 
 # ------------------------------------------------------------------------------------------- capacity
@@ -200,26 +219,26 @@ def gpu_nodes() -> dict[str, dict[str, Any]] | None:
     if _CAPACITY_CACHE and time.monotonic() - _CAPACITY_CACHE[0] < CAPACITY_CACHE_SECONDS:
         return _CAPACITY_CACHE[1]
     try:
-        nodes = core().list_node().items
-        pods = core().list_pod_for_all_namespaces(
-            field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed").items
+        nodes = _json(core().list_node)["items"]
+        pods = _json(core().list_pod_for_all_namespaces,
+                     field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed")["items"]
     except ApiException as e:
         if e.status == 403:
             return None
         raise
     out: dict[str, dict[str, Any]] = {}
     for n in nodes:
-        if n.spec.unschedulable:
+        if (n.get("spec") or {}).get("unschedulable"):
             continue
-        gpus = _quantity((n.status.allocatable or {}).get(GPU_RESOURCE, 0))
+        gpus = _quantity(((n.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, 0))
         if gpus:
-            out[n.metadata.name] = {"labels": n.metadata.labels or {}, "free": gpus}
+            out[n["metadata"]["name"]] = {"labels": n["metadata"].get("labels") or {}, "free": gpus}
     for p in pods:
-        node = out.get(p.spec.node_name)
+        node = out.get((p.get("spec") or {}).get("nodeName"))
         if node is None:
             continue
-        for c in p.spec.containers or []:
-            node["free"] -= _quantity(((c.resources and c.resources.requests) or {}).get(GPU_RESOURCE, 0))
+        for c in p["spec"].get("containers") or []:
+            node["free"] -= _quantity(((c.get("resources") or {}).get("requests") or {}).get(GPU_RESOURCE, 0))
     _CAPACITY_CACHE = (time.monotonic(), out)
     return out
 
@@ -249,12 +268,12 @@ def kuberay_missing() -> str | None:
 
 def _discover_kuberay() -> str | None:
     try:
-        resources = client.CustomObjectsApi(api()).get_api_resources(RAY_GROUP, RAY_VERSION)
+        resources = _json(custom().get_api_resources, RAY_GROUP, RAY_VERSION)
     except ApiException as e:
         if e.status == 404:
             return "the KubeRay CRDs (ray.io/v1) are not installed: install the KubeRay operator first"
         raise
-    names = {r.name for r in resources.resources}
+    names = {r["name"] for r in resources.get("resources") or []}
     lacking = sorted({"rayjobs", "rayclusters"} - names)
     if lacking:
         return f"KubeRay CRDs missing: {', '.join(lacking)}.ray.io: install the KubeRay operator first"
@@ -262,4 +281,5 @@ def _discover_kuberay() -> str | None:
 
 
 def patch_status(ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-    return custom().patch_namespaced_custom_object_status(m.GROUP, m.VERSION, ns, m.PLURAL, name, {"status": status})
+    return _json(custom().patch_namespaced_custom_object_status, m.GROUP, m.VERSION, ns, m.PLURAL, name,
+                 {"status": status})

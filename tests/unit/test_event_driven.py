@@ -255,3 +255,31 @@ def test_a_deletion_of_ours_hides_the_object_until_the_watch_shows_it_going() ->
     assert c.overlays() == 1
     c.seen("RayCluster", ("ns", "j-a"), {"metadata": {"name": "j-a", "deletionTimestamp": "2026-11-23T12:00:00Z"}})
     assert c.overlays() == 0
+
+
+# ------------------------------------------------------------------------------------- requests side by side
+def test_independent_requests_run_side_by_side_and_errors_come_after_all_ended() -> None:
+    import threading
+
+    from rlhf_operator import handlers
+
+    barrier = threading.Barrier(3, timeout=5)  # passes only if all three calls run at the same time
+    assert handlers._together(*[lambda i=i: (barrier.wait(), i)[1] for i in range(3)]) == [0, 1, 2]
+
+    ended: list[str] = []
+
+    def fails() -> None:
+        raise ValueError("refused")
+
+    def slow() -> str:
+        threading.Event().wait(0.2)
+        ended.append("slow")
+        return "ok"
+
+    try:
+        handlers._together(fails, slow)
+    except ValueError as e:
+        assert str(e) == "refused"
+    else:
+        raise AssertionError("the failing call's error was not raised")
+    assert ended == ["slow"], "the error was raised before the other request ended"
