@@ -340,6 +340,37 @@ def operator_requests(path: Path, offset: int) -> list[tuple[float, str, str | N
     return list(seen.values())
 
 
+def audit_creates(path: Path, offset: int, ns: str) -> dict[str, dict[str, float]]:
+    """From the audit log after ``offset``, in ``ns``: per name, when the apiserver received the create of an
+    RLHFJob and of a RayJob, and when it completed the create of a RayJob and of a RayCluster (the cluster under
+    its RayJob's name: KubeRay names it ``<rayjob>-<suffix>``). Server-side times: no client's scheduling or watch
+    lag in them."""
+    out: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            if b'"verb":"create"' not in line or b'"stage":"ResponseComplete"' not in line:
+                continue
+            e = json.loads(line)
+            ref = e.get("objectRef") or {}
+            if ref.get("namespace") != ns or (e.get("responseStatus") or {}).get("code") != 201 or not ref.get("name"):
+                continue
+            name, res = ref["name"], ref.get("resource")
+            if res == "rlhfjobs":
+                out[name]["rlhfjob_received"] = audit_time(e["requestReceivedTimestamp"])
+            elif res == "rayjobs":
+                out[name]["rayjob_received"] = audit_time(e["requestReceivedTimestamp"])
+                out[name]["rayjob_created"] = audit_time(e["stageTimestamp"])
+            elif res == "rayclusters":
+                out[name.rsplit("-", 1)[0]].setdefault("raycluster_created", audit_time(e["stageTimestamp"]))
+    return dict(out)
+
+
+def audit_latencies(creates: dict[str, dict[str, float]], start: str, end: str) -> dict[str, Any]:
+    return latencies({n: t[start] for n, t in creates.items() if start in t},
+                     {n: t[end] for n, t in creates.items() if end in t})
+
+
 def request_report(reqs: list[tuple[float, str, str | None]], start: float, end: float, jobs: int) -> dict[str, Any]:
     """The operator's requests received in [start, end): totals, per job, per minute, by verb and resource."""
     inside = [what for t, what, _ns in reqs if start <= t < end]
@@ -556,8 +587,9 @@ def peer_phase(a, api, cluster, ns, peer_ns, nodes) -> dict[str, Any]:
             log(str(e))
 
     all_of(f"{len(bodies)} RayClusters ADDED", lambda: len(first_time(w["rayclusters"], added, key="owner")) >= len(bodies))
-    all_of(f"{len(bodies)} RayJobs Running", lambda: sum(
-        1 for s in objects(w["rayjobs"]).values() if s["phase"] == "Running") >= len(bodies))
+    if a.peer_until == "running":
+        all_of(f"{len(bodies)} RayJobs Running", lambda: sum(
+            1 for s in objects(w["rayjobs"]).values() if s["phase"] == "Running") >= len(bodies))
     rayjob_added = first_time(w["rayjobs"], added)
     cluster_added = first_time(w["rayclusters"], added, key="owner")
     _n, dups, _o = counts(api, peer_ns, ("rayjobs", "rayclusters"))
@@ -695,6 +727,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delete-timeout", type=float, default=900.0, help="seconds for everything to be deleted")
     p.add_argument("--operator-path", type=Path, default=REPO / "operator",
                    help="put this directory first on the operator's PYTHONPATH (default: the repository's operator/)")
+    p.add_argument("--peer-until", choices=("running", "clusters"), default="running",
+                   help="the peer phase waits until every peer RayJob is Running (default), or only until every one "
+                   "has its RayCluster (enough for the ratio; at N=1000 KubeRay alone needs tens of minutes to Running)")
     p.add_argument("--namespace", default="scale")
     p.add_argument("--dir", type=Path, default=Path("/tmp/rlhf-scale-bench"), help="the local cluster's directory")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/operator_scale_<N>.json")
@@ -724,7 +759,7 @@ def main() -> int:
         "kubernetes_version": version_default("K8S_VERSION"),
         "operator": {**git_commit(a.operator_path),
                      "env": {k: v for k, v in os.environ.items() if k.startswith("RLHF_")}},
-        "jobs": a.jobs, "rate_per_s": a.rate, "nodes": nodes, "gpus_per_node": GPUS_PER_NODE,
+        "jobs": a.jobs, "rate_per_s": a.rate, "peer_until": a.peer_until, "nodes": nodes, "gpus_per_node": GPUS_PER_NODE,
         "job_shape": shape, "namespace": ns,
         "audit_policy_covers": AUDIT_COVERS,
         "operator_requests_are": f"audited requests with a userAgent starting with {' or '.join(OPERATOR_AGENTS)}",
@@ -779,6 +814,16 @@ def main() -> int:
         result["steady"]["operator_requests"] = request_report(reqs, steady["start"], steady["end"], a.jobs)
         result["report"]["operator_requests"] = request_report(reqs, reported["start"], reported["end"], a.jobs)
         result["delete"]["operator_requests"] = request_report(reqs, deleted["start"], deleted["end"], a.jobs)
+        ours_audit = audit_creates(cluster.audit_log, audit_offset, ns)
+        peer_audit = audit_creates(cluster.audit_log, audit_offset, peer_ns)
+        result["create"]["audit_rlhfjob_received_to_rayjob_created_s"] = audit_latencies(
+            ours_audit, "rlhfjob_received", "rayjob_created")
+        result["peer"]["audit_rayjob_received_to_raycluster_created_s"] = audit_latencies(
+            peer_audit, "rayjob_received", "raycluster_created")
+        result["ratio_audit"] = {
+            "what": "the same ratio from the apiserver's audit timestamps (create received -> child created)",
+            **{q: ratio(result["create"]["audit_rlhfjob_received_to_rayjob_created_s"][q],
+                        result["peer"]["audit_rayjob_received_to_raycluster_created_s"][q]) for q in ("p50", "p99")}}
         result["watch_errors"] = {f"{ns}/{p}": w["errors"] for p, w in created["watches"].items() if w["errors"]}
         result["failures"] = failures
     finally:
@@ -817,7 +862,10 @@ def print_table(r: dict[str, Any]) -> None:
     row("peer (KubeRay): create RayJob -> RayCluster ADDED", p["create_to_raycluster_added_s"])
     row("peer (KubeRay): create RayJob -> RayJob Running", p["create_to_rayjob_running_s"])
     row("ours: runtime report -> Ready reason Training", r["report"]["report_to_training_s"])
-    print(f"ratio ours/KubeRay: p50 {num(r['ratio']['p50'])}, p99 {num(r['ratio']['p99'])}")
+    row("ours (audit): RLHFJob create received -> RayJob created", c.get("audit_rlhfjob_received_to_rayjob_created_s"))
+    row("peer (audit): RayJob create received -> RayCluster created", p.get("audit_rayjob_received_to_raycluster_created_s"))
+    print(f"ratio ours/KubeRay: p50 {num(r['ratio']['p50'])}, p99 {num(r['ratio']['p99'])}; from audit times: "
+          f"p50 {num((r.get('ratio_audit') or {}).get('p50'))}, p99 {num((r.get('ratio_audit') or {}).get('p99'))}")
     cr = c["operator_requests"]
     print(f"create phase ({cr['window_s']} s): operator {cr['requests_per_job']} requests/job, "
           f"{cr['writes_per_job']} writes/job; RSS {c['operator_at_end']['rss_mib']} MiB, "

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import socket
+import warnings
 from typing import Any
 
 import kopf
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not args.verbose:  # Kopf logs every timer run at INFO; keep the operator log about our own decisions
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # A kubeconfig that skips TLS verification (local clusters): say so once, not on every request (the client's
+    # per-call warning machinery re-arms urllib3's default filter, which then prints and formats it each time).
+    warnings.filterwarnings("once", message="Unverified HTTPS request")
     import rlhf_operator.handlers  # registers the handlers
 
     rlhf_operator.handlers.WORKERS = max(1, args.workers)

@@ -283,3 +283,16 @@ def test_independent_requests_run_side_by_side_and_errors_come_after_all_ended()
     else:
         raise AssertionError("the failing call's error was not raised")
     assert ended == ["slow"], "the error was raised before the other request ended"
+
+
+def test_no_change_detecting_handlers_so_the_empty_diff_base_is_safe() -> None:
+    """``handlers.NoDiffBase`` keeps no diff base: valid only while no handler needs one."""
+    import kopf
+
+    from rlhf_operator import handlers  # registers the handlers
+
+    registry = kopf.get_default_registry()
+    assert not list(registry._changing.get_all_handlers())
+    assert not list(registry._spawning.get_all_handlers())
+    assert list(registry._watching.get_all_handlers()), "the event handlers are registered"
+    assert handlers.NoDiffBase().build(body={"spec": {"a": 1}}) == {}
