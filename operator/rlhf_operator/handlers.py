@@ -88,7 +88,7 @@ async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     CACHE.bind({k: v for k, v in kwargs.items() if k.startswith("rlhf_")})
     await asyncio.get_running_loop().run_in_executor(None, kube.warm_up)  # not on the first job's path
     _EXECUTOR = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rlhf-io")
-    QUEUE = WorkQueue(_reconcile_key, WORKERS, hold=_held)
+    QUEUE = WorkQueue(_reconcile_key, WORKERS, hold=_held, on_wait=metrics.QUEUE_WAIT_SECONDS.observe)
     QUEUE.start()
 
 
@@ -159,7 +159,8 @@ async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name:
         if QUEUE is not None:
             QUEUE.forget((namespace, name))
         return
-    _add((namespace, name))
+    # A job no reconcile has seen (no status yet) goes ahead of the others: it waits for its children.
+    _add((namespace, name), urgent=not (body.get("status") or {}).get("phase"))
 
 
 def _child_event(kind: str) -> Any:
@@ -172,9 +173,9 @@ def _child_event(kind: str) -> Any:
     return on_event
 
 
-def _add(key: tuple[str, str]) -> None:
+def _add(key: tuple[str, str], urgent: bool = False) -> None:
     if QUEUE is not None:
-        QUEUE.add(key)
+        QUEUE.add(key, urgent)
 
 
 _PRESENT = {naming.LABEL_JOB: kopf.PRESENT}

@@ -12,6 +12,9 @@ from rlhf_api.models import PHASES
 RECONCILES = Counter("rlhf_operator_reconciles_total", "Reconcile runs by result.", ["result"])
 RECONCILE_SECONDS = Histogram("rlhf_operator_reconcile_seconds", "Wall time of one job's reconcile.",
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+QUEUE_WAIT_SECONDS = Histogram("rlhf_operator_queue_wait_seconds", "Time a job waited in the work queue between an "
+                               "event (or deadline) and its reconcile's start.",
+                               buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 DUPLICATE_CLUSTERS = Counter("rlhf_operator_duplicate_rayclusters_deleted_total",
                              "RayClusters deleted because their RayJob had moved on to another cluster.")
 STATUS_WRITES = Counter("rlhf_operator_status_writes_total", "Status patches written (only on change).")

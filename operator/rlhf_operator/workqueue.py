@@ -5,6 +5,9 @@
   after the current run (so the last event is always seen, and one job's reconciles never overlap).
 - ``add_after(key, seconds)``: reconcile the key then (a time-dependent verdict: a deadline passes). One timer per
   key; every reconcile returns when it next needs to look (or None: only on events) and that replaces the timer.
+- ``add(key, urgent=True)``: the key goes ahead of every key that is not urgent (a new job waits for its children
+  behind no reconcile of a settled one: under load, pods' events queue many of those). An urgent add of a key
+  already waiting moves it ahead.
 - ``hold``: a callable; while it answers True (the operator is paused for a peer), keys are dropped instead of run
   (the peer that is active does the work; on resuming, the watches list everything again and re-add every key).
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 
@@ -22,11 +26,15 @@ RETRY_SECONDS = 5.0
 
 class WorkQueue:
     def __init__(self, work: Callable[[Hashable], Awaitable[float | None]], workers: int,
-                 hold: Callable[[], bool] = lambda: False) -> None:
-        """``work(key)`` reconciles one key and returns seconds until it must look again (None: only on events)."""
-        self._work, self._hold, self._workers = work, hold, workers
-        self._queue: asyncio.Queue[Hashable] = asyncio.Queue()
-        self._queued: set[Hashable] = set()
+                 hold: Callable[[], bool] = lambda: False,
+                 on_wait: Callable[[float], None] = lambda seconds: None) -> None:
+        """``work(key)`` reconciles one key and returns seconds until it must look again (None: only on events);
+        ``on_wait(seconds)`` hears how long each key waited in the queue before its run (a metric)."""
+        self._work, self._hold, self._workers, self._on_wait = work, hold, workers, on_wait
+        # (0 urgent | 1, arrival, key); a key moved ahead leaves a stale entry behind, skipped when it comes up
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Hashable]] = asyncio.PriorityQueue()
+        self._order = itertools.count()
+        self._queued: dict[Hashable, tuple[int, float]] = {}  # key -> (its priority, when it was first queued)
         self._running: set[Hashable] = set()
         self._dirty: set[Hashable] = set()
         self._timers: dict[Hashable, asyncio.TimerHandle] = {}
@@ -44,12 +52,17 @@ class WorkQueue:
             h.cancel()
         self._timers.clear()
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: Hashable, urgent: bool = False) -> None:
+        priority = 0 if urgent else 1
         if key in self._running:
             self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
+            return
+        held = self._queued.get(key)
+        if held is not None and held[0] <= priority:
+            return
+        since = held[1] if held is not None else asyncio.get_running_loop().time()
+        self._queued[key] = (priority, since)
+        self._queue.put_nowait((priority, next(self._order), key))
 
     def add_after(self, key: Hashable, seconds: float) -> None:
         old = self._timers.pop(key, None)
@@ -75,8 +88,12 @@ class WorkQueue:
 
     async def _worker(self) -> None:
         while True:
-            key = await self._queue.get()
-            self._queued.discard(key)
+            priority, _, key = await self._queue.get()
+            held = self._queued.get(key)
+            if held is None or held[0] != priority:
+                continue  # a stale entry: the key ran already, or was moved ahead
+            del self._queued[key]
+            self._on_wait(asyncio.get_running_loop().time() - held[1])
             if self._hold():
                 self.forget(key)
                 continue

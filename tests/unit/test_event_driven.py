@@ -57,6 +57,35 @@ def test_a_key_runs_once_per_burst_and_never_twice_at_once() -> None:
     asyncio.run(main())
 
 
+def test_urgent_keys_go_ahead_of_waiting_ones_and_each_key_runs_once() -> None:
+    async def main() -> None:
+        runs: list[str] = []
+        waits: list[float] = []
+        release = asyncio.Event()
+
+        async def work(key):
+            runs.append(key)
+            if key == "busy":
+                await release.wait()
+
+        q = WorkQueue(work, workers=1, on_wait=waits.append)
+        q.start()
+        q.add("busy")  # holds the only worker while the others queue up
+        await _until(lambda: runs == ["busy"])
+        for key in ("a", "b", "c"):
+            q.add(key)
+        q.add("new", urgent=True)
+        q.add("b", urgent=True)  # a waiting key moved ahead: it runs once, not twice
+        q.add("new")  # a later ordinary event does not move it back
+        release.set()
+        await _until(lambda: q.idle())
+        assert runs == ["busy", "new", "b", "a", "c"], runs
+        assert len(waits) == 5 and all(w >= 0 for w in waits)
+        await q.stop()
+
+    asyncio.run(main())
+
+
 def test_returned_delay_schedules_the_next_look_and_none_cancels_it() -> None:
     async def main() -> None:
         answers = {"a": [0.05, None], "b": [0.05, 0.05, None]}
