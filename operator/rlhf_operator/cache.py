@@ -45,10 +45,13 @@ def job(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def ray_job(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A RayJob: its mutable spec and its status without ``rayClusterStatus`` (the cluster's own status, copied by
+    KubeRay and updated with it; the operator reads the RayCluster for that)."""
     spec = body.get("spec") or {}
+    st = body.get("status") or {}
     return {"metadata": _meta(body, "deletionTimestamp", "creationTimestamp", "labels"),
             "spec": {k: copy.deepcopy(spec[k]) for k in render.RAY_JOB_MUTABLE if k in spec},
-            "status": copy.deepcopy(dict(body.get("status") or {}))}
+            "status": {k: copy.deepcopy(v) for k, v in st.items() if k != "rayClusterStatus"}}
 
 
 def ray_cluster(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,6 +124,7 @@ class Caches:
     def __init__(self) -> None:
         self.indexes: Mapping[str, Any] = {}
         self._overlay: dict[tuple[str, Hashable], tuple[float, dict[str, Any]]] = {}
+        self._last: dict[tuple[str, Hashable], dict[str, Any]] = {}  # each watched object's last projection
 
     def bind(self, indexes: Mapping[str, Any]) -> None:
         self.indexes = indexes
@@ -134,19 +138,34 @@ class Caches:
         """A write of ours: the object as written, or None for one we deleted (absent until the watch says so)."""
         self._overlay[(kind, key)] = (time.monotonic(), obj)
 
-    def seen(self, kind: str, key: Hashable, obj: Mapping[str, Any] | None, deleted: bool = False) -> None:
+    def seen(self, kind: str, key: Hashable, obj: Mapping[str, Any] | None, deleted: bool = False) -> bool:
         """A watch event of ``kind``/``key``: drop our remembered write once the watch caught up (or it is gone;
-        for a deletion of ours: once the watch shows it deleted or being deleted)."""
+        for a deletion of ours: once the watch shows it deleted or being deleted). True when the event is the echo
+        of our own write (the very resourceVersion we wrote: nothing changed since the reconcile that wrote it)."""
         held = self._overlay.get((kind, key))
         if held is None:
-            return
+            return False
         if held[1] is None:
             if deleted or ((obj or {}).get("metadata") or {}).get("deletionTimestamp"):
                 self._overlay.pop((kind, key), None)
-            return
+            return False
         mine, theirs = resource_version(held[1]), resource_version(obj)
         if deleted or mine is None or theirs is None or theirs >= mine:
             self._overlay.pop((kind, key), None)
+        return not deleted and mine is not None and theirs == mine
+
+    def changed(self, kind: str, key: Hashable, projection: Mapping[str, Any] | None) -> bool:
+        """Whether a watch event changed the object as the reconcile sees it (its projection, resourceVersion
+        aside); None for a deleted object. The first sight of an object is a change."""
+        if projection is None:
+            self._last.pop((kind, key), None)
+            return True
+        meta = {k: v for k, v in (projection.get("metadata") or {}).items() if k != "resourceVersion"}
+        essence = {**projection, "metadata": meta}
+        if self._last.get((kind, key)) == essence:
+            return False
+        self._last[(kind, key)] = essence
+        return True
 
     def _newest(self, kind: str, key: Hashable, indexed: dict[str, Any] | None) -> dict[str, Any] | None:
         held = self._overlay.get((kind, key))

@@ -152,23 +152,39 @@ def rlhf_workloads(body: kopf.Body, namespace: str, **_: Any) -> dict[Any, Any]:
 # ------------------------------------------------------------------------------------- triggers (events)
 @kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
 async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
-    CACHE.seen("job", (namespace, name), body, deleted=type == "DELETED")
-    if type == "DELETED":
+    deleted = type == "DELETED"
+    echo = CACHE.seen("job", (namespace, name), body, deleted=deleted)
+    changed = CACHE.changed("job", (namespace, name), None if deleted else cache.job(body))
+    if deleted:
         metrics.forget(namespace, name)
         forget(namespace, name)
         if QUEUE is not None:
             QUEUE.forget((namespace, name))
         return
+    if echo or not changed:
+        return  # our own status write coming back, or a change no reconcile reads (annotations, managed fields)
     # A job no reconcile has seen (no status yet) goes ahead of the others: it waits for its children.
     _add((namespace, name), urgent=not (body.get("status") or {}).get("phase"))
 
 
+#: The projection each child kind is cached as (see the indexes above).
+PROJECTIONS = {"RayJob": cache.ray_job, "RayCluster": cache.ray_cluster, "Pod": cache.pod,
+               "ConfigMap": cache.config_map, "ServiceAccount": cache.rbac_object, "Role": cache.rbac_object,
+               "RoleBinding": cache.rbac_object, "Workload": cache.workload}
+
+
 def _child_event(kind: str) -> Any:
+    project = PROJECTIONS[kind]
+
     async def on_event(type: str | None, body: kopf.Body, namespace: str, name: str, labels: dict[str, str],
                        **_: Any) -> None:
-        CACHE.seen(kind, (namespace, name), body, deleted=type == "DELETED")
+        deleted = type == "DELETED"
+        echo = CACHE.seen(kind, (namespace, name), body, deleted=deleted)
+        changed = CACHE.changed(kind, (namespace, name), None if deleted else project(body))
         job = labels.get(naming.LABEL_JOB) or cache.owner_name(body, "RayJob")
-        if job:
+        # Only a change the reconcile can see wakes it: a pod's status update outside its phase and scheduling,
+        # a RayJob's copy of its cluster's status, or our own write coming back change nothing it reads.
+        if job and changed and not echo:
             _add((namespace, job))
     return on_event
 

@@ -46,7 +46,9 @@ def test_each_transition_posts_one_event_and_reconciles_read_only_caches(cluster
                     "data": {"prompts.jsonl": '{"prompt": "1+1?"}\n'}}, namespace)
     wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running once the data exists")
 
-    # Many events of the job's children after it settled: pods annotated (each an event, each a reconcile).
+    # Many events of the job's children after it settled: pods annotated (events no reconcile reads: they wake
+    # none) and their PodScheduled condition touched (a field the reconcile reads: each wakes one, which finds
+    # nothing to do). Neither may make a request.
     core = client.CoreV1Api(api)
     start = last_audit_stamp(cluster)
     base = operator.reconciles(namespace, name)
@@ -54,6 +56,8 @@ def test_each_transition_posts_one_event_and_reconciles_read_only_caches(cluster
     for i in range(3):
         for p in pods:
             core.patch_namespaced_pod(p.metadata.name, namespace, {"metadata": {"annotations": {"test/poke": str(i)}}})
+            core.patch_namespaced_pod_status(p.metadata.name, namespace, {"status": {"conditions": [
+                {"type": "PodScheduled", "status": "True", "lastProbeTime": f"2026-01-01T00:00:0{i}Z"}]}})
         wait_for(lambda i=i: operator.reconciles(namespace, name) >= base + i + 1, 60, f"reconcile after poke {i}")
     theirs = [f"{e['verb']} {e['requestURI']}" for e in audit_since(cluster, start, namespace)
               if not (e["verb"] == "patch" and (e.get("objectRef") or {}).get("resource") == "pods")]  # our pokes

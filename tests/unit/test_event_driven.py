@@ -325,3 +325,31 @@ def test_no_change_detecting_handlers_so_the_empty_diff_base_is_safe() -> None:
     assert not list(registry._spawning.get_all_handlers())
     assert list(registry._watching.get_all_handlers()), "the event handlers are registered"
     assert handlers.NoDiffBase().build(body={"spec": {"a": 1}}) == {}
+
+
+def test_only_changes_a_reconcile_can_see_and_not_our_own_echo_wake_it() -> None:
+    c = cache.Caches()
+    pod = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "5", "labels": {"ray.io/node-type": "head"}},
+           "spec": {"containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}]},
+           "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]}}
+    assert c.changed("Pod", ("ns", "p"), cache.pod(pod))  # first sight
+    later = {**pod, "metadata": {**pod["metadata"], "resourceVersion": "6", "annotations": {"x": "y"}},
+             "status": {**pod["status"], "podIP": "10.0.0.1", "hostIP": "10.0.0.2"}}
+    assert not c.changed("Pod", ("ns", "p"), cache.pod(later)), "a field no reconcile reads woke it"
+    running = {**later, "status": {**later["status"], "phase": "Running"}}
+    assert c.changed("Pod", ("ns", "p"), cache.pod(running))
+    assert c.changed("Pod", ("ns", "p"), None)  # deleted
+
+    rj = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "7"}, "spec": {},
+          "status": {"jobDeploymentStatus": "Running", "rayClusterStatus": {"state": "ready"}}}
+    assert "rayClusterStatus" not in cache.ray_job(rj)["status"]
+    c.changed("RayJob", ("ns", "j"), cache.ray_job(rj))
+    copied = {**rj, "status": {**rj["status"], "rayClusterStatus": {"state": "ready", "endpoints": {"a": "1"}}}}
+    assert not c.changed("RayJob", ("ns", "j"), cache.ray_job(copied))
+
+    # our own write: its echo (the very resourceVersion) is ours; a newer one is somebody else's change
+    c.remember("job", ("ns", "a"), {"metadata": {"resourceVersion": "10"}})
+    assert c.seen("job", ("ns", "a"), {"metadata": {"resourceVersion": "10"}}) is True
+    c.remember("job", ("ns", "a"), {"metadata": {"resourceVersion": "12"}})
+    assert c.seen("job", ("ns", "a"), {"metadata": {"resourceVersion": "13"}}) is False
+    assert c.seen("job", ("ns", "b"), {"metadata": {"resourceVersion": "1"}}) is False  # nothing remembered
