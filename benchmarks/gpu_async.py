@@ -6,7 +6,7 @@ Builds a random-init model from a real config (``gpu_sync.MODELS``), runs ``--st
 ``--async-pause-after-tokens`` and batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``), and writes
 ``<out>/gpu_async_<engine>_<model>.json``: the fresh-engine validation, every step's sync stages (pause,
 transfer, resume), how many samples mixed old and new weights, and throughput. ``--engine`` picks the
-async engine (``RLHF_ASYNC_ENGINE``): ``stepped`` (in-process ``LLM`` stepped by the actor) or ``asyncllm``.
+async engine (``spec.rollout.asyncEngine``): ``stepped`` (in-process ``LLM`` stepped by the actor) or ``asyncllm``.
 
     source benchmarks/gpu_env.sh
     python3 benchmarks/gpu_async.py --kind nvidia-h200-x4 --out $OUT --engine stepped qwen2-0.5b
@@ -55,14 +55,15 @@ def main() -> int:
     }
     result["model"] = build_model(work / "model", args.model, gpu)
     spec = merge(base_spec(str(work / "model"), gpu), LAYOUTS["separate-nccl-async" if gpu else "cpu-gloo"])
-    spec = merge(spec, {"weightSync": {"mode": "async"}, "algorithm": {"steps": args.steps}})
+    spec = merge(spec, {"weightSync": {"mode": "async"}, "algorithm": {"steps": args.steps},
+                        "rollout": {"asyncEngine": args.engine}})
     from rlhf_api.models import RuntimeConfig
 
     cfg = RuntimeConfig(name="bench-async", namespace="bench", uid="bench", spec=spec)
     (work / "job.json").write_text(cfg.model_dump_json(by_alias=True))
     progress = work / "progress.jsonl"
     progress.unlink(missing_ok=True)
-    env = {**os.environ, **SAFE_ENV, "RLHF_ASYNC_ENGINE": args.engine}
+    env = {**os.environ, **SAFE_ENV}
     if gpu:  # batch-invariant kernels are Triton (GPU) kernels
         env["VLLM_BATCH_INVARIANT"] = "1"
     cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(work / "job.json"), "--local", "--no-report",

@@ -95,25 +95,27 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                      "rollout": {"engines": 2, "gpuMemoryUtilization": 0.05}},
 }
 
-#: Sender variants timed after the default one (vLLM 0.24 sender only; ``configure_sync`` options). The default
-#: is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22 evening: vLLM producer + checkpoint format).
+#: Sender variants timed after the default one (vLLM 0.24's runtime-driven sender only; ``configure_sync`` options
+#: of ``bench_actors.BenchTrainer``). The default is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22
+#: evening: vLLM producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the
+#: kernel format where its plan applies, else the checkpoint format.
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
         ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
         ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
-        ("kernel-format", {"producer": "runtime", "format": "kernel"}),
-        ("kernel-format-one-rpc", {"producer": "runtime", "format": "kernel", "rpc": "one"}),
-        ("kernel-format-256MB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 256 << 20}),
-        ("kernel-format-4GB", {"producer": "runtime", "format": "kernel", "bucket_bytes": 4 << 30}),
+        ("kernel-format", {"producer": "runtime", "format": "auto"}),
+        ("kernel-format-one-rpc", {"producer": "runtime", "format": "auto", "rpc": "one"}),
+        ("kernel-format-256MB", {"producer": "runtime", "format": "auto", "bucket_bytes": 256 << 20}),
+        ("kernel-format-4GB", {"producer": "runtime", "format": "auto", "bucket_bytes": 4 << 30}),
     ],
     "ipc": [
         ("packed", {"packed": True, "format": "checkpoint"}),
         ("unpacked", {"packed": False, "format": "checkpoint"}),
-        ("kernel-format-unpacked", {"packed": False, "format": "kernel"}),
-        ("kernel-format-packed-vllm", {"packed": True, "format": "kernel", "producer": "vllm"}),
-        ("kernel-format-packed", {"packed": True, "format": "kernel", "producer": "runtime", "ipc_wire": "packed"}),
-        ("kernel-format-views", {"packed": True, "format": "kernel", "producer": "runtime", "ipc_wire": "views"}),
-        ("kernel-format-views-one-rpc", {"packed": True, "format": "kernel", "producer": "runtime",
+        ("kernel-format-unpacked", {"packed": False, "format": "auto"}),
+        ("kernel-format-packed-vllm", {"packed": True, "format": "auto", "producer": "vllm"}),
+        ("kernel-format-packed", {"packed": True, "format": "auto", "producer": "runtime", "ipc_wire": "packed"}),
+        ("kernel-format-views", {"packed": True, "format": "auto", "producer": "runtime", "ipc_wire": "views"}),
+        ("kernel-format-views-one-rpc", {"packed": True, "format": "auto", "producer": "runtime",
                                          "ipc_wire": "views", "rpc": "one", "bucket_bytes": 4 << 30}),
     ],
 }
@@ -311,6 +313,7 @@ def save(result: dict[str, Any]) -> None:
 
 
 def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    import bench_actors
     import ray
     from transformers import AutoTokenizer
 
@@ -337,6 +340,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
     opts = Options(local=True, report=False, validate=True, progress_file=str(work / "progress.jsonl"))
     rt = Runtime(cfg, opts, Reporter(None, Metrics(cfg.name, cfg.namespace), opts.progress_file))
+    bench_actors.install(rt)  # engines with scramble_weights/load_stats, trainers with configure_sync
     rt.env.update(SAFE_ENV)
     rt.env.update(actor_env)
     if layout.endswith("async"):

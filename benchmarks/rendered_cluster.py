@@ -3,8 +3,7 @@
 For each layout (``separate-nccl``, ``colocated-ipc``; ``cpu-gloo`` as a CPU smoke test) this script
 
 1. builds a random-init model from a published config (``gpu_sync.MODELS``; no hub on the device) and an
-   RLHFJob spec for it (``gpu_sync.base_spec`` + the layout + ``RLHF_VALIDATE=1`` in ``spec.env``, and
-   ``spec.weightSync.validate`` when the API has that field);
+   RLHFJob spec for it (``gpu_sync.base_spec`` + the layout + ``spec.weightSync.validate: true``);
 2. renders it with the operator's own ``rlhf_operator.render.render_ray_job`` / ``render_config_map``;
 3. turns every pod the RayJob describes into the ``ray start`` command KubeRay v1.6.1 would put in that pod
    (``setMissingRayStartParams`` + ``generateRayStartCommand``: ``num-cpus`` from the container's CPU
@@ -246,8 +245,6 @@ def build_model_cached(name: str, path: Path, cpu: bool, env: dict[str, str]) ->
 def make_spec(layout: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
     from gpu_sync import base_spec, merge
 
-    from rlhf_api.models import WeightSync
-
     gpu = not args.cpu
     spec = merge(base_spec(model_path, gpu), LAYOUTS[layout])
     spec["image"] = "ghcr.io/rlhf-operator/runtime:0.1.0"  # stands for this host's Python (see gpu_env.sh)
@@ -256,9 +253,7 @@ def make_spec(layout: str, model_path: str, args: argparse.Namespace) -> dict[st
         spec["algorithm"]["promptsPerStep"] = args.prompts
     if args.max_tokens:
         spec["rollout"]["sampling"]["maxTokens"] = args.max_tokens
-    spec["env"] = [{"name": "RLHF_VALIDATE", "value": "1"}]
-    if any("validate" in (name, f.alias) for name, f in WeightSync.model_fields.items()):
-        spec["weightSync"]["validate"] = True  # the first-class field, where it has landed
+    spec["weightSync"]["validate"] = True
     return spec
 
 

@@ -208,6 +208,13 @@ class Rollout(Model):
         "engines x tensorParallelSize); each engine GPU holds its share of the experts and all engines step "
         "together. Dense models: leave false (engines are independent replicas).",
     )
+    async_engine: Literal["asyncllm", "stepped"] = Field(
+        "asyncllm",
+        description="weightSync.mode async only: the engine that can pause requests mid-generation. asyncllm: "
+        "vLLM's AsyncLLM (engine core in a subprocess). stepped: a vLLM LLM in the engine actor's own process, "
+        "stepped by the runtime (for machines where AsyncLLM's subprocess cannot start; no vLLM data "
+        "parallelism).",
+    )
     sampling: Sampling = sub(Sampling, "Sampling parameters for rollouts.")
     resources: Resources = sub(Resources, "CPU and memory per engine pod (separate placement).")
 
@@ -262,8 +269,15 @@ class WeightSync(Model):
         "8 prompts must equal, token for token, those of a fresh engine of the same shape loaded from the "
         "trainer's weights, else the job fails ('weight-sync validation failed'). Costs one full copy of the "
         "weights moved through Ray's object store to each validation engine's node and written to its local "
-        "temporary directory (removed afterwards), and the start of a fresh engine: minutes for large models. "
-        "Same as RLHF_VALIDATE=1 in spec.env.",
+        "temporary directory (removed afterwards), and the start of a fresh engine: minutes for large models.",
+    )
+    format: Literal["auto", "checkpoint", "kernel"] = Field(
+        "auto",
+        description="Layout of the weights sent. checkpoint: Hugging Face names and shapes, loaded by vLLM's "
+        "layerwise reload (any engine layout, any supported vLLM). kernel: the engines' own fused parameters "
+        "(e.g. qkv_proj), copied in place: faster, but only on vLLM 0.24 with tensorParallelSize 1 (and one "
+        "trainer GPU for ipc); elsewhere the job fails when its weight-sync group is set up, naming the reason. "
+        "auto: kernel where it applies, else checkpoint.",
     )
 
 
@@ -687,6 +701,11 @@ SPEC_RULES = [
         fieldPath=".weightSync.mode",
     ),
     cel(
+        "self.rollout.asyncEngine == 'asyncllm' || self.weightSync.mode == 'async'",
+        "rollout.asyncEngine 'stepped' applies to weightSync.mode 'async' only (sync mode runs vLLM's LLM)",
+        fieldPath=".rollout.asyncEngine",
+    ),
+    cel(
         "!self.rollout.expertParallel || self.weightSync.mode == 'sync'",
         "rollout.expertParallel needs weightSync.mode 'sync': expert-parallel engines step together and cannot be "
         "paused one by one",
@@ -976,6 +995,8 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("reward", "ruleWeight"), 1.0),
     (("reward", "normalize"), "none"),
     (("reference",), Reference().wire()),
+    (("weightSync", "format"), "auto"),
+    (("rollout", "asyncEngine"), "asyncllm"),
 )
 
 

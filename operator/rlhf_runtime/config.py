@@ -102,7 +102,7 @@ def actor_env(spec: RLHFJobSpec, gpu: bool) -> dict[str, str]:
 
 
 def validation_enabled(spec: RLHFJobSpec, flag: bool) -> bool:
-    """Validation mode: ``spec.weightSync.validate`` or the ``--validate`` flag / ``RLHF_VALIDATE=1``."""
+    """Validation mode: ``spec.weightSync.validate`` or the driver's ``--validate`` flag."""
     return spec.weight_sync.validate_ or flag
 
 

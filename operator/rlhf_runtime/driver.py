@@ -5,8 +5,8 @@ Invocation::
     python -m rlhf_runtime.driver --config /etc/rlhf/job.json      # or RLHF_JOB_CONFIG; console: rlhf-runtime
         [--local] [--num-cpus N]           # own local Ray instead of ray.init(address="auto")
         [--kubeconfig PATH | --no-report]  # status reports (default: in-cluster config)
-        [--validate] [--debug-skip-tensor NAME]
-        [--progress-file PATH] [--metrics-port PORT] [--async-pause-after-tokens N]
+        [--validate] [--debug-skip-tensor NAME] [--async-pause-after-tokens N]    # tests and benchmarks
+        [--progress-file PATH] [--metrics-port PORT]   # or RLHF_PROGRESS_FILE / RLHF_METRICS_PORT (operator wiring)
 
 Without ``--local`` the driver joins the Ray cluster it runs in; if none is reachable it starts a local one.
 
@@ -16,11 +16,12 @@ always before the first rollout of a run, since engines start with dummy weights
 advantages -> one trainer update -> checkpoint if due -> report. In ``async`` mode the rollout of the next
 step runs on ``AsyncLLM`` engines while the trainer trains; the sync pauses those requests mid-generation
 (``pause_generation(mode="keep")``), swaps the weights and resumes them, and every sample records how many of
-its tokens came before the swap. RLHF_ASYNC_ENGINE=stepped runs async mode on ``SteppedEngine`` instead,
-which steps an in-process vLLM ``LLM`` itself (for machines where AsyncLLM's engine-core subprocess cannot
-start); the default, ``asyncllm``, is ``AsyncEngine``. Colocated engines sleep while the trainer trains
-(level 2, weights discarded, when a full sync follows the wake; level 1 otherwise, or with
-RLHF_COLOCATED_SLEEP_LEVEL=1) and wake weights -> sync -> wake KV cache (GPU; CPU vLLM ignores sleep).
+its tokens came before the swap. ``spec.rollout.asyncEngine: stepped`` runs async mode on ``SteppedEngine``
+instead, which steps an in-process vLLM ``LLM`` itself (for machines where AsyncLLM's engine-core subprocess
+cannot start); the default, ``asyncllm``, is ``AsyncEngine`` (``engine_api.engine_class``; every engine class
+implements ``engine_api.RolloutEngine``). Colocated engines sleep while the trainer trains (level 2, weights
+discarded, when a full sync follows the wake; level 1 otherwise) and wake weights -> sync -> wake KV cache
+(GPU; CPU vLLM ignores sleep).
 
 Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
@@ -34,7 +35,7 @@ switches its rollouts to it under a new LoRA id. No weight-transfer group is mad
 still zero there) and again after the last step (the trained adapter; the exported model when ``spec.output``
 is set).
 
-Validation (``spec.weightSync.validate``, ``--validate`` or RLHF_VALIDATE=1): after the first sync, every engine's
+Validation (``spec.weightSync.validate`` or ``--validate``): after the first sync, every engine's
 greedy output for the first prompts must equal, token for token, that of a fresh engine of the same shape
 loaded from the trainer's weights; engines of an expert-parallel DP group are compared rank by rank with a
 fresh DP group. Otherwise the run fails with "weight-sync validation failed". The weights reach each fresh
@@ -98,6 +99,7 @@ from rlhf_runtime import advantages as adv_plan
 from rlhf_runtime import config as rc
 from rlhf_runtime import node_files
 from rlhf_runtime.data import load_eval_samples, load_samples, render_prompt, step_batch
+from rlhf_runtime.engine_api import RolloutEngine, engine_class
 from rlhf_runtime.placement import ActorPlacement, compute_layout, spread
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, now_rfc3339
 from rlhf_runtime.rewards import combine, endpoint_rewards, make_reward, normalize
@@ -235,16 +237,15 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: one per actor + 1)")
     p.add_argument("--kubeconfig", help="report through this kubeconfig instead of the in-cluster config")
     p.add_argument("--no-report", action="store_true", help="do not patch the RLHFJob status")
-    p.add_argument("--validate", action="store_true", default=os.environ.get("RLHF_VALIDATE") == "1",
-                   help="validate the first weight sync (also spec.weightSync.validate, RLHF_VALIDATE=1)")
-    p.add_argument("--debug-skip-tensor", default=os.environ.get("RLHF_DEBUG_SKIP_TENSOR"),
+    p.add_argument("--validate", action="store_true",
+                   help="validate the first weight sync (also spec.weightSync.validate)")
+    p.add_argument("--debug-skip-tensor",
                    help="debug: leave this tensor out of every weight sync (LoRA: every adapter tensor whose name "
                    "contains it)")
     p.add_argument("--progress-file", default=os.environ.get("RLHF_PROGRESS_FILE"))
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("RLHF_METRICS_PORT", "0")))
-    p.add_argument("--async-pause-after-tokens", type=int,
-                   default=int(os.environ.get("RLHF_ASYNC_PAUSE_AFTER_TOKENS", "0")),
-                   help="async mode: before a sync, wait until a live sample has this many tokens")
+    p.add_argument("--async-pause-after-tokens", type=int, default=0,
+                   help="async mode (tests, benchmarks): before a sync, wait until a live sample has this many tokens")
     a = p.parse_args(argv)
     return Options(a.config, a.local, a.num_cpus, a.kubeconfig, not a.no_report, a.validate,
                    a.debug_skip_tensor, a.progress_file, a.metrics_port, a.async_pause_after_tokens)
@@ -286,7 +287,10 @@ class Runtime:
         self.param_bytes = 0  # the policy's full weights (Trainer.info), beside an adapter sync's bytes
         self.pgs: list[Any] = []
         self.trainers: list[Any] = []
-        self.engines: list[Any] = []
+        #: every engine actor serves ``engine_api.RolloutEngine`` (``PausableEngine`` in async mode)
+        self.engine_class: type[RolloutEngine] = engine_class(self.async_mode, self.spec.rollout.async_engine)
+        self.engines: list[Any] = []  # Ray actor handles of ``engine_class``
+        self.trainer_class: type | None = None  # None: ``rlhf_runtime.trainer.Trainer``
         self.engine_kwargs: list[dict[str, Any]] = []
         self.asleep = False  # colocated engines sleep while the trainer trains
         self.dp_address: tuple[str, int] | None = None
@@ -307,7 +311,7 @@ class Runtime:
     def connect(self) -> None:
         import ray
 
-        env = {"env_vars": {**self.env, **{k: v for k, v in os.environ.items() if k.startswith("RLHF_")}}}
+        env = {"env_vars": dict(self.env)}
         if not self.opts.local:
             try:
                 ray.init(address="auto", runtime_env=env, log_to_driver=True)
@@ -385,13 +389,14 @@ class Runtime:
 
         from rlhf_runtime.trainer import Trainer
 
+        trainer_class = self.trainer_class or Trainer
         cfg_json = self.cfg.model_dump_json(by_alias=True)
         n = len(self.layout.trainers)
         addr = port = None
         if n > 1:  # torch.distributed rendezvous: rank 0 listens on its own node (not the driver's head pod)
             addr, port = self._address_on(self.layout.trainers[0])
         for rank, a in enumerate(self.layout.trainers):
-            actor = ray.remote(Trainer).options(
+            actor = ray.remote(trainer_class).options(
                 num_cpus=a.num_cpus, num_gpus=a.num_gpus, scheduling_strategy=self._strategy(a.group, a.bundle),
                 runtime_env={"env_vars": {**self.env, **a.env}},
             ).remote(cfg_json, rank, n, addr, port)
@@ -442,13 +447,9 @@ class Runtime:
         """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
         import ray
 
-        from rlhf_runtime.engines import Engine
-        from rlhf_runtime.stepped_engine import async_engine_class
-
-        cls = async_engine_class() if self.async_mode else Engine
         e = self.layout.engines[i]
         env = {**self.env, **e.env, **(self._dp_env(i, self.dp_address) if self.dp_address else {})}
-        return ray.remote(cls).options(
+        return ray.remote(self.engine_class).options(
             num_cpus=e.num_cpus, num_gpus=e.num_gpus, scheduling_strategy=self._strategy(e.group, e.bundle),
             runtime_env={"env_vars": env}, max_concurrency=16 if self.async_mode else 1,
         ).remote(self.engine_kwargs[i], env)
@@ -552,7 +553,7 @@ class Runtime:
         not bring the base weights back). Returns the seconds it took."""
         t = time.perf_counter()
         full = next_syncs and not self.lora
-        level = 2 if full and os.environ.get("RLHF_COLOCATED_SLEEP_LEVEL", "auto") == "auto" else 1
+        level = 2 if full else 1
         self._get([e.sleep.remote(level) for e in self.engines], f"sleep of {self._engines_desc()}")
         self.asleep = True
         return time.perf_counter() - t
@@ -789,7 +790,6 @@ class Runtime:
         start when free < gpu_memory_utilization x total)."""
         import ray
 
-        from rlhf_runtime.engines import Engine
         from rlhf_runtime.placement import VALIDATION_SHARE
 
         kw = dict(self.engine_kwargs[i], model=str(path), load_format="auto")
@@ -806,7 +806,7 @@ class Runtime:
             if dev.get("total"):
                 share = math.floor(dev["free"] / dev["total"] * 90) / 100
                 kw["gpu_memory_utilization"] = min(kw["gpu_memory_utilization"], share)
-        return ray.remote(Engine).options(
+        return ray.remote(engine_class(async_mode=False)).options(
             num_cpus=0, num_gpus=0, scheduling_strategy=self._strategy(e.group, e.bundle),
             runtime_env={"env_vars": env},
         ).remote(kw, env)

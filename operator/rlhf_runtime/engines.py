@@ -1,10 +1,12 @@
 """vLLM engines as Ray actors: ``Engine`` (sync ``LLM``) and ``AsyncEngine`` (``AsyncLLM``, for
 ``weightSync.mode: async``).
 
-Both expose the same weight-transfer surface (``init_weight_transfer_engine(init_info)``,
-``start_weight_update()``, ``update_weights(update_info)``, ``finish_weight_update()``) with plain dicts, and
-hide vLLM's version differences: 0.24's ``start_weight_update`` needs ``is_checkpoint_format=True``, 0.32's
-takes nothing (checked on the signature). Results come back as plain lists, not vLLM objects.
+Both implement ``rlhf_runtime.engine_api.RolloutEngine`` (the weight-transfer surface
+``init_weight_transfer_engine(init_info)``, ``start_weight_update(checkpoint_format)``,
+``update_weights(update_info)``, ``finish_weight_update()``, and ``generate``) with plain dicts; vLLM's version
+differences are ``rlhf_runtime.vllm_compat``'s (e.g. whether ``start_weight_update`` takes
+``is_checkpoint_format``). Results come back as plain lists, not vLLM objects. An unsupported vLLM is refused
+when the engine starts (``vllm_compat.require_supported_vllm``).
 
 After every weight update the prefix cache is reset before the next ``generate`` (its KV blocks were
 computed with the old weights; a cached prefix would also take a different prefill path than a fresh
@@ -26,12 +28,13 @@ Import only inside Ray actors (the module imports nothing heavy at import time; 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import shutil
 import tempfile
 import time
 from typing import Any
+
+from rlhf_runtime import vllm_compat
 
 
 def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
@@ -46,8 +49,9 @@ def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
 def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import WeightTransferConfig
 
-    from rlhf_runtime import vllm_plugin
+    from rlhf_runtime import vllm_compat, vllm_plugin
 
+    vllm_compat.require_supported_vllm()  # a clear error before vLLM builds anything
     vllm_plugin.register()  # in-process engines (uni executor) do not always load plugins before use
     kw = dict(kwargs)
     kw["weight_transfer_config"] = WeightTransferConfig(backend=kw.pop("weight_transfer_backend"))
@@ -63,30 +67,6 @@ def _worker_param_layout(worker: Any) -> dict[str, Any]:
         "packed_modules_mapping": {k: list(v) for k, v in dict(mapping).items()},
         "world_size": worker.vllm_config.parallel_config.world_size,
     }
-
-
-def _worker_time_loads(worker: Any, reset: bool = False) -> dict[str, float]:
-    """(collective_rpc) Wrap the model's ``load_weights`` once with a host-side timer; return and reset the
-    accumulated seconds and calls (the time vLLM's receive path spends in ``load_weights``)."""
-    model = worker.model_runner.model
-    stats = model.__dict__.get("_rlhf_load_stats")
-    if stats is None:
-        stats = model.__dict__["_rlhf_load_stats"] = {"load_s": 0.0, "calls": 0}
-        original = model.load_weights
-
-        def timed(weights: Any, *args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return original(weights, *args, **kwargs)
-            finally:
-                stats["load_s"] += time.perf_counter() - t
-                stats["calls"] += 1
-
-        model.__dict__["load_weights"] = timed
-    out = dict(stats)
-    if reset:
-        stats.update(load_s=0.0, calls=0)
-    return out
 
 
 def _worker_memory(worker: Any) -> tuple[int, int]:
@@ -112,21 +92,6 @@ def _worker_freeze(worker: Any) -> int:
         if p.requires_grad:
             p.requires_grad_(False)
             n += 1
-    return n
-
-
-def _worker_scramble(worker: Any, seed: int = 0) -> int:
-    """(collective_rpc, benchmarks/debugging) Overwrite every parameter with noise: a sync that misses a
-    tensor then shows in the greedy tokens. Returns the number of parameters touched."""
-    import torch
-
-    gen = torch.Generator(device=next(worker.model_runner.model.parameters()).device).manual_seed(seed)
-    n = 0
-    with torch.no_grad():
-        for p in worker.model_runner.model.parameters():
-            if p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * 0.02)
-                n += 1
     return n
 
 
@@ -163,8 +128,7 @@ class Engine:
         t = time.perf_counter()
         self.llm = LLM(**_llm_args(kwargs))
         self.start_seconds = time.perf_counter() - t
-        params = inspect.signature(self.llm.start_weight_update).parameters
-        self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
+        self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
         self._stale_cache = False  # prefix-cache KV computed with weights that a sync has since replaced
         self._update_open = False  # between start_weight_update and finish_weight_update
         self.lora_request: Any = None  # LoRA: the adapter every generate uses (load_adapter)
@@ -224,27 +188,14 @@ class Engine:
             with contextlib.suppress(Exception):
                 self.llm.finish_weight_update()
             self._update_open = False
+        kwargs = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
         if not checkpoint_format:
             self.llm.collective_rpc(_worker_freeze)
-        self.llm.start_weight_update(**self._start_args(checkpoint_format))
+        self.llm.start_weight_update(**kwargs)
         self._update_open = True
-
-    def _start_args(self, checkpoint_format: bool) -> dict[str, Any]:
-        if not self._start_kwargs:
-            if not checkpoint_format:
-                raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
-            return {}
-        return {"is_checkpoint_format": checkpoint_format}
 
     def param_layout(self) -> dict[str, Any]:
         return self.llm.collective_rpc(_worker_param_layout)[0]
-
-    def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        """Per worker: seconds spent in ``model.load_weights`` since the last reset (installs the timer)."""
-        return self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset})
-
-    def scramble_weights(self, seed: int = 0) -> list[int]:
-        return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
     def device_info(self) -> dict[str, Any]:
         """(GPU) The actor's visible GPUs and the least free/total memory over its workers' GPUs."""
@@ -268,10 +219,6 @@ class Engine:
         self.llm.finish_weight_update()
         self._stale_cache = True  # reset before the next generate (keeps the reset out of the sync's time)
 
-    def reset_prefix_cache(self) -> bool:
-        self._stale_cache = False
-        return bool(self.llm.reset_prefix_cache())
-
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
 
@@ -290,8 +237,7 @@ class AsyncEngine:
         t = time.perf_counter()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**_llm_args(kwargs)))
         self.start_seconds = time.perf_counter() - t
-        params = inspect.signature(self.llm.start_weight_update).parameters
-        self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
+        self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
         self._stale_cache = False  # see Engine
         self.version = 0  # bumped by resume() after a swap
         self._paused = False
@@ -362,20 +308,13 @@ class AsyncEngine:
         await self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
     async def start_weight_update(self, checkpoint_format: bool = True) -> None:
-        if not checkpoint_format and not self._start_kwargs:
-            raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
+        kwargs = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
         if not checkpoint_format:
             await self.llm.collective_rpc(_worker_freeze)
-        await self.llm.start_weight_update(**({"is_checkpoint_format": checkpoint_format} if self._start_kwargs else {}))
+        await self.llm.start_weight_update(**kwargs)
 
     async def param_layout(self) -> dict[str, Any]:
         return (await self.llm.collective_rpc(_worker_param_layout))[0]
-
-    async def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        return await self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset})
-
-    async def scramble_weights(self, seed: int = 0) -> list[int]:
-        return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
     async def device_info(self) -> dict[str, Any]:
         """(GPU) See ``Engine.device_info``."""
@@ -390,10 +329,6 @@ class AsyncEngine:
     async def finish_weight_update(self) -> None:
         await self.llm.finish_weight_update()
         self._stale_cache = True
-
-    async def reset_prefix_cache(self) -> bool:
-        self._stale_cache = False
-        return bool(await self.llm.reset_prefix_cache())
 
     async def sleep(self, level: int) -> None:
         await self.llm.sleep(level=level)

@@ -37,12 +37,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-try:  # vLLM >= 0.28 has a trainer-side engine API; 0.24 does not (the runtime then drives the round trip).
-    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from rlhf_runtime import vllm_compat
 
-    HAS_TRAINER_API = True
-except ImportError:  # pragma: no cover - GPU image (vLLM 0.24)
-    HAS_TRAINER_API = False
+#: vLLM >= 0.28 has a trainer-side engine API (the trainer side below); 0.24 does not (the runtime then drives the
+#: round trip itself, ``weight_sync.RuntimeDrivenSender``, which has no gloo path).
+HAS_TRAINER_API = vllm_compat.has_trainer_api()
+if HAS_TRAINER_API:
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -285,9 +286,9 @@ if HAS_TRAINER_API:
             return engine
 
         def send_weights(self) -> None:
-            meta = self.source.metadata()
+            meta = vllm_compat.source_metadata(self.source)
             if not self.is_sender:
-                for _ in self.source:
+                for _ in vllm_compat.source_tensors(self.source):
                     pass
                 return
             update = GlooWeightTransferUpdateInfo(
@@ -299,7 +300,8 @@ if HAS_TRAINER_API:
             exe = ThreadPoolExecutor(max_workers=1)
             try:
                 fut = exe.submit(self.client.update_weights, asdict(update))
-                self.bytes_sent = send(self.group, iter(self.source), self.packed, self.bucket_bytes)
+                self.bytes_sent = send(self.group, vllm_compat.source_tensors(self.source), self.packed,
+                                      self.bucket_bytes)
                 fut.result()
             finally:
                 exe.shutdown(wait=False)
@@ -320,6 +322,6 @@ def register() -> None:
     with _lock:
         if BACKEND not in factory.WeightTransferEngineFactory._registry:
             factory.WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-        trainer_factory = getattr(factory, "WeightTransferTrainerFactory", None)
+        trainer_factory = vllm_compat.trainer_factory()
         if HAS_TRAINER_API and trainer_factory is not None and BACKEND not in trainer_factory._registry:
             trainer_factory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)

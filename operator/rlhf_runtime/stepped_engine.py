@@ -18,14 +18,13 @@ V1 ``LLMEngine`` itself (``add_request`` / ``step`` / ``has_unfinished_requests`
 Not supported: vLLM data parallelism (``VLLM_DP_SIZE`` > 1, expert-parallel DP groups), whose ranks would
 have to pause at the same step.
 
-Selected by ``RLHF_ASYNC_ENGINE=stepped`` (``async_engine_class``). Import only inside Ray actors, like
-``engines`` (vLLM is imported in ``__init__``).
+Selected by ``spec.rollout.asyncEngine: stepped`` (``engine_api.engine_class``). Import only inside Ray actors,
+like ``engines`` (vLLM is imported in ``__init__``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import queue
 import threading
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from rlhf_runtime import vllm_compat
 from rlhf_runtime.engines import (
     _device_info,
     _llm_args,
@@ -42,24 +42,8 @@ from rlhf_runtime.engines import (
     _worker_freeze,
     _worker_memory,
     _worker_param_layout,
-    _worker_scramble,
-    _worker_time_loads,
     update_round_async,
 )
-
-#: Which engine async mode uses: ``asyncllm`` (``engines.AsyncEngine``, the default) or ``stepped``.
-ASYNC_ENGINE_ENV = "RLHF_ASYNC_ENGINE"
-
-
-def async_engine_class(name: str | None = None) -> type:
-    """The async-mode engine actor class ``name`` (default: ``$RLHF_ASYNC_ENGINE``, else ``asyncllm``)."""
-    from rlhf_runtime.engines import AsyncEngine
-
-    name = name if name is not None else os.environ.get(ASYNC_ENGINE_ENV, "asyncllm")
-    classes: dict[str, type] = {"asyncllm": AsyncEngine, "stepped": SteppedEngine}
-    if name not in classes:
-        raise ValueError(f"{ASYNC_ENGINE_ENV}={name!r}: expected one of {', '.join(classes)}")
-    return classes[name]
 
 
 class _Request:
@@ -116,8 +100,8 @@ class SteppedEngine:
 
         self.llm = LLM(**_llm_args(kwargs))
         self.engine = self.llm.llm_engine
-        self.core = getattr(self.engine.engine_core, "engine_core", None)  # InprocClient -> EngineCore
-        if self.core is None or not hasattr(self.core, "pause_scheduler"):
+        self.core = vllm_compat.inprocess_core(self.engine)
+        if self.core is None:
             raise RuntimeError(
                 "SteppedEngine needs vLLM's in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
@@ -125,8 +109,7 @@ class SteppedEngine:
             raise NotImplementedError(
                 "SteppedEngine does not support vLLM data parallelism (VLLM_DP_SIZE > 1)"
             )
-        params = inspect.signature(self.llm.start_weight_update).parameters
-        self._start_kwargs = {"is_checkpoint_format": True} if "is_checkpoint_format" in params else {}
+        self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
 
     def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -194,7 +177,7 @@ class SteppedEngine:
     def _drain(self) -> None:
         """Collect the batch that async scheduling keeps in flight after a step. Only while the scheduler
         schedules nothing new (paused, or no unfinished request): then the queue empties."""
-        while getattr(self.core, "batch_queue", None):
+        while vllm_compat.batches_in_flight(self.core):
             self._dispatch(self.engine.step())
 
     def _maybe_reset_cache(self) -> None:
@@ -258,10 +241,6 @@ class SteppedEngine:
         self.llm.finish_weight_update()
         self._stale_cache = True  # reset before the next generate (keeps the reset out of the sync's time)
 
-    def _reset_prefix_cache(self) -> bool:
-        self._stale_cache = False
-        return bool(self.engine.reset_prefix_cache())
-
     def _sleep(self, level: int) -> None:
         # vLLM's sleep aborts in-flight requests (as AsyncLLM.sleep does): end them with what they have.
         if self._live:
@@ -309,21 +288,13 @@ class SteppedEngine:
         await self._call(self.llm.init_weight_transfer_engine, {"init_info": init_info})
 
     async def start_weight_update(self, checkpoint_format: bool = True) -> None:
-        if not checkpoint_format and not self._start_kwargs:
-            raise ValueError("this vLLM has no kernel-format weight updates (is_checkpoint_format)")
+        kw = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
         if not checkpoint_format:
             await self._call(self.llm.collective_rpc, _worker_freeze)
-        kw = {"is_checkpoint_format": checkpoint_format} if self._start_kwargs else {}
         await self._call(self.llm.start_weight_update, **kw)
 
     async def param_layout(self) -> dict[str, Any]:
         return (await self._call(self.llm.collective_rpc, _worker_param_layout))[0]
-
-    async def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        return await self._call(self.llm.collective_rpc, _worker_time_loads, kwargs={"reset": reset})
-
-    async def scramble_weights(self, seed: int = 0) -> list[int]:
-        return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
 
     async def device_info(self) -> dict[str, Any]:
         """(GPU) See ``engines.Engine.device_info``."""
@@ -337,9 +308,6 @@ class SteppedEngine:
 
     async def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
         return await update_round_async(self, update_info, checkpoint_format)
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self._call(self._reset_prefix_cache)
 
     async def sleep(self, level: int) -> None:
         await self._call(self._sleep, level)

@@ -42,7 +42,7 @@ import torch
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import checkpoint as ckpt
 from rlhf_runtime import lora as lora_mod
-from rlhf_runtime import node_files
+from rlhf_runtime import node_files, vllm_compat
 from rlhf_runtime.algorithms import policy_loss
 from rlhf_runtime.grpo import token_logprobs
 from rlhf_runtime.roles import (
@@ -67,14 +67,10 @@ def match_engine_nccl_settings() -> bool:
     them once per process). Returns whether they were applied."""
     if os.environ.get("VLLM_BATCH_INVARIANT", "0") in ("", "0"):
         return False
-    try:  # vLLM 0.24
-        from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
-    except ImportError:
-        try:  # vLLM >= 0.28
-            from vllm.model_executor.determinism.batch_invariant import override_envs_for_invariance
-        except ImportError:
-            return False
-    override_envs_for_invariance()
+    override = vllm_compat.batch_invariance_env_override()
+    if override is None:
+        return False
+    override()
     return True
 
 
@@ -163,10 +159,11 @@ class Trainer:
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
         # vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
         # in the first init_weight_sync (bounded by weightSync.timeoutSeconds, which is for the transfer itself)
-        from rlhf_runtime import vllm_plugin, weight_sync
+        from rlhf_runtime import vllm_plugin, weight_sync  # noqa: F401 - loaded here, not in the first sync
 
+        vllm_compat.require_supported_vllm()
         vllm_plugin.register()
-        weight_sync.vllm_has_trainer_api()
+        vllm_compat.has_trainer_api()
         # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
                                if ".lora_" not in n)
@@ -199,9 +196,7 @@ class Trainer:
         by (the pod IP), not vLLM's ``get_ip``, which asks the route to a public address and, in a pod
         without one, falls back to 0.0.0.0 (the engines then dial themselves and the first sync hangs)."""
         from ray.util import get_node_ip_address
-        from vllm.utils.network_utils import get_open_port
-
-        return get_node_ip_address(), get_open_port()
+        return get_node_ip_address(), vllm_compat.open_port()
 
     # ----------------------------------------------------------------------------------- weight sync
     def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool,
@@ -218,15 +213,8 @@ class Trainer:
                 "trainer_world": self.world_size, "timeout_s": timeout}
         source = ParamSource(self.model, self.dtype, set(skip or []))
         self.sender = None
-        self.sender = make_sender(backend, EngineFanOut(handles, worlds, timeout), source, init)
-
-    def configure_sync(self, **options: Any) -> dict[str, Any]:
-        """Sender options for later syncs (vLLM 0.24 sender: ``producer``, ``format``, ``packed``,
-        ``bucket_bytes``); returns the options in force."""
-        configure = getattr(self.sender, "configure", None)
-        if configure is None:
-            return {"unsupported": sorted(options)}
-        return configure(**options)
+        self.sender = make_sender(backend, EngineFanOut(handles, worlds, timeout), source, init,
+                                  self.spec.weight_sync.format)
 
     def sync_weights(self) -> dict[str, float]:
         if self.device.type == "cuda":

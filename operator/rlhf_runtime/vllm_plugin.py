@@ -15,11 +15,12 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             "gloo", "rlhf_runtime.gloo_transfer", "GlooWeightTransferEngine"
         )
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    except ImportError:  # vLLM < 0.28: no trainer-side factory
+    from rlhf_runtime import vllm_compat
+
+    trainer_factory = vllm_compat.trainer_factory()
+    if trainer_factory is None:  # vLLM 0.24: no trainer-side factory
         return
-    if "gloo" not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(
+    if "gloo" not in trainer_factory._registry:
+        trainer_factory.register_engine(
             "gloo", "rlhf_runtime.gloo_transfer", "GlooTrainerWeightTransferEngine"
         )

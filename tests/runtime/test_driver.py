@@ -41,10 +41,10 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:
     # two engines (DP=2, one gloo group of 3 ranks): validation compares every engine with a fresh one;
-    # turned on by the spec field alone (no --validate, no RLHF_VALIDATE)
+    # turned on by the spec field alone (no --validate)
     spec = job_config(tiny_model, algorithm={"steps": 2}, rollout={"engines": 2}, weightSync={"validate": True})
     cfg = write_config(tmp_path / "job.json", spec)
-    run = start_driver(tmp_path, cfg, "--debug-skip-tensor", "lm_head.weight", env={"RLHF_VALIDATE": "0"})
+    run = start_driver(tmp_path, cfg, "--debug-skip-tensor", "lm_head.weight")
     assert run.wait(timeout=300) == 3, run.tail()
     records = run.records()
     validation = [r["validation"] for r in records if "validation" in r]
@@ -104,12 +104,11 @@ def test_async_mode_pauses_mid_request_and_matches_fresh_engine(
         # Few, long samples: decoding them takes far longer than training on them, so the next rollout is
         # still running when the trainer finishes and the sync has to pause it mid-request.
         algorithm={"steps": 4, "promptsPerStep": 4},
-        rollout={"maxModelLen": 200, "sampling": {"temperature": 1.0, "maxTokens": 160, "samplesPerPrompt": 2}},
+        rollout={"maxModelLen": 200, "asyncEngine": engine,
+                 "sampling": {"temperature": 1.0, "maxTokens": 160, "samplesPerPrompt": 2}},
     )
     cfg = write_config(tmp_path / "job.json", spec)
-    run = start_driver(
-        tmp_path, cfg, "--validate", "--async-pause-after-tokens", "4", env={"RLHF_ASYNC_ENGINE": engine}
-    )
+    run = start_driver(tmp_path, cfg, "--validate", "--async-pause-after-tokens", "4")
     assert run.wait(timeout=300) == 0, run.tail()
     actor = {"asyncllm": "AsyncEngine", "stepped": "SteppedEngine"}[engine]
     assert f"({actor} pid=" in run.log.read_text(errors="replace")  # Ray's log prefix: the engine that ran

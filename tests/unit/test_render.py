@@ -349,6 +349,23 @@ def test_job_json_leaves_out_operator_only_fields_and_new_defaults() -> None:
     assert m.RuntimeConfig.model_validate(payload).spec.weight_sync.validate_ is True
 
 
+def test_weight_format_and_async_engine_reach_job_json_only_when_set() -> None:
+    """``weightSync.format`` and ``rollout.asyncEngine`` (issue 16, replacing RLHF_* variables) stay out of
+    job.json at their defaults, so an older runtime image still runs every job that does not ask for them."""
+    job = job_of(REPO / "crds/samples/async-pause-resume.yaml")
+    payload = json.loads(render.render_config_map(job)["data"][naming.CONFIG_KEY])
+    assert "format" not in payload["spec"]["weightSync"] and "asyncEngine" not in payload["spec"]["rollout"]
+    spec = job.spec.model_copy(update={
+        "weight_sync": job.spec.weight_sync.model_copy(update={"format": "checkpoint"}),
+        "rollout": job.spec.rollout.model_copy(update={"async_engine": "stepped"})})
+    payload = json.loads(render.render_config_map(render.Job(job.name, job.namespace, job.uid, spec))["data"][
+        naming.CONFIG_KEY])
+    assert payload["spec"]["weightSync"]["format"] == "checkpoint"
+    assert payload["spec"]["rollout"]["asyncEngine"] == "stepped"
+    cfg = m.RuntimeConfig.model_validate(payload)
+    assert (cfg.spec.weight_sync.format, cfg.spec.rollout.async_engine) == ("checkpoint", "stepped")
+
+
 def test_runtime_ignores_and_names_fields_a_newer_operator_adds() -> None:
     job = job_of(REPO / "crds/samples/async-pause-resume.yaml")
     payload = json.loads(render.render_config_map(job)["data"][naming.CONFIG_KEY])

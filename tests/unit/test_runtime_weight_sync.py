@@ -1,4 +1,4 @@
-"""Weight-sync sender parts that run without a GPU: the sender options, and ``IPCBufferProducer`` (the runtime's
+"""Weight-sync sender parts that run without a GPU: the sender options and weight format, and ``IPCBufferProducer`` (the runtime's
 CUDA-IPC sender) on CPU tensors: chunking, both wire formats read back
 through vLLM's own unpacking, buffers reused across syncs and never overwritten before the engine read them.
 
@@ -104,15 +104,33 @@ def test_unknown_wire_is_refused() -> None:
         prod.send(iter(_stream(0)), lambda info: info, wire="pickle")
 
 
-def test_sender_options_from_the_environment(monkeypatch) -> None:
-    from rlhf_runtime.weight_sync import DEFAULT_OPTIONS, _env_options
+def test_default_options_are_the_validated_fast_path() -> None:
+    from rlhf_runtime.weight_sync import DEFAULT_OPTIONS
 
-    for k in ("RLHF_WEIGHT_SYNC_FORMAT", "RLHF_WEIGHT_SYNC_PRODUCER", "RLHF_WEIGHT_SYNC_RPC"):
-        monkeypatch.delenv(k, raising=False)
-    assert _env_options() == DEFAULT_OPTIONS == {"producer": "runtime", "format": "kernel", "rpc": "one"}
-    monkeypatch.setenv("RLHF_WEIGHT_SYNC_RPC", "three")
-    monkeypatch.setenv("RLHF_WEIGHT_SYNC_FORMAT", "checkpoint")
-    assert _env_options() == {"producer": "runtime", "format": "checkpoint", "rpc": "three"}
-    monkeypatch.setenv("RLHF_WEIGHT_SYNC_RPC", "two")
-    with pytest.raises(ValueError, match="RLHF_WEIGHT_SYNC_RPC must be one or three"):
-        _env_options()
+    assert DEFAULT_OPTIONS == {"producer": "runtime", "format": "auto", "rpc": "one"}
+
+
+def test_effective_format_follows_the_request_and_the_plan() -> None:
+    from rlhf_runtime.weight_sync import KernelPlan, effective_format
+
+    ok = KernelPlan([("w", [2], ["w"])], True, "1 engine parameter")
+    no = KernelPlan([], False, "kernel format needs tensor_parallel_size 1")
+    assert effective_format("auto", ok) == "kernel"
+    assert effective_format("auto", no) == "checkpoint"
+    assert effective_format("auto", None) == "checkpoint"
+    assert effective_format("kernel", ok) == "kernel"
+    assert effective_format("checkpoint", ok) == "checkpoint"
+    with pytest.raises(ValueError, match=r"weightSync.format kernel cannot be used here \(kernel format needs "
+                                         r"tensor_parallel_size 1\)"):
+        effective_format("kernel", no)
+    with pytest.raises(ValueError, match="one of auto, checkpoint, kernel"):
+        effective_format("fused", ok)
+
+
+def test_old_names_stay_importable_from_the_package() -> None:
+    """Benchmarks and other code import these from ``rlhf_runtime.weight_sync`` (a package since issue 16)."""
+    import rlhf_runtime.weight_sync as ws
+
+    for name in ("EngineFanOut", "ParamSource", "PackedProducer", "IPCBufferProducer", "KernelPlan", "Sender",
+                 "TrainerEngineSender", "RuntimeDrivenSender", "DEFAULT_OPTIONS", "make_sender", "cuda_ipc_export"):
+        assert hasattr(ws, name), name

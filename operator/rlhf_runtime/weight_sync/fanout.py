@@ -1,0 +1,86 @@
+"""Engine fan-out: the trainer's control plane to the engine actors (vLLM's ``VLLMWeightSyncClient`` role).
+
+``EngineFanOut`` calls the same method on every engine actor (``rlhf_runtime.engine_api.RolloutEngine``) and
+waits at most ``weightSync.timeoutSeconds``. It gives each engine its own ``rank_offset`` (``1 + the world
+sizes of the engines before it``), because each engine is a separate vLLM instance whose workers count ranks
+from 0, and it times every call (``timings``: seconds per method, summed over a sync).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class EngineFanOut:
+    """``VLLMWeightSyncClient`` over engine actors (``rlhf_runtime.engines``), with per-engine rank offsets."""
+
+    def __init__(self, handles: list[Any], worlds: list[int], timeout_s: float | None = None) -> None:
+        self.handles = handles
+        self.worlds = worlds
+        self.timeout_s = timeout_s  # spec.weightSync.timeoutSeconds: no engine call waits longer
+        self.timings: dict[str, float] = {}
+
+    def get(self, refs: Any, method: str) -> Any:
+        """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"engine call {method} on {len(self.handles)} engine(s) did not finish within "
+                f"weightSync.timeoutSeconds={self.timeout_s:g}s"
+            ) from None
+
+    def _all(self, method: str, args: list[tuple]) -> None:
+        t = time.perf_counter()
+        self.get([getattr(h, method).remote(*a) for h, a in zip(self.handles, args)], method)
+        self.timings[method] = self.timings.get(method, 0.0) + time.perf_counter() - t
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        infos, offset = [], 1
+        for w in self.worlds:
+            info = dict(init_info)
+            if "rank_offset" in info:
+                info["rank_offset"] = offset
+            infos.append((info,))
+            offset += w
+        self._all("init_weight_transfer_engine", infos)
+
+    def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        self._all("start_weight_update", [(checkpoint_format,)] * len(self.handles))
+
+    def update_weights(self, update_info: Any) -> None:
+        self._all("update_weights", [(update_info,)] * len(self.handles))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", [()] * len(self.handles))
+
+    def update_weights_nowait(self, update_info: Any, round_trip: bool = False) -> list[Any]:
+        """``update_weights`` (or, ``round_trip``, the whole ``update_weights_round`` in the kernel format) on
+        every engine without waiting: the Ray refs to wait on before the chunk's buffer is reused."""
+        if round_trip:
+            return [h.update_weights_round.remote(update_info, False) for h in self.handles]
+        return [h.update_weights.remote(update_info) for h in self.handles]
+
+    def update_round(self, update_info: Any, checkpoint_format: bool = True) -> None:
+        """start -> update -> finish in one actor call per engine (one Ray round trip instead of three); the
+        engines' own stage times are recorded as the three calls' (the slowest engine's)."""
+        t = time.perf_counter()
+        stages = self.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles],
+                          "update_weights_round")
+        self.record_rounds(stages, time.perf_counter() - t)
+
+    def record_rounds(self, stages: list[dict[str, float]], wall: float) -> None:
+        """Book ``update_weights_round`` results (the engines' own stage seconds) as the three calls' times:
+        start and finish of the slowest engine, the rest of ``wall`` as ``update_weights``."""
+        start, finish = max(st["start_s"] for st in stages), max(st["finish_s"] for st in stages)
+        for method, seconds in (("start_weight_update", start), ("update_weights", wall - start - finish),
+                                ("finish_weight_update", finish)):
+            self.timings[method] = self.timings.get(method, 0.0) + seconds
+
+    def engine_params(self) -> dict[str, Any]:
+        """The first engine's own parameters (name, shape), fused-module mapping and world size."""
+        return self.get(self.handles[0].param_layout.remote(), "param_layout")

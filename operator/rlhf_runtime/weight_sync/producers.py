@@ -1,0 +1,254 @@
+"""Producers: what the trainer sends, and the runtime's own packers.
+
+* ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF)
+  format with matching metadata: ``named_parameters(remove_duplicate=False)``, so a tied ``lm_head.weight``
+  goes out under its second name too (vLLM's layerwise reload would otherwise keep the engine's old value),
+  FSDP2 shards gathered (``full_tensor()``, a collective: every rank iterates), fused HF MoE experts split per
+  expert (``rlhf_runtime.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
+  option).
+* ``PackedProducer``: vLLM's packed NCCL wire format from persistent double buffers.
+* ``IPCBufferProducer`` / ``cuda_ipc_export``: CUDA-IPC chunks from persistent double buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rlhf_runtime import moe, vllm_compat
+
+
+class ParamSource:
+    """The trainer's weights as a re-iterable ``(name, tensor)`` stream with matching ``metadata()``."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, skip: set[str] | None = None) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.skip = skip or set()
+        self.gather_s = 0.0
+        self.bytes = 0
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self.model.named_parameters(remove_duplicate=False) if n not in self.skip]
+
+    def wire_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and shapes as sent: fused HF MoE experts appear per expert (``moe.unfused_shapes``)."""
+        return [pair for n, p in self._named() for pair in moe.unfused_shapes(n, tuple(p.shape))]
+
+    def metadata(self) -> list[Any]:
+        """vLLM's ``ParamMeta`` per tensor as sent (vLLM >= 0.28)."""
+        return [vllm_compat.param_meta(n, self.dtype, shape) for n, shape in self.wire_shapes()]
+
+    def wire_metadata(self) -> tuple[list[str], list[str], list[list[int]]]:
+        """(names, dtype names, shapes) as sent: the lists of vLLM 0.24's update infos."""
+        wire = self.wire_shapes()
+        return [n for n, _ in wire], [str(self.dtype).split(".")[-1]] * len(wire), [list(s) for _, s in wire]
+
+    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self._named():
+            t = time.perf_counter()
+            full = p.full_tensor() if callable(getattr(p, "full_tensor", None)) else p
+            tensor = full.detach().to(self.dtype).contiguous()
+            self.gather_s += time.perf_counter() - t
+            yield name, tensor
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.gather_s, self.bytes = 0.0, 0
+        for name, tensor in moe.unfuse(self._gathered()):
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def as_weight_source(self) -> Any:
+        """This source in vLLM's ``WeightSource`` form (``vllm_compat.as_weight_source``)."""
+        return vllm_compat.as_weight_source(self.metadata, lambda: iter(self))
+
+
+class PackedProducer:
+    """Trainer side of vLLM's packed NCCL wire format with two persistent buffers.
+
+    vLLM's consumer (``packed_nccl_broadcast_consumer``) cuts a chunk after the first tensor that takes it
+    past ``bucket_bytes`` (or at the end); so does this producer. Buffers are allocated once (grown when a
+    chunk needs more) and reused across syncs; chunk k+1 is packed on the copy stream while chunk k is
+    broadcast on the NCCL stream, ordered by events.
+    """
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.buffers: list[torch.Tensor] = []
+        self.copy_stream: Any = None
+        self.comm_stream: Any = None
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        while len(self.buffers) <= i:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device="cuda"))
+        if self.buffers[i].numel() < size:
+            self.buffers[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
+        return self.buffers[i]
+
+    def send(self, group: Any, stream: Any) -> float:
+        """Broadcast every tensor of ``stream`` from rank 0; returns host seconds spent packing."""
+        if self.copy_stream is None:
+            self.copy_stream, self.comm_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        packed_ev = [torch.cuda.Event(), torch.cuda.Event()]
+        sent_ev: list[Any] = [None, None]
+        pack_s = 0.0
+        slot = 0
+        pending: list[torch.Tensor] = []
+        size = 0
+        main = torch.cuda.current_stream()
+
+        def flush(pending: list[torch.Tensor], size: int, slot: int) -> None:
+            nonlocal pack_s
+            t = time.perf_counter()
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_stream(main)  # the tensors were produced on the main stream
+                if sent_ev[slot] is not None:  # the buffer's previous broadcast must be done
+                    self.copy_stream.wait_event(sent_ev[slot])
+                buf = self._buffer(slot, size)
+                off = 0
+                for p in pending:
+                    n = p.numel()
+                    buf[off : off + n].copy_(p, non_blocking=True)
+                    off += n
+                    p.record_stream(self.copy_stream)
+                packed_ev[slot].record(self.copy_stream)
+            pack_s += time.perf_counter() - t
+            with torch.cuda.stream(self.comm_stream):
+                self.comm_stream.wait_event(packed_ev[slot])
+                group.broadcast(buf[:size], src=0, stream=self.comm_stream)
+                ev = torch.cuda.Event()
+                ev.record(self.comm_stream)
+                sent_ev[slot] = ev
+
+        for _, t in stream:
+            for part in t if isinstance(t, list) else [t]:  # a fused parameter's parts go side by side
+                flat = part.detach().contiguous().view(-1).view(torch.uint8)
+                pending.append(flat)
+                size += flat.numel()
+            if size > self.bucket_bytes:
+                flush(pending, size, slot)
+                pending, size, slot = [], 0, 1 - slot
+        if pending:
+            flush(pending, size, slot)
+        self.comm_stream.synchronize()
+        return pack_s
+
+
+def cuda_ipc_export(tensor: torch.Tensor) -> dict[str, tuple]:
+    """``{physical GPU UUID: rebuild_cuda_tensor args}`` for ``tensor``, the handle format of vLLM's IPC
+    consumer. Each export pairs with one rebuild-and-release on the engine (torch's cross-process refcount)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return {uuid: reduce_tensor(tensor)[1]}
+
+
+class IPCBufferProducer:
+    """Trainer side of the CUDA-IPC sync in the kernel format with persistent buffers (option
+    ``producer="runtime"``, one trainer worker).
+
+    vLLM 0.24's packed IPC sender allocates a fresh buffer every sync (exported once but rebuilt and released
+    by the engine per chunk, so the trainer's GPU memory grows by one buffer per sync), waits for each chunk
+    before packing the next, and its consumer clones every tensor before copying it into the parameter. Here
+    two buffers of ``bucket_bytes`` are allocated once (grown if one tensor is larger) and reused across
+    syncs, chunk k+1 is packed while the engines load chunk k, each chunk is exported once per delivery
+    (``cuda_ipc_export``: pairs with the engine's one rebuild) and ``torch.cuda.ipc_collect()`` runs once per
+    sync. ``wire``:
+
+    * ``"packed"``: vLLM's packed IPC format (one handle per chunk, ``tensor_sizes``); the engine clones each
+      tensor out of the buffer, then copies it into the parameter;
+    * ``"views"``: vLLM's unpacked format, one handle per tensor, every one a view into the chunk's buffer;
+      the engine opens the buffer once per chunk (torch caches storages by handle) and copies each view
+      straight into its parameter: one device copy per byte on each side, no clone.
+
+    Only the kernel format may use it: the checkpoint format's layerwise reload keeps references to the
+    tensors it was given beyond ``update_weights`` and would read a reused buffer. ``deliver(update_info)``
+    sends one chunk to every engine without waiting and returns what to wait on (Ray refs) before the
+    chunk's buffer is written again; ``send`` returns the engines' results of every delivery.
+    """
+
+    def __init__(self, bucket_bytes: int, export: Any = None, wait: Any = None, device: str = "cuda") -> None:
+        self.bucket_bytes = bucket_bytes
+        self.export = export or cuda_ipc_export
+        self.wait = wait  # default ray.get
+        self.device = device
+        self.buffers: list[torch.Tensor] = []
+        self.pack_s = 0.0
+        self.chunks = 0
+
+    def _buffer(self, i: int, size: int) -> torch.Tensor:
+        while len(self.buffers) <= i:
+            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self.buffers[i].numel() < size:
+            self.buffers[i] = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+        return self.buffers[i]
+
+    def _wait(self, refs: Any) -> list[Any]:
+        if refs is None:
+            return []
+        if self.wait is not None:
+            return list(self.wait(refs))
+        import ray
+
+        return list(ray.get(refs))
+
+    def send(self, stream: Any, deliver: Any, wire: str = "packed") -> list[Any]:
+        if wire not in ("packed", "views"):
+            raise ValueError(f"ipc_wire must be packed or views, not {wire!r}")
+        self.pack_s, self.chunks = 0.0, 0
+        results: list[Any] = []
+        inflight: list[Any] = [None, None]
+        slot = 0
+        pending: list[tuple[str, list[torch.Tensor]]] = []
+        size = 0
+
+        def flush(pending: list[tuple[str, list[torch.Tensor]]], size: int, slot: int) -> None:
+            results.extend(self._wait(inflight[slot]))  # the engines are done with this buffer's last chunk
+            t = time.perf_counter()
+            buf = self._buffer(slot, size)
+            names, dtypes, shapes, sizes, views = [], [], [], [], []
+            off = 0
+            for name, parts in pending:
+                start = off
+                for p in parts:
+                    n = p.numel() * p.element_size()
+                    buf[off : off + n].copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
+                    off += n
+                dtype = parts[0].dtype
+                shape = list(parts[0].shape) if len(parts) == 1 else [
+                    sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
+                names.append(name)
+                dtypes.append(str(dtype).split(".")[-1])
+                shapes.append(shape)
+                sizes.append(off - start)
+                if wire == "views":
+                    views.append(buf[start:off].view(dtype).view(shape))
+            if buf.device.type == "cuda":
+                torch.cuda.current_stream(buf.device).synchronize()  # the engine reads after the handle arrives
+            info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes}
+            if wire == "packed":
+                info.update(packed=True, tensor_sizes=sizes, ipc_handles=self.export(buf[:off]))
+            else:
+                info.update(packed=False, ipc_handles=[self.export(v) for v in views])
+            self.pack_s += time.perf_counter() - t
+            inflight[slot] = deliver(info)
+            self.chunks += 1
+
+        for name, t in stream:
+            parts = [p.detach() for p in (t if isinstance(t, list) else [t])]
+            n = sum(p.numel() * p.element_size() for p in parts)
+            if pending and size + n > self.bucket_bytes:  # a chunk never exceeds the bucket (unless one tensor does)
+                flush(pending, size, slot)
+                pending, size, slot = [], 0, 1 - slot
+            pending.append((name, parts))
+            size += n
+        if pending:
+            flush(pending, size, slot)
+        for refs in (inflight[1 - slot], inflight[slot]):  # the older chunk first
+            results.extend(self._wait(refs))
+        if self.device == "cuda":
+            torch.cuda.ipc_collect()
+        return results

@@ -1,0 +1,305 @@
+"""Senders: one ``send()`` per sync, from trainer rank 0 (other ranks take part in the gathers).
+
+``make_sender`` picks by what the installed vLLM has (``vllm_compat.has_trainer_api``):
+
+* vLLM >= 0.28 (CPU CI: 0.32; GPU target 0.33): ``TrainerEngineSender``, the backend's trainer-side
+  ``TrainerWeightTransferEngine`` (``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)``);
+* vLLM 0.24 (GPU image): ``RuntimeDrivenSender``, which drives the same round trip itself and sends with
+  ``NCCLWeightTransferEngine.trainer_send_weights`` / ``IPCWeightTransferEngine`` or the runtime's producers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from rlhf_runtime import vllm_compat
+from rlhf_runtime.weight_sync.fanout import EngineFanOut
+from rlhf_runtime.weight_sync.formats import DEFAULT_OPTIONS, KernelPlan, effective_format
+from rlhf_runtime.weight_sync.producers import IPCBufferProducer, PackedProducer, ParamSource
+
+
+class Sender:
+    """Sends the trainer's weights to every engine: ``send()`` returns stage seconds and bytes (``_result``);
+    ``format`` names the weight format in use."""
+
+    backend: str
+    format: str = "checkpoint"
+    source: ParamSource
+    client: EngineFanOut
+
+    def send(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _result(self, wall: float) -> dict[str, float]:
+        t = self.client.timings
+        return {
+            "start_s": t.get("start_weight_update", 0.0),
+            "transfer_s": t.get("update_weights", 0.0),
+            "gather_s": self.source.gather_s,
+            "finish_s": t.get("finish_weight_update", 0.0),
+            "send_s": wall,
+            "bytes": float(self.source.bytes),
+        }
+
+
+class TrainerEngineSender(Sender):
+    """vLLM >= 0.28: the backend's ``TrainerWeightTransferEngine`` drives the round trip ``start_weight_update``
+    -> ``update_weights`` (concurrent with the send) -> ``finish_weight_update``, in the checkpoint format (these
+    vLLMs reload layerwise only: ``fmt="kernel"`` is refused)."""
+
+    def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
+                 fmt: str = "auto") -> None:
+        if fmt == "kernel":
+            raise ValueError("weightSync.format kernel needs vLLM 0.24 (vLLM >= 0.28 engines load the checkpoint "
+                             "format only): use auto or checkpoint")
+        factory = vllm_compat.trainer_factory()
+        self.backend, self.client, self.source = backend, client, source
+        if backend == "gloo":
+            from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
+
+            info: Any = GlooTrainerInitInfo(
+                master_address=init["master_address"], master_port=init["master_port"],
+                world_size=init["world_size"], packed=init["packed"],
+                packed_buffer_size_bytes=init["bucket_bytes"], rank=init.get("rank", 0),
+                **({"timeout_seconds": init["timeout_s"]} if init.get("timeout_s") else {}),
+            )
+        elif backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(
+                master_address=init["master_address"], master_port=init["master_port"],
+                world_size=init["world_size"], packed=init["packed"],
+                packed_buffer_size_bytes=init["bucket_bytes"], rank=init.get("rank", 0),
+            )
+        elif backend == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(packed=init["packed"], packed_buffer_size_bytes=init["bucket_bytes"],
+                                      rank=init.get("rank", 0))
+        else:
+            raise ValueError(f"unknown weight-transfer backend {backend!r}")
+        self.engine = factory.trainer_init(info, client=client, source=source.as_weight_source())
+
+    def send(self) -> dict[str, float]:
+        self.client.timings = {}
+        t = time.perf_counter()
+        self.engine.send_weights()
+        return self._result(time.perf_counter() - t)
+
+
+class RuntimeDrivenSender(Sender):
+    """vLLM 0.24 (no trainer-side engines): the runtime drives start -> update (beside the trainer's send) ->
+    finish itself, over NCCL or CUDA IPC.
+
+    Only rank 0 joins the engines' NCCL group and talks to the engines; other FSDP ranks iterate the source
+    beside it (``full_tensor()`` is a collective) and, for IPC, contribute their GPU's handles (vLLM
+    all-gathers them; rank 0 sends the merged handles to every engine).
+
+    ``options`` (``configure``) pick the producer, the engine calls and the weight format:
+
+    * ``producer``: ``"runtime"``: ``PackedProducer`` (persistent double buffers reused across syncs, packing
+      of chunk k+1 overlapped with the broadcast of chunk k); ``"vllm"``: vLLM's
+      ``packed_nccl_broadcast_producer`` (fresh ``torch.cat`` buffers every chunk). Both produce the wire
+      format vLLM's consumer expects (chunks cut after the first tensor that takes them past the bucket).
+    * ``rpc``: ``"one"`` (default): a single ``update_weights_round`` call per engine does
+      ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` (two Ray round trips fewer per
+      sync; NCCL, and IPC when the model fits one bucket); ``"three"``: three separate calls per engine.
+    * IPC, single trainer worker, kernel format, packed: ``producer="runtime"`` is ``IPCBufferProducer``
+      (persistent buffers, chunks pipelined, ``ipc_wire`` ``"packed"``/``"views"``, ``rpc="one"`` when the
+      model fits one bucket); ``producer="vllm"`` is vLLM's ``IPCWeightTransferEngine.trainer_send_weights``.
+    * ``format`` (``spec.weightSync.format``; ``formats.effective_format``): ``"auto"`` (default) the kernel
+      format where ``KernelPlan`` covers the engines' parameters, else checkpoint; ``"kernel"`` the same but
+      refused (ValueError) where the plan does not apply; ``"checkpoint"``: HF names, vLLM's layerwise reload.
+
+    Defaults: ``formats.DEFAULT_OPTIONS``, the fast path measured in ``benchmarks/README.md``.
+    """
+
+    def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
+                 fmt: str = "auto") -> None:
+        self.backend, self.client, self.source, self.init = backend, client, source, init
+        self.rank = int(init.get("rank", 0))
+        self.is_sender = self.rank == 0
+        self.group: Any = None
+        self.options: dict[str, Any] = {**DEFAULT_OPTIONS, "format": fmt}
+        self.format = "checkpoint"  # the format in force (``effective_format`` of the options and the plan)
+        self.producer: PackedProducer | None = None
+        self.ipc_producer: IPCBufferProducer | None = None
+        self.plan: KernelPlan | None = None
+        self.sent_bytes: int | None = None
+        self.trainer_send_s = 0.0
+        self.pack_s = 0.0
+        if backend == "nccl":
+            if not self.is_sender:
+                self.configure()  # every rank must iterate the same tensors
+                return
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+            worker = {k: init[k] for k in ("master_address", "master_port", "world_size")}
+            with ThreadPoolExecutor(max_workers=1) as exe:
+                fut = exe.submit(client.init_weight_transfer_engine, {**worker, "rank_offset": 1})
+                self.group = NCCLWeightTransferEngine.trainer_init(worker)
+                fut.result()
+        elif backend == "ipc":
+            if self.is_sender:
+                client.init_weight_transfer_engine({})
+        else:
+            raise ValueError(f"backend {backend!r} needs vLLM >= 0.28 (trainer-side weight-transfer engines)")
+        self.configure()  # the kernel format asks the engines for their layout once, here
+
+    def configure(self, **options: Any) -> dict[str, Any]:
+        """Change sender options (``producer``, ``format``, ``rpc``, ``ipc_wire``, ``packed``,
+        ``bucket_bytes``) for later syncs; returns the options in force, ``format`` being the one in use."""
+        for k in ("packed", "bucket_bytes"):
+            if k in options:
+                self.init[k] = options.pop(k)
+        self.options.update(options)
+        requested = self.options.get("format", "auto")
+        if requested != "checkpoint" and self.plan is None:
+            if self.backend == "ipc" and int(self.init.get("trainer_world", 1)) > 1:
+                # every IPC rank packs the same chunks; only rank 0 can ask the engines for their layout
+                self.plan = KernelPlan([], False, "kernel format with IPC needs a single trainer worker")
+            elif self.is_sender:
+                self.plan = KernelPlan.build(self.source, self.client.engine_params())
+        if self.is_sender or self.backend == "ipc":
+            self.format = effective_format(requested, self.plan)
+        # a non-sending NCCL rank only iterates the source (the sender's plan pulls it in the same order)
+        return {**self.options, "format": self.format, "packed": self.init["packed"],
+                "bucket_bytes": self.init["bucket_bytes"],
+                "kernel_plan": None if self.plan is None else self.plan.reason}
+
+    def _kernel(self) -> bool:
+        """The kernel format is in use (its plan covers the engines' parameters)."""
+        return self.format == "kernel" and self.plan is not None and self.plan.ok
+
+    def _runtime_producer(self) -> bool:
+        """The runtime packs: ``PackedProducer`` (NCCL) or ``IPCBufferProducer`` (IPC: kernel format only, as
+        the engine copies each tensor into its parameter before ``update_weights`` returns so buffers can be
+        reused; one trainer worker)."""
+        if not (self.init["packed"] and self.options.get("producer", "runtime") == "runtime"):
+            return False
+        return self.backend == "nccl" or (self._kernel() and int(self.init.get("trainer_world", 1)) == 1)
+
+    def _stream(self) -> tuple[Any, list[str], list[str], list[list[int]]]:
+        """(iterator of (name, tensor), names, dtype names, shapes) in the chosen weight format."""
+        if self._kernel():
+            assert self.plan is not None
+            fuse = not self._runtime_producer()  # the runtime's producers write fused parts side by side
+            return self.plan.iterate(self.source, fuse=fuse), *self.plan.metadata(self.source.dtype)
+        names, dtypes, shapes = self.source.wire_metadata()
+        return iter(self.source), names, dtypes, shapes
+
+    def send(self) -> dict[str, float]:
+        self.client.timings = {}
+        packed = self.init["packed"]
+        kernel = self._kernel()
+        t = time.perf_counter()
+        if not self.is_sender and self.backend == "nccl":
+            for _ in self.source:  # take part in the FSDP gathers; rank 0 sends
+                pass
+            return self._result(time.perf_counter() - t)
+        stream, names, dtypes, shapes = self._stream()
+        item = self.source.dtype.itemsize
+        self.sent_bytes = sum(math.prod(sh) * item for sh in shapes)
+        runtime_producer = self._runtime_producer()
+        ipc_runtime = self.backend == "ipc" and runtime_producer
+        one_rpc = self.options.get("rpc") == "one" and (
+            self.backend == "nccl" or (ipc_runtime and self.sent_bytes <= self.init["bucket_bytes"]))
+        if not one_rpc:
+            self.client.start_weight_update(checkpoint_format=not kernel)
+        if self.backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import (
+                NCCLTrainerSendWeightsArgs,
+                NCCLWeightTransferEngine,
+                NCCLWeightTransferUpdateInfo,
+            )
+
+            update: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes, "packed": packed}
+            if vllm_compat.nccl_takes_bucket_size(NCCLWeightTransferUpdateInfo):  # both sides cut the same chunks
+                update["packed_buffer_size_bytes"] = self.init["bucket_bytes"]
+            exe = ThreadPoolExecutor(max_workers=1)
+            try:
+                if one_rpc:  # the engines start, receive and finish in one call each
+                    fut = exe.submit(self.client.update_round, update, not kernel)
+                else:
+                    fut = exe.submit(self.client.update_weights, update)
+                t0 = time.perf_counter()
+                if runtime_producer:
+                    if self.producer is None or self.producer.bucket_bytes != self.init["bucket_bytes"]:
+                        self.producer = PackedProducer(self.init["bucket_bytes"])
+                    self.pack_s = self.producer.send(self.group, stream)
+                else:
+                    kw: dict[str, Any] = {"group": self.group, "packed": packed}
+                    if vllm_compat.nccl_takes_bucket_size(NCCLTrainerSendWeightsArgs):
+                        kw["packed_buffer_size_bytes"] = self.init["bucket_bytes"]
+                    NCCLWeightTransferEngine.trainer_send_weights(
+                        iterator=stream, trainer_args=NCCLTrainerSendWeightsArgs(**kw)
+                    )
+                    self.pack_s = 0.0
+                torch.cuda.synchronize()
+                self.trainer_send_s = time.perf_counter() - t0
+                fut.result()
+            finally:
+                exe.shutdown(wait=False)
+        elif ipc_runtime:
+            if self.ipc_producer is None or self.ipc_producer.bucket_bytes != self.init["bucket_bytes"]:
+                self.ipc_producer = IPCBufferProducer(self.init["bucket_bytes"])
+            t0 = time.perf_counter()
+            stages = self.ipc_producer.send(
+                stream, lambda info: self.client.update_weights_nowait(info, round_trip=one_rpc),
+                wire=self.options.get("ipc_wire", "packed"),
+            )
+            self.trainer_send_s = time.perf_counter() - t0
+            self.pack_s = self.ipc_producer.pack_s
+            if one_rpc:  # the engines' own start/finish times, as EngineFanOut.update_round books them
+                self.client.record_rounds(stages, self.trainer_send_s)
+            else:
+                self.client.timings["update_weights"] = self.trainer_send_s
+        else:  # ipc: every rank calls the sender (handles are all-gathered); rank 0 sends to every engine
+            from vllm.distributed.weight_transfer.ipc_engine import (
+                IPCTrainerSendWeightsArgs,
+                IPCWeightTransferEngine,
+            )
+
+            def deliver(info: Any) -> None:  # one update_weights per chunk, fanned out to all engines
+                self.client.update_weights(asdict(info))
+
+            t0 = time.perf_counter()
+            IPCWeightTransferEngine.trainer_send_weights(
+                iterator=stream,
+                trainer_args=IPCTrainerSendWeightsArgs(
+                    send_mode=deliver, packed=packed, packed_buffer_size_bytes=self.init["bucket_bytes"],
+                ),
+            )
+            self.trainer_send_s = time.perf_counter() - t0
+            self.pack_s = 0.0
+        if not one_rpc:
+            self.client.finish_weight_update()
+        return self._result(time.perf_counter() - t)
+
+    def _result(self, wall: float) -> dict[str, float]:
+        r = super()._result(wall)
+        if self.is_sender and self.sent_bytes is not None:
+            r["bytes"] = float(self.sent_bytes)  # what went over the wire (the kernel format drops aliases)
+        r["trainer_send_s"] = self.trainer_send_s
+        r["pack_s"] = self.pack_s
+        r["format"] = self.format  # type: ignore[assignment]
+        return r
+
+
+def make_sender(backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
+                fmt: str = "auto") -> Sender:
+    """The sender for the installed vLLM. ``init``: master_address, master_port, world_size, packed, bucket_bytes,
+    rank, trainer_world, timeout_s; ``fmt``: ``spec.weightSync.format``."""
+    from rlhf_runtime import vllm_plugin
+
+    vllm_compat.require_supported_vllm()
+    vllm_plugin.register()
+    if vllm_compat.has_trainer_api():
+        return TrainerEngineSender(backend, client, source, init, fmt)
+    return RuntimeDrivenSender(backend, client, source, init, fmt)

@@ -1,0 +1,56 @@
+"""Every engine actor class implements ``engine_api.RolloutEngine`` (async ones as coroutines), with the same
+parameters, so the driver and the weight-sync fan-out can call any of them the same way through Ray."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from rlhf_runtime import engine_api
+from rlhf_runtime.engine_api import AdapterEngine, PausableEngine, RolloutEngine, engine_class
+from rlhf_runtime.engines import AsyncEngine, Engine
+from rlhf_runtime.stepped_engine import SteppedEngine
+
+
+def _methods(proto: type) -> dict[str, inspect.Signature]:
+    return {n: inspect.signature(f) for n, f in vars(proto).items()
+            if callable(f) and not n.startswith("_")}
+
+
+def _params(sig: inspect.Signature) -> list[tuple[str, object]]:
+    return [(p.name, p.default) for p in sig.parameters.values()]
+
+
+@pytest.mark.parametrize(("cls", "protos"), [
+    (Engine, [RolloutEngine, AdapterEngine]),
+    (AsyncEngine, [RolloutEngine, PausableEngine]),
+    (SteppedEngine, [RolloutEngine, PausableEngine]),
+])
+def test_engine_classes_implement_the_interface(cls: type, protos: list[type]) -> None:
+    for proto in protos:
+        for name, sig in _methods(proto).items():
+            impl = getattr(cls, name, None)
+            assert impl is not None, f"{cls.__name__} lacks {proto.__name__}.{name}"
+            assert _params(inspect.signature(impl)) == _params(sig), f"{cls.__name__}.{name}"
+            if cls is not Engine:
+                assert inspect.iscoroutinefunction(impl), f"{cls.__name__}.{name} must be async (one actor loop)"
+
+
+def test_no_benchmark_hooks_in_production_actors() -> None:
+    for cls in (Engine, AsyncEngine, SteppedEngine):
+        for hook in ("scramble_weights", "load_stats", "reset_prefix_cache", "configure_sync"):
+            assert not hasattr(cls, hook), f"{cls.__name__}.{hook}"
+    from rlhf_runtime.trainer import Trainer
+
+    assert not hasattr(Trainer, "configure_sync")
+
+
+def test_engine_class_by_mode_and_async_engine() -> None:
+    assert engine_class(False) is Engine
+    assert engine_class(False, "stepped") is Engine  # sync mode runs vLLM's LLM whatever asyncEngine says
+    assert engine_class(True, "asyncllm") is AsyncEngine
+    assert engine_class(True, "stepped") is SteppedEngine
+    with pytest.raises(ValueError, match="rollout.asyncEngine must be one of asyncllm, stepped"):
+        engine_class(True, "threads")
+    assert engine_api.ASYNC_ENGINES == ("asyncllm", "stepped")

@@ -1,0 +1,77 @@
+"""``rlhf_runtime.vllm_compat``: the supported-version check (pure) and the probes on the installed vLLM."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_runtime import vllm_compat as vc
+
+
+@pytest.mark.parametrize("version", ["0.24.0", "0.24.1", "0.28.0", "0.32.0+cpu", "0.33.0", "0.33.0rc1", "0.40.2",
+                                     "1.0.0", "0.28.dev5+g1234"])
+def test_supported_versions_pass(version: str) -> None:
+    assert vc.check_version(version) >= (0, 24)
+
+
+@pytest.mark.parametrize("version", ["0.23.9", "0.10.2", "0.25.0", "0.26.1", "0.27.0rc2"])
+def test_unsupported_versions_are_refused_naming_version_and_range(version: str) -> None:
+    with pytest.raises(vc.UnsupportedVLLMError) as e:
+        vc.check_version(version)
+    msg = str(e.value)
+    assert f"vLLM {version} is " in msg
+    assert "0.24.x or >= 0.28" in msg and "install a supported version" in msg
+
+
+def test_older_and_in_between_say_why() -> None:
+    with pytest.raises(vc.UnsupportedVLLMError, match="older than 0.24, the oldest the runtime supports"):
+        vc.check_version("0.22.0")
+    with pytest.raises(vc.UnsupportedVLLMError, match=r"not supported \(0.25-0.27"):
+        vc.check_version("0.26.0")
+
+
+def test_unreadable_version_is_refused() -> None:
+    with pytest.raises(vc.UnsupportedVLLMError, match="cannot read a vLLM version from 'dev'"):
+        vc.check_version("dev")
+
+
+def test_parse_version() -> None:
+    assert vc.parse_version("0.32.0+cpu") == (0, 32)
+    assert vc.parse_version("v0.24.0") == (0, 24)
+
+
+def test_start_update_kwargs() -> None:
+    def v024(is_checkpoint_format: bool) -> None: ...
+
+    def v032() -> None: ...
+
+    assert vc.takes_format_flag(v024) and not vc.takes_format_flag(v032)
+    assert vc.start_update_kwargs(True, False) == {"is_checkpoint_format": False}
+    assert vc.start_update_kwargs(True, True) == {"is_checkpoint_format": True}
+    assert vc.start_update_kwargs(False, True) == {}
+    with pytest.raises(ValueError, match="no kernel-format weight updates"):
+        vc.start_update_kwargs(False, False)
+
+
+def test_probes_on_the_installed_vllm() -> None:
+    """CI's vLLM (>= 0.28): supported, trainer API present, its engines take no format flag."""
+    pytest.importorskip("vllm")
+    assert vc.require_supported_vllm() >= (0, 28)
+    assert vc.has_trainer_api()
+    assert vc.trainer_factory() is not None
+    from vllm import LLM
+
+    assert not vc.takes_format_flag(LLM.start_weight_update)
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    # 0.32's update info carries no bucket size (its trainer engine and workers agree on it at init)
+    assert vc.nccl_takes_bucket_size(NCCLWeightTransferUpdateInfo) is False
+
+
+def test_weight_source_round_trip() -> None:
+    """The wrapper hands vLLM's engines the metadata and the stream, whichever ``WeightSource`` form exists."""
+    pytest.importorskip("vllm")
+    items = [("a", 1), ("b", 2)]
+    src = vc.as_weight_source(lambda: ["meta-a", "meta-b"], lambda: iter(items))
+    assert vc.source_metadata(src) == ["meta-a", "meta-b"]
+    assert list(vc.source_tensors(src)) == items
+    assert list(vc.source_tensors(src)) == items  # re-iterable: one stream per sync
