@@ -124,7 +124,7 @@ class Caches:
     def __init__(self) -> None:
         self.indexes: Mapping[str, Any] = {}
         self._overlay: dict[tuple[str, Hashable], tuple[float, dict[str, Any]]] = {}
-        self._last: dict[tuple[str, Hashable], dict[str, Any]] = {}  # each watched object's last projection
+        self._last: dict[tuple[str, Hashable], int] = {}  # a digest of each watched object's last projection
 
     def bind(self, indexes: Mapping[str, Any]) -> None:
         self.indexes = indexes
@@ -161,10 +161,12 @@ class Caches:
             self._last.pop((kind, key), None)
             return True
         meta = {k: v for k, v in (projection.get("metadata") or {}).items() if k != "resourceVersion"}
-        essence = {**projection, "metadata": meta}
-        if self._last.get((kind, key)) == essence:
+        # a digest, not a copy (the indexes hold the projections already): the apiserver serialises fields in a
+        # fixed order, so an unchanged object gives the same repr; a differing repr at worst costs one reconcile
+        digest = hash(repr({**projection, "metadata": meta}))
+        if self._last.get((kind, key)) == digest:
             return False
-        self._last[(kind, key)] = essence
+        self._last[(kind, key)] = digest
         return True
 
     def _newest(self, kind: str, key: Hashable, indexed: dict[str, Any] | None) -> dict[str, Any] | None:
