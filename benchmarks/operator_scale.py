@@ -9,7 +9,8 @@ One run measures one N (``--jobs``), on one machine, with the operator as a real
    create -> Running, and KubeRay's RayJob ADDED -> RayCluster ADDED, all as receive times of watch events.
 2. peer: once our jobs are Running, the same number of RayJobs (copies of those the operator rendered: name,
    labels, spec) created directly in a second namespace at the same rate; KubeRay's create RayJob ->
-   RayCluster ADDED, same watch method. ratio = our create -> RayJob over KubeRay's create -> RayCluster.
+   RayCluster ADDED, same watch method. ratio = our create -> RayJob over KubeRay's create -> RayCluster; the
+   same from the audit log's timestamps (create received -> child created), free of any client's lag.
    The peer gets as many KWOK nodes again (its pods run as ours do); it is deleted (timed too) and its nodes
    removed before the steady state.
 3. the operator's API requests per job during the create phase (apiserver audit log), its RSS and CPU time.
@@ -21,7 +22,8 @@ One run measures one N (``--jobs``), on one machine, with the operator as a real
 
     .venv/bin/python benchmarks/operator_scale.py --jobs 10      # ~6 min; writes results/operator_scale_10.json
     .venv/bin/python benchmarks/operator_scale.py --jobs 100     # ~10 min; results/operator_scale_100.json
-    .venv/bin/python benchmarks/operator_scale.py --jobs 1000 --converge-timeout 3600 --delete-timeout 1800
+    .venv/bin/python benchmarks/operator_scale.py --jobs 1000 --steady 120 --peer-until clusters \
+        --converge-timeout 1200 --delete-timeout 900   # the peer waits for its RayClusters only, not Running
 
 Each run starts a fresh cluster in ``--dir`` (default /tmp/rlhf-scale-bench) and stops it at the end; KWOK
 nodes (8 GPUs, 110 pods) are sized for every job's pods plus 10 % and one node. The job is the smallest that
