@@ -161,7 +161,7 @@ async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name:
         if QUEUE is not None:
             QUEUE.forget((namespace, name))
         return
-    if echo or not changed:
+    if type is not None and (echo or not changed):
         return  # our own status write coming back, or a change no reconcile reads (annotations, managed fields)
     # A job no reconcile has seen (no status yet) goes ahead of the others: it waits for its children.
     _add((namespace, name), urgent=not (body.get("status") or {}).get("phase"))
@@ -183,8 +183,10 @@ def _child_event(kind: str) -> Any:
         changed = CACHE.changed(kind, (namespace, name), None if deleted else project(body))
         job = labels.get(naming.LABEL_JOB) or cache.owner_name(body, "RayJob")
         # Only a change the reconcile can see wakes it: a pod's status update outside its phase and scheduling,
-        # a RayJob's copy of its cluster's status, or our own write coming back change nothing it reads.
-        if job and changed and not echo:
+        # a RayJob's copy of its cluster's status, or our own write coming back change nothing it reads. A listing
+        # (type None: the start, or watches resumed after a peering pause) always does: timers dropped while
+        # paused are armed again by the reconciles it causes.
+        if job and (type is None or (changed and not echo)):
             _add((namespace, job))
     return on_event
 
