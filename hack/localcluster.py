@@ -218,6 +218,7 @@ class Cluster:
                 "--allow-privileged=true",
                 f"--audit-log-path={self.audit_log}", f"--audit-policy-file={self.dir / 'audit-policy.yaml'}",
                 "--audit-log-format=json", "--audit-log-mode=blocking",
+                "--audit-log-maxsize=100000",  # MB: never rotate (0 means lumberjack's 100 MB; 1,000 jobs write more)
                 "--enable-priority-and-fairness=false",
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
                 # KWOK nodes have no node-lifecycle controller to lift the not-ready taint this plugin adds.
