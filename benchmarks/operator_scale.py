@@ -50,6 +50,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -324,21 +325,27 @@ def audit_time(ts: str) -> float:
     return dt.datetime.fromisoformat(ts).timestamp()
 
 
+def audit_entries(path: Path, offset: int, keep: Callable[[bytes], bool]) -> Iterator[dict[str, Any]]:
+    """The audit log's entries after ``offset`` whose raw line ``keep`` accepts (a cheap byte test before the
+    JSON is parsed: the log holds millions of lines at N=1000)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for line in f:
+            if line.strip() and keep(line):
+                yield json.loads(line)
+
+
 def operator_requests(path: Path, offset: int) -> list[tuple[float, str, str | None]]:
     """The operator's requests in the audit log after ``offset``: (received, 'verb resource[/sub]', namespace),
     one per request (a watch is logged when it starts and when it ends)."""
     seen: dict[str, tuple[float, str, str | None]] = {}
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for line in f:
-            if b'"userAgent":"kopf' not in line and b'"userAgent":"OpenAPI-Generator' not in line:
-                continue
-            e = json.loads(line)
-            if not e.get("userAgent", "").startswith(OPERATOR_AGENTS) or e["auditID"] in seen:
-                continue
-            ref = e.get("objectRef") or {}
-            what = f'{e["verb"]} {ref.get("resource")}' + (f'/{ref["subresource"]}' if ref.get("subresource") else "")
-            seen[e["auditID"]] = (audit_time(e["requestReceivedTimestamp"]), what, ref.get("namespace"))
+    for e in audit_entries(path, offset, lambda line: b'"userAgent":"kopf' in line
+                           or b'"userAgent":"OpenAPI-Generator' in line):
+        if not e.get("userAgent", "").startswith(OPERATOR_AGENTS) or e["auditID"] in seen:
+            continue
+        ref = e.get("objectRef") or {}
+        what = f'{e["verb"]} {ref.get("resource")}' + (f'/{ref["subresource"]}' if ref.get("subresource") else "")
+        seen[e["auditID"]] = (audit_time(e["requestReceivedTimestamp"]), what, ref.get("namespace"))
     return list(seen.values())
 
 
@@ -348,23 +355,19 @@ def audit_creates(path: Path, offset: int, ns: str) -> dict[str, dict[str, float
     its RayJob's name: KubeRay names it ``<rayjob>-<suffix>``). Server-side times: no client's scheduling or watch
     lag in them."""
     out: dict[str, dict[str, float]] = collections.defaultdict(dict)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        for line in f:
-            if b'"verb":"create"' not in line or b'"stage":"ResponseComplete"' not in line:
-                continue
-            e = json.loads(line)
-            ref = e.get("objectRef") or {}
-            if ref.get("namespace") != ns or (e.get("responseStatus") or {}).get("code") != 201 or not ref.get("name"):
-                continue
-            name, res = ref["name"], ref.get("resource")
-            if res == "rlhfjobs":
-                out[name]["rlhfjob_received"] = audit_time(e["requestReceivedTimestamp"])
-            elif res == "rayjobs":
-                out[name]["rayjob_received"] = audit_time(e["requestReceivedTimestamp"])
-                out[name]["rayjob_created"] = audit_time(e["stageTimestamp"])
-            elif res == "rayclusters":
-                out[name.rsplit("-", 1)[0]].setdefault("raycluster_created", audit_time(e["stageTimestamp"]))
+    for e in audit_entries(path, offset, lambda line: b'"verb":"create"' in line
+                           and b'"stage":"ResponseComplete"' in line):
+        ref = e.get("objectRef") or {}
+        if ref.get("namespace") != ns or (e.get("responseStatus") or {}).get("code") != 201 or not ref.get("name"):
+            continue
+        name, res = ref["name"], ref.get("resource")
+        if res == "rlhfjobs":
+            out[name]["rlhfjob_received"] = audit_time(e["requestReceivedTimestamp"])
+        elif res == "rayjobs":
+            out[name]["rayjob_received"] = audit_time(e["requestReceivedTimestamp"])
+            out[name]["rayjob_created"] = audit_time(e["stageTimestamp"])
+        elif res == "rayclusters":
+            out[name.rsplit("-", 1)[0]].setdefault("raycluster_created", audit_time(e["stageTimestamp"]))
     return dict(out)
 
 
@@ -394,9 +397,7 @@ def request_report(reqs: list[tuple[float, str, str | None]], start: float, end:
 def wait_audit(path: Path, offset: int, what: str, match, timeout: float) -> None:
     """Wait for an audit entry after ``offset`` that ``match``es (e.g. the operator's first watch)."""
     def found() -> bool:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return any(match(json.loads(line)) for line in f if line.strip())
+        return any(match(e) for e in audit_entries(path, offset, lambda line: True))
 
     wait_until(what, found, timeout)
 
