@@ -31,6 +31,14 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float 
         time.sleep(interval)
 
 
+def touch_pod_scheduled(core: Any, namespace: str, pod: str, stamp: int) -> None:
+    """Make the operator reconcile the job owning ``pod`` without writing anything it owns: rewrite the pod's
+    PodScheduled condition with a new ``lastProbeTime`` (a field the reconcile's pod projection holds, so the
+    event wakes the job; an annotation alone wakes nothing by design). ``stamp`` (0-59) makes each touch a change."""
+    core.patch_namespaced_pod_status(pod, namespace, {"status": {"conditions": [
+        {"type": "PodScheduled", "status": "True", "lastProbeTime": f"2026-01-01T00:00:{stamp:02d}Z"}]}})
+
+
 class JobAPI:
     """A local HTTP endpoint that answers, for one RLHFJob, what the apiserver answers the runtime's
     ServiceAccount: ``get`` of the job (metadata with ``generation``, the spec) and ``get``/merge-``patch`` of its

@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from rlhf_api import models as m
-from tests.helpers import wait_for
+from tests.helpers import touch_pod_scheduled, wait_for
 from tests.integration.conftest import Operator, apply, load_sample
 from tests.integration.test_lifecycle import get_job, phase, ray_objects
 
@@ -56,8 +56,7 @@ def test_each_transition_posts_one_event_and_reconciles_read_only_caches(cluster
     for i in range(3):
         for p in pods:
             core.patch_namespaced_pod(p.metadata.name, namespace, {"metadata": {"annotations": {"test/poke": str(i)}}})
-            core.patch_namespaced_pod_status(p.metadata.name, namespace, {"status": {"conditions": [
-                {"type": "PodScheduled", "status": "True", "lastProbeTime": f"2026-01-01T00:00:0{i}Z"}]}})
+            touch_pod_scheduled(core, namespace, p.metadata.name, i)
         wait_for(lambda i=i: operator.reconciles(namespace, name) >= base + i + 1, 60, f"reconcile after poke {i}")
     theirs = [f"{e['verb']} {e['requestURI']}" for e in audit_since(cluster, start, namespace)
               if not (e["verb"] == "patch" and (e.get("objectRef") or {}).get("resource") == "pods")]  # our pokes

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.helpers import wait_for
+from tests.helpers import touch_pod_scheduled, wait_for
 from tests.integration.conftest import REPO, Operator, apply, load_sample
 from tests.integration.test_lifecycle import get_job, phase
 
@@ -104,10 +104,10 @@ def test_reapplying_unchanged_manifest_writes_nothing(cluster, api, operator, na
     for _ in range(10):
         apply(cluster, job, namespace)
     # An unchanged apply is no event at all; make the operator reconcile the job anyway: an event of one of its
-    # pods (an annotation, the only write below that is not the operator's to avoid).
+    # pods that changes what the reconcile reads (the only write below that is not the operator's to avoid).
     pod = core.list_namespaced_pod(namespace, label_selector=f"rlhf.dev/job={name},ray.io/node-type=head").items[0]
     base = operator.reconciles(namespace, name)
-    core.patch_namespaced_pod(pod.metadata.name, namespace, {"metadata": {"annotations": {"test/poke": "1"}}})
+    touch_pod_scheduled(core, namespace, pod.metadata.name, 1)
     wait_for(lambda: operator.reconciles(namespace, name) > base, 60, "a reconcile of the job after the poke")
     writes = [w for w in audit_writes(cluster, namespace, start)
               if not (w["resource"] == "pods" and w["name"] == pod.metadata.name and w["verb"] == "patch")]

@@ -30,7 +30,7 @@ import pytest
 from kubernetes import client, config
 
 from rlhf_api import models as m
-from tests.helpers import wait_for
+from tests.helpers import touch_pod_scheduled, wait_for
 from tests.integration.conftest import Operator, peering_namespace
 
 pytestmark = pytest.mark.cluster
@@ -482,9 +482,11 @@ def test_deleted_jobs_children_are_not_recreated(cluster, capi, tmp_path) -> Non
                     if o["metadata"].get("labels", {}).get("rlhf.dev/job") in doomed]
 
         wait_for(lambda: not leftovers(), 180, "the deleted jobs' RayJobs and RayClusters garbage-collected")
+        core = client.CoreV1Api(capi)
+        sentinel_pod = wait_for(lambda: core.list_namespaced_pod(ns, label_selector="rlhf.dev/job=job-00").items,
+                                120, "a pod of the sentinel")[0]
         base = op.reconciles(ns, "job-00")
-        client.CoreV1Api(capi).patch_namespaced_config_map("job-00-config", ns, {"metadata": {"annotations": {
-            "test/poke": "1"}}})
+        touch_pod_scheduled(core, ns, sentinel_pod.metadata.name, 1)
         wait_for(lambda: op.reconciles(ns, "job-00") > base, 60, "a reconcile of the sentinel after the deletions")
         world.converge("deleted jobs gone, sentinel Running", timeout=180)
         creates = audit.rayjob_creates(ns)
