@@ -75,6 +75,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                             "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                             "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
+    # one TP=2 engine colocated with FSDP2x2 (issue 16's TP>1 kernel format: each trainer rank sends its GPU's shard)
+    "colocated-ipc-fsdp2-tp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
+                                "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                "rollout": {"engines": 1, "tensorParallelSize": 2, "gpuMemoryUtilization": 0.3}},
     "separate-nccl-tp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                           "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
     "separate-nccl-dp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
@@ -95,8 +99,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                      "rollout": {"engines": 2, "gpuMemoryUtilization": 0.05}},
 }
 
-#: Sender variants timed after the default one (vLLM 0.24's runtime-driven sender only; ``configure_sync`` options
-#: of ``bench_actors.BenchTrainer``). The default is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22
+#: Sender variants timed after the default one (``configure_sync`` options of ``bench_actors.BenchTrainer``; vLLM
+#: >= 0.28's ``TrainerEngineSender`` takes ``format`` only and reports the rest as ``unsupported``). The default is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22
 #: evening: vLLM producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the
 #: kernel format where its plan applies, else the checkpoint format.
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -107,6 +111,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("kernel-format-one-rpc", {"producer": "runtime", "format": "auto", "rpc": "one"}),
         ("kernel-format-256MB", {"producer": "runtime", "format": "auto", "bucket_bytes": 256 << 20}),
         ("kernel-format-4GB", {"producer": "runtime", "format": "auto", "bucket_bytes": 4 << 30}),
+        # vLLM >= 0.28: the runtime's kernel-format worker engines (auto keeps checkpoint there until validated)
+        ("kernel-format-forced", {"format": "kernel"}),
     ],
     "ipc": [
         ("packed", {"packed": True, "format": "checkpoint"}),
@@ -117,6 +123,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("kernel-format-views", {"packed": True, "format": "auto", "producer": "runtime", "ipc_wire": "views"}),
         ("kernel-format-views-one-rpc", {"packed": True, "format": "auto", "producer": "runtime",
                                          "ipc_wire": "views", "rpc": "one", "bucket_bytes": 4 << 30}),
+        ("kernel-format-forced", {"format": "kernel"}),
     ],
 }
 

@@ -275,9 +275,10 @@ class WeightSync(Model):
         "auto",
         description="Layout of the weights sent. checkpoint: Hugging Face names and shapes, loaded by vLLM's "
         "layerwise reload (any engine layout, any supported vLLM). kernel: the engines' own fused parameters "
-        "(e.g. qkv_proj), copied in place: faster, but only on vLLM 0.24 with tensorParallelSize 1 (and one "
-        "trainer GPU for ipc); elsewhere the job fails when its weight-sync group is set up, naming the reason. "
-        "auto: kernel where it applies, else checkpoint.",
+        "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines of "
+        "tensorParallelSize 1 (on vLLM 0.24, ipc also needs a single trainer GPU); elsewhere the job fails when "
+        "its weight-sync group is set up, naming the reason. auto: kernel where it applies on vLLM 0.24, else "
+        "checkpoint (on vLLM 0.28 and newer the kernel format is opt-in: not yet validated on GPUs).",
     )
 
 

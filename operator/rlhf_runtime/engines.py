@@ -54,19 +54,45 @@ def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     vllm_compat.require_supported_vllm()  # a clear error before vLLM builds anything
     vllm_plugin.register()  # in-process engines (uni executor) do not always load plugins before use
     kw = dict(kwargs)
-    kw["weight_transfer_config"] = WeightTransferConfig(backend=kw.pop("weight_transfer_backend"))
+    backend = kw.pop("weight_transfer_backend")
+    if vllm_compat.has_trainer_api():  # 0.28+: the runtime's engines, which also load the kernel format
+        backend = vllm_compat.ENGINE_BACKENDS.get(backend, backend)
+    kw["weight_transfer_config"] = WeightTransferConfig(backend=backend)
     return kw
 
 
 def _worker_param_layout(worker: Any) -> dict[str, Any]:
-    """(collective_rpc) The worker's own parameters and fused-module mapping (``weight_sync.KernelPlan``)."""
+    """(collective_rpc) The worker's own parameters, fused-module mapping, the dimension each tensor-parallel
+    parameter is split along (vLLM's ``output_dim``/``input_dim`` attributes), and where the worker is: its TP
+    rank and its GPU's UUID (``weight_sync.KernelPlan``; a colocated trainer rank finds its worker by GPU)."""
+    import torch
+
     model = worker.model_runner.model
     mapping = getattr(model, "packed_modules_mapping", None) or {}
+    params = list(model.named_parameters())
+    dims = {}
+    for n, p in params:
+        for attr in ("output_dim", "input_dim"):
+            if isinstance(getattr(p, attr, None), int):
+                dims[n] = getattr(p, attr)
+                break
+    device = getattr(worker, "device", None)
+    gpu = (str(torch.cuda.get_device_properties(device).uuid)
+           if device is not None and getattr(device, "type", None) == "cuda" else None)
     return {
-        "params": [(n, list(p.shape)) for n, p in model.named_parameters()],
+        "params": [(n, list(p.shape)) for n, p in params],
         "packed_modules_mapping": {k: list(v) for k, v in dict(mapping).items()},
         "world_size": worker.vllm_config.parallel_config.world_size,
+        "shard_dims": dims,
+        "tp_rank": int(getattr(worker, "rank", 0)),  # its rank in the engine (TP x PP; TP-only engines: TP)
+        "gpu": gpu,
     }
+
+
+def _layout(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine's layout (``param_layout``): its first worker's, plus where every worker is (``workers``: TP
+    rank and GPU UUID each)."""
+    return {**per_worker[0], "workers": [{"tp_rank": w["tp_rank"], "gpu": w["gpu"]} for w in per_worker]}
 
 
 def _worker_memory(worker: Any) -> tuple[int, int]:
@@ -93,6 +119,26 @@ def _worker_freeze(worker: Any) -> int:
             p.requires_grad_(False)
             n += 1
     return n
+
+
+def _worker_weight_format(worker: Any, kernel: bool) -> bool:
+    """(collective_rpc, vLLM >= 0.28) Switch the worker's weight-transfer engine to the kernel or the checkpoint
+    format (``kernel_transfer.set_format``)."""
+    from rlhf_runtime import kernel_transfer
+
+    return kernel_transfer.set_format(getattr(worker, "weight_transfer_engine", None), kernel)
+
+
+def format_rpc(format_flag: bool, checkpoint_format: bool, kernel_now: bool) -> tuple[Any, tuple] | None:
+    """The worker call an engine makes before ``start_weight_update`` (then ``collective_rpc(fn, args=args)``), or
+    None. vLLM 0.24 (``format_flag``): the kernel format copies into parameters outside ``no_grad``, so they are
+    frozen first (every kernel sync: cheap). 0.28+: the format is the worker engine's switch, sent when it
+    changes (``kernel_now``: the engine's last switch). Pure."""
+    if format_flag:
+        return (_worker_freeze, ()) if not checkpoint_format else None
+    if kernel_now == (not checkpoint_format):
+        return None
+    return (_worker_weight_format, (not checkpoint_format,))
 
 
 async def update_round_async(engine: Any, update_info: dict[str, Any], checkpoint_format: bool) -> dict[str, float]:
@@ -129,6 +175,7 @@ class Engine:
         self.llm = LLM(**_llm_args(kwargs))
         self.start_seconds = time.perf_counter() - t
         self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
+        self._kernel = False  # the kernel-format switch last sent to the workers (vLLM >= 0.28)
         self._stale_cache = False  # prefix-cache KV computed with weights that a sync has since replaced
         self._update_open = False  # between start_weight_update and finish_weight_update
         self.lora_request: Any = None  # LoRA: the adapter every generate uses (load_adapter)
@@ -189,13 +236,15 @@ class Engine:
                 self.llm.finish_weight_update()
             self._update_open = False
         kwargs = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
-        if not checkpoint_format:
-            self.llm.collective_rpc(_worker_freeze)
+        rpc = format_rpc(self._format_flag, checkpoint_format, self._kernel)
+        if rpc is not None:
+            self.llm.collective_rpc(rpc[0], args=rpc[1])
+            self._kernel = not checkpoint_format
         self.llm.start_weight_update(**kwargs)
         self._update_open = True
 
     def param_layout(self) -> dict[str, Any]:
-        return self.llm.collective_rpc(_worker_param_layout)[0]
+        return _layout(self.llm.collective_rpc(_worker_param_layout))
 
     def device_info(self) -> dict[str, Any]:
         """(GPU) The actor's visible GPUs and the least free/total memory over its workers' GPUs."""
@@ -238,6 +287,7 @@ class AsyncEngine:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**_llm_args(kwargs)))
         self.start_seconds = time.perf_counter() - t
         self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
+        self._kernel = False  # the kernel-format switch last sent to the workers (vLLM >= 0.28)
         self._stale_cache = False  # see Engine
         self.version = 0  # bumped by resume() after a swap
         self._paused = False
@@ -309,12 +359,14 @@ class AsyncEngine:
 
     async def start_weight_update(self, checkpoint_format: bool = True) -> None:
         kwargs = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
-        if not checkpoint_format:
-            await self.llm.collective_rpc(_worker_freeze)
+        rpc = format_rpc(self._format_flag, checkpoint_format, self._kernel)
+        if rpc is not None:
+            await self.llm.collective_rpc(rpc[0], args=rpc[1])
+            self._kernel = not checkpoint_format
         await self.llm.start_weight_update(**kwargs)
 
     async def param_layout(self) -> dict[str, Any]:
-        return (await self.llm.collective_rpc(_worker_param_layout))[0]
+        return _layout(await self.llm.collective_rpc(_worker_param_layout))
 
     async def device_info(self) -> dict[str, Any]:
         """(GPU) See ``Engine.device_info``."""

@@ -37,11 +37,12 @@ from typing import Any
 from rlhf_runtime import vllm_compat
 from rlhf_runtime.engines import (
     _device_info,
+    _layout,
     _llm_args,
     _prepare_env,
-    _worker_freeze,
     _worker_memory,
     _worker_param_layout,
+    format_rpc,
     update_round_async,
 )
 
@@ -110,6 +111,7 @@ class SteppedEngine:
                 "SteppedEngine does not support vLLM data parallelism (VLLM_DP_SIZE > 1)"
             )
         self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
+        self._kernel = False  # the kernel-format switch last sent to the workers (vLLM >= 0.28)
 
     def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -289,12 +291,14 @@ class SteppedEngine:
 
     async def start_weight_update(self, checkpoint_format: bool = True) -> None:
         kw = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
-        if not checkpoint_format:
-            await self._call(self.llm.collective_rpc, _worker_freeze)
+        rpc = format_rpc(self._format_flag, checkpoint_format, self._kernel)
+        if rpc is not None:
+            await self._call(self.llm.collective_rpc, rpc[0], args=rpc[1])
+            self._kernel = not checkpoint_format
         await self._call(self.llm.start_weight_update, **kw)
 
     async def param_layout(self) -> dict[str, Any]:
-        return (await self._call(self.llm.collective_rpc, _worker_param_layout))[0]
+        return _layout(await self._call(self.llm.collective_rpc, _worker_param_layout))
 
     async def device_info(self) -> dict[str, Any]:
         """(GPU) See ``engines.Engine.device_info``."""

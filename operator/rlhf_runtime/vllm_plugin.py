@@ -1,8 +1,9 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: rlhf_gloo``).
 
 vLLM calls ``register()`` in every process it starts (driver, engine core, Ray workers). It registers the
-CPU ``gloo`` weight-transfer backend lazily, by module path, so nothing is imported unless a job selects
-``WeightTransferConfig(backend="gloo")``; on a GPU image this costs one dict entry.
+CPU ``gloo`` weight-transfer backend and, on vLLM >= 0.28, the kernel-format-capable ``rlhf_nccl``/``rlhf_ipc``
+engines (``kernel_transfer``) lazily, by module path, so nothing is imported unless an engine selects one; on a
+GPU image this costs three dict entries.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ def register() -> None:
     from rlhf_runtime import vllm_compat
 
     trainer_factory = vllm_compat.trainer_factory()
-    if trainer_factory is None:  # vLLM 0.24: no trainer-side factory
+    if trainer_factory is None:  # vLLM 0.24: no trainer-side factory (and the format is start's argument)
         return
+    for name, cls in (("rlhf_nccl", "RlhfNCCLWeightTransferEngine"), ("rlhf_ipc", "RlhfIPCWeightTransferEngine")):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, "rlhf_runtime.kernel_transfer", cls)
     if "gloo" not in trainer_factory._registry:
         trainer_factory.register_engine(
             "gloo", "rlhf_runtime.gloo_transfer", "GlooTrainerWeightTransferEngine"

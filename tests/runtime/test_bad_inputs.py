@@ -167,3 +167,16 @@ def test_reward_hook_failing_after_a_checkpoint_leaves_it_complete_and_loadable(
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert loaded["params"] > 0 and loaded["opt_steps"] > 0, loaded
+
+
+# ----------------------------------------------------------------------------------------- weight format
+def test_kernel_format_where_it_cannot_apply_fails_naming_the_reason(tiny_model: Path, tmp_path: Path) -> None:
+    """``weightSync.format: kernel`` is a promise: on the CPU gloo backend (vLLM prepacks linear weights there,
+    so nothing can be copied into them in place) the run fails when its weight-sync group is set up, saying why
+    and what to use instead, rather than syncing in the checkpoint format behind the user's back."""
+    spec = job_config(tiny_model, algorithm={"steps": 2, "promptsPerStep": 2})
+    spec["weightSync"] = {**spec.get("weightSync", {}), "format": "kernel"}
+    run = start_driver(tmp_path, write_config(tmp_path / "job.json", spec))
+    msg = _failed(run, timeout=600)
+    assert ("weightSync.format kernel cannot be used here (the gloo backend loads the checkpoint format only): "
+            "use auto or checkpoint") in msg, msg

@@ -8,6 +8,9 @@ GPUs (``benchmarks/gpu_sync.py``)."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -134,3 +137,119 @@ def test_old_names_stay_importable_from_the_package() -> None:
     for name in ("EngineFanOut", "ParamSource", "PackedProducer", "IPCBufferProducer", "KernelPlan", "Sender",
                  "TrainerEngineSender", "RuntimeDrivenSender", "DEFAULT_OPTIONS", "make_sender", "cuda_ipc_export"):
         assert hasattr(ws, name), name
+
+
+# ------------------------------------------------------------------------------------------ kernel plans
+class _Source:
+    """The trainer side of a plan: HF names and tensors in stream order (``ParamSource``'s two methods)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def wire_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(t.shape)) for n, t in self.tensors.items()]
+
+    def __iter__(self):
+        return iter(self.tensors.items())
+
+
+def _hf(heads: int = 4, kv_heads: int = 2, head_dim: int = 2, hidden: int = 8, inter: int = 12,
+        vocab: int = 16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    a = "model.layers.0.self_attn."
+    m = "model.layers.0.mlp."
+    return {"model.embed_tokens.weight": r(vocab, hidden),
+            a + "q_proj.weight": r(heads * head_dim, hidden), a + "q_proj.bias": r(heads * head_dim),
+            a + "k_proj.weight": r(kv_heads * head_dim, hidden), a + "k_proj.bias": r(kv_heads * head_dim),
+            a + "v_proj.weight": r(kv_heads * head_dim, hidden), a + "v_proj.bias": r(kv_heads * head_dim),
+            a + "o_proj.weight": r(hidden, heads * head_dim),
+            m + "gate_proj.weight": r(inter, hidden), m + "up_proj.weight": r(inter, hidden),
+            m + "down_proj.weight": r(hidden, inter),
+            "model.norm.weight": r(hidden), "lm_head.weight": r(vocab, hidden)}
+
+
+MAPPING = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _engine(hf: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
+    """vLLM's per-rank layout of a Qwen2 layer under TP ``tp``: fused qkv / gate_up (column-parallel, split along
+    dim 0 per part), o / down (row-parallel, dim 1), vocabulary-parallel embedding and head (dim 0), replicated
+    norm."""
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    rows = lambda *names: sum(hf[n].shape[0] for n in names) // tp
+    hidden = hf["model.norm.weight"].shape[0]
+    params = [("model.embed_tokens.weight", [hf["model.embed_tokens.weight"].shape[0] // tp, hidden]),
+              (a + "qkv_proj.weight", [rows(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), hidden]),
+              (a + "qkv_proj.bias", [rows(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")]),
+              (a + "o_proj.weight", [hidden, hf[a + "o_proj.weight"].shape[1] // tp]),
+              (m + "gate_up_proj.weight", [rows(m + "gate_proj.weight", m + "up_proj.weight"), hidden]),
+              (m + "down_proj.weight", [hidden, hf[m + "down_proj.weight"].shape[1] // tp]),
+              ("model.norm.weight", [hidden]), ("lm_head.weight", [hf["lm_head.weight"].shape[0] // tp, hidden])]
+    dims = {n: (1 if ("o_proj" in n or "down_proj" in n) else 0) for n, _ in params if "norm" not in n}
+    return {"params": params, "packed_modules_mapping": MAPPING, "world_size": tp, "shard_dims": dims}
+
+
+def test_kernel_plan_tp1_fuses_parts_side_by_side() -> None:
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _hf()
+    plan = KernelPlan.build(_Source(hf), _engine(hf, 1))
+    assert plan.ok and plan.shard == {}, plan.reason
+    got = dict(plan.iterate(_Source(hf)))
+    a = "model.layers.0.self_attn."
+    assert torch.equal(got[a + "qkv_proj.weight"], torch.cat([hf[a + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], hf["model.layers.0.mlp.down_proj.weight"])
+    names, _, shapes = plan.metadata(torch.float32)
+    assert sorted(names) == sorted(n for n, _ in _engine(hf, 1)["params"])
+    assert all(list(got[n].shape) == s for n, s in zip(names, shapes))
+
+
+def test_kernel_plan_tp2_sends_each_rank_its_workers_shard() -> None:
+    """Rank r's tensors are what vLLM's loaders put in TP rank r's parameters: each part's r-th piece (q, k, v
+    by heads; gate, up by rows) side by side, row-parallel weights by columns, vocabulary rows by halves, the
+    norm whole; and the pieces of all ranks put back together are the trainer's tensors."""
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _hf()
+    engine = _engine(hf, 2)
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    ranks = []
+    for rank in range(2):
+        plan = KernelPlan.build(_Source(hf), engine, tp_rank=rank)
+        assert plan.ok, plan.reason
+        got = dict(plan.iterate(_Source(hf)))
+        assert {n: list(t.shape) for n, t in got.items()} == dict(engine["params"])
+        piece = lambda n, d=0: hf[n].chunk(2, dim=d)[rank]  # noqa: B023
+        assert torch.equal(got[a + "qkv_proj.weight"], torch.cat([piece(a + p + ".weight") for p in ("q_proj", "k_proj", "v_proj")]))
+        assert torch.equal(got[a + "qkv_proj.bias"], torch.cat([piece(a + p + ".bias") for p in ("q_proj", "k_proj", "v_proj")]))
+        assert torch.equal(got[m + "gate_up_proj.weight"], torch.cat([piece(m + "gate_proj.weight"), piece(m + "up_proj.weight")]))
+        assert torch.equal(got[a + "o_proj.weight"], piece(a + "o_proj.weight", 1)) and got[a + "o_proj.weight"].is_contiguous()
+        assert torch.equal(got["model.norm.weight"], hf["model.norm.weight"])
+        parts = dict(plan.iterate(_Source(hf), fuse=False))
+        assert [list(p.shape) for p in parts[m + "gate_up_proj.weight"]] == [[6, 8], [6, 8]]  # packed side by side
+        ranks.append(got)
+    assert torch.equal(torch.cat([r[m + "down_proj.weight"] for r in ranks], dim=1), hf[m + "down_proj.weight"])
+    assert torch.equal(torch.cat([r["lm_head.weight"] for r in ranks]), hf["lm_head.weight"])
+
+
+@pytest.mark.parametrize(("tp", "rank", "change", "reason"), [
+    (2, None, None, "needs each trainer rank to send its own engine worker's shard"),
+    # KV heads that do not split: vLLM replicates KV heads when there are fewer than TP
+    (2, 0, {"kv_heads": 1}, r"no HF source for engine parameter model.layers.0.self_attn.qkv_proj.weight"),
+    # a padded vocabulary (vLLM pads the embedding per rank): the engine's rows are not half the trainer's
+    (2, 0, {"pad_vocab": 2}, r"no HF source for engine parameter model.embed_tokens.weight \[9, 8\] \(rank 0 of 2"),
+])
+def test_kernel_plan_refuses_layouts_it_cannot_split(tp, rank, change, reason) -> None:
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _hf(kv_heads=(change or {}).get("kv_heads", 2))
+    engine = _engine(hf, tp)
+    if change and "kv_heads" in change:  # vLLM: each rank holds the one KV head: q half + k + v
+        a = "model.layers.0.self_attn."
+        engine["params"][1] = (a + "qkv_proj.weight", [4 + 2 + 2, 8])
+    if change and "pad_vocab" in change:
+        engine["params"][0] = ("model.embed_tokens.weight", [(16 + change["pad_vocab"]) // 2, 8])
+    plan = KernelPlan.build(_Source(hf), engine, tp_rank=rank)
+    assert not plan.ok
+    assert re.search(reason, plan.reason), plan.reason

@@ -20,6 +20,9 @@ class EngineFanOut:
         self.worlds = worlds
         self.timeout_s = timeout_s  # spec.weightSync.timeoutSeconds: no engine call waits longer
         self.timings: dict[str, float] = {}
+        #: the format of ``start_weight_update()`` called without one (vLLM >= 0.28's trainer engines call it so;
+        #: ``TrainerEngineSender`` sets it from ``spec.weightSync.format``)
+        self.checkpoint_format = True
 
     def get(self, refs: Any, method: str) -> Any:
         """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines."""
@@ -49,8 +52,9 @@ class EngineFanOut:
             offset += w
         self._all("init_weight_transfer_engine", infos)
 
-    def start_weight_update(self, checkpoint_format: bool = True) -> None:
-        self._all("start_weight_update", [(checkpoint_format,)] * len(self.handles))
+    def start_weight_update(self, checkpoint_format: bool | None = None) -> None:
+        fmt = self.checkpoint_format if checkpoint_format is None else checkpoint_format
+        self._all("start_weight_update", [(fmt,)] * len(self.handles))
 
     def update_weights(self, update_info: Any) -> None:
         self._all("update_weights", [(update_info,)] * len(self.handles))
@@ -82,5 +86,9 @@ class EngineFanOut:
             self.timings[method] = self.timings.get(method, 0.0) + seconds
 
     def engine_params(self) -> dict[str, Any]:
-        """The first engine's own parameters (name, shape), fused-module mapping and world size."""
+        """The first engine's own parameters (name, shape), fused-module mapping, world size and workers."""
         return self.get(self.handles[0].param_layout.remote(), "param_layout")
+
+    def engine_layouts(self) -> list[dict[str, Any]]:
+        """``engine_params`` of every engine (where each engine's workers are: TP rank and GPU)."""
+        return self.get([h.param_layout.remote() for h in self.handles], "param_layout")

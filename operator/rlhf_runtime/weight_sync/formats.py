@@ -5,8 +5,10 @@ Two formats reach an engine:
 * **checkpoint**: Hugging Face names and shapes (``ParamSource``), loaded through vLLM's layerwise reload
   (``model.load_weights``): works for every engine layout and every supported vLLM;
 * **kernel**: the engine's own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` / ``gate_up_proj``
-  written side by side), loaded by a plain ``param.copy_`` (``start_weight_update(is_checkpoint_format=False)``):
-  vLLM 0.24 only (``vllm_compat.takes_format_flag``), TP=1 engines, one trainer worker for IPC.
+  written side by side), loaded by a plain ``param.copy_``: on vLLM 0.24 ``start_weight_update(
+  is_checkpoint_format=False)`` (one trainer worker for IPC), on 0.28+ the runtime's worker engines
+  (``kernel_transfer``; NCCL and IPC, any number of trainer workers); TP=1 engines whose parameters are what
+  the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds no source for them).
 
 ``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
@@ -34,50 +36,89 @@ DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "auto", "rpc
 
 
 class KernelPlan:
-    """HF (checkpoint) tensors -> the engine's own parameters, for ``start_weight_update(False)``.
+    """HF (checkpoint) tensors -> the engine's own parameters, for a kernel-format update (a plain copy each).
 
-    For each engine parameter (name, shape, dtype, from the engine): the HF tensor of the same name and
-    shape, or the HF tensors whose names substitute a fused module's parts (vLLM's
-    ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj, k_proj, v_proj``; ``gate_up_proj`` <-
-    ``gate_proj, up_proj``), concatenated along dim 0 (TP=1: vLLM's fused layout). Packing writes the
-    parts side by side, so the fusion costs no extra copy. ``ok`` is False (``reason`` says why) when an
-    engine parameter has no such source; the sender then keeps the checkpoint format.
+    For each engine parameter (name, shape, dtype, from the engine): the HF tensor of the same name, or the HF
+    tensors whose names substitute a fused module's parts (vLLM's ``packed_modules_mapping``: ``qkv_proj`` <-
+    ``q_proj, k_proj, v_proj``; ``gate_up_proj`` <- ``gate_proj, up_proj``), concatenated along dim 0 (vLLM's
+    fused layout). Packing writes the parts side by side, so the fusion costs no extra copy.
+
+    Tensor parallelism (``tp`` > 1, ``tp_rank``: the engine worker this rank's tensors are for, e.g. the worker
+    on this trainer rank's GPU for CUDA IPC): a parameter whose engine shape is the whole source's is replicated;
+    otherwise it is split along the dimension the engine reports for it (``shard_dims``: vLLM's ``output_dim``
+    for column-parallel layers and vocabulary embeddings, ``input_dim`` for row-parallel ones), each part
+    (q, k, v; gate, up) chunked into ``tp`` equal pieces and piece ``tp_rank`` of each part concatenated
+    (vLLM's per-rank fused layout). Uneven splits (padded vocabularies, KV heads fewer than ``tp``) find no
+    source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps the checkpoint
+    format (``auto``) or refuses (``kernel``).
     """
 
-    def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str) -> None:
+    def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str,
+                 shard: dict[str, int] | None = None, tp: int = 1, tp_rank: int = 0) -> None:
         self.entries, self.ok, self.reason = entries, ok, reason
+        self.shard = shard or {}  # engine name -> the dimension its sources are split along (TP > 1)
+        self.tp, self.tp_rank = tp, tp_rank
+
+    @staticmethod
+    def _sources(name: str, hf: dict[str, Any], mapping: dict[str, list[str]]) -> list[str] | None:
+        if name in hf:
+            return [name]
+        for fused, parts in mapping.items():
+            if f".{fused}." in f".{name}":
+                srcs = [name.replace(f"{fused}.", f"{part}.", 1) for part in parts]
+                if all(s in hf for s in srcs):
+                    return srcs
+        return None
 
     @classmethod
-    def build(cls, source: ParamSource, engine: dict[str, Any]) -> KernelPlan:
-        hf = dict(source.wire_shapes())  # names and shapes as the stream yields them
+    def build(cls, source: ParamSource, engine: dict[str, Any], tp_rank: int | None = None) -> KernelPlan:
+        """``engine``: the layout an engine worker reports (``params`` [(name, shape)], ``packed_modules_mapping``,
+        ``world_size`` = TP, ``shard_dims`` {name: dim}). ``tp_rank``: required when TP > 1."""
+        hf = {n: list(s) for n, s in source.wire_shapes()}  # names and shapes as the stream yields them
         mapping: dict[str, list[str]] = engine.get("packed_modules_mapping") or {}
-        if engine.get("world_size", 1) != 1:
-            return cls([], False, "kernel format needs tensor_parallel_size 1")
+        tp = int(engine.get("world_size", 1))
+        if tp != 1 and tp_rank is None:
+            return cls([], False, "kernel format with tensor_parallel_size > 1 needs each trainer rank to send "
+                                  "its own engine worker's shard (ipc, colocated)")
+        dims: dict[str, int] = engine.get("shard_dims") or {}
         entries: list[tuple[str, list[int], list[str]]] = []
+        shard: dict[str, int] = {}
         for name, shape in engine["params"]:
-            if name in hf and list(hf[name]) == list(shape):
-                entries.append((name, list(shape), [name]))
+            shape = list(shape)
+            srcs = cls._sources(name, hf, mapping)
+            whole = None if srcs is None else [sum(hf[s][0] for s in srcs), *hf[srcs[0]][1:]]
+            if srcs is not None and all(hf[s][1:] == hf[srcs[0]][1:] for s in srcs) and whole == shape:
+                entries.append((name, shape, srcs))  # TP = 1, or replicated on every rank
                 continue
-            found = None
-            for fused, parts in mapping.items():
-                key = f".{fused}."
-                if key in f".{name}":
-                    srcs = [name.replace(f"{fused}.", f"{part}.", 1) for part in parts]
-                    if all(s in hf for s in srcs) and sum(hf[s][0] for s in srcs) == shape[0] and all(
-                        list(hf[s][1:]) == list(shape[1:]) for s in srcs
-                    ):
-                        found = srcs
+            dim = dims.get(name)
+            if srcs is not None and tp > 1 and dim is not None and len(shape) > dim:
+                pieces = []
+                for s in srcs:
+                    piece = list(hf[s])
+                    if dim >= len(piece) or piece[dim] % tp:
+                        pieces = []
                         break
-            if found is None:
-                return cls([], False, f"no HF source for engine parameter {name} {list(shape)}")
-            entries.append((name, list(shape), found))
+                    piece[dim] //= tp
+                    pieces.append(piece)
+                if pieces and (len(pieces) == 1 or dim == 0):
+                    local = [sum(pc[0] for pc in pieces), *pieces[0][1:]] if dim == 0 else pieces[0]
+                    if local == shape and all(pc[1:] == pieces[0][1:] for pc in pieces):
+                        entries.append((name, shape, srcs))
+                        shard[name] = dim
+                        continue
+            what = f"engine parameter {name} {shape}"
+            if tp > 1:
+                what += f" (rank {tp_rank} of {tp}, split along {dim})"
+            return cls([], False, f"no HF source for {what}")
         # Emit each engine parameter as soon as the HF stream has produced all its parts, so that the
         # send stays lazy (one HF tensor gathered at a time) and every rank iterates the same order.
         order = {n: i for i, n in enumerate(hf)}
         entries.sort(key=lambda e: (max(order[s] for s in e[2]), order[e[2][0]]))
         used = {s for e in entries for s in e[2]}
         reason = f"{len(entries)} engine parameters from {len(used)} of {len(hf)} HF tensors"
-        return cls(entries, True, reason)
+        if tp > 1:
+            reason += f", {len(shard)} split for rank {tp_rank} of {tp}"
+        return cls(entries, True, reason, shard, tp, tp_rank or 0)
 
     def metadata(self, dtype: torch.dtype) -> tuple[list[str], list[str], list[list[int]]]:
         d = str(dtype).split(".")[-1]
@@ -86,7 +127,8 @@ class KernelPlan:
     def iterate(self, source: ParamSource, fuse: bool = True) -> Iterator[tuple[str, Any]]:
         """Yields (engine name, tensor) in ``entries`` order, pulling HF tensors from ``source`` lazily.
         ``fuse=False`` yields fused parameters as a list of parts (``PackedProducer`` writes them side by
-        side in its buffer, which is the fused layout, without a ``torch.cat``)."""
+        side in its buffer, which is the fused layout, without a ``torch.cat``). Split parameters yield this
+        rank's pieces (views; the packers copy them)."""
         it = iter(source)
         have: dict[str, torch.Tensor] = {}
         for name, _, srcs in self.entries:
@@ -94,8 +136,11 @@ class KernelPlan:
                 n, t = next(it)
                 have[n] = t
             parts = [have.pop(s) for s in srcs]
+            dim = self.shard.get(name)
+            if dim is not None:
+                parts = [p.chunk(self.tp, dim=dim)[self.tp_rank] for p in parts]
             if len(parts) == 1:
-                yield name, parts[0]
+                yield name, parts[0] if dim is None else parts[0].contiguous()
             else:
                 yield name, torch.cat(parts, dim=0) if fuse else parts
         for _ in it:  # HF tensors the engine does not take (e.g. a tied alias): still gathered on every rank

@@ -50,16 +50,22 @@ class Sender:
 
 class TrainerEngineSender(Sender):
     """vLLM >= 0.28: the backend's ``TrainerWeightTransferEngine`` drives the round trip ``start_weight_update``
-    -> ``update_weights`` (concurrent with the send) -> ``finish_weight_update``, in the checkpoint format (these
-    vLLMs reload layerwise only: ``fmt="kernel"`` is refused)."""
+    -> ``update_weights`` (concurrent with the send) -> ``finish_weight_update``.
+
+    ``fmt`` (``spec.weightSync.format``, ``formats.effective_format``): the kernel format sends the engine's own
+    parameters (``KernelPlan``, built on every rank from the engines' layout, so every rank iterates and, for
+    IPC, exports the same names and shapes; with TP > 1 over IPC each rank its GPU's worker's shard) as the
+    stream of the same trainer engine, and switches the engines' workers to copying them in place
+    (``kernel_transfer``; ``EngineFanOut.checkpoint_format``); the checkpoint
+    format streams HF names into vLLM's layerwise reload. The gloo backend (CPU: vLLM prepacks linear weights
+    there) loads the checkpoint format only; ``auto`` means checkpoint here until the kernel path is validated on
+    GPUs (``vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API``)."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
-        if fmt == "kernel":
-            raise ValueError("weightSync.format kernel needs vLLM 0.24 (vLLM >= 0.28 engines load the checkpoint "
-                             "format only): use auto or checkpoint")
         factory = vllm_compat.trainer_factory()
         self.backend, self.client, self.source = backend, client, source
+        self.plan: KernelPlan | None = None
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
 
@@ -84,13 +90,63 @@ class TrainerEngineSender(Sender):
                                       rank=init.get("rank", 0))
         else:
             raise ValueError(f"unknown weight-transfer backend {backend!r}")
-        self.engine = factory.trainer_init(info, client=client, source=source.as_weight_source())
+        self._resolve(fmt)
+        self.engine = factory.trainer_init(info, client=client, source=self._weight_source())
+
+    def _resolve(self, fmt: str) -> None:
+        if fmt == "auto" and not vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API:
+            self.format = effective_format("checkpoint", None)  # until validated on GPUs (vllm_compat)
+        else:
+            if fmt != "checkpoint" and self.plan is None:
+                if self.backend == "gloo":
+                    self.plan = KernelPlan([], False, "the gloo backend loads the checkpoint format only")
+                else:
+                    self.plan = self._kernel_plan()
+            self.format = effective_format(fmt, self.plan)
+        self.client.checkpoint_format = self.format == "checkpoint"
+
+    def _kernel_plan(self) -> KernelPlan:
+        """The plan for this rank. TP > 1: over CUDA IPC each engine worker reads the tensors of the trainer rank
+        on its own GPU, so this rank sends the shard of the worker on its GPU (found by GPU UUID among every
+        engine's workers); over NCCL every worker receives the same broadcast, so there is no per-rank shard."""
+        layouts = self.client.engine_layouts()
+        tp_rank = None
+        if int(layouts[0].get("world_size", 1)) > 1 and self.backend == "ipc":
+            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            tp_rank = next((w["tp_rank"] for lay in layouts for w in lay.get("workers", []) if w["gpu"] == uuid),
+                           None)
+            if tp_rank is None:
+                return KernelPlan([], False, "kernel format with tensor_parallel_size > 1: no engine worker on this "
+                                             "trainer rank's GPU (ipc needs the trainer colocated with the engines)")
+        return KernelPlan.build(self.source, layouts[0], tp_rank)
+
+    def _weight_source(self) -> Any:
+        if self.format != "kernel":
+            return self.source.as_weight_source()
+        plan, dtype = self.plan, self.source.dtype
+        assert plan is not None
+        names, _, shapes = plan.metadata(dtype)
+        meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in zip(names, shapes)]
+        return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
+
+    def configure(self, **options: Any) -> dict[str, Any]:
+        """Change the weight format for later syncs (``format``: the benchmark compares them in one run);
+        returns the format in use, the plan's reason and the options this sender does not take."""
+        if "format" in options:
+            self._resolve(options.pop("format"))
+            self.engine.source = self._weight_source()
+        out: dict[str, Any] = {"format": self.format, "kernel_plan": None if self.plan is None else self.plan.reason}
+        if options:
+            out["unsupported"] = sorted(options)
+        return out
 
     def send(self) -> dict[str, float]:
         self.client.timings = {}
         t = time.perf_counter()
         self.engine.send_weights()
-        return self._result(time.perf_counter() - t)
+        r = self._result(time.perf_counter() - t)
+        r["format"] = self.format  # type: ignore[assignment]
+        return r
 
 
 class RuntimeDrivenSender(Sender):
