@@ -1177,6 +1177,16 @@ def _report_bad_config(opts: Options, error: BaseException) -> int:
     return EXIT_FAILED
 
 
+def failure_message(e: BaseException) -> str:
+    """The ``Failed`` message of a run that raised ``e``: an actor's own exception where Ray wrapped one
+    (``RayTaskError(X)``, whose text is Ray's traceback of the actor) - what the user can act on - else ``e``."""
+    seen = 0
+    while type(e).__name__.startswith("RayTaskError") and isinstance(getattr(e, "cause", None), BaseException) \
+            and seen < 8:
+        e, seen = e.cause, seen + 1  # type: ignore[attr-defined]
+    return f"{type(e).__name__}: {e}"[:1000]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     opts = parse_args(argv)
@@ -1237,7 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_VALIDATION
     except BaseException as e:  # noqa: BLE001 - report every failure, including SIGTERM, before exiting
         log.error("run failed:\n%s", traceback.format_exc())
-        msg = watchdog.fired or f"{type(e).__name__}: {e}"[:1000]
+        msg = watchdog.fired or failure_message(e)
         try:
             reporter.report("Failed", message=msg)
         except ForeignJobError:
