@@ -1,0 +1,181 @@
+"""A peer side by side: TRL's ``GRPOTrainer`` (vLLM colocate mode) and the runtime's GRPO on the same work.
+
+Same model (a random-init Qwen2 built locally, the character tokenizer of ``rlhf_runtime.tiny``), prompts,
+reward (the runtime's ``length`` rule: ``1 - |tokens - target| / target`` clipped at 0; TRL gets the same
+function), batch (prompts per step x samples per prompt, one optimiser step per batch), sampling (temperature,
+max tokens), learning rate, no KL, clip 0.2, and number of steps. The two run one after the other, ``--rounds``
+times interleaved (ours, TRL, ours, TRL, ...) on this machine; each run's per-step wall times after
+``--warmup`` steps give its median step time and samples/s, and the ratio ours / TRL is reported per round
+and over all rounds. Not a test.
+
+* Ours: ``python -m rlhf_runtime.driver --local`` (real Ray, real vLLM, the gloo weight sync on CPU), per-step
+  ``stepSeconds`` from its progress file.
+* TRL: ``benchmarks/trl_grpo_run.py`` under ``--trl-python``, a Python that has TRL (TRL is not a dependency of
+  the project). A venv that sees the project's packages and adds TRL::
+
+      python3 -m venv /tmp/trl-venv
+      echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/trl-venv/lib/python3.11/site-packages/zz_project.pth
+      /tmp/trl-venv/bin/python -m pip install trl==1.16.0
+
+  If TRL's vLLM mode cannot run here, its error is the result (the issue's rule: never compare against TRL
+  without vLLM).
+
+    .venv/bin/python benchmarks/trl_peer.py --trl-python /tmp/trl-venv/bin/python   # results/trl_peer_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rlhf_api.models import RuntimeConfig
+
+ROOT = Path(__file__).resolve().parent
+RESULT = ROOT / "results" / "trl_peer_cpu.json"
+
+
+def work_of(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    return {"model": str(model), "prompts": [f"prompt {i}:" for i in range(a.prompts)], "steps": a.steps,
+            "prompts_per_step": a.prompts_per_step, "samples_per_prompt": a.samples_per_prompt,
+            "max_tokens": a.max_tokens, "temperature": 1.0, "learning_rate": a.learning_rate,
+            "target_length": a.max_tokens // 2, "gpu_memory_utilization": 0.05, "max_model_len": 128,
+            "micro_batch": 64, "device": "cpu", "seed": 0}
+
+
+def run_ours(work: dict[str, Any], dirpath: Path) -> dict[str, Any]:
+    spec = {
+        "model": {"name": work["model"], "dtype": "float32"},
+        "image": "local",
+        "trainer": {"replicas": 1, "gpusPerReplica": 0},
+        "rollout": {"engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": work["gpu_memory_utilization"],
+                    "maxModelLen": work["max_model_len"],
+                    "sampling": {"temperature": work["temperature"], "maxTokens": work["max_tokens"],
+                                 "samplesPerPrompt": work["samples_per_prompt"]}},
+        "algorithm": {"name": "grpo", "steps": work["steps"], "promptsPerStep": work["prompts_per_step"],
+                      "learningRate": work["learning_rate"], "klCoef": 0.0, "clipRatio": 0.2, "seed": work["seed"]},
+        "data": {"prompts": work["prompts"]},
+        "reward": {"rule": "length", "targetLength": work["target_length"]},
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
+    }
+    dirpath.mkdir(parents=True, exist_ok=True)
+    cfg = dirpath / "job.json"
+    cfg.write_text(RuntimeConfig(name="peer", namespace="default", uid="peer", spec=spec).model_dump_json(by_alias=True))
+    progress, log = dirpath / "progress.jsonl", dirpath / "driver.log"
+    t = time.perf_counter()
+    with log.open("w") as out:
+        rc = subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local",
+                             "--no-report", "--progress-file", str(progress)], stdout=out, stderr=subprocess.STDOUT, check=False,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    wall = time.perf_counter() - t
+    records = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+    steps = [r["throughput"]["stepSeconds"] for r in records
+             if "throughput" in r and r["runtime"]["state"] == "Running"]
+    out: dict[str, Any] = {"ok": rc == 0 and bool(steps), "step_seconds": steps, "wall_seconds": wall}
+    if not out["ok"]:
+        out["error"] = f"driver exit {rc}: " + log.read_text(errors="replace")[-3000:]
+    return out
+
+
+def run_trl(work: dict[str, Any], dirpath: Path, python: str) -> dict[str, Any]:
+    dirpath.mkdir(parents=True, exist_ok=True)
+    (dirpath / "work.json").write_text(json.dumps(work))
+    res, log = dirpath / "trl.json", dirpath / "trl.log"
+    t = time.perf_counter()
+    with log.open("w") as out:
+        rc = subprocess.run([python, str(ROOT / "trl_grpo_run.py"), str(dirpath / "work.json"), str(res)],
+                            stdout=out, stderr=subprocess.STDOUT, check=False,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                                 "TRANSFORMERS_OFFLINE": "1"}).returncode
+    wall = time.perf_counter() - t
+    r = json.loads(res.read_text()) if res.exists() else {"ok": False, "error": f"no result (exit {rc})"}
+    out = {"ok": bool(r.get("ok")) and rc == 0, "step_seconds": [s["seconds"] for s in r.get("steps", [])],
+           "wall_seconds": wall, "versions": r.get("versions")}
+    if not out["ok"]:
+        out["error"] = r.get("error") or f"exit {rc}"
+        out["traceback"] = r.get("traceback") or log.read_text(errors="replace")[-3000:]
+    return out
+
+
+def summary(run: dict[str, Any], warmup: int, samples: int) -> dict[str, Any] | None:
+    steps = run["step_seconds"][warmup:]
+    if not run["ok"] or not steps:
+        return None
+    med = statistics.median(steps)
+    return {"measured_steps": len(steps), "median_step_s": med, "samples_per_s": samples / med}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trl-python", required=True, help="a Python with TRL (see the module docstring)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--out", default=str(RESULT))
+    a = p.parse_args()
+    command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "benchmarks/trl_peer.py", *sys.argv[1:]])
+
+    work_dir = Path(tempfile.mkdtemp(prefix="rlhf-trl-peer-"))
+    model = work_dir / "model"
+    build = (f"from rlhf_runtime.tiny import build_tiny_model; "
+             f"build_tiny_model({str(model)!r}, hidden_size={a.hidden}, layers={a.layers})")
+    subprocess.run([sys.executable, "-c", build], check=True)
+    work = work_of(a, model)
+    samples = a.prompts_per_step * a.samples_per_prompt
+    result: dict[str, Any] = {
+        "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "work": {k: v for k, v in work.items() if k != "prompts"} | {"prompts": len(work["prompts"]),
+                                                                      "samples_per_step": samples},
+        "rounds": [],
+    }
+    for i in range(a.rounds):
+        rnd: dict[str, Any] = {}
+        for who in ("ours", "trl"):
+            print(f"[trl_peer] round {i}: {who}", flush=True)
+            run = (run_ours(work, work_dir / f"ours-{i}") if who == "ours"
+                   else run_trl(work, work_dir / f"trl-{i}", a.trl_python))
+            rnd[who] = {**run, "summary": summary(run, a.warmup, samples)}
+            print(f"[trl_peer] round {i}: {who} {rnd[who]['summary'] or rnd[who].get('error', '')[:500]}", flush=True)
+        if rnd["ours"]["summary"] and rnd["trl"]["summary"]:
+            rnd["samples_per_s_ratio_ours_to_trl"] = (rnd["ours"]["summary"]["samples_per_s"]
+                                                      / rnd["trl"]["summary"]["samples_per_s"])
+        result["rounds"].append(rnd)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        if not rnd["trl"]["ok"]:
+            break  # TRL cannot run here: its error is the result; more rounds would only repeat it
+
+    def pooled(who: str) -> dict[str, Any] | None:
+        steps = [s for r in result["rounds"] if r[who]["ok"] for s in r[who]["step_seconds"][a.warmup:]]
+        return {"median_step_s": statistics.median(steps), "samples_per_s": samples / statistics.median(steps),
+                "measured_steps": len(steps)} if steps else None
+
+    result["overall"] = {"ours": pooled("ours"), "trl": pooled("trl")}
+    if result["overall"]["ours"] and result["overall"]["trl"]:
+        result["overall"]["samples_per_s_ratio_ours_to_trl"] = (result["overall"]["ours"]["samples_per_s"]
+                                                                / result["overall"]["trl"]["samples_per_s"])
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["overall"], indent=2))
+    print(f"wrote {a.out} (runs under {work_dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
