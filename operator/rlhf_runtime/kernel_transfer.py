@@ -5,9 +5,9 @@ always run the layerwise reload (``initialize_layerwise_reload`` in ``start_weig
 chunk, ``finalize_layerwise_reload`` in ``finish_weight_update``), which took 74 of 94 ms of a 1.7B NCCL sync on
 2xH200 with 0.33 (``benchmarks/README.md``, fourth round). vLLM 0.28+ leaves each engine its own lifecycle
 (``WeightTransferEngine``: "engines that apply weights in place leave those methods as no-ops"), so the runtime
-registers its own engines, ``rlhf_nccl`` and ``rlhf_ipc`` (and gives the CPU ``gloo`` engine the same switch):
-vLLM's transport unchanged, plus a per-engine format switch (``set_format``, a worker RPC the runtime sends when
-``weightSync.format`` resolves to kernel).
+registers its own engines, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport unchanged, plus a per-engine format
+switch (``set_format``, a worker RPC the runtime sends when ``weightSync.format`` resolves to kernel). The CPU
+``gloo`` engine has no switch (see below why the kernel format cannot apply on CPU).
 
 * checkpoint (default): exactly the parent engine (HF names, layerwise reload);
 * kernel: ``start_weight_update`` puts a ``KernelTarget`` where the engine loads into (``self.model``): its
