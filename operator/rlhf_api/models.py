@@ -275,10 +275,11 @@ class WeightSync(Model):
         "auto",
         description="Layout of the weights sent. checkpoint: Hugging Face names and shapes, loaded by vLLM's "
         "layerwise reload (any engine layout, any supported vLLM). kernel: the engines' own fused parameters "
-        "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines of "
-        "tensorParallelSize 1 (on vLLM 0.24, ipc also needs a single trainer GPU); elsewhere the job fails when "
-        "its weight-sync group is set up, naming the reason. auto: kernel where it applies on vLLM 0.24, else "
-        "checkpoint (on vLLM 0.28 and newer the kernel format is opt-in: not yet validated on GPUs).",
+        "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines, of "
+        "tensorParallelSize 1 (ipc: or each engine worker colocated with a trainer GPU, which sends that "
+        "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
+        "kernel where it applies and was validated on GPUs (vLLM 0.24, tensorParallelSize 1, one trainer GPU "
+        "for ipc), else checkpoint; vLLM 0.28+, several ipc trainer GPUs and TP shards are opt-in (kernel).",
     )
 
 

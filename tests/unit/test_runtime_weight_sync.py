@@ -253,3 +253,13 @@ def test_kernel_plan_refuses_layouts_it_cannot_split(tp, rank, change, reason) -
     plan = KernelPlan.build(_Source(hf), engine, tp_rank=rank)
     assert not plan.ok
     assert re.search(reason, plan.reason), plan.reason
+
+
+def test_a_trainer_rank_without_engine_layouts_plans_no_kernel_format() -> None:
+    """Only trainer rank 0 holds the engine handles; without a process group to receive their layouts from
+    (a lone rank), the plan says so instead of failing on an empty list."""
+    from rlhf_runtime.weight_sync import EngineFanOut
+    from rlhf_runtime.weight_sync.senders import kernel_plan
+
+    plan = kernel_plan(_Source(_hf()), EngineFanOut([], []), "ipc")
+    assert not plan.ok and plan.reason == "no engine layout reached this trainer rank"

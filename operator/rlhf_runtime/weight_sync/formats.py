@@ -6,9 +6,11 @@ Two formats reach an engine:
   (``model.load_weights``): works for every engine layout and every supported vLLM;
 * **kernel**: the engine's own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` / ``gate_up_proj``
   written side by side), loaded by a plain ``param.copy_``: on vLLM 0.24 ``start_weight_update(
-  is_checkpoint_format=False)`` (one trainer worker for IPC), on 0.28+ the runtime's worker engines
-  (``kernel_transfer``; NCCL and IPC, any number of trainer workers); TP=1 engines whose parameters are what
-  the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds no source for them).
+  is_checkpoint_format=False)``, on 0.28+ the runtime's worker engines (``kernel_transfer``); engines whose
+  parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds no source
+  for them), TP=1, or TP>1 over IPC with each trainer rank sending its GPU's worker's shard
+  (``senders.kernel_plan``). ``auto`` picks it only where validated on GPUs (0.24, TP=1, one IPC trainer
+  worker); the rest is opt-in (``kernel``).
 
 ``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or

@@ -48,6 +48,32 @@ class Sender:
         }
 
 
+def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> KernelPlan:
+    """This trainer rank's ``KernelPlan``. Only rank 0 holds the engine handles (``Runtime.init_sync``): it asks
+    every engine for its layout and, when the trainer has several ranks, broadcasts the layouts over the
+    trainer's process group (a collective: every rank calls this at the same point). TP > 1: over CUDA IPC each
+    engine worker reads the tensors of the trainer rank on its own GPU, so each rank plans the shard of the
+    worker on its GPU (found by GPU UUID); over NCCL every worker receives the same broadcast, so there is no
+    per-rank shard and the plan refuses."""
+    import torch.distributed as dist
+
+    layouts = client.engine_layouts() if client.handles else None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [layouts]
+        dist.broadcast_object_list(box, src=0)
+        layouts = box[0]
+    if not layouts:
+        return KernelPlan([], False, "no engine layout reached this trainer rank")
+    tp_rank = None
+    if int(layouts[0].get("world_size", 1)) > 1 and backend == "ipc":
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        tp_rank = next((w["tp_rank"] for lay in layouts for w in lay.get("workers", []) if w["gpu"] == uuid), None)
+        if tp_rank is None:
+            return KernelPlan([], False, "kernel format with tensor_parallel_size > 1: no engine worker on this "
+                                         "trainer rank's GPU (ipc needs the trainer colocated with the engines)")
+    return KernelPlan.build(source, layouts[0], tp_rank)
+
+
 class TrainerEngineSender(Sender):
     """vLLM >= 0.28: the backend's ``TrainerWeightTransferEngine`` drives the round trip ``start_weight_update``
     -> ``update_weights`` (concurrent with the send) -> ``finish_weight_update``.
@@ -101,24 +127,9 @@ class TrainerEngineSender(Sender):
                 if self.backend == "gloo":
                     self.plan = KernelPlan([], False, "the gloo backend loads the checkpoint format only")
                 else:
-                    self.plan = self._kernel_plan()
+                    self.plan = kernel_plan(self.source, self.client, self.backend)
             self.format = effective_format(fmt, self.plan)
         self.client.checkpoint_format = self.format == "checkpoint"
-
-    def _kernel_plan(self) -> KernelPlan:
-        """The plan for this rank. TP > 1: over CUDA IPC each engine worker reads the tensors of the trainer rank
-        on its own GPU, so this rank sends the shard of the worker on its GPU (found by GPU UUID among every
-        engine's workers); over NCCL every worker receives the same broadcast, so there is no per-rank shard."""
-        layouts = self.client.engine_layouts()
-        tp_rank = None
-        if int(layouts[0].get("world_size", 1)) > 1 and self.backend == "ipc":
-            uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-            tp_rank = next((w["tp_rank"] for lay in layouts for w in lay.get("workers", []) if w["gpu"] == uuid),
-                           None)
-            if tp_rank is None:
-                return KernelPlan([], False, "kernel format with tensor_parallel_size > 1: no engine worker on this "
-                                             "trainer rank's GPU (ipc needs the trainer colocated with the engines)")
-        return KernelPlan.build(self.source, layouts[0], tp_rank)
 
     def _weight_source(self) -> Any:
         if self.format != "kernel":
@@ -218,8 +229,11 @@ class RuntimeDrivenSender(Sender):
         requested = self.options.get("format", "auto")
         if requested != "checkpoint" and self.plan is None:
             if self.backend == "ipc" and int(self.init.get("trainer_world", 1)) > 1:
-                # every IPC rank packs the same chunks; only rank 0 can ask the engines for their layout
-                self.plan = KernelPlan([], False, "kernel format with IPC needs a single trainer worker")
+                # every IPC rank exports its own GPU's tensors: each plans them (kernel_plan; TP > 1: its GPU's
+                # worker's shard). Opt-in (format: kernel) until validated on GPUs; auto keeps checkpoint.
+                self.plan = (kernel_plan(self.source, self.client, self.backend) if requested == "kernel" else
+                             KernelPlan([], False, "kernel format with IPC from several trainer workers is opt-in "
+                                                   "(format: kernel) until validated on GPUs"))
             elif self.is_sender:
                 self.plan = KernelPlan.build(self.source, self.client.engine_params())
         if self.is_sender or self.backend == "ipc":
