@@ -100,8 +100,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 #: Sender variants timed after the default one (``configure_sync`` options of ``bench_actors.BenchTrainer``; vLLM
-#: >= 0.28's ``TrainerEngineSender`` takes ``format`` only and reports the rest as ``unsupported``). The default is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22
-#: evening: vLLM producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the
+#: >= 0.28's ``TrainerEngineSender`` takes ``format`` only and reports the rest as ``unsupported``). The default
+#: is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22 evening: vLLM producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the
 #: kernel format where its plan applies, else the checkpoint format.
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
