@@ -20,11 +20,38 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from rlhf_api.models import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parent
 RESULT = ROOT / "results" / "cpu_runtime.json"
+
+
+def build_model(model: Path, hidden: int, layers: int) -> Path:
+    """A random-init Qwen2 (``rlhf_runtime.tiny``) at ``model``, built in a child process (torch stays out of this
+    one)."""
+    build = (f"from rlhf_runtime.tiny import build_tiny_model; "
+             f"build_tiny_model({str(model)!r}, hidden_size={hidden}, layers={layers})")
+    subprocess.run([sys.executable, "-c", build], check=True)
+    return model
+
+
+def run_driver(spec: dict[str, Any], work: Path, log: Path | None = None) -> tuple[int, list[dict[str, Any]], float]:
+    """``python -m rlhf_runtime.driver --local`` on ``spec`` in ``work`` (config and progress file there; output to
+    ``log``, else discarded): (exit code, progress records, wall seconds)."""
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = work / "job.json"
+    cfg.write_text(RuntimeConfig(name="bench", namespace="default", uid="bench", spec=spec).model_dump_json(by_alias=True))
+    progress = work / "progress.jsonl"
+    t0 = time.perf_counter()
+    with open(log or os.devnull, "w") as out:
+        rc = subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local",
+                             "--no-report", "--progress-file", str(progress)], stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False).returncode
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+    return rc, records, wall
 
 
 def main() -> int:
@@ -42,10 +69,7 @@ def main() -> int:
     command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "benchmarks/cpu_runtime.py", *sys.argv[1:]])
 
     work = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
-    model = work / "model"
-    build = (f"from rlhf_runtime.tiny import build_tiny_model; "
-             f"build_tiny_model({str(model)!r}, hidden_size={a.hidden}, layers={a.layers})")
-    subprocess.run([sys.executable, "-c", build], check=True)
+    model = build_model(work / "model", a.hidden, a.layers)
     spec = {
         "model": {"name": str(model), "dtype": "float32"},
         "image": "local",
@@ -58,15 +82,9 @@ def main() -> int:
         "data": {"prompts": [f"prompt {i}:" for i in range(64)]},
         "reward": {"rule": "length", "targetLength": a.max_tokens // 2},
     }
-    cfg = work / "job.json"
-    cfg.write_text(RuntimeConfig(name="bench", namespace="default", uid="bench", spec=spec).model_dump_json(by_alias=True))
-    progress = work / "progress.jsonl"
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
-                    "--progress-file", str(progress)], check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall = time.perf_counter() - t0
-    records = [json.loads(x) for x in progress.read_text().splitlines()]
+    rc, records, wall = run_driver(spec, work)
+    if rc:
+        raise subprocess.CalledProcessError(rc, "python -m rlhf_runtime.driver")
     steps = [r for r in records if "throughput" in r and r["runtime"]["state"] == "Running"][a.warmup:]
     med = lambda xs: statistics.median(xs)
     tp = {k: med([r["throughput"][k] for r in steps]) for k in steps[0]["throughput"]}

@@ -38,9 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_api.models import RuntimeConfig
-
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from cpu_runtime import build_model, run_driver
+
 RESULT = ROOT / "results" / "trl_peer_cpu.json"
 
 
@@ -67,17 +68,8 @@ def run_ours(work: dict[str, Any], dirpath: Path) -> dict[str, Any]:
         "reward": {"rule": "length", "targetLength": work["target_length"]},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }
-    dirpath.mkdir(parents=True, exist_ok=True)
-    cfg = dirpath / "job.json"
-    cfg.write_text(RuntimeConfig(name="peer", namespace="default", uid="peer", spec=spec).model_dump_json(by_alias=True))
-    progress, log = dirpath / "progress.jsonl", dirpath / "driver.log"
-    t = time.perf_counter()
-    with log.open("w") as out:
-        rc = subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local",
-                             "--no-report", "--progress-file", str(progress)], stdout=out, stderr=subprocess.STDOUT, check=False,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-    wall = time.perf_counter() - t
-    records = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+    log = dirpath / "driver.log"
+    rc, records, wall = run_driver(spec, dirpath, log)
     steps = [r["throughput"]["stepSeconds"] for r in records
              if "throughput" in r and r["runtime"]["state"] == "Running"]
     out: dict[str, Any] = {"ok": rc == 0 and bool(steps), "step_seconds": steps, "wall_seconds": wall}
@@ -132,10 +124,7 @@ def main() -> int:
     command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "benchmarks/trl_peer.py", *sys.argv[1:]])
 
     work_dir = Path(tempfile.mkdtemp(prefix="rlhf-trl-peer-"))
-    model = work_dir / "model"
-    build = (f"from rlhf_runtime.tiny import build_tiny_model; "
-             f"build_tiny_model({str(model)!r}, hidden_size={a.hidden}, layers={a.layers})")
-    subprocess.run([sys.executable, "-c", build], check=True)
+    model = build_model(work_dir / "model", a.hidden, a.layers)
     work = work_of(a, model)
     samples = a.prompts_per_step * a.samples_per_prompt
     result: dict[str, Any] = {
