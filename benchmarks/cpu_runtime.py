@@ -89,7 +89,7 @@ def main() -> int:
     med = lambda xs: statistics.median(xs)
     tp = {k: med([r["throughput"][k] for r in steps]) for k in steps[0]["throughput"]}
     syncs = [r["sync"] for r in steps]
-    sync = {k: med([s[k] for s in syncs]) for k in syncs[0]}
+    sync = {k: med([s[k] for s in syncs]) for k in syncs[0] if isinstance(syncs[0][k], (int, float))}  # not "format"
     result = {
         "command": command,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
