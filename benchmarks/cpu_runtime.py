@@ -37,18 +37,23 @@ def build_model(model: Path, hidden: int, layers: int) -> Path:
     return model
 
 
-def run_driver(spec: dict[str, Any], work: Path, log: Path | None = None) -> tuple[int, list[dict[str, Any]], float]:
+def run_driver(spec: dict[str, Any], work: Path, log: Path | None = None,
+               timeout: float | None = None) -> tuple[int, list[dict[str, Any]], float]:
     """``python -m rlhf_runtime.driver --local`` on ``spec`` in ``work`` (config and progress file there; output to
-    ``log``, else discarded): (exit code, progress records, wall seconds)."""
+    ``log``, else discarded): (exit code, 124 past ``timeout`` seconds; progress records; wall seconds)."""
     work.mkdir(parents=True, exist_ok=True)
     cfg = work / "job.json"
     cfg.write_text(RuntimeConfig(name="bench", namespace="default", uid="bench", spec=spec).model_dump_json(by_alias=True))
     progress = work / "progress.jsonl"
     t0 = time.perf_counter()
     with open(log or os.devnull, "w") as out:
-        rc = subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local",
-                             "--no-report", "--progress-file", str(progress)], stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False).returncode
+        try:
+            rc = subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local",
+                                 "--no-report", "--progress-file", str(progress)], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
     wall = time.perf_counter() - t0
     records = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
     return rc, records, wall

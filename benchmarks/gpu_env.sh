@@ -1,6 +1,18 @@
-# Environment for benchmarks on the lent GPU machines (vLLM 0.24 + Ray staged into /tmp/site as in
-# ../shared/gpu/README.md). Source it from the repository root, then run benchmarks/gpu_sync.py.
-# NVLink multicast stays off (the multi-GPU machines require it).
-export PYTHONPATH=/tmp/site:$PWD/operator PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-       VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 \
+# Environment for benchmarks on the lent GPU machines. Source it from the repository root:
+#     . benchmarks/gpu_env.sh [SITE]
+# SITE: where `hack/gpu-stage.py`'s device commands installed vLLM, Ray and the torch they pin
+# (default /tmp/site-0.33.0; /tmp/site for the older ../shared/gpu staging of vLLM 0.24).
+# The device has the repository as a working tree, not installed: the project's vLLM plugin
+# (pyproject's `vllm.general_plugins` entry point, which vLLM loads in every process it starts, Ray and
+# multiprocessing workers of TP>1 engines included) is made visible by a dist-info folder with that entry
+# point, which is what `pip install` would write. NVLink multicast stays off (the multi-GPU machines require it).
+_site=${1:-/tmp/site-0.33.0}
+_meta=/tmp/rlhf-entry-points/rlhf_operator-0.1.0.dist-info
+mkdir -p "$_meta"
+printf 'Metadata-Version: 2.1\nName: rlhf-operator\nVersion: 0.1.0\n' > "$_meta/METADATA"
+sed -n '/^\[project.entry-points."vllm.general_plugins"\]/,/^$/p' pyproject.toml \
+    | sed -e 's/^\[project.entry-points."\(.*\)"\]/[\1]/' -e 's/"//g' > "$_meta/entry_points.txt"
+export PYTHONPATH=$_site:$PWD/operator:/tmp/rlhf-entry-points PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+       TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset _site _meta

@@ -3,7 +3,8 @@
     python benchmarks/trl_grpo_run.py WORK.json OUT.json
 
 ``WORK.json`` (written by ``trl_peer.py``): model path, prompts, steps, prompts per step, samples per prompt,
-max tokens, temperature, learning rate, length-reward target, vLLM memory share, device (cpu|cuda). TRL runs with
+max tokens, temperature, learning rate, length-reward target, vLLM memory share, device (cpu|cuda), dtype of the
+weights (the runtime's ``model.dtype``; on cuda also TRL's bf16 mixed precision). TRL runs with
 vLLM in colocate mode (``use_vllm=True, vllm_mode="colocate"``: the engine in the trainer's process), one
 optimiser step per rollout batch (``per_device_train_batch_size`` x ``gradient_accumulation_steps`` = prompts x
 samples, ``steps_per_generation`` = the accumulation steps), the same reward (``1 - |tokens - target| / target``
@@ -58,7 +59,8 @@ def main() -> int:
             max_completion_length=work["max_tokens"], temperature=work["temperature"], beta=0.0, epsilon=0.2,
             num_iterations=1, use_vllm=True, vllm_mode="colocate",
             vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
-            use_cpu=cpu, bf16=False, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
+            model_init_kwargs={"dtype": work.get("dtype", "float32")}, logging_steps=1, report_to=[], save_strategy="no",
             seed=work.get("seed", 0), dataloader_num_workers=0, disable_tqdm=True,
         )
         dataset = Dataset.from_list([{"prompt": p} for p in work["prompts"]])

@@ -21,6 +21,15 @@ and over all rounds. Not a test.
   without vLLM).
 
     .venv/bin/python benchmarks/trl_peer.py --trl-python /tmp/trl-venv/bin/python   # results/trl_peer_cpu.json
+
+On a GPU (``--gpu MODEL``, one of ``gpu_sync.MODELS``, random weights in bf16): both on one GPU, ours in its
+colocated layout (trainer and engine share the GPU, weights over CUDA IPC, the engine resident as TRL's colocate
+mode keeps it: ``placement.colocatedSleep: false``), TRL with ``vllm_mode="colocate"`` and its defaults
+otherwise. TRL 1.16.0 supports vLLM 0.22-0.31, so the GPU comparison runs on vLLM 0.24 (staged with
+``hack/gpu-stage.py --vllm 0.24.0 --with trl==1.16.0``, see benchmarks/README.md)::
+
+    . benchmarks/gpu_env.sh /tmp/site-0.24.0 && CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_peer.py \
+        --trl-python python3 --gpu qwen2-0.5b --kind nvidia-h200-x2 --out $OUT/trl_peer_gpu.json
 """
 
 from __future__ import annotations
@@ -46,18 +55,21 @@ RESULT = ROOT / "results" / "trl_peer_cpu.json"
 
 
 def work_of(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    gpu = a.gpu is not None
     return {"model": str(model), "prompts": [f"prompt {i}:" for i in range(a.prompts)], "steps": a.steps,
             "prompts_per_step": a.prompts_per_step, "samples_per_prompt": a.samples_per_prompt,
             "max_tokens": a.max_tokens, "temperature": 1.0, "learning_rate": a.learning_rate,
-            "target_length": a.max_tokens // 2, "gpu_memory_utilization": 0.05, "max_model_len": 128,
-            "micro_batch": 64, "device": "cpu", "seed": 0}
+            "target_length": a.max_tokens // 2, "gpu_memory_utilization": 0.3 if gpu else 0.05,
+            "max_model_len": a.max_tokens + 64, "micro_batch": 64, "device": "cuda" if gpu else "cpu",
+            "dtype": "bfloat16" if gpu else "float32", "seed": 0}
 
 
-def run_ours(work: dict[str, Any], dirpath: Path) -> dict[str, Any]:
+def run_ours(work: dict[str, Any], dirpath: Path, timeout: float | None = None) -> dict[str, Any]:
+    gpu = work["device"] == "cuda"
     spec = {
-        "model": {"name": work["model"], "dtype": "float32"},
+        "model": {"name": work["model"], "dtype": work["dtype"]},
         "image": "local",
-        "trainer": {"replicas": 1, "gpusPerReplica": 0},
+        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0},
         "rollout": {"engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": work["gpu_memory_utilization"],
                     "maxModelLen": work["max_model_len"],
                     "sampling": {"temperature": work["temperature"], "maxTokens": work["max_tokens"],
@@ -68,8 +80,14 @@ def run_ours(work: dict[str, Any], dirpath: Path) -> dict[str, Any]:
         "reward": {"rule": "length", "targetLength": work["target_length"]},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }
+    if gpu:  # one GPU shared, the engine resident (TRL's colocate mode does not sleep by default)
+        spec["placement"] = {"mode": "colocated", "colocatedSleep": False}
+        spec["weightSync"] = {"backend": "ipc"}
     log = dirpath / "driver.log"
-    rc, records, wall = run_driver(spec, dirpath, log)
+    rc, records, wall = run_driver(spec, dirpath, log, timeout)
+    if rc == 124:  # the driver was killed: its local Ray must not hold the GPU for TRL's run
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], check=False,
+                       capture_output=True)
     steps = [r["throughput"]["stepSeconds"] for r in records
              if "throughput" in r and r["runtime"]["state"] == "Running"]
     out: dict[str, Any] = {"ok": rc == 0 and bool(steps), "step_seconds": steps, "wall_seconds": wall}
@@ -78,16 +96,19 @@ def run_ours(work: dict[str, Any], dirpath: Path) -> dict[str, Any]:
     return out
 
 
-def run_trl(work: dict[str, Any], dirpath: Path, python: str) -> dict[str, Any]:
+def run_trl(work: dict[str, Any], dirpath: Path, python: str, timeout: float | None = None) -> dict[str, Any]:
     dirpath.mkdir(parents=True, exist_ok=True)
     (dirpath / "work.json").write_text(json.dumps(work))
     res, log = dirpath / "trl.json", dirpath / "trl.log"
     t = time.perf_counter()
     with log.open("w") as out:
-        rc = subprocess.run([python, str(ROOT / "trl_grpo_run.py"), str(dirpath / "work.json"), str(res)],
-                            stdout=out, stderr=subprocess.STDOUT, check=False,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                                 "TRANSFORMERS_OFFLINE": "1"}).returncode
+        try:
+            rc = subprocess.run([python, str(ROOT / "trl_grpo_run.py"), str(dirpath / "work.json"), str(res)],
+                                stdout=out, stderr=subprocess.STDOUT, check=False, timeout=timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                                     "TRANSFORMERS_OFFLINE": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
     wall = time.perf_counter() - t
     r = json.loads(res.read_text()) if res.exists() else {"ok": False, "error": f"no result (exit {rc})"}
     out = {"ok": bool(r.get("ok")) and rc == 0, "step_seconds": [s["seconds"] for s in r.get("steps", [])],
@@ -120,15 +141,28 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--out", default=str(RESULT))
+    p.add_argument("--gpu", metavar="MODEL", help="run on the GPU with this gpu_sync.MODELS model (bf16, random "
+                   "weights) instead of the tiny CPU model")
+    p.add_argument("--kind", default="cpu", help="the device kind, recorded in the results")
+    p.add_argument("--timeout", type=float, help="seconds one system's run may take (then it failed)")
     a = p.parse_args()
-    command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "benchmarks/trl_peer.py", *sys.argv[1:]])
+    python = ".venv/bin/python" if a.gpu is None else "python3"
+    command = " ".join(shlex.quote(x) for x in [python, "benchmarks/trl_peer.py", *sys.argv[1:]])
 
     work_dir = Path(tempfile.mkdtemp(prefix="rlhf-trl-peer-"))
-    model = build_model(work_dir / "model", a.hidden, a.layers)
+    if a.gpu is None:
+        model = build_model(work_dir / "model", a.hidden, a.layers)
+        model_info: dict[str, Any] = {"hidden": a.hidden, "layers": a.layers}
+    else:
+        import gpu_sync
+
+        model = work_dir / "model"
+        model_info = gpu_sync.build_model(model, a.gpu, True)
     work = work_of(a, model)
     samples = a.prompts_per_step * a.samples_per_prompt
     result: dict[str, Any] = {
-        "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": a.kind,
+        "model": {"name": a.gpu or "tiny", **model_info},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "work": {k: v for k, v in work.items() if k != "prompts"} | {"prompts": len(work["prompts"]),
                                                                       "samples_per_step": samples},
@@ -138,8 +172,8 @@ def main() -> int:
         rnd: dict[str, Any] = {}
         for who in ("ours", "trl"):
             print(f"[trl_peer] round {i}: {who}", flush=True)
-            run = (run_ours(work, work_dir / f"ours-{i}") if who == "ours"
-                   else run_trl(work, work_dir / f"trl-{i}", a.trl_python))
+            run = (run_ours(work, work_dir / f"ours-{i}", a.timeout) if who == "ours"
+                   else run_trl(work, work_dir / f"trl-{i}", a.trl_python, a.timeout))
             rnd[who] = {**run, "summary": summary(run, a.warmup, samples)}
             print(f"[trl_peer] round {i}: {who} {rnd[who]['summary'] or rnd[who].get('error', '')[:500]}", flush=True)
         if rnd["ours"]["summary"] and rnd["trl"]["summary"]:

@@ -62,8 +62,6 @@ SKIP = {
     # CuTe-DSL (CUTLASS Python) kernels: FlashAttention 4 / SM100 FMHA, Blackwell and MoE-router kernels,
     # DeepSeek/Kimi decode kernels. vLLM imports `cutlass` only inside those modules. Its libs are large.
     "nvidia-cutlass-dsl": "CuTe-DSL kernels (Blackwell FA4/MLA/MoE paths), imported only there",
-    # cuTile kernels for FlashInfer; flashinfer imports it lazily.
-    "cuda-tile": "cuTile kernels for FlashInfer, imported lazily",
     # TileLang kernels serve only DeepSeek's mHC (vllm.tilelang_utils, guarded by has_tilelang());
     # it also drags in z3-solver.
     "tilelang": "TileLang kernels for DeepSeek mHC only (has_tilelang())",
@@ -135,9 +133,11 @@ def pins_series(spec: SpecifierSet) -> bool:
 
 
 class Resolver:
-    def __init__(self, wheel_dir: Path, image: dict[str, Version | None], pins: list[Requirement]):
+    def __init__(self, wheel_dir: Path, image: dict[str, Version | None], pins: list[Requirement],
+                 skip: dict[str, str] | None = None):
         self.wheel_dir = wheel_dir
         self.image = image
+        self.skip = {**SKIP, **(skip or {})}
         self.pins = {canonicalize_name(p.name): p for p in pins}
         self.chosen: dict[str, Wheel] = {}
         self.missing: dict[str, str] = {}
@@ -191,13 +191,15 @@ class Resolver:
 
     def decision(self, name: str, reasons: list[tuple[str, str]]) -> str:
         """skip (in SKIP), image (left to the GPU image's own) or stage."""
-        if name in SKIP:
+        if name in self.skip:
             return "skip"
-        if name in self.pins or name not in self.image:
+        if name not in self.image:
             return "stage"
         version = self.image[name]
-        if version is not None:  # known from a `pip freeze` of the image
+        if version is not None:  # known from a `pip freeze` of the image: its version, if it fits (pins too)
             return "image" if self.specifier(name, reasons).contains(version, prereleases=True) else "stage"
+        if name in self.pins:
+            return "stage"
         # Only the name is known: a pin must be met by a staged wheel, a range is taken to be met.
         return "stage" if any(pins_series(Requirement(r).specifier) for r, _ in reasons) else "image"
 
@@ -353,6 +355,10 @@ def main() -> None:
     ap.add_argument("--part-mib", type=int, default=60, help="largest part, MiB (a device call carries 64)")
     ap.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION",
                     help="force a version of any package in the closure (repeatable)")
+    ap.add_argument("--with", dest="also", action="append", default=[], metavar="REQUIREMENT",
+                    help="stage this package too, with its dependencies, e.g. trl==1.16.0 (repeatable)")
+    ap.add_argument("--skip", action="append", default=[], metavar="NAME",
+                    help="leave this package out although something requires it (repeatable)")
     ap.add_argument("--image-packages", type=Path, default=IMAGE_PACKAGES,
                     help="what the GPU image has: names (versions unknown) or `pip freeze` output "
                          "(default: %(default)s)")
@@ -373,13 +379,15 @@ def main() -> None:
     wheel_dir = out / "wheels"
     wheel_dir.mkdir(parents=True, exist_ok=True)
     pins = [Requirement(p) for p in args.pin]
-    resolver = Resolver(wheel_dir, image_packages(args.image_packages), pins)
+    resolver = Resolver(wheel_dir, image_packages(args.image_packages), pins,
+                        {canonicalize_name(n): "--skip" for n in args.skip})
 
     vllm = resolver.fetch("vllm", SpecifierSet(f"=={args.vllm}"))
     if vllm is None:
         sys.exit(f"no wheel for vllm=={args.vllm}")
     torch = torch_pin_of(vllm) if args.torch == "auto" else args.torch
-    roots = [Requirement(f"vllm=={args.vllm}"), Requirement(f"torch=={torch}"), Requirement(f"ray=={args.ray}")]
+    roots = [Requirement(f"vllm=={args.vllm}"), Requirement(f"torch=={torch}"), Requirement(f"ray=={args.ray}"),
+             *[Requirement(r) for r in args.also]]
     resolver.pins.setdefault("torch", roots[1])
     print(f"Resolving vllm {args.vllm}, torch {torch}, ray {args.ray} for CPython {PYTHON} manylinux x86_64")
     wanted = resolver.resolve(roots)
@@ -389,7 +397,7 @@ def main() -> None:
         why = [{"requirement": r, "by": by} for r, by in reasons]
         decision = resolver.decision(name, reasons)
         if decision == "skip":
-            skipped.append({"name": name, "reason": SKIP[name], "required_by": why})
+            skipped.append({"name": name, "reason": resolver.skip[name], "required_by": why})
         elif decision == "image":
             image.append({"name": name, "required_by": why})
         elif name in resolver.chosen:
@@ -403,7 +411,8 @@ def main() -> None:
     wheels = [w for w, _ in staged]
     parts = pack(wheels, out, args.part_mib)
     manifest = {
-        "vllm": args.vllm, "torch": torch, "ray": args.ray, "python": PYTHON, "platforms": PLATFORMS,
+        "vllm": args.vllm, "torch": torch, "ray": args.ray, "with": args.also, "pins": args.pin,
+        "skip": args.skip, "python": PYTHON, "platforms": PLATFORMS,
         "total_size": sum(w.path.stat().st_size for w in wheels),
         "wheels": [{"name": w.name, "version": str(w.version), "file": w.path.name,
                     "size": w.path.stat().st_size, "required_by": why} for w, why in staged],
@@ -415,7 +424,7 @@ def main() -> None:
     print(f"\nStaged {len(wheels)} wheels ({manifest['total_size'] / 1e6:.0f} MB); biggest:")
     for w in sorted(wheels, key=lambda w: -w.path.stat().st_size)[:15]:
         print(f"  {w.path.stat().st_size / 1e6:8.1f} MB  {w.name} {w.version}")
-    print(f"Skipped (SKIP): {', '.join(s['name'] for s in skipped) or 'none'}")
+    print(f"Skipped (SKIP, --skip): {', '.join(s['name'] for s in skipped) or 'none'}")
     print(f"Left to the image: {', '.join(i['name'] for i in image) or 'none'}")
     for m in missing:
         print(f"MISSING (no wheel): {m['name']}{m['specifier']} required by "

@@ -265,7 +265,8 @@ class Trainer:
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
         """``batch``: ``prompts`` and ``completions`` (token ids per sample) and ``advantages``: one float per
         sample, or one per completion token (lists). Optional per-token lists: ``old_logprobs`` (the policy's
-        before this step, from ``logprobs``; computed here when absent) and ``ref_logprobs`` (from a reference
+        before this step, from ``logprobs``; when absent, computed here for epochsPerStep > 1 and taken from the loss
+        pass itself for one pass) and ``ref_logprobs`` (from a reference
         actor; else the trainer's own reference, if any). The KL penalty enters the loss only with
         ``algorithm.klMode`` loss. Returns loss statistics and the step counter."""
         t0 = time.perf_counter()
@@ -273,6 +274,10 @@ class Trainer:
         temp = self.spec.rollout.sampling.temperature or 1.0
         p, c = batch["prompts"], batch["completions"]
         kl_in_loss = a.kl_coef > 0 and a.kl_mode == "loss"
+        # One optimiser pass: the weights do not change before its backward passes, so the "old" policy is the
+        # current one and the loss pass's log-probabilities (detached) are its values; a separate forward
+        # pass would compute the same numbers (up to dropout) at a third of the step's compute.
+        on_policy = a.epochs_per_step == 1
         prepared = []
         total_tokens = 0.0
         self.model.eval()
@@ -288,6 +293,8 @@ class Trainer:
                     adv = torch.tensor(adv_in, dtype=torch.float32, device=self.device)
                 if batch.get("old_logprobs") is not None:
                     old = from_lists([batch["old_logprobs"][i] for i in idx], pp, w, self.device)
+                elif on_policy:
+                    old = None  # the loss pass's own log-probabilities, detached: the same weights
                 else:
                     old = token_logprobs(self.model, ids, attn, temp)
                 ref = None
@@ -303,7 +310,7 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             for ids, attn, mask, old, ref, adv in prepared:
                 logp = token_logprobs(self.model, ids, attn, temp)
-                loss, st = policy_loss(logp, old, adv, mask, a.clip_ratio, a.clip_high(), a.loss_aggregation, ref,
+                loss, st = policy_loss(logp, logp.detach() if old is None else old, adv, mask, a.clip_ratio, a.clip_high(), a.loss_aggregation, ref,
                                        a.kl_coef if kl_in_loss else 0.0)
                 share = micro_share(mask, total_tokens, len(p), a.loss_aggregation)
                 (loss * share).backward()

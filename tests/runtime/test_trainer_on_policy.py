@@ -1,0 +1,75 @@
+"""One optimiser pass per batch without old log-probabilities: the trainer takes the loss pass's own (detached)
+instead of a separate forward pass. The update must equal the one made with the old log-probabilities computed
+beforehand (``Trainer.logprobs``, the path for several passes); with two passes the separate forward still runs.
+Two real ``Trainer`` objects on the tiny model, in a subprocess (keeps torch out of pytest)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.runtime.conftest import job_config, write_config
+
+SCRIPT = r"""
+import json, sys
+import torch
+from rlhf_runtime.trainer import Trainer
+from rlhf_runtime import trainer as trainer_mod
+
+cfg = open(sys.argv[1]).read()
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (3, 5, 4, 6)]
+completions = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (7, 2, 5, 4)]
+batch = {"prompts": prompts, "completions": completions, "advantages": [1.0, -0.5, 0.25, -1.0]}
+
+forwards = {"n": 0}
+real = trainer_mod.token_logprobs
+def counted(*a, **k):
+    forwards["n"] += 1
+    return real(*a, **k)
+trainer_mod.token_logprobs = counted
+
+def params(t):
+    return {k: v.detach().clone() for k, v in t.model.named_parameters()}
+
+short, full = Trainer(cfg), Trainer(cfg)
+before = params(short)
+forwards["n"] = 0
+short.train(batch)
+short_forwards = forwards["n"]
+old = full.logprobs(batch)["logp"]
+full.train({**batch, "old_logprobs": old})
+a, b = params(short), params(full)
+print(json.dumps({
+    "short_forwards": short_forwards,
+    "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+    "moved": max(float((a[k] - before[k]).abs().max()) for k in a),
+}))
+"""
+
+
+def _run(tmp_path: Path, spec: dict) -> dict:
+    cfg = write_config(tmp_path / "job.json", spec)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cfg)], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_one_pass_uses_the_loss_pass_log_probabilities_and_updates_the_same(tiny_model: Path,
+                                                                             tmp_path: Path) -> None:
+    spec = job_config(tiny_model, algorithm={"learningRate": 1e-2, "epochsPerStep": 1, "klCoef": 0.0})
+    r = _run(tmp_path, spec)
+    assert r["moved"] > 1e-4, r  # the step changed the weights
+    assert r["max_diff"] < 1e-6, r  # ... exactly as with the old log-probabilities given
+    assert r["short_forwards"] == 1, r  # one micro-batch: only the loss pass's forward
+
+
+def test_several_passes_still_compute_the_old_log_probabilities(tiny_model: Path, tmp_path: Path) -> None:
+    spec = job_config(tiny_model, algorithm={"learningRate": 1e-2, "epochsPerStep": 2, "klCoef": 0.0})
+    r = _run(tmp_path, spec)
+    assert r["moved"] > 1e-4, r
+    assert r["max_diff"] < 1e-6, r
+    assert r["short_forwards"] == 3, r  # the old log-probabilities' pass, then one per optimiser pass
