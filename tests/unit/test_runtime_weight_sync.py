@@ -263,3 +263,15 @@ def test_a_trainer_rank_without_engine_layouts_plans_no_kernel_format() -> None:
 
     plan = kernel_plan(_Source(_hf()), EngineFanOut([], []), "ipc")
     assert not plan.ok and plan.reason == "no engine layout reached this trainer rank"
+
+
+def test_auto_takes_the_kernel_format_on_vllm_028_only_where_validated() -> None:
+    """vLLM >= 0.28: ``auto`` may take the kernel format over NCCL and over IPC from one trainer GPU (validated
+    on 2xH200 with vLLM 0.33); IPC from several trainer GPUs stays opt-in, whatever the plan would say."""
+    from rlhf_runtime.weight_sync.senders import auto_keeps_checkpoint
+
+    assert auto_keeps_checkpoint("nccl", 1) is None
+    assert auto_keeps_checkpoint("nccl", 4) is None  # only rank 0 broadcasts; the others iterate beside it
+    assert auto_keeps_checkpoint("ipc", 1) is None
+    reason = auto_keeps_checkpoint("ipc", 2)
+    assert reason is not None and "format: kernel opts in" in reason

@@ -74,6 +74,18 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
     return KernelPlan.build(source, layouts[0], tp_rank)
 
 
+def auto_keeps_checkpoint(backend: str, trainer_world: int) -> str | None:
+    """vLLM >= 0.28: why ``weightSync.format: auto`` stays with the checkpoint format although the kernel format
+    may apply (a path not validated on GPUs; ``format: kernel`` opts in), else None. Depends on nothing a rank
+    alone knows, so all trainer ranks or none build the kernel plan (a collective). Pure."""
+    if not vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API:
+        return "auto keeps the checkpoint format on this vLLM until the kernel format is validated on GPUs"
+    if backend == "ipc" and trainer_world > 1:
+        return ("auto keeps the checkpoint format for IPC from several trainer workers (each sends its GPU's "
+                "shard) until validated on GPUs: format: kernel opts in")
+    return None
+
+
 class TrainerEngineSender(Sender):
     """vLLM >= 0.28: the backend's ``TrainerWeightTransferEngine`` drives the round trip ``start_weight_update``
     -> ``update_weights`` (concurrent with the send) -> ``finish_weight_update``.
@@ -84,14 +96,16 @@ class TrainerEngineSender(Sender):
     stream of the same trainer engine, and switches the engines' workers to copying them in place
     (``kernel_transfer``; ``EngineFanOut.checkpoint_format``); the checkpoint
     format streams HF names into vLLM's layerwise reload. The gloo backend (CPU: vLLM prepacks linear weights
-    there) loads the checkpoint format only; ``auto`` means checkpoint here until the kernel path is validated on
-    GPUs (``vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API``)."""
+    there) loads the checkpoint format only. ``auto`` takes the kernel format where its plan applies and the path
+    was validated on GPUs (``auto_keeps_checkpoint``), else the checkpoint format."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
         factory = vllm_compat.trainer_factory()
         self.backend, self.client, self.source = backend, client, source
+        self.trainer_world = int(init.get("trainer_world", 1))
         self.plan: KernelPlan | None = None
+        self.auto_reason: str | None = None
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
 
@@ -120,8 +134,9 @@ class TrainerEngineSender(Sender):
         self.engine = factory.trainer_init(info, client=client, source=self._weight_source())
 
     def _resolve(self, fmt: str) -> None:
-        if fmt == "auto" and not vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API:
-            self.format = effective_format("checkpoint", None)  # until validated on GPUs (vllm_compat)
+        self.auto_reason = auto_keeps_checkpoint(self.backend, self.trainer_world) if fmt == "auto" else None
+        if self.auto_reason is not None:
+            self.format = effective_format("checkpoint", None)
         else:
             if fmt != "checkpoint" and self.plan is None:
                 if self.backend == "gloo":
@@ -146,7 +161,8 @@ class TrainerEngineSender(Sender):
         if "format" in options:
             self._resolve(options.pop("format"))
             self.engine.source = self._weight_source()
-        out: dict[str, Any] = {"format": self.format, "kernel_plan": None if self.plan is None else self.plan.reason}
+        out: dict[str, Any] = {"format": self.format,
+                               "kernel_plan": self.auto_reason or (None if self.plan is None else self.plan.reason)}
         if options:
             out["unsupported"] = sorted(options)
         return out
