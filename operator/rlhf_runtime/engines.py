@@ -61,10 +61,47 @@ def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+#: vLLM's unquantized MoE backends (``UnquantizedMoeBackend`` values, 0.24 and 0.33) whose expert weights keep the
+#: loaded layout, and the order of gate and up in their ``w13_weight``: Triton as loaded; FlashInfer CUTLASS swaps
+#: the halves after loading (``swap_w13_to_w31``). Others (FlashInfer TRT-LLM's block layout, ROCm AITER's
+#: shuffle, MoonEP, CPU prepacking) re-layout them: the kernel format does not cover their experts.
+MOE_W13_ORDER = {"TRITON": ["gate_proj", "up_proj"], "BATCHED_TRITON": ["gate_proj", "up_proj"],
+                 "FlashInfer CUTLASS": ["up_proj", "gate_proj"]}
+
+
+def _expert_layout(prefix: str, module: Any) -> dict[str, dict[str, Any]]:
+    """The stacked expert parameters of one vLLM MoE module (one that holds ``w13_weight``/``w2_weight``: vLLM's
+    ``RoutedExperts``): {parameter name: {``ids``: the global expert ids of its local experts in local order
+    (vLLM's ``expert_map``: global -> local or -1; none without expert parallelism), ``parts``: the per-expert
+    HF projections in the parameter's memory order}, or {``refuse``: why the kernel format cannot fill it}."""
+    base = f"{prefix}." if prefix else ""
+    names = (f"{base}w13_weight", f"{base}w2_weight")
+    backend = getattr(getattr(getattr(module, "quant_method", None), "unquantized_backend", None), "value", None)
+    order = MOE_W13_ORDER.get(backend) if isinstance(backend, str) else None
+    gated = getattr(getattr(module, "moe_config", None), "is_act_and_mul", True)
+    local = int(module.w13_weight.shape[0])
+    emap = getattr(module, "expert_map", None)
+    if emap is None:
+        ids = list(range(local))
+    else:
+        ids = [g for _, g in sorted((int(li), g) for g, li in enumerate(emap.tolist()) if int(li) >= 0)]
+    why = None
+    if order is None:
+        why = f"the MoE backend {backend or type(getattr(module, 'quant_method', None)).__name__} keeps its own layout"
+    elif not gated:
+        why = "a non-gated MoE (w13 holds one projection)"
+    elif len(ids) != local:
+        why = f"the expert map names {len(ids)} local experts for {local} (redundant experts, EPLB)"
+    if why is not None:
+        return {n: {"refuse": why} for n in names}
+    return {names[0]: {"ids": ids, "parts": order}, names[1]: {"ids": ids, "parts": ["down_proj"]}}
+
+
 def _worker_param_layout(worker: Any) -> dict[str, Any]:
     """(collective_rpc) The worker's own parameters, fused-module mapping, the dimension each tensor-parallel
-    parameter is split along (vLLM's ``output_dim``/``input_dim`` attributes), and where the worker is: its TP
-    rank and its GPU's UUID (``weight_sync.KernelPlan``; a colocated trainer rank finds its worker by GPU)."""
+    parameter is split along (vLLM's ``output_dim``/``input_dim`` attributes), its MoE experts
+    (``_expert_layout``), and where the worker is: its TP rank and its GPU's UUID (``weight_sync.KernelPlan``; a
+    colocated trainer rank finds its worker by GPU)."""
     import torch
 
     model = worker.model_runner.model
@@ -76,6 +113,11 @@ def _worker_param_layout(worker: Any) -> dict[str, Any]:
             if isinstance(getattr(p, attr, None), int):
                 dims[n] = getattr(p, attr)
                 break
+    experts: dict[str, dict[str, Any]] = {}
+    for prefix, module in model.named_modules():
+        own = getattr(module, "_parameters", {})
+        if "w13_weight" in own and "w2_weight" in own:
+            experts.update(_expert_layout(prefix, module))
     device = getattr(worker, "device", None)
     gpu = (str(torch.cuda.get_device_properties(device).uuid)
            if device is not None and getattr(device, "type", None) == "cuda" else None)
@@ -84,6 +126,7 @@ def _worker_param_layout(worker: Any) -> dict[str, Any]:
         "packed_modules_mapping": {k: list(v) for k, v in dict(mapping).items()},
         "world_size": worker.vllm_config.parallel_config.world_size,
         "shard_dims": dims,
+        "experts": experts,
         "tp_rank": int(getattr(worker, "rank", 0)),  # its rank in the engine (TP x PP; TP-only engines: TP)
         "gpu": gpu,
     }

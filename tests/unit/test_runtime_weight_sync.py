@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
+from rlhf_runtime import moe
 from rlhf_runtime.weight_sync import IPCBufferProducer
 
 
@@ -275,3 +276,137 @@ def test_auto_takes_the_kernel_format_on_vllm_028_only_where_validated() -> None
     assert auto_keeps_checkpoint("ipc", 1) is None
     reason = auto_keeps_checkpoint("ipc", 2)
     assert reason is not None and "format: kernel opts in" in reason
+
+
+# ------------------------------------------------------------------------------------ MoE experts (EP)
+EXPERTS = "model.layers.0.mlp.experts"
+W13, W2 = f"{EXPERTS}.routed_experts.w13_weight", f"{EXPERTS}.routed_experts.w2_weight"
+
+
+def _moe_hf(n: int = 4, inter: int = 3, hidden: int = 4) -> dict[str, torch.Tensor]:
+    """A MoE layer as the trainer's stream yields it (``moe.unfuse``: per expert gate, up; then down)."""
+    g = torch.Generator().manual_seed(1)
+    fused = {f"{EXPERTS}.gate_up_proj": torch.randn(n, 2 * inter, hidden, generator=g),
+             f"{EXPERTS}.down_proj": torch.randn(n, hidden, inter, generator=g)}
+    return {"model.layers.0.mlp.gate.weight": torch.randn(n, hidden, generator=g), **dict(moe.unfuse(fused.items()))}
+
+
+def _moe_engine(ids: list[int], order: list[str], inter: int = 3, hidden: int = 4) -> dict[str, Any]:
+    """vLLM's layout of that layer on an engine holding experts ``ids`` (its ``RoutedExperts`` parameters)."""
+    return {"params": [("model.layers.0.mlp.gate.weight", [4, hidden]), (W13, [len(ids), 2 * inter, hidden]),
+                       (W2, [len(ids), hidden, inter])],
+            "packed_modules_mapping": {}, "world_size": 1, "shard_dims": {},
+            "experts": {W13: {"ids": ids, "parts": order}, W2: {"ids": ids, "parts": ["down_proj"]}}}
+
+
+@pytest.mark.parametrize("order", [["gate_proj", "up_proj"], ["up_proj", "gate_proj"]])
+def test_kernel_plan_sends_an_expert_parallel_engine_only_its_experts_stacked(order: list[str]) -> None:
+    """EP rank 1 of 2 holds global experts 2 and 3: its w13 is, per local expert, the two projections in the
+    backend's order, its w2 the down projections, each stacked in local order; nothing of experts 0 and 1."""
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _moe_hf()
+    plan = KernelPlan.build(_Source(hf), _moe_engine([2, 3], order))
+    assert plan.ok, plan.reason
+    got = dict(plan.iterate(_Source(hf)))
+    e = lambda i, p: hf[f"{EXPERTS}.{i}.{p}.weight"]  # noqa: E731
+    assert torch.equal(got[W13], torch.stack([torch.cat([e(i, order[0]), e(i, order[1])]) for i in (2, 3)]))
+    assert torch.equal(got[W2], torch.stack([e(i, "down_proj") for i in (2, 3)]))
+    parts = dict(plan.iterate(_Source(hf), fuse=False))
+    assert parts[W13].shape == [2, 6, 4] and len(parts[W13]) == 4  # the producers' shape; 4 parts side by side
+    assert torch.equal(torch.cat([p.reshape(-1) for p in parts[W13]]), got[W13].reshape(-1))
+    used = {s for _, _, srcs in plan.entries for s in srcs}
+    assert not any(f"{EXPERTS}.{i}." in s for s in used for i in (0, 1))
+
+
+def test_kernel_plan_does_not_keep_other_engines_experts_alive() -> None:
+    """The stream yields every expert (FSDP gathers all of them on every rank); the ones another engine holds
+    are dropped as they pass instead of being held until the end (a whole model of them on a large MoE)."""
+    import gc
+    import weakref
+
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _moe_hf()
+    refs: dict[str, Any] = {}
+
+    class Fresh(_Source):
+        def __iter__(self):  # tensors the source does not hold on to, as FSDP's gathered copies
+            for n, t in self.tensors.items():
+                c = t.clone()
+                refs[n] = weakref.ref(c)
+                yield n, c
+
+    plan = KernelPlan.build(_Source(hf), _moe_engine([2, 3], ["gate_proj", "up_proj"]))
+    it = plan.iterate(Fresh(hf))
+    name, _ = next(it)
+    while name != W13:
+        name, _ = next(it)
+    gc.collect()
+    assert refs[f"{EXPERTS}.0.gate_proj.weight"]() is None and refs[f"{EXPERTS}.1.up_proj.weight"]() is None
+
+
+@pytest.mark.parametrize(("layout", "reason"), [
+    ({"refuse": "the MoE backend FlashInfer TRTLLM keeps its own layout"}, r"w13_weight \[2, 6, 4\]: the MoE backend FlashInfer TRTLLM"),
+    ({"ids": [2, 9], "parts": ["gate_proj", "up_proj"]}, r"no HF source model.layers.0.mlp.experts.9.gate_proj.weight"),
+    ({"ids": [2, 3], "parts": ["gate_proj"]}, r"do not stack to it"),
+])
+def test_kernel_plan_refuses_experts_it_cannot_fill(layout: dict[str, Any], reason: str) -> None:
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    engine = _moe_engine([2, 3], ["gate_proj", "up_proj"])
+    engine["experts"][W13] = layout
+    plan = KernelPlan.build(_Source(_moe_hf()), engine)
+    assert not plan.ok and re.search(reason, plan.reason), plan.reason
+
+
+class _RoutedExperts(torch.nn.Module):
+    """The attributes of vLLM's ``RoutedExperts`` that ``engines._expert_layout`` reads (0.24 and 0.33): its two
+    stacked parameters, ``expert_map`` (global -> local id, -1 elsewhere; None without EP) and the unquantized
+    method's backend enum."""
+
+    def __init__(self, emap: list[int] | None, backend: str, local: int = 2) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.w13_weight = torch.nn.Parameter(torch.zeros(local, 6, 4), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.zeros(local, 4, 3), requires_grad=False)
+        self.expert_map = None if emap is None else torch.tensor(emap)
+        self.quant_method = SimpleNamespace(unquantized_backend=SimpleNamespace(value=backend))
+
+
+@pytest.mark.parametrize(("emap", "backend", "w13"), [
+    ([-1, -1, 0, 1], "TRITON", {"ids": [2, 3], "parts": ["gate_proj", "up_proj"]}),
+    ([1, -1, -1, 0], "FlashInfer CUTLASS", {"ids": [3, 0], "parts": ["up_proj", "gate_proj"]}),  # local order
+    (None, "TRITON", {"ids": [0, 1], "parts": ["gate_proj", "up_proj"]}),  # no EP: all experts
+    ([-1, -1, 0, 1], "FlashInfer TRTLLM", {"refuse": "the MoE backend FlashInfer TRTLLM keeps its own layout"}),
+    ([0, 0, 1, -1], "TRITON", {"refuse": "the expert map names 3 local experts for 2 (redundant experts, EPLB)"}),
+])
+def test_engine_reports_its_local_experts_and_their_layout(emap, backend, w13) -> None:
+    from types import SimpleNamespace
+
+    from rlhf_runtime.engines import _worker_param_layout
+
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    model.experts.routed_experts = _RoutedExperts(emap, backend)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model), rank=0, device=None,
+                             vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(world_size=1)))
+    layout = _worker_param_layout(worker)
+    assert layout["experts"]["experts.routed_experts.w13_weight"] == w13
+    w2 = layout["experts"]["experts.routed_experts.w2_weight"]
+    assert w2 == (w13 if "refuse" in w13 else {"ids": w13["ids"], "parts": ["down_proj"]})
+
+
+def test_engines_holding_different_experts_get_no_shared_stream_plan() -> None:
+    """An NCCL broadcast (or one trainer rank's IPC handles) reaches every engine whole: with expert parallelism
+    the engines hold different experts, so one plan cannot fill them all; engines with the same experts (DP
+    replicas) share it."""
+    from rlhf_runtime.weight_sync.senders import one_stream_plan
+
+    hf = _moe_hf()
+    order = ["gate_proj", "up_proj"]
+    ep = one_stream_plan(_Source(hf), [_moe_engine([0, 1], order), _moe_engine([2, 3], order)])
+    assert not ep.ok and "hold different experts" in ep.reason
+    dp = one_stream_plan(_Source(hf), [_moe_engine([0, 1, 2, 3], order), _moe_engine([0, 1, 2, 3], order)])
+    assert dp.ok, dp.reason

@@ -85,10 +85,7 @@ class EngineFanOut:
                                 ("finish_weight_update", finish)):
             self.timings[method] = self.timings.get(method, 0.0) + seconds
 
-    def engine_params(self) -> dict[str, Any]:
-        """The first engine's own parameters (name, shape), fused-module mapping, world size and workers."""
-        return self.get(self.handles[0].param_layout.remote(), "param_layout")
-
     def engine_layouts(self) -> list[dict[str, Any]]:
-        """``engine_params`` of every engine (where each engine's workers are: TP rank and GPU)."""
+        """Every engine's own parameters (name, shape), fused-module mapping, world size, MoE experts and
+        workers (TP rank and GPU each): ``engines._worker_param_layout``."""
         return self.get([h.param_layout.remote() for h in self.handles], "param_layout")

@@ -8,9 +8,10 @@ Two formats reach an engine:
   written side by side), loaded by a plain ``param.copy_``: on vLLM 0.24 ``start_weight_update(
   is_checkpoint_format=False)``, on 0.28+ the runtime's worker engines (``kernel_transfer``); engines whose
   parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds no source
-  for them), TP=1, or TP>1 over IPC with each trainer rank sending its GPU's worker's shard
-  (``senders.kernel_plan``). ``auto`` picks it only where validated on GPUs (0.24, TP=1, one IPC trainer
-  worker); the rest is opt-in (``kernel``).
+  for them), TP=1, or over IPC with each trainer rank sending what the engine worker on its GPU holds (its TP
+  shard, its experts under expert parallelism: ``senders.kernel_plan``). ``auto`` picks it only where validated
+  on GPUs (TP=1 engines over NCCL or from one IPC trainer worker; vLLM 0.24 and 0.33); the rest is opt-in
+  (``kernel``).
 
 ``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
@@ -24,15 +25,15 @@ from typing import Any
 
 import torch
 
-from rlhf_runtime.weight_sync.producers import ParamSource
+from rlhf_runtime.weight_sync.producers import FusedParts, ParamSource
 
 FORMATS: tuple[str, ...] = ("auto", "checkpoint", "kernel")
 
 #: Default options of the runtime-driven sender (``RuntimeDrivenSender.configure`` changes them per trainer;
 #: ``format`` comes from ``spec.weightSync.format``). The kernel format (``auto``) is the default since it passed
 #: the fresh-engine validation on GPUs (NCCL 1.7B with 3 engines, IPC 0.5B; ``benchmarks/README.md``); ``auto``
-#: falls back to the checkpoint format where its plan does not apply (TP>1 engines, several IPC trainer ranks,
-#: expert parallelism). One RPC per engine and sync since it validated on NCCL 1.7B (17.9 ms vs 23.5 ms with
+#: falls back to the checkpoint format where its plan does not apply or is not validated (TP>1 engines over
+#: NCCL, several IPC trainer ranks, expert-parallel engines over NCCL). One RPC per engine and sync since it validated on NCCL 1.7B (17.9 ms vs 23.5 ms with
 #: three, same run).
 DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "auto", "rpc": "one"}
 
@@ -53,6 +54,14 @@ class KernelPlan:
     (vLLM's per-rank fused layout). Uneven splits (padded vocabularies, KV heads fewer than ``tp``) find no
     source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps the checkpoint
     format (``auto``) or refuses (``kernel``).
+
+    MoE experts (``experts`` in the engine layout, ``engines._expert_layout``): vLLM holds a layer's local experts
+    as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, for each local
+    expert in local order (``ids``: global expert ids, so an expert-parallel engine gets only its own experts),
+    the per-expert HF tensors the stream yields (``moe.unfuse``) in the order the engine's MoE backend keeps
+    them (``parts``: gate then up for Triton, up then gate for FlashInfer CUTLASS). Side by side they are the
+    parameter's contiguous layout; the fused tensor is their concatenation viewed in the engine's shape.
+    Backends that re-layout the weights after loading report a reason instead, and the plan refuses with it.
     """
 
     def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str,
@@ -72,6 +81,31 @@ class KernelPlan:
                     return srcs
         return None
 
+    @staticmethod
+    def _expert_sources(name: str, shape: list[int], hf: dict[str, Any], ex: dict[str, Any],
+                        tp: int) -> tuple[list[str] | None, str]:
+        """The per-expert HF tensors of an engine's stacked expert parameter, in its memory order, or None and
+        why not."""
+        what = f"engine parameter {name} {shape}"
+        if "refuse" in ex:
+            return None, f"{what}: {ex['refuse']}"
+        if tp != 1:
+            return None, f"{what}: expert weights of a tensor-parallel engine are not planned (tensor_parallel_size {tp})"
+        cut = name.find(".experts.")
+        if cut < 0:
+            return None, f"{what}: not under an .experts. module"
+        prefix = name[: cut + len(".experts")]
+        srcs = [f"{prefix}.{e}.{part}.weight" for e in ex["ids"] for part in ex["parts"]]
+        missing = next((s for s in srcs if s not in hf), None)
+        if missing is not None:
+            return None, f"{what}: no HF source {missing}"
+        first = hf[srcs[0]]
+        rows = sum(hf[s][0] for s in srcs[: len(ex["parts"])])
+        if (len(first) != 2 or any(hf[s][1:] != first[1:] for s in srcs)
+                or shape != [len(ex["ids"]), rows, first[1]]):
+            return None, f"{what}: the HF experts {prefix}.<e>.{'/'.join(ex['parts'])} do not stack to it"
+        return srcs, ""
+
     @classmethod
     def build(cls, source: ParamSource, engine: dict[str, Any], tp_rank: int | None = None) -> KernelPlan:
         """``engine``: the layout an engine worker reports (``params`` [(name, shape)], ``packed_modules_mapping``,
@@ -83,10 +117,17 @@ class KernelPlan:
             return cls([], False, "kernel format with tensor_parallel_size > 1 needs each trainer rank to send "
                                   "its own engine worker's shard (ipc, colocated)")
         dims: dict[str, int] = engine.get("shard_dims") or {}
+        experts: dict[str, dict[str, Any]] = engine.get("experts") or {}
         entries: list[tuple[str, list[int], list[str]]] = []
         shard: dict[str, int] = {}
         for name, shape in engine["params"]:
             shape = list(shape)
+            if name in experts:
+                srcs, why = cls._expert_sources(name, shape, hf, experts[name], tp)
+                if srcs is None:
+                    return cls([], False, why)
+                entries.append((name, shape, srcs))
+                continue
             srcs = cls._sources(name, hf, mapping)
             whole = None if srcs is None else [sum(hf[s][0] for s in srcs), *hf[srcs[0]][1:]]
             if srcs is not None and all(hf[s][1:] == hf[srcs[0]][1:] for s in srcs) and whole == shape:
@@ -128,23 +169,28 @@ class KernelPlan:
 
     def iterate(self, source: ParamSource, fuse: bool = True) -> Iterator[tuple[str, Any]]:
         """Yields (engine name, tensor) in ``entries`` order, pulling HF tensors from ``source`` lazily.
-        ``fuse=False`` yields fused parameters as a list of parts (``PackedProducer`` writes them side by
-        side in its buffer, which is the fused layout, without a ``torch.cat``). Split parameters yield this
+        ``fuse=False`` yields fused parameters as their parts (``FusedParts``: the producers write them side by
+        side in their buffers, which is the fused layout, without a ``torch.cat``). Split parameters yield this
         rank's pieces (views; the packers copy them)."""
         it = iter(source)
+        needed = {s for e in self.entries for s in e[2]}
         have: dict[str, torch.Tensor] = {}
-        for name, _, srcs in self.entries:
+        for name, shape, srcs in self.entries:
             while not all(s in have for s in srcs):
                 n, t = next(it)
-                have[n] = t
+                if n in needed:  # others (another engine's experts, a tied alias) are not kept alive
+                    have[n] = t
             parts = [have.pop(s) for s in srcs]
             dim = self.shard.get(name)
             if dim is not None:
                 parts = [p.chunk(self.tp, dim=dim)[self.tp_rank] for p in parts]
             if len(parts) == 1:
                 yield name, parts[0] if dim is None else parts[0].contiguous()
+            elif fuse:
+                fused = torch.cat(parts, dim=0)
+                yield name, fused if list(fused.shape) == shape else fused.view(shape)  # stacked experts
             else:
-                yield name, torch.cat(parts, dim=0) if fuse else parts
+                yield name, FusedParts(parts, shape)
         for _ in it:  # HF tensors the engine does not take (e.g. a tied alias): still gathered on every rank
             pass
 

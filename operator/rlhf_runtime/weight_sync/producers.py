@@ -21,6 +21,16 @@ import torch
 from rlhf_runtime import moe, vllm_compat
 
 
+class FusedParts(list):
+    """A fused engine parameter as the parts that, side by side, are its memory layout (``KernelPlan.iterate``
+    with ``fuse=False``), and its ``shape`` (the parts' rows add up along dim 0, or, for stacked MoE experts,
+    to the engine's 3-D shape)."""
+
+    def __init__(self, parts: list[torch.Tensor], shape: list[int]) -> None:
+        super().__init__(parts)
+        self.shape = shape
+
+
 class ParamSource:
     """The trainer's weights as a re-iterable ``(name, tensor)`` stream with matching ``metadata()``."""
 
@@ -218,8 +228,8 @@ class IPCBufferProducer:
                     buf[off : off + n].copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
                     off += n
                 dtype = parts[0].dtype
-                shape = list(parts[0].shape) if len(parts) == 1 else [
-                    sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
+                shape = list(parts.shape) if isinstance(parts, FusedParts) else list(parts[0].shape) if len(
+                    parts) == 1 else [sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
                 names.append(name)
                 dtypes.append(str(dtype).split(".")[-1])
                 shapes.append(shape)
@@ -239,6 +249,8 @@ class IPCBufferProducer:
 
         for name, t in stream:
             parts = [p.detach() for p in (t if isinstance(t, list) else [t])]
+            if isinstance(t, FusedParts):
+                parts = FusedParts(parts, t.shape)
             n = sum(p.numel() * p.element_size() for p in parts)
             if pending and size + n > self.bucket_bytes:  # a chunk never exceeds the bucket (unless one tensor does)
                 flush(pending, size, slot)

@@ -48,13 +48,25 @@ class Sender:
         }
 
 
+def one_stream_plan(source: ParamSource, layouts: list[dict[str, Any]]) -> KernelPlan:
+    """The plan of one stream that every engine receives whole (an NCCL broadcast, or one trainer rank's IPC
+    handles): the engines must want the same tensors, so engines holding different experts (expert
+    parallelism) refuse. No collective."""
+    if any(lay.get("experts") != layouts[0].get("experts") for lay in layouts[1:]):
+        return KernelPlan([], False, "the engines hold different experts (expert parallelism) and all of them "
+                                     "receive the same stream")
+    return KernelPlan.build(source, layouts[0])
+
+
 def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> KernelPlan:
     """This trainer rank's ``KernelPlan``. Only rank 0 holds the engine handles (``Runtime.init_sync``): it asks
     every engine for its layout and, when the trainer has several ranks, broadcasts the layouts over the
-    trainer's process group (a collective: every rank calls this at the same point). TP > 1: over CUDA IPC each
-    engine worker reads the tensors of the trainer rank on its own GPU, so each rank plans the shard of the
-    worker on its GPU (found by GPU UUID); over NCCL every worker receives the same broadcast, so there is no
-    per-rank shard and the plan refuses."""
+    trainer's process group (a collective: every rank calls this at the same point).
+
+    Over CUDA IPC each engine worker reads the tensors of the trainer rank on its own GPU, so with several
+    engines or TP > 1 each rank plans for the worker on its GPU (found by GPU UUID): its TP shard, and with expert
+    parallelism its engine's experts. Over NCCL every worker receives the same broadcast, so the engines must
+    want the same tensors: TP > 1 and engines holding different experts (expert parallelism) refuse."""
     import torch.distributed as dist
 
     layouts = client.engine_layouts() if client.handles else None
@@ -64,14 +76,18 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
         layouts = box[0]
     if not layouts:
         return KernelPlan([], False, "no engine layout reached this trainer rank")
-    tp_rank = None
-    if int(layouts[0].get("world_size", 1)) > 1 and backend == "ipc":
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        tp_rank = next((w["tp_rank"] for lay in layouts for w in lay.get("workers", []) if w["gpu"] == uuid), None)
-        if tp_rank is None:
-            return KernelPlan([], False, "kernel format with tensor_parallel_size > 1: no engine worker on this "
-                                         "trainer rank's GPU (ipc needs the trainer colocated with the engines)")
-    return KernelPlan.build(source, layouts[0], tp_rank)
+    if backend != "ipc" or (len(layouts) == 1 and int(layouts[0].get("world_size", 1)) == 1):
+        return one_stream_plan(source, layouts)
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if torch.cuda.is_available() else None
+    mine = [(lay, w) for lay in layouts for w in lay.get("workers", []) if uuid is not None and w.get("gpu") == uuid]
+    if not mine:
+        return KernelPlan([], False, "kernel format over ipc with several engine workers: no engine worker on this "
+                                     "trainer rank's GPU (ipc needs the trainer colocated with the engines)")
+    if any(lay.get("experts") != mine[0][0].get("experts") for lay, _ in mine[1:]):
+        return KernelPlan([], False, "engines holding different experts share this trainer rank's GPU")
+    layout, worker = mine[0]
+    tp_rank = worker["tp_rank"] if int(layout.get("world_size", 1)) > 1 else None
+    return KernelPlan.build(source, layout, tp_rank)
 
 
 def auto_keeps_checkpoint(backend: str, trainer_world: int) -> str | None:
@@ -251,7 +267,7 @@ class RuntimeDrivenSender(Sender):
                              KernelPlan([], False, "kernel format with IPC from several trainer workers is opt-in "
                                                    "(format: kernel) until validated on GPUs"))
             elif self.is_sender:
-                self.plan = KernelPlan.build(self.source, self.client.engine_params())
+                self.plan = one_stream_plan(self.source, self.client.engine_layouts())
         if self.is_sender or self.backend == "ipc":
             self.format = effective_format(requested, self.plan)
         # a non-sending NCCL rank only iterates the source (the sender's plan pulls it in the same order)
