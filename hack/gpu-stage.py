@@ -25,16 +25,27 @@ Wheels already in <out>/wheels are reused, so a second run downloads nothing.
 
 Usage (from the repository root):
     python3 hack/gpu-stage.py --vllm 0.33.0 [--torch auto] [--ray 2.60.0] [--out .stage/vllm-0.33.0]
-                              [--part-mib 60] [--pin NAME==VERSION ...] [--image-packages FILE]
-                              [--kind nvidia-h200-x2]
+                              [--part-mib 60] [--pin NAME==VERSION ...] [--with REQUIREMENT ...] [--skip NAME ...]
+                              [--image-packages FILE] [--kind nvidia-h200-x2]
     python3 hack/gpu-stage.py --vllm 0.33.0 --print-commands     # again, from the existing manifest
+
+vLLM 0.24 with TRL for the peer benchmark (benchmarks/trl_peer.py; TRL 1.16.0 supports vLLM 0.22-0.31), 2026-11-24:
+96 wheels, 557 MB, 9 parts (torch 2.11.0 is the image's: `--image-packages` gives its version, which meets the pin):
+    python3 hack/gpu-stage.py --vllm 0.24.0 --image-packages hack/gpu/image-freeze.txt --with trl==1.16.0 \
+        --pin xgrammar==0.2.3 --pin apache-tvm-ffi==0.1.9 --pin nvidia-cudnn-frontend==1.32.0 \
+        --skip flashinfer-cubin --skip cuda-tile
+(xgrammar 0.2.8 needs a newer apache-tvm-ffi than vLLM 0.24 pins; flashinfer-cubin (447 MB) is not needed with
+VLLM_USE_FLASHINFER_SAMPLER=0; cuda-tile would pull ~210 MB of CUDA 13.4 compiler wheels that 0.24 never imports.)
 
 Result for --vllm 0.33.0 (torch 2.14.0, ray 2.60.0), 2026-11-23: 114 wheels, 3597 MB, in 58 parts of
 60 MiB (so 58 device calls); ~105 s from scratch, ~15 s again. Every package had a cp312 manylinux wheel.
 Biggest: torch 555 MB, nvidia-cudnn-cu13 553, nvidia-cublas 423, vllm 336, triton 248, nvidia-nccl-cu13 216,
 nvidia-cufft 214, nvidia-cusolver 201, nvidia-cusparselt-cu13 170, nvidia-cusparse 146 MB. Torch 2.11.0
 pins cuda-toolkit 13.0.2, whose components equal 13.0.3's but for cublas; if the image has those (a
-`pip freeze` there would tell), ~790 MB of these NVIDIA wheels need not be staged.
+`pip freeze` there would tell), ~790 MB of these NVIDIA wheels need not be staged. With that `pip freeze`
+(`--image-packages hack/gpu/image-freeze.txt`): 108 wheels, 2837 MB, 46 parts (cuda-tile, 0.4 MB, staged since
+2026-11-24: `flashinfer.comm`, which vLLM's expert-parallel and allreduce code import, needs it); staged and
+installed in 400 s of device time on nvidia-h200-x2, 2026-11-24.
 """
 from __future__ import annotations
 
