@@ -37,7 +37,7 @@ def test_cpu_engine_reports_its_stacked_experts_and_why_the_kernel_format_skips_
     line = next((x for x in out.stdout.splitlines() if x.startswith("LAYOUT ")), None)
     assert line is not None, out.stderr[-3000:]
     layout = json.loads(line[len("LAYOUT "):])
-    shapes = dict((n, s) for n, s in layout["params"])
+    shapes = {n: s for n, s in layout["params"]}
     stacked = sorted(n for n in shapes if n.endswith(("w13_weight", "w2_weight")))
     assert len(stacked) == 4  # two layers, w13 and w2 each
     assert sorted(layout["experts"]) == stacked

@@ -309,7 +309,7 @@ def test_kernel_plan_sends_an_expert_parallel_engine_only_its_experts_stacked(or
     plan = KernelPlan.build(_Source(hf), _moe_engine([2, 3], order))
     assert plan.ok, plan.reason
     got = dict(plan.iterate(_Source(hf)))
-    e = lambda i, p: hf[f"{EXPERTS}.{i}.{p}.weight"]  # noqa: E731
+    e = lambda i, p: hf[f"{EXPERTS}.{i}.{p}.weight"]
     assert torch.equal(got[W13], torch.stack([torch.cat([e(i, order[0]), e(i, order[1])]) for i in (2, 3)]))
     assert torch.equal(got[W2], torch.stack([e(i, "down_proj") for i in (2, 3)]))
     parts = dict(plan.iterate(_Source(hf), fuse=False))
