@@ -31,6 +31,26 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float 
         time.sleep(interval)
 
 
+def events_until(api: Any, namespace: str, name: str, want: Callable[[list[Any]], bool], what: str,
+                 timeout: float = 60) -> list[Any]:
+    """The core/v1 Events about object ``name`` once ``want(events)`` holds. The operator posts Events off the
+    reconcile's path (one thread, after the status write), so a test that has just seen a status change polls for
+    the Event that goes with it instead of reading the list once."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+
+    def listed() -> list[Any] | None:
+        evs = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        return evs if want(evs) else None
+
+    try:
+        return wait_for(listed, timeout, what)
+    except AssertionError as e:
+        evs = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+        raise AssertionError(f"{e}\nevents: {[f'{x.reason}: {x.message}' for x in evs]}") from None
+
+
 def touch_pod_scheduled(core: Any, namespace: str, pod: str, stamp: int) -> None:
     """Make the operator reconcile the job owning ``pod`` without writing anything it owns: rewrite the pod's
     PodScheduled condition with a new ``lastProbeTime`` (a field the reconcile's pod projection holds, so the

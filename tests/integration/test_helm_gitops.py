@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.helpers import touch_pod_scheduled, wait_for
+from tests.helpers import events_until, touch_pod_scheduled, wait_for
 from tests.integration.conftest import REPO, Operator, apply, load_sample
 from tests.integration.test_lifecycle import get_job, phase
 
@@ -49,8 +49,7 @@ def test_operator_runs_with_only_the_charts_rbac(cluster, api, tmp_path) -> None
             apply(cluster, job, team)
             name = job["metadata"]["name"]
             wait_for(lambda: phase(api, team, name) == "Running", 180, "Running under the chart's RBAC")
-            events = client.CoreV1Api(api).list_namespaced_event(team, field_selector=f"involvedObject.name={name}").items
-            assert any(e.reason == "Created" for e in events)
+            events_until(api, team, name, lambda evs: any(e.reason == "Created" for e in evs), "a Created Event")
             log = (tmp_path / "op.log").read_text()
             forbidden = [ln for ln in log.splitlines() if "Forbidden" in ln or " 403" in ln or "forbidden" in ln]
             assert not forbidden, "\n".join(forbidden[:10])

@@ -6,7 +6,7 @@ import pytest
 from kubernetes import client, config
 
 from rlhf_api import models as m
-from tests.helpers import wait_for
+from tests.helpers import events_until, wait_for
 from tests.integration.conftest import Operator, apply, load_sample, localcluster
 
 pytestmark = pytest.mark.cluster
@@ -39,8 +39,8 @@ def test_missing_kuberay_is_reported_then_recovered(bare_cluster, tmp_path) -> N
         conds = {c["type"]: c for c in j["status"]["conditions"]}
         assert conds["Stalled"]["status"] == "True" and conds["Stalled"]["reason"] == "KubeRayMissing"
         assert "install the KubeRay operator" in j["status"]["message"]
-        events = client.CoreV1Api(api).list_namespaced_event("default", field_selector=f"involvedObject.name={name}").items
-        assert any(e.type == "Warning" and "KubeRay" in e.message for e in events)
+        events_until(api, "default", name, lambda evs: any(e.type == "Warning" and "KubeRay" in e.message for e in evs),
+                     "a Warning naming KubeRay")
         assert op.alive(), (tmp_path / "op.log").read_text()[-2000:]
 
         bare_cluster.install_kuberay()

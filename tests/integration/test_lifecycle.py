@@ -11,7 +11,7 @@ from kubernetes import client
 
 from rlhf_api import models as m
 from rlhf_operator import render
-from tests.helpers import wait_for
+from tests.helpers import events_until, wait_for
 from tests.integration.conftest import Operator, apply, load_sample, peering_namespace
 
 pytestmark = pytest.mark.cluster
@@ -112,8 +112,8 @@ def test_sample_is_placed_on_gpu_nodes(cluster, api, operator, namespace, sample
     assert all(c["observedGeneration"] == got["metadata"]["generation"] for c in got["status"]["conditions"])
     table = cluster.kubectl("get", "rlhfjobs", "-n", namespace).stdout
     assert "Running" in table and name in table
-    events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
-    assert any(e.reason == "Created" and "RayJob" in e.message for e in events)
+    events_until(api, namespace, name, lambda evs: any(e.reason == "Created" and "RayJob" in e.message for e in evs),
+                 "a Created Event naming the RayJob")
 
 
 def test_job_that_cannot_fit_stays_pending_with_reason(cluster, api, operator, namespace) -> None:
@@ -233,8 +233,9 @@ def test_allowed_spec_change_reaches_config_and_status(cluster, api, operator, n
                 and applied == (7200, 2, 30))
 
     wait_for(propagated, 60, "steps=321 in status and the runtime's ConfigMap; deadline, retries, ttl in the RayJob")
-    events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}")
-    assert any(e.reason == "Updated" and "activeDeadlineSeconds" in e.message for e in events.items)
+    events_until(api, namespace, name,
+                 lambda evs: any(e.reason == "Updated" and "activeDeadlineSeconds" in e.message for e in evs),
+                 "an Updated Event naming activeDeadlineSeconds")
     # a change outside the allowlist is refused at admission, naming the field
     job["spec"]["env"] = [{"name": "X", "value": "1"}]
     out = apply(cluster, job, namespace, check=False)
@@ -306,8 +307,8 @@ def test_missing_data_config_map_is_reported_until_it_exists(cluster, api, opera
     assert phase(api, namespace, name) == "Pending" and cond("Ready")["reason"] == "DataConfigMapMissing"
     assert not client.CustomObjectsApi(api).list_namespaced_custom_object(
         "ray.io", "v1", namespace, "rayjobs", label_selector=f"rlhf.dev/job={name}")["items"]
-    events = client.CoreV1Api(api).list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
-    assert any(e.type == "Warning" and e.reason == "DataConfigMapMissing" for e in events)
+    events_until(api, namespace, name, lambda evs: any(e.type == "Warning" and e.reason == "DataConfigMapMissing"
+                                                       for e in evs), "a DataConfigMapMissing Warning")
 
     client.CoreV1Api(api).create_namespaced_config_map(
         namespace, {"metadata": {"name": "gsm8k-prompts"}, "data": {"prompts.jsonl": '{"prompt": "1+1?"}\n'}}

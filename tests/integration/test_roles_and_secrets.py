@@ -18,7 +18,7 @@ from kubernetes import client
 
 from rlhf_api import models as m
 from rlhf_operator import render
-from tests.helpers import wait_for
+from tests.helpers import events_until, wait_for
 from tests.integration.conftest import Operator, apply, load_sample
 from tests.integration.test_lifecycle import (
     condition,
@@ -131,8 +131,8 @@ def test_secret_values_stay_out_of_everything_the_operator_writes(cluster, api, 
 
     cm = core.read_namespaced_config_map(f"{name}-config", ns)
     job = get_job(api, ns, name)
-    events = core.list_namespaced_event(ns).items
-    assert any(e.reason == "Created" for e in events)
+    events_until(api, ns, name, lambda evs: any(e.reason == "Created" for e in evs), "a Created Event")
+    events = core.list_namespaced_event(ns).items  # every Event in the namespace, the job's and its children's
     log = wait_for(lambda: op.log.read_text(errors="replace"), 10, "operator log")
     assert "secret-env" in log  # the log is about this job: Kopf at DEBUG logged its handling
     places = {
