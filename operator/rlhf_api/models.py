@@ -88,7 +88,10 @@ INT32_MAX = 2**31 - 1
 
 
 class Resources(Model):
-    cpu: str = Field("8", pattern=CPU_PATTERN, max_length=32, description="CPU request per pod (e.g. 8 or 500m).")
+    cpu: str = Field("8", pattern=CPU_PATTERN, max_length=32, description=(
+        "CPU request per pod (e.g. 8 or 500m). On a CPU-only job (trainer.gpusPerReplica 0) the runtime's "
+        "actors in the pod compute on this many threads, rounded up (OMP_NUM_THREADS; without it Ray gives each "
+        "actor one); a spec.env OMP_NUM_THREADS takes precedence."))
     memory: str = Field("64Gi", pattern=MEMORY_PATTERN, max_length=32, description="Memory request per pod.")
 
 

@@ -100,7 +100,7 @@ from rlhf_runtime import config as rc
 from rlhf_runtime import node_files
 from rlhf_runtime.data import load_eval_samples, load_samples, render_prompt, step_batch
 from rlhf_runtime.engine_api import RolloutEngine, engine_class
-from rlhf_runtime.placement import ActorPlacement, compute_layout, spread
+from rlhf_runtime.placement import ActorPlacement, compute_layout, local_thread_cap, spread
 from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, now_rfc3339
 from rlhf_runtime.rewards import combine, endpoint_rewards, make_reward, normalize
 
@@ -281,6 +281,12 @@ class Runtime:
         self.colocated = self.spec.placement.mode == "colocated"
         self.sleeps = rc.engines_sleep(self.spec, self.gpu)
         self.env = rc.actor_env(self.spec, self.gpu)
+        # CPU-only jobs: each actor computes on its pod's CPUs (placement ``threads``), not on the one thread Ray
+        # gives an actor, unless spec.env sets OMP_NUM_THREADS (a value, or valueFrom: then the pods have it).
+        # Not the driver's own environment: Ray's job supervisor runs it with OMP_NUM_THREADS=1.
+        self.own_threads = any(e.name == "OMP_NUM_THREADS" for e in self.spec.env or [])
+        self.thread_cap = (local_thread_cap(self.layout, self.async_mode, len(os.sched_getaffinity(0)))
+                           if opts.local else None)
         self.validate_first_sync = rc.validation_enabled(self.spec, opts.validate)
         self.lora = self.spec.trainer.lora is not None  # adapter-only syncs (sync_adapter)
         self.adapter_id = 0  # the engines' vLLM LoRA id: one more per adapter sync
@@ -295,6 +301,7 @@ class Runtime:
         self.asleep = False  # colocated engines sleep while the trainer trains
         self.dp_address: tuple[str, int] | None = None
         self.trainer_pids: list[Any] = []
+        self.trainer_threads: list[Any] = []  # each trainer's torch threads (OMP_NUM_THREADS, ``actor_env``)
         self.done = 0
         self.resumed: int | None = None
         self.synced_at = 0
@@ -398,11 +405,12 @@ class Runtime:
         for rank, a in enumerate(self.layout.trainers):
             actor = ray.remote(trainer_class).options(
                 num_cpus=a.num_cpus, num_gpus=a.num_gpus, scheduling_strategy=self._strategy(a.group, a.bundle),
-                runtime_env={"env_vars": {**self.env, **a.env}},
+                runtime_env={"env_vars": self.actor_env(a)},
             ).remote(cfg_json, rank, n, addr, port)
             self.trainers.append(actor)
         infos = self._get_step([t.info.remote() for t in self.trainers], f"start of {self._trainers_desc()}")
         self.trainer_pids = [i.get("pid") for i in infos]
+        self.trainer_threads = [i.get("threads") for i in infos]
         self.param_bytes = int(infos[0].get("param_bytes") or 0)
         return infos[0]
 
@@ -424,7 +432,7 @@ class Runtime:
                 opts = ray.remote({"reward": RewardScorer, "critic": CriticModel, "reference": ReferenceModel}[role])
                 opts = opts.options(num_cpus=a.num_cpus, num_gpus=a.num_gpus,
                                     scheduling_strategy=self._strategy(a.group, a.bundle),
-                                    runtime_env={"env_vars": {**self.env, **a.env}})
+                                    runtime_env={"env_vars": self.actor_env(a)})
                 if role == "reward":
                     m = spec.reward.model
                     assert m is not None
@@ -443,12 +451,20 @@ class Runtime:
                 infos[k], at = flat[at : at + len(v)], at + len(v)
             self.reporter._write_progress({"time": time.time(), "roles": infos})
 
+    def actor_env(self, a: ActorPlacement, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of the actor placed at ``a``: the job's (``self.env``), the placement's, ``extra``,
+        and on CPU-only jobs ``OMP_NUM_THREADS`` = ``a.threads`` (at most ``self.thread_cap`` in a local run)."""
+        env = {**self.env, **a.env, **(extra or {})}
+        if a.threads and not self.own_threads:
+            env["OMP_NUM_THREADS"] = str(min(a.threads, self.thread_cap or a.threads))
+        return env
+
     def _make_engine(self, i: int) -> Any:
         """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
         import ray
 
         e = self.layout.engines[i]
-        env = {**self.env, **e.env, **(self._dp_env(i, self.dp_address) if self.dp_address else {})}
+        env = self.actor_env(e, self._dp_env(i, self.dp_address) if self.dp_address else None)
         return ray.remote(self.engine_class).options(
             num_cpus=e.num_cpus, num_gpus=e.num_gpus, scheduling_strategy=self._strategy(e.group, e.bundle),
             runtime_env={"env_vars": env}, max_concurrency=16 if self.async_mode else 1,
@@ -471,7 +487,8 @@ class Runtime:
         """Which process serves which actor (progress file): for people reading a run, and for fault tests."""
         pids = self._get([e.pid.remote() for e in self.engines], f"pid of {self._engines_desc()}")
         self.reporter._write_progress({"time": time.time(), "actors": {
-            "trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements)}})
+            "trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
+            "trainer_threads": self.trainer_threads}})
 
     def _address_on(self, where: ActorPlacement, ports: int = 1) -> tuple[str, int]:
         """The node IP of bundle ``where`` and the first of ``ports`` consecutive ports free there, found by a
@@ -796,7 +813,7 @@ class Runtime:
         for key in rc.LORA_ENGINE_KEYS:  # LoRA: a plain engine of the merged weights
             kw.pop(key, None)
         e = self.layout.engines[i]
-        env = {**self.env, **e.env, **(self._dp_env(i, dp) if dp else {})}
+        env = self.actor_env(e, self._dp_env(i, dp) if dp else None)
         if self.gpu:
             dev = self._get(self.engines[i].device_info.remote(), f"device info of engine {i}")
             if e.executor == "ray":

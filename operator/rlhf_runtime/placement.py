@@ -10,7 +10,9 @@ ask for no Ray CPUs, and actors take ``num_cpus=0``: KubeRay derives a pod's Ray
 CPU request (rounded up, e.g. 250m -> 1), which need not cover one CPU per bundle (colocated bundles hosted two
 actors, a pod with 8 GPUs and ``cpu: 4`` would never have placed its 8 bundles). The custom resource alone says
 where and how many; a pod's CPU request only sizes its container. (Ray still gives such an actor
-``OMP_NUM_THREADS=1``, as it did for ``num_cpus=1``.)
+``OMP_NUM_THREADS=1``, as it did for ``num_cpus=1``: on a CPU-only job every actor's ``threads`` says how many
+the driver gives it instead, ``cpu_threads`` of its pod's CPU request (``with_threads``); with GPUs the GPU
+computes and ``threads`` stays 0, Ray's default.)
 
 * ``separate``: one placement group ``trainer`` (one bundle per trainer GPU, ``PACK``) and one per engine
   (``tensorParallelSize`` bundles, ``STRICT_PACK``: a TP group shares a node). TP=1 engines run vLLM
@@ -47,6 +49,7 @@ same shape (TP>1: its Ray workers) on the same GPUs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from decimal import ROUND_DOWN, Decimal
 from typing import Any
@@ -79,6 +82,8 @@ class ActorPlacement:
     num_cpus: float
     num_gpus: float
     env: dict[str, str] = field(default_factory=dict)
+    #: CPU-only jobs: the compute threads (``OMP_NUM_THREADS``) the actor's pod has for it; 0: Ray's default
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,11 @@ def _with_roles(spec: RLHFJobSpec, layout: Layout, trainer_share: float) -> Layo
 
 
 def compute_layout(spec: RLHFJobSpec) -> Layout:
+    """The placement groups and actors of ``spec`` (module docstring), with CPU-only jobs' ``threads``."""
+    return with_threads(spec, _groups_and_actors(spec))
+
+
+def _groups_and_actors(spec: RLHFJobSpec) -> Layout:
     t, r = spec.trainer, spec.rollout
     gpu = t.gpus_per_replica > 0
     tp = r.tensor_parallel_size
@@ -213,8 +223,40 @@ def compute_layout(spec: RLHFJobSpec) -> Layout:
             engines.append(EnginePlacement(1 + e, 0, 0, 1 if gpu else 0))
         else:
             env = {"VLLM_RAY_BUNDLE_INDICES": bundle_indices, "VLLM_RAY_PER_WORKER_GPUS": str(SEPARATE_TP_WORKER_SHARE)}
-            engines.append(EnginePlacement(1 + e, 0, 0, 0, env, "ray"))
+            engines.append(EnginePlacement(1 + e, 0, 0, 0, env, executor="ray"))
     return _with_roles(spec, Layout(groups, trainers, engines, gpu, dp_group), 1)
+
+
+def cpu_threads(quantity: str) -> int:
+    """The CPUs of a Kubernetes CPU quantity (``Resources.cpu``: ``8``, ``1.5``, ``500m``), rounded up, at least 1."""
+    q = quantity.strip()
+    cpus = Decimal(q[:-1]) / 1000 if q.endswith("m") else Decimal(q)
+    return max(1, math.ceil(cpus))
+
+
+def with_threads(spec: RLHFJobSpec, layout: Layout) -> Layout:
+    """A CPU-only job's ``layout`` with each actor's ``threads``: the CPU request of the pod it runs in (each CPU
+    bundle is one pod: a trainer's is sized by ``trainer.resources``, an engine's by ``rollout.resources``, or by
+    ``trainer.resources`` in colocated placement, where the two share the pod and take turns; a role beside the
+    trainer shares the trainer's, a separate role has ``resources`` of its own). GPU jobs: unchanged."""
+    if layout.gpu:
+        return layout
+    trainer = cpu_threads(spec.trainer.resources.cpu)
+    engine = trainer if spec.placement.mode == "colocated" else cpu_threads(spec.rollout.resources.cpu)
+    settings = active_roles(spec)
+    roles = {name: [replace(a, threads=trainer if settings[name].placement == "colocated"
+                            else cpu_threads(settings[name].resources.cpu)) for a in actors]
+             for name, actors in layout.roles.items()}
+    return replace(layout, trainers=[replace(t, threads=trainer) for t in layout.trainers],
+                   engines=[replace(e, threads=engine) for e in layout.engines], roles=roles)
+
+
+def local_thread_cap(layout: Layout, async_mode: bool, cpus: int) -> int:
+    """A local run (``--local``: every actor on this machine): the most threads one actor gets, ``cpus`` split
+    among the actors that compute at the same time (the engines generate together and the trainers train
+    together, one after the other; in async mode both at once), so that they never ask for more than there is."""
+    busy = len(layout.engines) + len(layout.trainers) if async_mode else max(len(layout.engines), len(layout.trainers))
+    return max(1, cpus // max(1, busy))
 
 
 def spread(items: list[Any], n: int) -> list[list[int]]:

@@ -189,7 +189,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ info
     def info(self) -> dict[str, Any]:
         return {"step": self.step, "resumed_from": self.resumed_from, "param_bytes": self.param_bytes,
-                "device": str(self.device), "pid": os.getpid()}
+                "device": str(self.device), "pid": os.getpid(), "threads": torch.get_num_threads()}
 
     def address(self) -> tuple[str, int]:
         """Where the engines reach this rank for the weight-transfer group: the address Ray knows this node

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
         assert r["throughput"]["weightSyncGbps"] == pytest.approx(sync["bytes"] / sync["total_s"] / 1e9, rel=1e-3)
         assert r["throughput"]["rolloutTokensPerSecond"] > 0
     assert records[-1]["runtime"]["state"] == "Succeeded"
+    # the trainer computed on the CPUs its pod asked for (trainer.resources.cpu, at most this machine's share),
+    # not on the one thread Ray gives an actor by default
+    want = min(8, max(1, len(os.sched_getaffinity(0))))  # one trainer and one engine, taking turns
+    actors = [r["actors"] for r in records if "actors" in r]
+    assert actors and actors[0]["trainer_threads"] == [want], actors
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:

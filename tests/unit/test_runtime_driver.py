@@ -367,3 +367,17 @@ def test_in_run_recoveries_0_turns_in_run_recovery_off(cluster: Cluster) -> None
     rt = runtime({"inRunRecoveries": 0})  # every fault goes to backoffLimit
     with pytest.raises(RuntimeError, match=r"engine 0 died during weight sync: in-run recovery limit \(0\) reached"):
         rt.recover(engines=[0], trainers=False, where="weight sync", error=RuntimeError("actor died"))
+
+
+def test_cpu_actor_env_sets_threads_unless_the_job_does() -> None:
+    cpu = {"trainer": {"gpusPerReplica": 0, "resources": {"cpu": "6"}},
+           "rollout": {"resources": {"cpu": "3"}}}
+    rt = runtime(cpu)
+    assert rt.actor_env(rt.layout.trainers[0])["OMP_NUM_THREADS"] == "6"
+    assert rt.actor_env(rt.layout.engines[0], {"X": "1"})["OMP_NUM_THREADS"] == "3"
+    rt.thread_cap = 2  # a local run on a machine of 2 CPUs for one busy actor at a time
+    assert rt.actor_env(rt.layout.trainers[0])["OMP_NUM_THREADS"] == "2"
+    own = runtime({**cpu, "env": [{"name": "OMP_NUM_THREADS", "value": "5"}]})
+    assert own.actor_env(own.layout.trainers[0])["OMP_NUM_THREADS"] == "5"  # spec.env wins
+    gpu = runtime({"trainer": {"gpusPerReplica": 1}})
+    assert "OMP_NUM_THREADS" not in gpu.actor_env(gpu.layout.engines[0])

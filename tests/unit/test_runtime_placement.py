@@ -13,6 +13,8 @@ from rlhf_runtime.placement import (
     VALIDATION_SHARE,
     PlacementError,
     compute_layout,
+    cpu_threads,
+    local_thread_cap,
     split_share,
     spread,
 )
@@ -361,3 +363,41 @@ def test_gpu_shares_never_exceed_a_bundle(mode: str, combo: str) -> None:
     for acts in lay.roles.values():
         assert all(a.num_cpus == 0 and round(a.num_gpus, 4) == a.num_gpus for a in acts)
     assert sum(b.get("GPU", 0) for b in bundles.values()) == ppo(**{**MODES[mode], **ROLE_COMBOS[combo]}).total_gpus()
+
+
+@pytest.mark.parametrize(("quantity", "threads"), [("8", 8), ("1", 1), ("1.5", 2), ("500m", 1), ("2500m", 3),
+                                                    ("0.1", 1), ("16000m", 16)])
+def test_cpu_threads_rounds_a_cpu_quantity_up(quantity: str, threads: int) -> None:
+    assert cpu_threads(quantity) == threads
+
+
+def test_cpu_actors_compute_on_their_pods_cpus() -> None:
+    """Ray gives every actor of num_cpus=0 OMP_NUM_THREADS=1: on a CPU-only job each actor's ``threads`` is the
+    CPU request of the pod it runs in instead."""
+    lay = compute_layout(spec(trainer={"gpusPerReplica": 0, "replicas": 2, "strategy": "fsdp2",
+                                       "resources": {"cpu": "3"}},
+                              rollout={"engines": 2, "resources": {"cpu": "1500m"}},
+                              algorithm={"name": "ppo", "klCoef": 0.01},
+                              critic={"placement": "colocated"},
+                              reward={"model": {"name": "rm", "resources": {"cpu": "6"}}}))
+    assert [t.threads for t in lay.trainers] == [3, 3]
+    assert [e.threads for e in lay.engines] == [2, 2]
+    assert [a.threads for a in lay.roles["critic"]] == [3, 3]  # beside each trainer rank, in its pod
+    assert [a.threads for a in lay.roles["reward"]] == [6]  # a pod of its own
+    # colocated: trainer and engine share the trainer's pod (and take turns)
+    co = compute_layout(spec(trainer={"gpusPerReplica": 0, "resources": {"cpu": "4"}},
+                             rollout={"resources": {"cpu": "1"}}, placement={"mode": "colocated"}))
+    assert [t.threads for t in co.trainers] == [4] and [e.threads for e in co.engines] == [4]
+
+
+def test_gpu_actors_keep_rays_default_threads() -> None:
+    lay = compute_layout(spec(trainer={"gpusPerReplica": 2, "strategy": "fsdp2", "resources": {"cpu": "16"}},
+                              rollout={"engines": 2}))
+    assert all(a.threads == 0 for a in [*lay.trainers, *lay.engines])
+
+
+def test_local_runs_split_the_machines_cpus_among_actors_busy_together() -> None:
+    lay = compute_layout(spec(trainer={"gpusPerReplica": 0}, rollout={"engines": 2}))
+    assert local_thread_cap(lay, async_mode=False, cpus=8) == 4  # two engines generate at once
+    assert local_thread_cap(lay, async_mode=True, cpus=8) == 2  # and the trainer beside them
+    assert local_thread_cap(lay, async_mode=False, cpus=1) == 1
