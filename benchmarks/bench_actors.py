@@ -5,8 +5,10 @@
 
 * ``scramble_weights(seed)``: overwrite every parameter with noise, so a sync that misses a tensor shows in
   the greedy tokens;
-* ``load_stats(reset)``: per worker, seconds spent in ``model.load_weights`` since the last reset (installs a
-  host-side timer around it the first time);
+* ``load_stats(reset, device_sync)``: per worker, seconds spent in ``model.load_weights`` and in the weight-transfer
+  engine's start/receive/finish since the last reset (installs host-side timers the first time, ``TIMED``);
+* ``timed_generate(prompts, sampling)``: the actor's own ``LLM.generate`` on a batch, timed inside the actor
+  (no Ray transfer, no result packing): seconds and tokens (sync ``Engine`` only);
 * ``reset_prefix_cache()``: drop the prefix cache now (a cached prefix takes another prefill path than a cold
   one, so greedy comparisons start cold); whether vLLM did.
 
@@ -31,27 +33,50 @@ from rlhf_runtime.trainer import Trainer
 HERE = Path(__file__).resolve().parent
 
 
-def _worker_time_loads(worker: Any, reset: bool = False) -> dict[str, float]:
-    """(collective_rpc) Wrap the model's ``load_weights`` once with a host-side timer; return and reset the
-    accumulated seconds and calls (the time vLLM's receive path spends in ``load_weights``)."""
+def _wrap_timer(owner: Any, name: str, stats: dict[str, float], key: str, device_sync: bool) -> None:
+    """Replace ``owner.name`` (an instance attribute) by the same call that adds its seconds to ``stats[key_s]``
+    and counts ``stats[key_calls]``; with ``device_sync`` the timer stops after the device's queued work too."""
+    original = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if device_sync:
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            stats[f"{key}_s"] += time.perf_counter() - t
+            stats[f"{key}_calls"] += 1
+
+    owner.__dict__[name] = timed
+
+
+#: What ``_worker_time_loads`` times, per worker: the model's ``load_weights`` (``load``: vLLM's checkpoint-format
+#: path; the kernel format does not call it) and the worker's weight-transfer engine's own steps (``start``,
+#: ``receive``: opening the trainer's buffers and loading them, in either format; ``finish``).
+TIMED = {"load": "load_weights", "start": "start_weight_update", "receive": "receive_weights",
+         "finish": "finish_weight_update"}
+
+
+def _worker_time_loads(worker: Any, reset: bool = False, device_sync: bool = False) -> dict[str, float]:
+    """(collective_rpc) Install host-side timers once (``TIMED``; ``device_sync``, fixed at the first call: each
+    timer also waits for the GPU); return and, with ``reset``, zero the accumulated seconds and calls.
+    ``load_s``/``calls`` keep their old meaning (the model's ``load_weights``)."""
     model = worker.model_runner.model
     stats = model.__dict__.get("_rlhf_load_stats")
     if stats is None:
-        stats = model.__dict__["_rlhf_load_stats"] = {"load_s": 0.0, "calls": 0}
-        original = model.load_weights
-
-        def timed(weights: Any, *args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return original(weights, *args, **kwargs)
-            finally:
-                stats["load_s"] += time.perf_counter() - t
-                stats["calls"] += 1
-
-        model.__dict__["load_weights"] = timed
-    out = dict(stats)
+        stats = model.__dict__["_rlhf_load_stats"] = {f"{k}_{x}": 0 for k in TIMED for x in ("s", "calls")}
+        _wrap_timer(model, "load_weights", stats, "load", device_sync)
+        engine = getattr(worker, "weight_transfer_engine", None)
+        for key, name in TIMED.items():
+            if key != "load" and engine is not None and hasattr(engine, name):
+                _wrap_timer(engine, name, stats, key, device_sync)
+    out = {**stats, "calls": stats["load_calls"]}
     if reset:
-        stats.update(load_s=0.0, calls=0)
+        stats.update({k: 0 for k in stats})
     return out
 
 
@@ -70,12 +95,22 @@ def _worker_scramble(worker: Any, seed: int = 0) -> int:
 
 
 class BenchEngine(Engine):
+    def timed_generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, float]:
+        from vllm import SamplingParams
+
+        if self._stale_cache:  # as generate does
+            self._stale_cache = not self.llm.reset_prefix_cache()
+        sp = SamplingParams(detokenize=False, **sampling)
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return {"seconds": time.perf_counter() - t, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}
+
     def reset_prefix_cache(self) -> bool:
         self._stale_cache = False
         return bool(self.llm.reset_prefix_cache())
 
-    def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        return self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset})
+    def load_stats(self, reset: bool = True, device_sync: bool = False) -> list[dict[str, float]]:
+        return self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset, "device_sync": device_sync})
 
     def scramble_weights(self, seed: int = 0) -> list[int]:
         return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
@@ -86,8 +121,8 @@ class BenchAsyncEngine(AsyncEngine):
         self._stale_cache = False
         return bool(await self.llm.reset_prefix_cache())
 
-    async def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        return await self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset})
+    async def load_stats(self, reset: bool = True, device_sync: bool = False) -> list[dict[str, float]]:
+        return await self.llm.collective_rpc(_worker_time_loads, kwargs={"reset": reset, "device_sync": device_sync})
 
     async def scramble_weights(self, seed: int = 0) -> list[int]:
         return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
@@ -101,8 +136,8 @@ class BenchSteppedEngine(SteppedEngine):
     async def reset_prefix_cache(self) -> bool:
         return await self._call(self._reset_now)
 
-    async def load_stats(self, reset: bool = True) -> list[dict[str, float]]:
-        return await self._call(self.llm.collective_rpc, _worker_time_loads, kwargs={"reset": reset})
+    async def load_stats(self, reset: bool = True, device_sync: bool = False) -> list[dict[str, float]]:
+        return await self._call(self.llm.collective_rpc, _worker_time_loads, kwargs={"reset": reset, "device_sync": device_sync})
 
     async def scramble_weights(self, seed: int = 0) -> list[int]:
         return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})

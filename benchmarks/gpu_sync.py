@@ -295,13 +295,17 @@ def timed_sync(rt: Any) -> dict[str, Any]:
     loads = ray.get([e.load_stats.remote(True) for e in rt.engines])
     r["engine_load_s"] = max(w["load_s"] for ws in loads for w in ws)
     r["engine_load_calls"] = max(w["calls"] for ws in loads for w in ws)
+    for k in ("start", "receive", "finish"):  # the worker transfer engine's own steps (bench_actors.TIMED)
+        r[f"engine_{k}_s"] = max(w.get(f"{k}_s", 0.0) for ws in loads for w in ws)
+    r["engine_receive_calls"] = max(w.get("receive_calls", 0) for ws in loads for w in ws)
     r["sleep_s"] = sleep_s
     return r
 
 
 def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ["total_s", "pause_s", "start_s", "transfer_s", "trainer_send_s", "pack_s", "gather_s",
-            "engine_load_s", "finish_s", "resume_s", "send_s", "sleep_s"]
+            "engine_load_s", "engine_start_s", "engine_receive_s", "engine_finish_s", "finish_s", "resume_s",
+            "send_s", "sleep_s"]
     out = {f"median_{k}": median([s.get(k, 0.0) for s in syncs]) for k in keys}
     out["bytes"] = syncs[0]["bytes"] if syncs else 0
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
@@ -367,7 +371,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         t = time.perf_counter()
         rt.init_sync()
         stages["init_sync_s"] = time.perf_counter() - t
-        ray.get([e.load_stats.remote(True) for e in rt.engines])  # installs the load_weights timers
+        # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
+        ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.engines])
         t = time.perf_counter()
         result["first_sync"] = rt.sync()
         stages["first_sync_s"] = time.perf_counter() - t
@@ -665,6 +670,9 @@ def main() -> int:
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
+    p.add_argument("--engine-device-sync", action="store_true",
+                   help="engine-side timers (start/receive/finish of the worker transfer engine) wait for the GPU "
+                   "before stopping (device-complete times; adds one synchronize per step)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -693,6 +701,7 @@ def main() -> int:
         cmd += ["--rollouts", str(args.rollouts)]
         cmd += ["--bare-rollout"] if args.bare_rollout else []
         cmd += ["--revalidate"] if args.revalidate else []
+        cmd += ["--engine-device-sync"] if args.engine_device_sync else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()
         with open(log, "ab") as f:

@@ -1,0 +1,249 @@
+"""Rollout overhead: the runtime's rollout beside bare vLLM on the same batch, interleaved in one run.
+
+One layout of ``gpu_sync.py`` (one engine; on CPU ``cpu-gloo`` with a random-init model) is started exactly as
+the driver starts it (``rlhf_runtime.driver.Runtime``: Ray, placement, trainer and engine actors, one weight
+sync, so the engine holds the model's weights). Beside it, in a process of its own, a bare ``vllm.LLM`` with the
+engine actor's own arguments and environment (``load_format: auto`` from the same files; on a GPU the same GPU,
+at ``--bare-memory``) and no Ray (so with the threads a plain process has: every CPU it may use). Then ``--rounds`` rounds, each timing, in an order that rotates from round to
+round, the same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first):
+
+* ``runtime``: ``Runtime.launch_rollout`` + ``collect``, as the driver does a step's rollout (prompt rendering,
+  the Ray call, the engine's generate, result packing and transfer);
+* ``in_actor``: the engine actor's own ``LLM.generate`` on the same prompts, timed inside the actor
+  (``bench_actors.BenchEngine.timed_generate``: no Ray transfer, no packing);
+* ``bare``: the bare ``LLM.generate`` in its own process.
+
+Overhead = 1 - runtime tokens/s / bare tokens/s (medians over the rounds), split into the driver's path (runtime
+vs in_actor) and the actor's process (in_actor vs bare). Writes ``--out`` (JSON with the exact command).
+
+    .venv/bin/python benchmarks/rollout_overhead.py --cpu --out benchmarks/results/rollout_overhead_cpu.json
+    . benchmarks/gpu_env.sh /tmp/site-0.33.0 && python3 benchmarks/rollout_overhead.py --kind nvidia-h200-x2 \\
+        --layout separate-nccl --model qwen3-1.7b --rounds 7 --out $OUT/rollout_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import gpu_sync  # the models, layouts and base spec of the GPU benchmarks
+
+
+def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
+    """The bare engine's process: build ``vllm.LLM(**kwargs)``, then time each batch it is sent."""
+    os.environ.update(env)
+    from vllm import LLM, SamplingParams
+
+    from rlhf_runtime.engines import _llm_args
+
+    try:
+        llm = LLM(**_llm_args(kwargs))
+        conn.send({"ready": True})
+        while (msg := conn.recv()) is not None:
+            prompts, sampling = msg
+            sp = SamplingParams(detokenize=False, **sampling)
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            conn.send({"seconds": time.perf_counter() - t,
+                       "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)})
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+
+
+class Bare:
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str], timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.timeout = timeout
+        self.proc = ctx.Process(target=_bare, args=(child, kwargs, env), daemon=True)
+        self.proc.start()
+        self._recv()
+
+    def _recv(self) -> dict[str, Any]:
+        if not self.conn.poll(self.timeout):
+            raise TimeoutError(f"the bare vLLM process did not answer within {self.timeout:.0f}s")
+        msg = self.conn.recv()
+        if "error" in msg:
+            raise RuntimeError(f"bare vLLM: {msg['error']}")
+        return msg
+
+    def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, Any]:
+        self.conn.send((prompts, sampling))
+        return self._recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu", action="store_true", help="on CPU: layout cpu-gloo, float32, the gloo backend")
+    p.add_argument("--layout", default="", help="a gpu_sync.py layout with one engine (default: separate-nccl; "
+                   "cpu-gloo with --cpu)")
+    p.add_argument("--model", default="", help="a gpu_sync.py model (default: qwen3-1.7b; with --cpu a random "
+                   "Qwen2 of --hidden x --layers)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=0, help="prompts per batch (default: 64 GPU, 16 CPU)")
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=0, help="default: 128 GPU, 32 CPU")
+    p.add_argument("--bare-memory", type=float, default=0.0,
+                   help="gpu_memory_utilization of the bare engine (default: the engine's, capped at 0.4 on a GPU, "
+                   "where both engines share one)")
+    p.add_argument("--kind", default="cpu", help="device kind, recorded")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for any one step (start, rollout)")
+    p.add_argument("--out", default=str(ROOT / "results" / "rollout_overhead_cpu.json"))
+    a = p.parse_args()
+    command = " ".join(shlex.quote(x) for x in ["python3", "benchmarks/rollout_overhead.py", *sys.argv[1:]])
+    gpu = not a.cpu
+    layout = a.layout or ("separate-nccl" if gpu else "cpu-gloo")
+    prompts_n = a.prompts or (64 if gpu else 16)
+    max_tokens = a.max_tokens or (128 if gpu else 32)
+
+    import bench_actors
+    import ray
+    from transformers import AutoTokenizer
+
+    from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime import config as rc
+    from rlhf_runtime.data import load_samples, render_prompt, step_batch
+    from rlhf_runtime.driver import Options, Runtime
+    from rlhf_runtime.report import Metrics, Reporter
+
+    work = Path(tempfile.mkdtemp(prefix="rlhf-rollout-"))
+    model_path = work / "model"
+    if gpu:
+        model = gpu_sync.build_model(model_path, a.model or "qwen3-1.7b", True)
+    else:
+        from rlhf_runtime.tiny import build_tiny_model
+
+        build_tiny_model(str(model_path), hidden_size=a.hidden, layers=a.layers)
+        model = {"architecture": "Qwen2ForCausalLM", "hidden": a.hidden, "layers": a.layers, "dtype": "float32"}
+    over, actor_env = gpu_sync.layout_parts(layout)
+    spec = gpu_sync.merge(gpu_sync.base_spec(str(model_path), gpu), over)
+    spec = gpu_sync.merge(spec, {"algorithm": {"promptsPerStep": prompts_n},
+                                 "rollout": {"sampling": {"maxTokens": max_tokens,
+                                                          "samplesPerPrompt": a.samples_per_prompt}}})
+    if not gpu:
+        spec = gpu_sync.merge(spec, {"rollout": {"maxModelLen": 32 + max_tokens}})
+    if spec["rollout"].get("engines", 1) != 1 or spec["weightSync"].get("mode") == "async":
+        raise SystemExit(f"{layout}: one engine in sync mode only (the bare engine stands for one engine)")
+    cfg = RuntimeConfig(name="rollout-overhead", namespace="bench", spec=spec)
+    opts = Options(local=True, report=False, validate=False, progress_file=str(work / "progress.jsonl"))
+    rt = Runtime(cfg, opts, Reporter(None, Metrics(cfg.name, cfg.namespace), opts.progress_file))
+    bench_actors.install(rt)
+    rt.env.update(gpu_sync.SAFE_ENV)
+    rt.env.update(actor_env)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    samples = load_samples(cfg.spec.data)
+    sampling = rc.sampling_kwargs(cfg.spec)
+    result: dict[str, Any] = {
+        "command": command, "date": datetime.now(UTC).isoformat(timespec="seconds"), "device_kind": a.kind,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "layout": layout, "model": model, "spec": spec, "sampling": sampling,
+    }
+    bare = None
+    try:
+        rt.connect()
+        rt.place()
+        rt.start_trainers()
+        rt.start_engines()
+        rt.init_sync()
+        rt.sync()  # the engine started with dummy weights: now it holds the model's, as the bare engine does
+        if rt.asleep:
+            ray.get([e.wake_up.remote(None) for e in rt.engines])
+            rt.asleep = False
+        import vllm
+
+        result["versions"] = {"vllm": vllm.__version__, "ray": ray.__version__}
+        layout_engine = rt.layout.engines[0]
+        env = {**rt.env, **layout_engine.env}
+        kwargs = dict(rt.engine_kwargs[0], model=str(model_path), load_format="auto")
+        if gpu:
+            kwargs["gpu_memory_utilization"] = a.bare_memory or min(kwargs["gpu_memory_utilization"], 0.4)
+            # the engine actor's own GPU (Ray's CUDA_VISIBLE_DEVICES in the actor)
+            env["CUDA_VISIBLE_DEVICES"] = ray.get(rt.engines[0].device_info.remote())["cuda_visible_devices"]
+        elif a.bare_memory:
+            kwargs["gpu_memory_utilization"] = a.bare_memory
+        # the engine actor's compute threads (placement threads on CPU jobs; Ray's default, 1, where unset)
+        result["engine_threads"] = rt.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
+        result["engine_kwargs"] = {k: v for k, v in rt.engine_kwargs[0].items() if k != "model"}
+        result["bare_kwargs"] = {k: v for k, v in kwargs.items() if k != "model"}
+        bare = Bare(kwargs, env, a.timeout)
+
+        batch = step_batch(samples, 0, prompts_n, 0)
+        ids = [render_prompt(x, tokenizer) for x in batch]
+
+        def runtime() -> dict[str, Any]:
+            ro = rt.launch_rollout(tokenizer, batch, sampling, 0)
+            outs = rt.collect(ro)
+            return {"seconds": time.perf_counter() - ro.t_launch,
+                    "tokens": sum(len(c) for o in outs for c in o["samples"])}
+
+        def in_actor() -> dict[str, Any]:
+            return ray.get(rt.engines[0].timed_generate.remote(ids, sampling), timeout=a.timeout)
+
+        def bare_run() -> dict[str, Any]:
+            return bare.generate(ids, sampling)
+
+        ways = {"runtime": runtime, "in_actor": in_actor, "bare": bare_run}
+        names = list(ways)
+        warm = {n: ways[n]() for n in names}
+        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        for r in range(a.rounds):
+            order = names[r % 3:] + names[:r % 3]
+            for n in order:
+                x = ways[n]()
+                x["tokens_per_second"] = x["tokens"] / x["seconds"]
+                x["round"] = r
+                runs[n].append(x)
+            print(f"round {r}: " + ", ".join(f"{n} {runs[n][-1]['tokens_per_second']:.0f}" for n in names)
+                  + " tokens/s", flush=True)
+        med = {n: statistics.median(x["tokens_per_second"] for x in runs[n]) for n in names}
+        per_round = [1 - runs["runtime"][r]["tokens_per_second"] / runs["bare"][r]["tokens_per_second"]
+                     for r in range(a.rounds)]
+        result.update({
+            "batch": {"prompts": prompts_n, "samples_per_prompt": a.samples_per_prompt, "max_tokens": max_tokens},
+            "warmup": warm, "runs": runs, "median_tokens_per_second": med,
+            "overhead": 1 - med["runtime"] / med["bare"],
+            "overhead_median_of_rounds": statistics.median(per_round),
+            "overhead_per_round": per_round,
+            "driver_path_overhead": 1 - med["runtime"] / med["in_actor"],
+            "actor_process_overhead": 1 - med["in_actor"] / med["bare"],
+        })
+        print(f"median tokens/s: {med}; overhead {result['overhead']:.1%} (median of rounds "
+              f"{result['overhead_median_of_rounds']:.1%}; driver path {result['driver_path_overhead']:.1%}, "
+              f"actor process {result['actor_process_overhead']:.1%})", flush=True)
+    finally:
+        if bare is not None:
+            bare.close()
+        rt.shutdown()
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
