@@ -69,12 +69,23 @@ def test_fsdp2_over_two_trainer_pods_with_validation(real_cluster, rapi, operato
     steps = 3
     job = cpu_job(real_cluster, shared_dir, "fsdp", steps, trainers=2)
     job["spec"]["weightSync"] = {**job["spec"].get("weightSync", {}), "validate": True}
+    # keep the finished Ray cluster and KubeRay's submitter pod (whose log is the driver's) until the namespace
+    # goes: with the default 0 KubeRay deletes them as the job completes, racing the log read below
+    job["spec"]["ttlSecondsAfterFinished"] = 600
     st, seen = run_to_end(real_cluster, rapi, ns, job, 1200)
     print("\n".join(seen))
     assert st["step"] == steps
     trainer_pods = [p for p in st["_placed"] if "trainer" in p]
     assert len(trainer_pods) == 2, st["_placed"]
     # the driver's log (KubeRay's submitter follows it) says the fresh-engine comparison ran and passed
-    logs = "".join(real_cluster.kubectl("logs", "-n", ns, p.metadata.name, check=False).stdout
-                   for p in pods(rapi, ns) if p.metadata.name in st["_placed"] and "worker" not in p.metadata.name)
-    assert "weight-sync validation passed" in logs, logs[-3000:]
+    logs: list[str] = [""]
+
+    def validated() -> bool:
+        logs[0] = "".join(real_cluster.kubectl("logs", "-n", ns, p.metadata.name, check=False).stdout
+                          for p in pods(rapi, ns) if "worker" not in p.metadata.name)
+        return "weight-sync validation passed" in logs[0]
+
+    try:
+        wait_for(validated, 120, "'weight-sync validation passed' in the driver's log", interval=2)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{logs[0][-3000:]}") from None
