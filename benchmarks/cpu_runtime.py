@@ -69,6 +69,9 @@ def main() -> int:
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--omp-threads", type=int, default=0,
+                   help="spec.env OMP_NUM_THREADS for every actor (1: as every actor ran before the runtime gave "
+                   "CPU jobs' actors their pod's CPUs; default: the runtime's choice)")
     p.add_argument("--out", default=str(RESULT))
     a = p.parse_args()
     command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "benchmarks/cpu_runtime.py", *sys.argv[1:]])
@@ -87,6 +90,8 @@ def main() -> int:
         "data": {"prompts": [f"prompt {i}:" for i in range(64)]},
         "reward": {"rule": "length", "targetLength": a.max_tokens // 2},
     }
+    if a.omp_threads:
+        spec["env"] = [{"name": "OMP_NUM_THREADS", "value": str(a.omp_threads)}]
     rc, records, wall = run_driver(spec, work)
     if rc:
         raise subprocess.CalledProcessError(rc, "python -m rlhf_runtime.driver")
@@ -101,7 +106,8 @@ def main() -> int:
         "model": {"hidden": a.hidden, "layers": a.layers, "param_bytes": int(sync["bytes"]), "dtype": "float32"},
         "workload": {"steps": a.steps, "measured_steps": len(steps), "prompts_per_step": a.prompts_per_step,
                      "samples_per_prompt": a.samples_per_prompt, "max_tokens": a.max_tokens,
-                     "bucket_mb": a.bucket_mb, "weight_sync_backend": "gloo (CPU)"},
+                     "bucket_mb": a.bucket_mb, "weight_sync_backend": "gloo (CPU)",
+                     "omp_threads": a.omp_threads or "the runtime's (trainer/rollout resources.cpu, capped)"},
         "median": {
             "rollout_tokens_per_second": tp["rolloutTokensPerSecond"],
             "samples_per_second": tp["samplesPerSecond"],
