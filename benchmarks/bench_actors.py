@@ -94,16 +94,23 @@ def _worker_scramble(worker: Any, seed: int = 0) -> int:
     return n
 
 
+def time_generate(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, float]:
+    """``llm.generate`` (a ``vllm.LLM``) on token-id prompts with the runtime's sampling arguments, timed around
+    the call alone: seconds and generated tokens."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(detokenize=False, **sampling)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    t = time.perf_counter()
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    return {"seconds": time.perf_counter() - t, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}
+
+
 class BenchEngine(Engine):
     def timed_generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, float]:
-        from vllm import SamplingParams
-
         if self._stale_cache:  # as generate does
             self._stale_cache = not self.llm.reset_prefix_cache()
-        sp = SamplingParams(detokenize=False, **sampling)
-        t = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return {"seconds": time.perf_counter() - t, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}
+        return time_generate(self.llm, prompts, sampling)
 
     def reset_prefix_cache(self) -> bool:
         self._stale_cache = False

@@ -521,20 +521,16 @@ def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
     os.environ.update(inputs["env"])
     if gpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(inputs["engine_gpu"])
-    from vllm import LLM, SamplingParams
+    from bench_actors import time_generate
+    from vllm import LLM
 
     from rlhf_runtime.engines import _llm_args
 
     llm = LLM(**_llm_args(inputs["kwargs"]))  # the engine actor's exact LLM arguments
-    sp = SamplingParams(detokenize=False, **inputs["sampling"])
-    prompts = [{"prompt_token_ids": p} for p in inputs["prompts"]]
     runs = []
     for _ in range(1 + inputs.get("runs", 1)):  # a warm-up, then timed (as the runtime's rollout)
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t
-        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        runs.append({"seconds": dt, "tokens": tokens, "tokens_per_second": tokens / dt})
+        r = time_generate(llm, inputs["prompts"], inputs["sampling"])
+        runs.append({**r, "tokens_per_second": r["tokens"] / r["seconds"]})
     q.put(runs)
 
 

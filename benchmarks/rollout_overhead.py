@@ -4,8 +4,8 @@ One layout of ``gpu_sync.py`` (one engine; on CPU ``cpu-gloo`` with a random-ini
 the driver starts it (``rlhf_runtime.driver.Runtime``: Ray, placement, trainer and engine actors, one weight
 sync, so the engine holds the model's weights). Beside it, in a process of its own, a bare ``vllm.LLM`` with the
 engine actor's own arguments and environment (``load_format: auto`` from the same files; on a GPU the same GPU,
-at ``--bare-memory``) and no Ray (so with the threads a plain process has: every CPU it may use). Then ``--rounds`` rounds, each timing, in an order that rotates from round to
-round, the same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first):
+at ``--bare-memory``) and no Ray (so with the threads a plain process has: every CPU it may use). Then
+``--rounds`` rounds, each timing, in an order that rotates from round to round, the same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first):
 
 * ``runtime``: ``Runtime.launch_rollout`` + ``collect``, as the driver does a step's rollout (prompt rendering,
   the Ray call, the engine's generate, result packing and transfer);
@@ -46,7 +46,8 @@ import gpu_sync  # the models, layouts and base spec of the GPU benchmarks
 def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
     """The bare engine's process: build ``vllm.LLM(**kwargs)``, then time each batch it is sent."""
     os.environ.update(env)
-    from vllm import LLM, SamplingParams
+    from bench_actors import time_generate
+    from vllm import LLM
 
     from rlhf_runtime.engines import _llm_args
 
@@ -54,12 +55,7 @@ def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
         llm = LLM(**_llm_args(kwargs))
         conn.send({"ready": True})
         while (msg := conn.recv()) is not None:
-            prompts, sampling = msg
-            sp = SamplingParams(detokenize=False, **sampling)
-            t = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            conn.send({"seconds": time.perf_counter() - t,
-                       "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)})
+            conn.send(time_generate(llm, *msg))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
         conn.send({"error": f"{type(e).__name__}: {e}"})
 
