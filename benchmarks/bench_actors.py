@@ -13,7 +13,9 @@
   one, so greedy comparisons start cold); whether vLLM did.
 
 ``BenchTrainer`` adds ``configure_sync(**options)``: sender options of the runtime-driven sender (vLLM 0.24:
-``producer``, ``format``, ``rpc``, ``ipc_wire``, ``packed``, ``bucket_bytes``) for later syncs.
+``producer``, ``format``, ``rpc``, ``ipc_wire``, ``packed``, ``bucket_bytes``) for later syncs; and
+``send_stats(reset)``: seconds in the steps of vLLM >= 0.28's IPC trainer engine that no RPC times
+(``IPC_TRAINER_TIMED``; installs the timers the first time).
 
 ``install(rt)`` makes a ``rlhf_runtime.driver.Runtime`` start these classes instead of its own, and puts this
 directory on the ``PYTHONPATH`` of the Ray it starts, so the actors can import this module.
@@ -78,6 +80,49 @@ def _worker_time_loads(worker: Any, reset: bool = False, device_sync: bool = Fal
     if reset:
         stats.update({k: 0 for k in stats})
     return out
+
+
+#: What ``BenchTrainer.send_stats`` times in vLLM >= 0.28's IPC trainer engine (``ipc_engine``), the trainer side
+#: of a packed IPC sync between its RPCs: ``pack``: inside ``packed_ipc_producer``'s generator, per chunk
+#: (iterating the source: the plan's fused tensors, FSDP gathers; copying each tensor into the one IPC buffer;
+#: waiting for those copies); ``post``: ``_post_send_sync`` after each chunk and after the finish
+#: (``torch.cuda.ipc_collect``, and a barrier with several trainer ranks).
+IPC_TRAINER_TIMED = ("pack", "post")
+_IPC_TRAINER_STATS: dict[str, float] = {}
+
+
+def _time_ipc_trainer(stats: dict[str, float]) -> None:
+    """Wrap ``ipc_engine.packed_ipc_producer`` (a module global ``_send_packed`` calls) and the trainer engine's
+    ``_post_send_sync`` (a static method) with timers adding to ``stats``."""
+    from vllm.distributed.weight_transfer import ipc_engine
+
+    produce = ipc_engine.packed_ipc_producer
+
+    def timed_producer(*args: Any, **kwargs: Any) -> Any:
+        chunks = produce(*args, **kwargs)
+        while True:
+            t = time.perf_counter()
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                return
+            finally:
+                stats["pack_s"] += time.perf_counter() - t
+            stats["pack_calls"] += 1
+            yield chunk
+
+    post = ipc_engine.IPCTrainerWeightTransferEngine._post_send_sync
+
+    def timed_post() -> None:
+        t = time.perf_counter()
+        try:
+            post()
+        finally:
+            stats["post_s"] += time.perf_counter() - t
+            stats["post_calls"] += 1
+
+    ipc_engine.packed_ipc_producer = timed_producer
+    ipc_engine.IPCTrainerWeightTransferEngine._post_send_sync = staticmethod(timed_post)
 
 
 def _worker_scramble(worker: Any, seed: int = 0) -> int:
@@ -157,6 +202,20 @@ class BenchTrainer(Trainer):
         if configure is None:
             return {"unsupported": sorted(options)}
         return configure(**options)
+
+    def send_stats(self, reset: bool = False) -> dict[str, float]:
+        """Seconds and calls of ``IPC_TRAINER_TIMED`` since the last reset (zeros where the path is not taken:
+        vLLM 0.24, NCCL, the checkpoint format unpacked); the timers are installed at the first call."""
+        if not _IPC_TRAINER_STATS:
+            _IPC_TRAINER_STATS.update({f"{k}_{x}": 0 for k in IPC_TRAINER_TIMED for x in ("s", "calls")})
+            from rlhf_runtime import vllm_compat
+
+            if vllm_compat.has_trainer_api():
+                _time_ipc_trainer(_IPC_TRAINER_STATS)
+        out = dict(_IPC_TRAINER_STATS)
+        if reset:
+            _IPC_TRAINER_STATS.update({k: 0 for k in _IPC_TRAINER_STATS})
+        return out
 
 
 BENCH_CLASSES: dict[type, type] = {Engine: BenchEngine, AsyncEngine: BenchAsyncEngine,

@@ -72,6 +72,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                             "rollout": {"gpuMemoryUtilization": 0.5}, "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-resident": {"placement": {"mode": "colocated", "colocatedSleep": False},
                                "weightSync": {"backend": "ipc"}, "rollout": {"gpuMemoryUtilization": 0.3}},
+    # one GPU: rollout_overhead.py's A/B of the engine actor's compute threads (Ray gives num_cpus=0 actors 1)
+    "colocated-ipc-resident-omp16": {"placement": {"mode": "colocated", "colocatedSleep": False},
+                                     "weightSync": {"backend": "ipc"}, "rollout": {"gpuMemoryUtilization": 0.3},
+                                     "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                             "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                             "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
@@ -286,6 +290,7 @@ def greedy(rt: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]
 
 def timed_sync(rt: Any) -> dict[str, Any]:
     """One steady-state sync as the driver does it; colocated engines sleep first (as after a rollout)."""
+    import bench_actors
     import ray
 
     sleep_s = 0.0
@@ -298,13 +303,17 @@ def timed_sync(rt: Any) -> dict[str, Any]:
     for k in ("start", "receive", "finish"):  # the worker transfer engine's own steps (bench_actors.TIMED)
         r[f"engine_{k}_s"] = max(w.get(f"{k}_s", 0.0) for ws in loads for w in ws)
     r["engine_receive_calls"] = max(w.get("receive_calls", 0) for ws in loads for w in ws)
+    sent = ray.get(rt.trainers[0].send_stats.remote(True))  # vLLM >= 0.28 IPC: the trainer engine's own steps
+    for k in bench_actors.IPC_TRAINER_TIMED:
+        r[f"trainer_{k}_s"], r[f"trainer_{k}_calls"] = sent[f"{k}_s"], sent[f"{k}_calls"]
     r["sleep_s"] = sleep_s
     return r
 
 
 def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ["total_s", "pause_s", "start_s", "transfer_s", "trainer_send_s", "pack_s", "gather_s",
-            "engine_load_s", "engine_start_s", "engine_receive_s", "engine_finish_s", "finish_s", "resume_s",
+            "engine_load_s", "engine_start_s", "engine_receive_s", "engine_finish_s", "trainer_pack_s",
+            "trainer_post_s", "finish_s", "resume_s",
             "send_s", "sleep_s"]
     out = {f"median_{k}": median([s.get(k, 0.0) for s in syncs]) for k in keys}
     out["bytes"] = syncs[0]["bytes"] if syncs else 0
@@ -373,6 +382,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         stages["init_sync_s"] = time.perf_counter() - t
         # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
         ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.engines])
+        ray.get(rt.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
         t = time.perf_counter()
         result["first_sync"] = rt.sync()
         stages["first_sync_s"] = time.perf_counter() - t

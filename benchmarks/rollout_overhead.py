@@ -101,6 +101,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--graphs", action="store_true", help="GPU: CUDA graphs (rollout.enforceEager false, the API's "
+                   "default; gpu_sync.py's layouts run eager for a faster start)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per batch (default: 64 GPU, 16 CPU)")
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=0, help="default: 128 GPU, 32 CPU")
@@ -143,6 +145,8 @@ def main() -> int:
                                                           "samplesPerPrompt": a.samples_per_prompt}}})
     if not gpu:
         spec = gpu_sync.merge(spec, {"rollout": {"maxModelLen": 32 + max_tokens}})
+    elif a.graphs:
+        spec = gpu_sync.merge(spec, {"rollout": {"enforceEager": False}})
     if spec["rollout"].get("engines", 1) != 1 or spec["weightSync"].get("mode") == "async":
         raise SystemExit(f"{layout}: one engine in sync mode only (the bare engine stands for one engine)")
     cfg = RuntimeConfig(name="rollout-overhead", namespace="bench", spec=spec)

@@ -44,7 +44,9 @@ class KernelTarget:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        names = set()
+        """Check every tensor of the chunk, then copy them all in one multi-tensor copy (``_foreach_copy_``:
+        fused launches instead of one per tensor; a chunk that fails a check writes nothing)."""
+        names, dst, src = set(), [], []
         for name, tensor in weights:
             param = self.params.get(name)
             if param is None:
@@ -52,8 +54,11 @@ class KernelTarget:
             if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
                 raise ValueError(f"kernel-format weight {name!r} is {list(tensor.shape)} {tensor.dtype}; the "
                                  f"engine's parameter is {list(param.shape)} {param.dtype}")
-            param.copy_(tensor, non_blocking=True)
+            dst.append(param)
+            src.append(tensor)
             names.add(name)
+        if dst:
+            torch._foreach_copy_(dst, src, non_blocking=True)
         self.loaded += len(names)
         return names
 
@@ -110,4 +115,40 @@ class RlhfNCCLWeightTransferEngine(KernelFormatMixin, NCCLWeightTransferEngine):
 
 
 class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
-    """vLLM's ``ipc`` worker engine with the kernel-format switch."""
+    """vLLM's ``ipc`` worker engine with the kernel-format switch.
+
+    A packed kernel-format chunk is copied straight from the trainer's buffer into the parameters
+    (``packed_views``). vLLM's ``packed_ipc_consumer`` clones every tensor first (a second device copy of the
+    whole model per sync and one allocation and launch per tensor), because its layerwise reload may keep the
+    tensors past the call while the trainer reuses its one buffer for the next chunk. ``KernelTarget`` keeps
+    nothing: its copies are queued before ``receive_weights`` returns and vLLM's ``update_weights`` waits for
+    the device before answering, so the trainer refills its buffer only after they are done."""
+
+    def receive_weights(self, update_info: Any) -> None:
+        importer = getattr(self, "_packed_importer", None)  # vLLM's one mapping per trainer buffer
+        if not (self._kernel_active and self.packed) or importer is None:
+            super().receive_weights(update_info)
+            return
+        assert self._kernel_target is not None
+        index = self.device.index
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        self._kernel_target.load_weights(packed_views(update_info, uuid, index, importer))
+
+
+def packed_views(update_info: Any, uuid: str, device_index: int, importer: Any) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of one packed IPC chunk as views of the trainer's buffer (vLLM's
+    ``packed_ipc_consumer`` without its clones): the handle of this GPU (``uuid``, its index ``device_index``
+    in this process), mapped by ``importer`` (vLLM's ``PackedBufferImporter``: one open and one release per
+    trainer buffer, whatever the number of chunks)."""
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    if update_info.tensor_sizes is None:
+        raise ValueError("`tensor_sizes` is required when packed=True")
+    if uuid not in update_info.ipc_handles:
+        raise ValueError(f"IPC handle not found for GPU UUID {uuid}; the trainer sent handles for "
+                         f"{list(update_info.ipc_handles)} (IPC needs the trainer colocated with the engine)")
+    args = list(update_info.ipc_handles[uuid])
+    args[6] = device_index  # rebuild_cuda_tensor's device: the receiver's index of that GPU
+    packed = importer.rebuild(args)[: sum(update_info.tensor_sizes)]
+    dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+    return unpack_tensor(packed, update_info.names, update_info.shapes, dtypes, update_info.tensor_sizes)

@@ -45,6 +45,63 @@ def test_kernel_target_refuses_what_is_not_the_engines_layout(name, tensor, erro
     assert torch.equal(m[0].weight, before)
 
 
+def test_kernel_target_writes_nothing_of_a_chunk_that_fails_a_check() -> None:
+    m = model()
+    before = m[0].weight.detach().clone()
+    with pytest.raises(KeyError, match="not a parameter"):  # the bad tensor comes after a good one
+        KernelTarget(m).load_weights([("0.weight", torch.randn(6, 4)), ("0.nonexistent", torch.zeros(1))])
+    assert torch.equal(m[0].weight, before)
+
+
+class Update:
+    """vLLM's ``IPCWeightTransferUpdateInfo`` of a packed chunk: the fields ``packed_views`` reads."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], handles: dict[str, tuple], sizes: bool = True) -> None:
+        self.names = list(tensors)
+        self.shapes = [list(t.shape) for t in tensors.values()]
+        self.dtype_names = [str(t.dtype).split(".")[-1] for t in tensors.values()]
+        self.tensor_sizes = [t.numel() * t.element_size() for t in tensors.values()] if sizes else None
+        self.ipc_handles = handles
+
+
+class Importer:
+    """Stands in for vLLM's ``PackedBufferImporter`` (whose ``rebuild`` maps a CUDA IPC handle, which needs a
+    GPU): hands back the trainer's buffer itself and records the rebuild arguments."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.args = buffer, None
+
+    def rebuild(self, args: list) -> torch.Tensor:
+        self.args = args
+        return self.buffer
+
+
+def test_packed_views_alias_the_trainers_buffer_and_load_into_the_parameters() -> None:
+    m = model()
+    new = {"0.weight": torch.randn(6, 4), "0.bias": torch.randn(6), "1.weight": torch.randn(6)}
+    buffer = torch.cat([t.reshape(-1).view(torch.uint8) for t in new.values()] + [torch.zeros(64, dtype=torch.uint8)])
+    handle = tuple(range(8))  # reduce_tensor's arguments; index 6 is the sender's device index
+    importer = Importer(buffer)
+    views = kernel_transfer.packed_views(Update(new, {"GPU-a": handle}), "GPU-a", 3, importer)
+    assert importer.args[6] == 3 and importer.args[:6] == list(range(6))  # rebuilt on the receiver's device
+    assert [n for n, _ in views] == list(new)
+    for (name, v), want in zip(views, new.values()):
+        assert torch.equal(v, want) and v.dtype == want.dtype
+        assert buffer.data_ptr() <= v.data_ptr() < buffer.data_ptr() + buffer.numel()  # no clone
+    assert KernelTarget(m).load_weights(views) == set(new)
+    assert torch.equal(m[0].weight, new["0.weight"]) and torch.equal(m[1].weight, new["1.weight"])
+
+
+def test_packed_views_refuse_a_chunk_without_this_gpu_or_sizes() -> None:
+    t = {"0.bias": torch.randn(6)}
+    buffer = t["0.bias"].view(torch.uint8)
+    with pytest.raises(ValueError, match="GPU UUID GPU-b.*GPU-a"):
+        kernel_transfer.packed_views(Update(t, {"GPU-a": tuple(range(8))}), "GPU-b", 0, Importer(buffer))
+    with pytest.raises(ValueError, match="tensor_sizes"):
+        kernel_transfer.packed_views(Update(t, {"GPU-a": tuple(range(8))}, sizes=False), "GPU-a", 0,
+                                     Importer(buffer))
+
+
 class Reloading:
     """vLLM's worker-engine lifecycle as the mixin sees it: ``start``/``finish`` run the layerwise reload around
     loads into ``self.model``; ``reset_weight_update_target`` restores the default model."""
