@@ -72,10 +72,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                             "rollout": {"gpuMemoryUtilization": 0.5}, "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-resident": {"placement": {"mode": "colocated", "colocatedSleep": False},
                                "weightSync": {"backend": "ipc"}, "rollout": {"gpuMemoryUtilization": 0.3}},
-    # one GPU: rollout_overhead.py's A/B of the engine actor's compute threads (Ray gives num_cpus=0 actors 1)
-    "colocated-ipc-resident-omp16": {"placement": {"mode": "colocated", "colocatedSleep": False},
-                                     "weightSync": {"backend": "ipc"}, "rollout": {"gpuMemoryUtilization": 0.3},
-                                     "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-fsdp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                             "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                             "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},

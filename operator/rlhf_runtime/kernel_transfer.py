@@ -134,6 +134,15 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
         uuid = str(torch.cuda.get_device_properties(index).uuid)
         self._kernel_target.load_weights(packed_views(update_info, uuid, index, importer))
 
+    def finish_weight_update(self) -> None:
+        kernel = self._kernel_active
+        super().finish_weight_update()
+        importer = getattr(self, "_packed_importer", None)
+        if kernel and importer is not None:
+            # release the trainer's buffer, as vLLM's own finish does: its post-send ipc_collect can then free
+            # it, instead of the buffer staying mapped (trainer GPU memory held) until the next sync's export
+            importer.close()
+
 
 def packed_views(update_info: Any, uuid: str, device_index: int, importer: Any) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of one packed IPC chunk as views of the trainer's buffer (vLLM's

@@ -102,6 +102,23 @@ def test_packed_views_refuse_a_chunk_without_this_gpu_or_sizes() -> None:
                                      Importer(buffer))
 
 
+def test_ipc_engine_releases_the_trainers_buffer_after_a_kernel_update() -> None:
+    class Recorder:
+        closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+    m = model()
+    # the registered class itself, without vLLM's worker setup (its __init__ wants a vLLM config)
+    e = object.__new__(kernel_transfer.RlhfIPCWeightTransferEngine)
+    e.model, e._packed_importer, e.kernel_format = m, Recorder(), True
+    e.start_weight_update()
+    assert isinstance(e.model, KernelTarget)
+    e.finish_weight_update()
+    assert e.model is m and e._packed_importer.closed == 1  # vLLM's finish closes it; the kernel path must too
+
+
 class Reloading:
     """vLLM's worker-engine lifecycle as the mixin sees it: ``start``/``finish`` run the layerwise reload around
     loads into ``self.model``; ``reset_weight_update_target`` restores the default model."""
