@@ -252,7 +252,12 @@ class WeightSync(Model):
         "nccl", description="nccl (separate placement) or ipc (colocated placement, CUDA IPC handles)."
     )
     packed: bool = Field(True, description="Send weights packed into reused buffers instead of tensor by tensor.")
-    bucket_size_mb: int = Field(1024, alias="bucketSizeMB", ge=1, le=65536, description="Packed buffer size in MiB.")
+    bucket_size_mb: int = Field(
+        1024, alias="bucketSizeMB", ge=1, le=65536,
+        description="Packed buffer size in MiB: weights go to the engines in chunks of this size, through such a "
+        "buffer on the trainer's GPU. With ipc (colocated) each chunk is one more call to the engines: at least "
+        "the model's size in its dtype sends it in one chunk, the fastest sync, for that much trainer GPU memory.",
+    )
     every_n_steps: int = Field(1, ge=1, le=100000, description="Sync weights to the engines every N trainer steps.")
     mode: Literal["sync", "async"] = Field(
         "sync",
