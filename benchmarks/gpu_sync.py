@@ -128,11 +128,13 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("kernel-format-views-one-rpc", {"packed": True, "format": "auto", "producer": "runtime",
                                          "ipc_wire": "views", "rpc": "one", "bucket_bytes": 4 << 30}),
         ("kernel-format-forced", {"format": "kernel"}),
+        # vLLM >= 0.28: vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
+        ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
     ],
 }
 
 #: Options every variant starts from (a variant names only what it changes).
-RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime"}
+RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -313,12 +315,13 @@ def timed_sync(rt: Any) -> dict[str, Any]:
 def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ["total_s", "pause_s", "start_s", "transfer_s", "trainer_send_s", "pack_s", "gather_s",
             "engine_load_s", "engine_start_s", "engine_receive_s", "engine_finish_s", "trainer_pack_s",
-            "trainer_post_s", "finish_s", "resume_s",
+            "trainer_post_s", "finish_s", "resume_s", "engine_call_s",
             "send_s", "sleep_s"]
     out = {f"median_{k}": median([s.get(k, 0.0) for s in syncs]) for k in keys}
     out["bytes"] = syncs[0]["bytes"] if syncs else 0
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
+    out["ipc"] = syncs[0].get("ipc") if syncs else None  # resident or vllm (vLLM >= 0.28 IPC)
     return out
 
 

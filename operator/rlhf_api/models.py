@@ -255,8 +255,10 @@ class WeightSync(Model):
     bucket_size_mb: int = Field(
         1024, alias="bucketSizeMB", ge=1, le=65536,
         description="Packed buffer size in MiB: weights go to the engines in chunks of this size, through such a "
-        "buffer on the trainer's GPU. With ipc (colocated) each chunk is one more call to the engines: at least "
-        "the model's size in its dtype sends it in one chunk, the fastest sync, for that much trainer GPU memory.",
+        "buffer on the trainer's GPU. Unused by ipc from one trainer GPU in the kernel format on vLLM 0.28+ (the "
+        "engines map the trainer's parameters: no buffer, no chunks). Elsewhere with ipc each chunk is one more "
+        "call to the engines: at least the model's size in its dtype sends it in one chunk, for that much "
+        "trainer GPU memory.",
     )
     every_n_steps: int = Field(1, ge=1, le=100000, description="Sync weights to the engines every N trainer steps.")
     mode: Literal["sync", "async"] = Field(
@@ -288,7 +290,9 @@ class WeightSync(Model):
         "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
         "kernel where it applies and was validated on GPUs (nccl, or ipc from one trainer GPU; "
         "tensorParallelSize 1; vLLM 0.24 and 0.33), else checkpoint; ipc from several trainer GPUs (each sending "
-        "its GPU's shard, e.g. tensorParallelSize 2 colocated) is opt-in (kernel).",
+        "its GPU's shard, e.g. tensorParallelSize 2 colocated) is opt-in (kernel). ipc from one trainer GPU in "
+        "the kernel format on vLLM 0.28+: each engine maps the trainer's parameters once and a sync is one "
+        "device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
     )
 
 

@@ -184,6 +184,20 @@ def format_rpc(format_flag: bool, checkpoint_format: bool, kernel_now: bool) -> 
     return (_worker_weight_format, (not checkpoint_format,))
 
 
+def _worker_update_round(worker: Any, update_info: dict[str, Any]) -> dict[str, float]:
+    """(collective_rpc, vLLM >= 0.28) The worker's ``start_weight_update`` -> ``update_weights`` ->
+    ``finish_weight_update`` in one call: one message to the workers per sync instead of three (vLLM's engine
+    methods are each a ``collective_rpc`` of these). A failing update ends the worker's session itself (vLLM).
+    Stage seconds."""
+    t0 = time.perf_counter()
+    worker.start_weight_update()
+    t1 = time.perf_counter()
+    worker.update_weights(update_info)
+    t2 = time.perf_counter()
+    worker.finish_weight_update()
+    return {"start_s": t1 - t0, "update_s": t2 - t1, "finish_s": time.perf_counter() - t2}
+
+
 async def update_round_async(engine: Any, update_info: dict[str, Any], checkpoint_format: bool) -> dict[str, float]:
     """start -> update -> finish in one actor call on an async engine (``AsyncEngine``, ``SteppedEngine``; see
     ``Engine.update_weights_round``); stage seconds."""
@@ -272,18 +286,21 @@ class Engine:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
-    def start_weight_update(self, checkpoint_format: bool = True) -> None:
+    def _prepare_update(self, checkpoint_format: bool) -> None:
+        """Before a start: close an update the last sync left open, send the format switch if it changed."""
         if self._update_open:  # the last sync never finished (its trainer died): close it, a full sync follows
             # (vLLM itself closes it when update_weights failed: then finish raises, which is fine)
             with contextlib.suppress(Exception):
                 self.llm.finish_weight_update()
             self._update_open = False
-        kwargs = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
         rpc = format_rpc(self._format_flag, checkpoint_format, self._kernel)
         if rpc is not None:
             self.llm.collective_rpc(rpc[0], args=rpc[1])
             self._kernel = not checkpoint_format
-        self.llm.start_weight_update(**kwargs)
+
+    def start_weight_update(self, checkpoint_format: bool = True) -> None:
+        self._prepare_update(checkpoint_format)
+        self.llm.start_weight_update(**vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format))
         self._update_open = True
 
     def param_layout(self) -> dict[str, Any]:
@@ -297,7 +314,14 @@ class Engine:
         self.llm.update_weights({"update_info": update_info})
 
     def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
-        """start -> update -> finish in one call (``weight_sync`` option ``rpc="one"``); stage seconds."""
+        """start -> update -> finish in one call (``weight_sync`` option ``rpc="one"``, the resident IPC sync);
+        stage seconds (vLLM >= 0.28: the workers' own, the slowest worker's; one ``collective_rpc``)."""
+        if not self._format_flag:
+            t = time.perf_counter()
+            self._prepare_update(checkpoint_format)
+            stages = self.llm.collective_rpc(_worker_update_round, args=(update_info,))
+            self._stale_cache = True
+            return {**{k: max(st[k] for st in stages) for k in stages[0]}, "call_s": time.perf_counter() - t}
         t0 = time.perf_counter()
         self.start_weight_update(checkpoint_format)
         t1 = time.perf_counter()

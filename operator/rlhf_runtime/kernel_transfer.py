@@ -17,17 +17,22 @@ switch (``set_format``, a worker RPC the runtime sends when ``weightSync.format`
   is what the kernels read (unquantized GPU linear layers); the plan refuses engines whose parameters are not
   (on CPU vLLM prepacks linear weights and empties the parameters: their shapes no longer match any HF tensor).
 
+The ``rlhf_ipc`` engine also takes the resident sync (``ResidentCopy``; trainer side
+``weight_sync.producers.ResidentExport``): an update info whose ``resident`` field names a generation of the
+trainer's exported parameters, mapped once and copied from in one multi-tensor copy per sync.
+
 The module imports torch and vLLM: import it only in processes that run engines (vLLM resolves the backends by
 module path, ``vllm_plugin.register``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
 
@@ -114,8 +119,88 @@ class RlhfNCCLWeightTransferEngine(KernelFormatMixin, NCCLWeightTransferEngine):
     """vLLM's ``nccl`` worker engine with the kernel-format switch."""
 
 
+class ResidentCopy:
+    """Engine side of the resident IPC sync (``weight_sync.producers.ResidentExport``): maps the trainer's
+    parameters once per ``generation`` and copies all of them into the engine's parameters in one
+    multi-tensor copy per sync.
+
+    ``load(resident, params, uuid, device_index)``: ``resident`` is ``{"generation", "entries": [[engine name,
+    [{GPU UUID: rebuild_cuda_tensor args} per part]]]}``; the parts of a fused parameter (q, k, v; gate, up;
+    a layer's experts) fill its rows in order. A new generation drops the old mapping first (releasing the
+    trainer's refcounts) and checks every destination before anything is written."""
+
+    def __init__(self, rebuild: Callable[..., torch.Tensor] | None = None) -> None:
+        if rebuild is None:
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor as rebuild
+        self.rebuild = rebuild
+        self.generation: str | None = None
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+
+    def close(self) -> None:
+        self.generation, self.dst, self.src = None, [], []
+
+    def _map(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int) -> None:
+        self.close()
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for name, handles in resident["entries"]:
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"resident IPC: {name!r} is not a parameter of the engine's model")
+            parts = []
+            for h in handles:
+                if uuid not in h:
+                    raise ValueError(f"resident IPC: no handle for this engine's GPU {uuid} (the trainer's is "
+                                     f"{list(h)}): ipc needs the trainer on the engine's GPU")
+                args = list(h[uuid])
+                args[6] = index  # rebuild_cuda_tensor's device: this process's index of that GPU
+                parts.append(self.rebuild(*args))
+            if len(parts) == 1 and tuple(parts[0].shape) == tuple(param.shape):
+                views = [param]
+            else:
+                rows = param.view(-1, *parts[0].shape[1:]) if parts[0].dim() > 0 else param.view(-1)
+                if sum(p.shape[0] for p in parts) != rows.shape[0]:
+                    raise ValueError(f"resident IPC: the parts of {name!r} ({[list(p.shape) for p in parts]}) do "
+                                     f"not fill the engine's parameter {list(param.shape)}")
+                views, r = [], 0
+                for p in parts:
+                    views.append(rows[r : r + p.shape[0]])
+                    r += p.shape[0]
+            for v, p in zip(views, parts):
+                if tuple(v.shape) != tuple(p.shape) or v.dtype != p.dtype:
+                    raise ValueError(f"resident IPC: a part of {name!r} is {list(p.shape)} {p.dtype}; the engine's "
+                                     f"parameter takes {list(v.shape)} {v.dtype} there")
+            dst += views
+            src += parts
+        self.dst, self.src, self.generation = dst, src, resident["generation"]
+
+    @torch.no_grad()
+    def load(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int) -> int:
+        """Copy the trainer's parameters into ``params``; returns the number of tensors copied. A message
+        without ``entries`` names a generation this engine must already hold."""
+        if resident.get("generation") != self.generation:
+            if "entries" not in resident:
+                self.close()
+                raise RuntimeError(f"resident IPC: this engine holds no mapping of generation "
+                                   f"{resident.get('generation')!r} (it holds {self.generation!r}); the trainer "
+                                   "sends the handles again after a failed sync or a new weight-sync group")
+            self._map(resident, params, uuid, index)
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src, non_blocking=True)
+        return len(self.dst)
+
+
+@dataclass
+class RlhfIPCWeightTransferUpdateInfo(IPCWeightTransferUpdateInfo):
+    """vLLM's IPC update info plus ``resident`` (``ResidentCopy.load``'s message; the other fields are then
+    empty)."""
+
+    resident: dict[str, Any] | None = None
+
+
 class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
-    """vLLM's ``ipc`` worker engine with the kernel-format switch.
+    """vLLM's ``ipc`` worker engine with the kernel-format switch and the resident sync (``ResidentCopy``).
 
     A packed kernel-format chunk is copied straight from the trainer's buffer into the parameters
     (``packed_views``). vLLM's ``packed_ipc_consumer`` clones every tensor first (a second device copy of the
@@ -124,7 +209,21 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
     nothing: its copies are queued before ``receive_weights`` returns and vLLM's ``update_weights`` waits for
     the device before answering, so the trainer refills its buffer only after they are done."""
 
+    update_info_cls = RlhfIPCWeightTransferUpdateInfo
+    _resident: ResidentCopy | None = None
+
     def receive_weights(self, update_info: Any) -> None:
+        resident = getattr(update_info, "resident", None)
+        if resident is not None:
+            if not self._kernel_active:
+                raise RuntimeError("a resident IPC update needs the kernel format (the engine's own parameters)")
+            assert self._kernel_target is not None
+            if self._resident is None:
+                self._resident = ResidentCopy()
+            index = self.device.index
+            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            self._kernel_target.loaded += self._resident.load(resident, self._kernel_target.params, uuid, index)
+            return
         importer = getattr(self, "_packed_importer", None)  # vLLM's one mapping per trainer buffer
         if not (self._kernel_active and self.packed) or importer is None:
             super().receive_weights(update_info)
@@ -142,6 +241,11 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
             # release the trainer's buffer, as vLLM's own finish does: its post-send ipc_collect can then free
             # it, instead of the buffer staying mapped (trainer GPU memory held) until the next sync's export
             importer.close()
+
+    def shutdown(self) -> None:
+        if self._resident is not None:  # the trainer's parameters stay mapped between syncs until here
+            self._resident.close()
+        super().shutdown()
 
 
 def packed_views(update_info: Any, uuid: str, device_index: int, importer: Any) -> list[tuple[str, torch.Tensor]]:

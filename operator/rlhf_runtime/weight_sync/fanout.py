@@ -81,6 +81,8 @@ class EngineFanOut:
         """Book ``update_weights_round`` results (the engines' own stage seconds) as the three calls' times:
         start and finish of the slowest engine, the rest of ``wall`` as ``update_weights``."""
         start, finish = max(st["start_s"] for st in stages), max(st["finish_s"] for st in stages)
+        if all("call_s" in st for st in stages):  # the engine actor's own time in the call (the rest: Ray)
+            self.timings["update_weights_round_call"] = max(st["call_s"] for st in stages)
         for method, seconds in (("start_weight_update", start), ("update_weights", wall - start - finish),
                                 ("finish_weight_update", finish)):
             self.timings[method] = self.timings.get(method, 0.0) + seconds

@@ -264,3 +264,89 @@ class IPCBufferProducer:
         if self.device == "cuda":
             torch.cuda.ipc_collect()
         return results
+
+
+
+class ResidentExport:
+    """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): the engines
+    copy straight out of the trainer's parameters, mapped once.
+
+    vLLM's IPC trainer engine packs every tensor into a staging buffer each sync (a device copy of the model,
+    one copy launch per tensor, a fresh export of the buffer) and the engines map that buffer again each sync;
+    with its three RPCs that bounds a 1.7B sync at ~23 ms for a 1.9 ms device copy (``benchmarks/README.md``).
+    Here every tensor of the plan that is a view of a trainer parameter (same dtype: no cast; the engine's
+    fused parameters take their parts side by side) is exported once (``cuda_ipc_export``, torch's refcounted
+    CUDA IPC); a sync sends the same handles under the same ``generation`` and each engine worker, holding the
+    mapping from the first sync of that generation, copies the whole model in one multi-tensor copy
+    (``kernel_transfer.ResidentCopy``). The trainer must not write its parameters during the copy: the send
+    is synchronous (vLLM's ``update_weights`` waits for the device before it answers).
+
+    ``message`` returns None and sets ``reason`` when a tensor of the plan is not a view of a parameter (a dtype
+    cast, a gathered FSDP shard, a copied TP piece): the sender then keeps vLLM's packed path. It exports again
+    (a new generation) when a parameter's storage moved since the last export (e.g. a checkpoint loaded by
+    assignment)."""
+
+    def __init__(self, plan: Any, source: ParamSource, export: Any = None, device_type: str = "cuda") -> None:
+        self.plan, self.source = plan, source
+        self.export = export or cuda_ipc_export
+        self.device_type = device_type  # where the parameters must be (CUDA IPC); tests run the logic on CPU
+        self.bytes = 0
+        self.generation = ""
+        self.exports = 0
+        self.reason = ""
+        self._signature: tuple[int, ...] | None = None
+        self._message: dict[str, Any] | None = None
+        self._params: list[torch.Tensor] | None = None
+        self._delivered = False
+
+    def views(self) -> list[tuple[str, list[torch.Tensor]]] | None:
+        """The plan's tensors as (engine name, parts) when every part is a view of a trainer parameter on its
+        GPU, else None (``reason`` says why). Iterates the plan once (no gather: one trainer worker)."""
+        if not getattr(self.plan, "ok", False):
+            self.reason = "no kernel plan"
+            return None
+        storages = {p.untyped_storage().data_ptr() for p in self.source.model.parameters()}
+        entries: list[tuple[str, list[torch.Tensor]]] = []
+        for name, t in self.plan.iterate(self.source, fuse=False):
+            parts = list(t) if isinstance(t, list) else [t]
+            for p in parts:
+                if p.device.type != self.device_type or p.untyped_storage().data_ptr() not in storages:
+                    self.reason = (f"{name}: the tensor sent is not a view of a trainer parameter on its GPU (a "
+                                   "cast to the spec dtype, a gathered shard or a copied piece)")
+                    return None
+            entries.append((name, parts))
+        self.reason = f"{len(entries)} engine parameters mapped from the trainer's parameters"
+        return entries
+
+    def signature(self) -> tuple[int, ...]:
+        """Where the parameters' data are now (the parameter objects are listed once: walking the module tree
+        every sync cost ~1 ms for a 1.7B; a parameter given new data, ``p.data = ...`` or ``model.to``, moves)."""
+        if self._params is None:
+            self._params = list(self.source.model.parameters())
+        return tuple(p.data_ptr() for p in self._params)
+
+    def message(self) -> dict[str, Any] | None:
+        """What a sync sends (``resident`` of the engines' update info): the generation and, the first time
+        after an export (``delivered`` not called since), per engine parameter the handles of its parts (later
+        syncs send the generation alone: the engines hold the mapping); None where the plan's tensors are not
+        views of the parameters."""
+        sig = self.signature()
+        if sig != self._signature:
+            import uuid
+
+            self._signature, self._message, self._delivered = sig, None, False
+            entries = self.views()
+            if entries is not None:
+                self.generation = uuid.uuid4().hex
+                self.bytes = sum(p.numel() * p.element_size() for _, parts in entries for p in parts)
+                self._message = {"generation": self.generation,
+                                 "entries": [[name, [self.export(p) for p in parts]] for name, parts in entries]}
+                self.exports += 1
+        if self._message is not None and self._delivered:
+            return {"generation": self.generation}
+        return self._message
+
+    def delivered(self, ok: bool = True) -> None:
+        """After a sync: ``ok``, every engine has mapped the current generation, so later messages omit the
+        handles; not ``ok`` (the sync failed), the next message carries them again."""
+        self._delivered = ok and self._message is not None

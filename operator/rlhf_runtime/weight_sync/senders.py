@@ -21,7 +21,7 @@ import torch
 from rlhf_runtime import vllm_compat
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import DEFAULT_OPTIONS, KernelPlan, effective_format
-from rlhf_runtime.weight_sync.producers import IPCBufferProducer, PackedProducer, ParamSource
+from rlhf_runtime.weight_sync.producers import IPCBufferProducer, PackedProducer, ParamSource, ResidentExport
 
 
 class Sender:
@@ -113,7 +113,13 @@ class TrainerEngineSender(Sender):
     (``kernel_transfer``; ``EngineFanOut.checkpoint_format``); the checkpoint
     format streams HF names into vLLM's layerwise reload. The gloo backend (CPU: vLLM prepacks linear weights
     there) loads the checkpoint format only. ``auto`` takes the kernel format where its plan applies and the path
-    was validated on GPUs (``auto_keeps_checkpoint``), else the checkpoint format."""
+    was validated on GPUs (``auto_keeps_checkpoint``), else the checkpoint format.
+
+    IPC in the kernel format from one trainer worker whose planned tensors are all views of its parameters
+    (``ResidentExport``): the engines map the parameters once and a sync is one call per engine
+    (``EngineFanOut.update_round``: start, a multi-tensor copy, finish inside the engine), instead of vLLM's
+    trainer engine (a staging copy per sync, three calls per engine and one more per chunk). ``configure(
+    ipc_resident=False)`` keeps vLLM's path (the benchmark compares both in one run)."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
@@ -122,6 +128,8 @@ class TrainerEngineSender(Sender):
         self.trainer_world = int(init.get("trainer_world", 1))
         self.plan: KernelPlan | None = None
         self.auto_reason: str | None = None
+        self.resident: ResidentExport | None = None
+        self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
 
@@ -161,6 +169,10 @@ class TrainerEngineSender(Sender):
                     self.plan = kernel_plan(self.source, self.client, self.backend)
             self.format = effective_format(fmt, self.plan)
         self.client.checkpoint_format = self.format == "checkpoint"
+        plan = self.plan
+        one_gpu = self.trainer_world == 1 and plan is not None and plan.tp == 1
+        if self.backend == "ipc" and self.format == "kernel" and one_gpu and self.resident is None:
+            self.resident = ResidentExport(plan, self.source)
 
     def _weight_source(self) -> Any:
         if self.format != "kernel":
@@ -177,18 +189,42 @@ class TrainerEngineSender(Sender):
         if "format" in options:
             self._resolve(options.pop("format"))
             self.engine.source = self._weight_source()
+        if "ipc_resident" in options:
+            self.ipc_resident = bool(options.pop("ipc_resident"))
         out: dict[str, Any] = {"format": self.format,
-                               "kernel_plan": self.auto_reason or (None if self.plan is None else self.plan.reason)}
+                               "kernel_plan": self.auto_reason or (None if self.plan is None else self.plan.reason),
+                               "ipc_resident": self._resident_on(),
+                               "ipc_resident_reason": None if self.resident is None else self.resident.reason}
         if options:
             out["unsupported"] = sorted(options)
         return out
 
+    def _resident_on(self) -> bool:
+        return self.ipc_resident and self.resident is not None and self.format == "kernel"
+
     def send(self) -> dict[str, float]:
         self.client.timings = {}
         t = time.perf_counter()
-        self.engine.send_weights()
-        r = self._result(time.perf_counter() - t)
+        message = self.resident.message() if self._resident_on() else None  # type: ignore[union-attr]
+        if message is not None:
+            assert self.resident is not None
+            torch.cuda.current_stream().synchronize()  # the engines read the parameters as the trainer left them
+            try:
+                self.client.update_round({"names": [], "dtype_names": [], "shapes": [], "ipc_handles": {},
+                                          "resident": message}, checkpoint_format=False)
+            except BaseException:
+                self.resident.delivered(False)  # an engine may have dropped its mapping: send the handles again
+                raise
+            self.resident.delivered()
+            r = self._result(time.perf_counter() - t)
+            r.update(gather_s=0.0, bytes=float(self.resident.bytes), ipc_exports=float(self.resident.exports),
+                     engine_call_s=self.client.timings.get("update_weights_round_call", 0.0))
+        else:
+            self.engine.send_weights()
+            r = self._result(time.perf_counter() - t)
         r["format"] = self.format  # type: ignore[assignment]
+        if self.backend == "ipc":  # which IPC path ran (ResidentExport.reason says why not resident)
+            r["ipc"] = "resident" if message is not None else "vllm"  # type: ignore[assignment]
         return r
 
 
