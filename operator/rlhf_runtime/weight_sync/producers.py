@@ -266,7 +266,6 @@ class IPCBufferProducer:
         return results
 
 
-
 class ResidentExport:
     """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): the engines
     copy straight out of the trainer's parameters, mapped once.
@@ -276,8 +275,8 @@ class ResidentExport:
     with its three RPCs that bounds a 1.7B sync at ~23 ms for a 1.9 ms device copy (``benchmarks/README.md``).
     Here every tensor of the plan that is a view of a trainer parameter (same dtype: no cast; the engine's
     fused parameters take their parts side by side) is exported once (``cuda_ipc_export``, torch's refcounted
-    CUDA IPC); a sync sends the same handles under the same ``generation`` and each engine worker, holding the
-    mapping from the first sync of that generation, copies the whole model in one multi-tensor copy
+    CUDA IPC); the first sync of a ``generation`` sends the handles, later ones only the generation, and each
+    engine worker, holding the mapping from that first sync, copies the whole model in one multi-tensor copy
     (``kernel_transfer.ResidentCopy``). The trainer must not write its parameters during the copy: the send
     is synchronous (vLLM's ``update_weights`` waits for the device before it answers).
 
