@@ -148,14 +148,7 @@ class ResidentCopy:
             param = params.get(name)
             if param is None:
                 raise KeyError(f"resident IPC: {name!r} is not a parameter of the engine's model")
-            parts = []
-            for h in handles:
-                if uuid not in h:
-                    raise ValueError(f"resident IPC: no handle for this engine's GPU {uuid} (the trainer's is "
-                                     f"{list(h)}): ipc needs the trainer on the engine's GPU")
-                args = list(h[uuid])
-                args[6] = index  # rebuild_cuda_tensor's device: this process's index of that GPU
-                parts.append(self.rebuild(*args))
+            parts = [self.rebuild(*local_args(h, uuid, index, "resident IPC")) for h in handles]
             if len(parts) == 1 and tuple(parts[0].shape) == tuple(param.shape):
                 views = [param]
             else:
@@ -248,6 +241,17 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
         super().shutdown()
 
 
+def local_args(handles: dict[str, Any], uuid: str, device_index: int, what: str) -> list[Any]:
+    """The ``rebuild_cuda_tensor`` args of the handle for this engine's GPU (``uuid``, vLLM's handle format
+    ``{GPU UUID: args}``), with the device set to this process's index of that GPU (``device_index``)."""
+    if uuid not in handles:
+        raise ValueError(f"{what}: no handle for this engine's GPU UUID {uuid}; the trainer sent handles for "
+                         f"{list(handles)} (ipc needs the trainer colocated with the engine)")
+    args = list(handles[uuid])
+    args[6] = device_index  # rebuild_cuda_tensor's device argument
+    return args
+
+
 def packed_views(update_info: Any, uuid: str, device_index: int, importer: Any) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of one packed IPC chunk as views of the trainer's buffer (vLLM's
     ``packed_ipc_consumer`` without its clones): the handle of this GPU (``uuid``, its index ``device_index``
@@ -257,11 +261,7 @@ def packed_views(update_info: Any, uuid: str, device_index: int, importer: Any) 
 
     if update_info.tensor_sizes is None:
         raise ValueError("`tensor_sizes` is required when packed=True")
-    if uuid not in update_info.ipc_handles:
-        raise ValueError(f"IPC handle not found for GPU UUID {uuid}; the trainer sent handles for "
-                         f"{list(update_info.ipc_handles)} (IPC needs the trainer colocated with the engine)")
-    args = list(update_info.ipc_handles[uuid])
-    args[6] = device_index  # rebuild_cuda_tensor's device: the receiver's index of that GPU
+    args = local_args(update_info.ipc_handles, uuid, device_index, "packed IPC")
     packed = importer.rebuild(args)[: sum(update_info.tensor_sizes)]
     dtypes = [getattr(torch, d) for d in update_info.dtype_names]
     return unpack_tensor(packed, update_info.names, update_info.shapes, dtypes, update_info.tensor_sizes)

@@ -304,7 +304,7 @@ class ResidentExport:
         if not getattr(self.plan, "ok", False):
             self.reason = "no kernel plan"
             return None
-        storages = {p.untyped_storage().data_ptr() for p in self.source.model.parameters()}
+        storages = {p.untyped_storage().data_ptr() for p in self._parameters()}
         entries: list[tuple[str, list[torch.Tensor]]] = []
         for name, t in self.plan.iterate(self.source, fuse=False):
             parts = list(t) if isinstance(t, list) else [t]
@@ -320,9 +320,12 @@ class ResidentExport:
     def signature(self) -> tuple[int, ...]:
         """Where the parameters' data are now (the parameter objects are listed once: walking the module tree
         every sync cost ~1 ms for a 1.7B; a parameter given new data, ``p.data = ...`` or ``model.to``, moves)."""
+        return tuple(p.data_ptr() for p in self._parameters())
+
+    def _parameters(self) -> list[torch.Tensor]:
         if self._params is None:
             self._params = list(self.source.model.parameters())
-        return tuple(p.data_ptr() for p in self._params)
+        return self._params
 
     def message(self) -> dict[str, Any] | None:
         """What a sync sends (``resident`` of the engines' update info): the generation and, the first time
