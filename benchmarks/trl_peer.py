@@ -96,23 +96,31 @@ def run_ours(work: dict[str, Any], dirpath: Path, timeout: float | None = None) 
     return out
 
 
-def run_trl(work: dict[str, Any], dirpath: Path, python: str, timeout: float | None = None) -> dict[str, Any]:
+PEERS = {"trl": "trl_grpo_run.py", "verl": "verl_grpo_run.py"}
+
+
+def run_peer(peer: str, work: dict[str, Any], dirpath: Path, python: str, timeout: float | None = None) -> dict[str, Any]:
+    """One peer's run (``PEERS[peer]`` under ``python``) on ``work``: its per-step wall times, or its error."""
     dirpath.mkdir(parents=True, exist_ok=True)
     (dirpath / "work.json").write_text(json.dumps(work))
-    res, log = dirpath / "trl.json", dirpath / "trl.log"
+    res, log = dirpath / f"{peer}.json", dirpath / f"{peer}.log"
     t = time.perf_counter()
     with log.open("w") as out:
         try:
-            rc = subprocess.run([python, str(ROOT / "trl_grpo_run.py"), str(dirpath / "work.json"), str(res)],
+            rc = subprocess.run([python, str(ROOT / PEERS[peer]), str(dirpath / "work.json"), str(res)],
                                 stdout=out, stderr=subprocess.STDOUT, check=False, timeout=timeout,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                                      "TRANSFORMERS_OFFLINE": "1"}).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     wall = time.perf_counter() - t
+    if rc == 124 and peer == "verl":  # its Ray cluster must not hold the GPU for the next run
+        subprocess.run([python, "-m", "ray.scripts.scripts", "stop", "--force"], check=False, capture_output=True)
     r = json.loads(res.read_text()) if res.exists() else {"ok": False, "error": f"no result (exit {rc})"}
     out = {"ok": bool(r.get("ok")) and rc == 0, "step_seconds": [s["seconds"] for s in r.get("steps", [])],
            "wall_seconds": wall, "versions": r.get("versions")}
+    if peer == "verl" and r.get("steps"):
+        out["timing"] = [s.get("timing") for s in r["steps"]]
     if not out["ok"]:
         out["error"] = r.get("error") or f"exit {rc}"
         out["traceback"] = r.get("traceback") or log.read_text(errors="replace")[-3000:]
@@ -129,7 +137,11 @@ def summary(run: dict[str, Any], warmup: int, samples: int) -> dict[str, Any] | 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trl-python", required=True, help="a Python with TRL (see the module docstring)")
+    p.add_argument("--trl-python", help="a Python with TRL (see the module docstring)")
+    p.add_argument("--verl-python", help="a Python with veRL (benchmarks/verl_grpo_run.py; GPU only)")
+    p.add_argument("--verl-free-cache-engine", choices=("true", "false"), default="false",
+                   help="veRL's rollout.free_cache_engine (its sleep/wake between rollouts; default false: the "
+                   "engine stays resident, as ours and TRL's here)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
@@ -146,6 +158,9 @@ def main() -> int:
     p.add_argument("--kind", default="cpu", help="the device kind, recorded in the results")
     p.add_argument("--timeout", type=float, help="seconds one system's run may take (then it failed)")
     a = p.parse_args()
+    pythons = {peer: py for peer, py in (("trl", a.trl_python), ("verl", a.verl_python)) if py}
+    if not pythons:
+        p.error("name at least one peer: --trl-python and/or --verl-python")
     python = ".venv/bin/python" if a.gpu is None else "python3"
     command = " ".join(shlex.quote(x) for x in [python, "benchmarks/trl_peer.py", *sys.argv[1:]])
 
@@ -159,6 +174,7 @@ def main() -> int:
         model = work_dir / "model"
         model_info = gpu_sync.build_model(model, a.gpu, True)
     work = work_of(a, model)
+    work["verl_free_cache_engine"] = a.verl_free_cache_engine == "true"
     samples = a.prompts_per_step * a.samples_per_prompt
     result: dict[str, Any] = {
         "command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": a.kind,
@@ -168,31 +184,37 @@ def main() -> int:
                                                                       "samples_per_step": samples},
         "rounds": [],
     }
+    failed: set[str] = set()
     for i in range(a.rounds):
         rnd: dict[str, Any] = {}
-        for who in ("ours", "trl"):
+        for who in ["ours", *[peer for peer in pythons if peer not in failed]]:
             print(f"[trl_peer] round {i}: {who}", flush=True)
             run = (run_ours(work, work_dir / f"ours-{i}", a.timeout) if who == "ours"
-                   else run_trl(work, work_dir / f"trl-{i}", a.trl_python, a.timeout))
+                   else run_peer(who, work, work_dir / f"{who}-{i}", pythons[who], a.timeout))
             rnd[who] = {**run, "summary": summary(run, a.warmup, samples)}
             print(f"[trl_peer] round {i}: {who} {rnd[who]['summary'] or rnd[who].get('error', '')[:500]}", flush=True)
-        if rnd["ours"]["summary"] and rnd["trl"]["summary"]:
-            rnd["samples_per_s_ratio_ours_to_trl"] = (rnd["ours"]["summary"]["samples_per_s"]
-                                                      / rnd["trl"]["summary"]["samples_per_s"])
+            if who != "ours" and not run["ok"]:
+                failed.add(who)  # it cannot run here: its error is the result; more rounds would only repeat it
+        for peer in pythons:
+            if rnd["ours"]["summary"] and rnd.get(peer, {}).get("summary"):
+                rnd[f"samples_per_s_ratio_ours_to_{peer}"] = (rnd["ours"]["summary"]["samples_per_s"]
+                                                              / rnd[peer]["summary"]["samples_per_s"])
         result["rounds"].append(rnd)
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-        if not rnd["trl"]["ok"]:
-            break  # TRL cannot run here: its error is the result; more rounds would only repeat it
+        if len(failed) == len(pythons):
+            break
 
     def pooled(who: str) -> dict[str, Any] | None:
-        steps = [s for r in result["rounds"] if r[who]["ok"] for s in r[who]["step_seconds"][a.warmup:]]
+        steps = [s for r in result["rounds"] if who in r and r[who]["ok"]
+                 for s in r[who]["step_seconds"][a.warmup:]]
         return {"median_step_s": statistics.median(steps), "samples_per_s": samples / statistics.median(steps),
                 "measured_steps": len(steps)} if steps else None
 
-    result["overall"] = {"ours": pooled("ours"), "trl": pooled("trl")}
-    if result["overall"]["ours"] and result["overall"]["trl"]:
-        result["overall"]["samples_per_s_ratio_ours_to_trl"] = (result["overall"]["ours"]["samples_per_s"]
-                                                                / result["overall"]["trl"]["samples_per_s"])
+    result["overall"] = {who: pooled(who) for who in ["ours", *pythons]}
+    for peer in pythons:
+        if result["overall"]["ours"] and result["overall"][peer]:
+            result["overall"][f"samples_per_s_ratio_ours_to_{peer}"] = (result["overall"]["ours"]["samples_per_s"]
+                                                                        / result["overall"][peer]["samples_per_s"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["overall"], indent=2))
