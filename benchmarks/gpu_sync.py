@@ -83,6 +83,22 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated-ipc-fsdp2-tp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                                 "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                                 "rollout": {"engines": 1, "tensorParallelSize": 2, "gpuMemoryUtilization": 0.3}},
+    # the same three with the kernel format as the job's own (``weightSync.format: kernel``), so the first sync's
+    # validation checks it (no variant, no revalidation engine: one engine start less per layout). The TP=2
+    # engine without FlashInfer's allreduce (VLLM_ALLREDUCE_USE_FLASHINFER=0): on 0.33 each fresh TP>1 engine
+    # otherwise JIT-builds that module (~60 s); the sync does not use it
+    "colocated-ipc-fsdp2-kernel": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc", "format": "kernel"},
+                                   "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                   "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
+    "colocated-ipc-fsdp2-tp2-kernel": {"placement": {"mode": "colocated"},
+                                       "weightSync": {"backend": "ipc", "format": "kernel"},
+                                       "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                       "rollout": {"engines": 1, "tensorParallelSize": 2, "gpuMemoryUtilization": 0.3},
+                                       "_env": {"VLLM_ALLREDUCE_USE_FLASHINFER": "0"}},
+    "colocated-ipc-fsdp2-ep2-kernel": {"placement": {"mode": "colocated"},
+                                       "weightSync": {"backend": "ipc", "format": "kernel"},
+                                       "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                       "rollout": {"engines": 2, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
     "separate-nccl-tp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                           "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
     "separate-nccl-dp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},

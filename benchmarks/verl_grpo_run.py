@@ -84,6 +84,26 @@ def config_yaml(work: dict, d: Path) -> str:
     return json.dumps(cfg, indent=1)  # JSON is YAML
 
 
+def without_trl(pythonpath: str, d: Path) -> str:
+    """``pythonpath`` with every entry that holds TRL replaced by a view of it without TRL. veRL 0.9.1 patches
+    TRL's ``AutoModelForCausalLMWithValueHead`` whenever TRL is importable (``monkey_patch.py``), and TRL 1.16,
+    staged beside it for the other peer, no longer has that class (``ImportError: cannot import name
+    'AutoModelForCausalLMWithValueHead' from 'trl'``): veRL runs as in an environment of its own."""
+    out = []
+    for i, entry in enumerate(x for x in pythonpath.split(os.pathsep) if x):
+        src = Path(entry)
+        if not (src / "trl").is_dir():
+            out.append(entry)
+            continue
+        view = d / f"site-without-trl-{i}"
+        view.mkdir(exist_ok=True)
+        for item in src.iterdir():
+            if item.name != "trl" and not item.name.startswith("trl-") and not (view / item.name).exists():
+                (view / item.name).symlink_to(item)
+        out.append(str(view))
+    return os.pathsep.join(out)
+
+
 def main() -> int:
     work = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -106,6 +126,7 @@ def main() -> int:
         env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), "PYTHONUNBUFFERED": "1"}
         # veRL runs vLLM as its own servers (AsyncLLM in Ray actors): leave vLLM's process layout to it
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env["PYTHONPATH"] = without_trl(env.get("PYTHONPATH", ""), d)
         t = time.perf_counter()
         with (d / "verl.log").open("w") as log:
             rc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", f"--config-path={d}",
