@@ -98,8 +98,8 @@ def _expert_layout(prefix: str, module: Any) -> dict[str, dict[str, Any]]:
 
 
 def _worker_param_layout(worker: Any) -> dict[str, Any]:
-    """(collective_rpc) The worker's own parameters, fused-module mapping, the dimension each tensor-parallel
-    parameter is split along (vLLM's ``output_dim``/``input_dim`` attributes), its MoE experts
+    """(collective_rpc) The worker's own parameters, fused-module mapping, the dimensions each tensor-parallel
+    parameter may be split along (vLLM's ``output_dim``/``input_dim`` attributes), its MoE experts
     (``_expert_layout``), and where the worker is: its TP rank and its GPU's UUID (``weight_sync.KernelPlan``; a
     colocated trainer rank finds its worker by GPU)."""
     import torch
@@ -107,12 +107,11 @@ def _worker_param_layout(worker: Any) -> dict[str, Any]:
     model = worker.model_runner.model
     mapping = getattr(model, "packed_modules_mapping", None) or {}
     params = list(model.named_parameters())
-    dims = {}
-    for n, p in params:
-        for attr in ("output_dim", "input_dim"):
-            if isinstance(getattr(p, attr, None), int):
-                dims[n] = getattr(p, attr)
-                break
+    # Both attributes where vLLM sets both (every linear weight: output_dim 0, input_dim 1, whether the layer
+    # splits its output, column-parallel, or its input, row-parallel): the plan takes the one the shapes fit
+    dims = {n: [getattr(p, a) for a in ("output_dim", "input_dim") if isinstance(getattr(p, a, None), int)]
+            for n, p in params}
+    dims = {n: d for n, d in dims.items() if d}
     experts: dict[str, dict[str, Any]] = {}
     for prefix, module in model.named_modules():
         own = getattr(module, "_parameters", {})

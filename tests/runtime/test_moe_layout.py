@@ -27,7 +27,8 @@ from vllm import LLM
 from rlhf_runtime.engines import _worker_param_layout
 llm = LLM(path, dtype="float32", max_model_len=128, gpu_memory_utilization=0.05, enforce_eager=True)
 layout = llm.collective_rpc(_worker_param_layout)[0]
-print("LAYOUT " + json.dumps({"experts": layout["experts"], "params": layout["params"]}))
+print("LAYOUT " + json.dumps({"experts": layout["experts"], "params": layout["params"],
+                              "shard_dims": layout["shard_dims"]}))
 """
 
 
@@ -46,3 +47,8 @@ def test_cpu_engine_reports_its_stacked_experts_and_why_the_kernel_format_skips_
         assert layout["experts"][name] == {"refuse": "the MoE backend CPU keeps its own layout"}
     w13 = next(n for n in stacked if n.endswith("w13_weight"))
     assert shapes[w13] == [4, 2 * 32, 64]  # (experts, gate + up rows, hidden): what KernelPlan stacks
+    # vLLM's parameters carry both output_dim and input_dim (its embeddings here; on a GPU every linear weight,
+    # row-parallel ones too; the CPU build prepacks linear weights and drops theirs): the layout reports both and
+    # KernelPlan takes the one the shapes fit (reporting only output_dim split o_proj/down_proj along the wrong
+    # dimension on a TP=2 engine, 2xH200 2026-11-24)
+    assert layout["shard_dims"]["model.embed_tokens.weight"] == [0, 1]

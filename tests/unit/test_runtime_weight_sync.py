@@ -187,7 +187,8 @@ def _engine(hf: dict[str, torch.Tensor], tp: int) -> dict[str, Any]:
               (m + "gate_up_proj.weight", [rows(m + "gate_proj.weight", m + "up_proj.weight"), hidden]),
               (m + "down_proj.weight", [hidden, hf[m + "down_proj.weight"].shape[1] // tp]),
               ("model.norm.weight", [hidden]), ("lm_head.weight", [hf["lm_head.weight"].shape[0] // tp, hidden])]
-    dims = {n: (1 if ("o_proj" in n or "down_proj" in n) else 0) for n, _ in params if "norm" not in n}
+    # as vLLM reports them: every linear weight has output_dim 0 and input_dim 1, row-parallel ones too
+    dims = {n: [0, 1] for n, _ in params if "norm" not in n}
     return {"params": params, "packed_modules_mapping": MAPPING, "world_size": tp, "shard_dims": dims}
 
 

@@ -106,17 +106,34 @@ class KernelPlan:
             return None, f"{what}: the HF experts {prefix}.<e>.{'/'.join(ex['parts'])} do not stack to it"
         return srcs, ""
 
+    @staticmethod
+    def _split_fits(shape: list[int], parts: list[list[int]], dim: int, tp: int) -> bool:
+        """Whether the engine's ``shape`` is piece ``rank`` of each HF part split ``tp`` ways along ``dim``, the
+        pieces concatenated along dim 0 (fused parts are only ever split along dim 0, their fused dimension)."""
+        if dim >= len(shape) or (len(parts) > 1 and dim != 0):
+            return False
+        pieces = []
+        for part in parts:
+            if dim >= len(part) or part[dim] % tp:
+                return False
+            piece = list(part)
+            piece[dim] //= tp
+            pieces.append(piece)
+        local = [sum(pc[0] for pc in pieces), *pieces[0][1:]] if dim == 0 else pieces[0]
+        return local == shape and all(pc[1:] == pieces[0][1:] for pc in pieces)
+
     @classmethod
     def build(cls, source: ParamSource, engine: dict[str, Any], tp_rank: int | None = None) -> KernelPlan:
         """``engine``: the layout an engine worker reports (``params`` [(name, shape)], ``packed_modules_mapping``,
-        ``world_size`` = TP, ``shard_dims`` {name: dim}). ``tp_rank``: required when TP > 1."""
+        ``world_size`` = TP, ``shard_dims`` {name: [dims it may be split along]}, an int from older
+        runtimes). ``tp_rank``: required when TP > 1."""
         hf = {n: list(s) for n, s in source.wire_shapes()}  # names and shapes as the stream yields them
         mapping: dict[str, list[str]] = engine.get("packed_modules_mapping") or {}
         tp = int(engine.get("world_size", 1))
         if tp != 1 and tp_rank is None:
             return cls([], False, "kernel format with tensor_parallel_size > 1 needs each trainer rank to send "
                                   "its own engine worker's shard (ipc, colocated)")
-        dims: dict[str, int] = engine.get("shard_dims") or {}
+        dims: dict[str, int | list[int]] = engine.get("shard_dims") or {}
         experts: dict[str, dict[str, Any]] = engine.get("experts") or {}
         entries: list[tuple[str, list[int], list[str]]] = []
         shard: dict[str, int] = {}
@@ -133,25 +150,17 @@ class KernelPlan:
             if srcs is not None and all(hf[s][1:] == hf[srcs[0]][1:] for s in srcs) and whole == shape:
                 entries.append((name, shape, srcs))  # TP = 1, or replicated on every rank
                 continue
-            dim = dims.get(name)
-            if srcs is not None and tp > 1 and dim is not None and len(shape) > dim:
-                pieces = []
-                for s in srcs:
-                    piece = list(hf[s])
-                    if dim >= len(piece) or piece[dim] % tp:
-                        pieces = []
-                        break
-                    piece[dim] //= tp
-                    pieces.append(piece)
-                if pieces and (len(pieces) == 1 or dim == 0):
-                    local = [sum(pc[0] for pc in pieces), *pieces[0][1:]] if dim == 0 else pieces[0]
-                    if local == shape and all(pc[1:] == pieces[0][1:] for pc in pieces):
-                        entries.append((name, shape, srcs))
-                        shard[name] = dim
-                        continue
+            reported = dims.get(name)
+            cands = [reported] if isinstance(reported, int) else list(reported or [])
+            dim = next((d for d in cands if srcs is not None and tp > 1
+                        and cls._split_fits(shape, [hf[s] for s in srcs], d, tp)), None)
+            if dim is not None:
+                entries.append((name, shape, srcs))
+                shard[name] = dim
+                continue
             what = f"engine parameter {name} {shape}"
             if tp > 1:
-                what += f" (rank {tp_rank} of {tp}, split along {dim})"
+                what += f" (rank {tp_rank} of {tp}, split along {' or '.join(map(str, cands)) or 'no dimension'})"
             return cls([], False, f"no HF source for {what}")
         # Emit each engine parameter as soon as the HF stream has produced all its parts, so that the
         # send stays lazy (one HF tensor gathered at a time) and every rank iterates the same order.
