@@ -195,6 +195,7 @@ def main() -> int:
             print(f"[trl_peer] round {i}: {who} {rnd[who]['summary'] or rnd[who].get('error', '')[:500]}", flush=True)
             if who != "ours" and not run["ok"]:
                 failed.add(who)  # it cannot run here: its error is the result; more rounds would only repeat it
+            Path(a.out).write_text(json.dumps({**result, "rounds": [*result["rounds"], rnd]}, indent=2) + "\n")
         for peer in pythons:
             if rnd["ours"]["summary"] and rnd.get(peer, {}).get("summary"):
                 rnd[f"samples_per_s_ratio_ours_to_{peer}"] = (rnd["ours"]["summary"]["samples_per_s"]

@@ -47,6 +47,26 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+def tokenizer_for_verl(model: Path, d: Path) -> Path:
+    """A copy of the model's tokenizer in which the character tokenizer's last spare token (``<extra_N>``) is
+    ``"\\n"``. veRL's agent loop picks its chat-boundary helper by the config's ``model_type`` (``qwen2``: the Qwen
+    one), which requires ``"\\n"`` to be one token (``ValueError: Expected Qwen newline to tokenize to one
+    token, got []``); the character set has no newline. Every other id is unchanged, so the prompts' ids are
+    the same as the other systems'."""
+    out = d / "tokenizer"
+    out.mkdir(exist_ok=True)
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    tj = json.loads((out / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    if "\n" not in vocab:
+        spare = max((t for t in vocab if t.startswith("<extra_")), key=vocab.__getitem__)
+        vocab["\n"] = vocab.pop(spare)
+    (out / "tokenizer.json").write_text(json.dumps(tj))
+    return out
+
+
 def config_yaml(work: dict, d: Path) -> str:
     samples = work["prompts_per_step"] * work["samples_per_prompt"]
     micro = min(work.get("micro_batch", 64), samples)
@@ -60,7 +80,8 @@ def config_yaml(work: dict, d: Path) -> str:
                  "max_response_length": work["max_tokens"], "shuffle": False, "dataloader_num_workers": 0,
                  "filter_overlong_prompts": False, "truncation": "error"},
         "actor_rollout_ref": {
-            "model": {"path": work["model"], "custom_chat_template": CHAT_TEMPLATE, "use_remove_padding": False,
+            "model": {"path": work["model"], "tokenizer_path": str(tokenizer_for_verl(Path(work["model"]), d)),
+                      "custom_chat_template": CHAT_TEMPLATE, "use_remove_padding": False,
                       "enable_gradient_checkpointing": False,
                       "override_config": {"attn_implementation": "sdpa"}},
             "actor": {"optim": {"lr": work["learning_rate"]}, "ppo_mini_batch_size": work["prompts_per_step"],
