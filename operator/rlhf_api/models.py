@@ -288,9 +288,11 @@ class WeightSync(Model):
         "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines, of "
         "tensorParallelSize 1 (ipc: or each engine worker colocated with a trainer GPU, which sends that "
         "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
-        "kernel where it applies and was validated on GPUs (nccl, or ipc from one trainer GPU; "
-        "tensorParallelSize 1; vLLM 0.24 and 0.33), else checkpoint; ipc from several trainer GPUs (each sending "
-        "its GPU's shard, e.g. tensorParallelSize 2 colocated) is opt-in (kernel). ipc from one trainer GPU in "
+        "kernel where it applies and was validated on GPUs (tensorParallelSize 1 engines over nccl or over ipc "
+        "from one trainer GPU, vLLM 0.24 and 0.33; on vLLM 0.28+ also ipc from several trainer GPUs, e.g. FSDP2 "
+        "with DP or expert-parallel engines), else checkpoint; ipc from several trainer GPUs into a "
+        "tensor-parallel engine (each sending its GPU's shard, e.g. tensorParallelSize 2 colocated) is opt-in "
+        "(kernel). ipc from one trainer GPU in "
         "the kernel format on vLLM 0.28+: each engine maps the trainer's parameters once and a sync is one "
         "device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
     )
