@@ -1,4 +1,5 @@
-"""A peer side by side: TRL's ``GRPOTrainer`` (vLLM colocate mode) and the runtime's GRPO on the same work.
+"""Peers side by side: TRL's ``GRPOTrainer`` (vLLM colocate mode), veRL's GRPO (GPU) and the runtime's GRPO on the
+same work.
 
 Same model (a random-init Qwen2 built locally, the character tokenizer of ``rlhf_runtime.tiny``), prompts,
 reward (the runtime's ``length`` rule: ``1 - |tokens - target| / target`` clipped at 0; TRL gets the same
@@ -19,6 +20,9 @@ and over all rounds. Not a test.
 
   If TRL's vLLM mode cannot run here, its error is the result (the issue's rule: never compare against TRL
   without vLLM).
+* veRL (``--verl-python``, GPU only): ``benchmarks/verl_grpo_run.py`` under a Python that has veRL 0.9 (its
+  default v1 trainer and vLLM rollout in its hybrid engine on the same GPU); per-step ``timing_s/step`` from
+  veRL's own metrics. Staging and the result: benchmarks/README.md, "veRL beside both".
 
     .venv/bin/python benchmarks/trl_peer.py --trl-python /tmp/trl-venv/bin/python   # results/trl_peer_cpu.json
 
