@@ -108,8 +108,8 @@ class KernelPlan:
 
     @staticmethod
     def _split_fits(shape: list[int], parts: list[list[int]], dim: int, tp: int) -> bool:
-        """Whether the engine's ``shape`` is piece ``rank`` of each HF part split ``tp`` ways along ``dim``, the
-        pieces concatenated along dim 0 (fused parts are only ever split along dim 0, their fused dimension)."""
+        """Whether the engine's ``shape`` is what one TP rank holds of the HF ``parts`` split ``tp`` ways along
+        ``dim``, one piece of each part concatenated along dim 0 (fused parts are split along dim 0 only)."""
         if dim >= len(shape) or (len(parts) > 1 and dim != 0):
             return False
         pieces = []
