@@ -83,22 +83,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated-ipc-fsdp2-tp2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                                 "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                                 "rollout": {"engines": 1, "tensorParallelSize": 2, "gpuMemoryUtilization": 0.3}},
-    # the same three with the kernel format as the job's own (``weightSync.format: kernel``), so the first sync's
-    # validation checks it (no variant, no revalidation engine: one engine start less per layout). The TP=2
-    # engine without FlashInfer's allreduce (VLLM_ALLREDUCE_USE_FLASHINFER=0): on 0.33 each fresh TP>1 engine
-    # otherwise JIT-builds that module (~60 s); the sync does not use it
-    "colocated-ipc-fsdp2-kernel": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc", "format": "kernel"},
-                                   "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
-                                   "rollout": {"engines": 2, "gpuMemoryUtilization": 0.3}},
-    "colocated-ipc-fsdp2-tp2-kernel": {"placement": {"mode": "colocated"},
-                                       "weightSync": {"backend": "ipc", "format": "kernel"},
-                                       "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
-                                       "rollout": {"engines": 1, "tensorParallelSize": 2, "gpuMemoryUtilization": 0.3},
-                                       "_env": {"VLLM_ALLREDUCE_USE_FLASHINFER": "0"}},
-    "colocated-ipc-fsdp2-ep2-kernel": {"placement": {"mode": "colocated"},
-                                       "weightSync": {"backend": "ipc", "format": "kernel"},
-                                       "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
-                                       "rollout": {"engines": 2, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
     "separate-nccl-tp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                           "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
     "separate-nccl-dp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
@@ -188,6 +172,16 @@ def merge(spec: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+# The three FSDP2x2 layouts with the kernel format as the job's own (``weightSync.format: kernel``), so the first
+# sync's validation checks it (no variant, no revalidation engine: one engine start less per layout). The TP=2
+# engine without FlashInfer's allreduce (VLLM_ALLREDUCE_USE_FLASHINFER=0): on 0.33 each fresh TP>1 engine
+# otherwise JIT-builds that module (~60 s); the sync does not use it.
+for _base, _env in (("colocated-ipc-fsdp2", None), ("colocated-ipc-fsdp2-tp2", {"VLLM_ALLREDUCE_USE_FLASHINFER": "0"}),
+                    ("colocated-ipc-fsdp2-ep2", None)):
+    LAYOUTS[f"{_base}-kernel"] = merge(LAYOUTS[_base], {"weightSync": {"format": "kernel"}}
+                                       | ({"_env": _env} if _env else {}))
 
 
 def median(xs: list[float]) -> float:
