@@ -131,6 +131,11 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # vLLM >= 0.28: vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
         ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
     ],
+    # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three
+    "gloo": [
+        ("three-rpc", {"format": "auto", "rpc": "three"}),
+        ("one-rpc", {"format": "auto", "rpc": "one"}),
+    ],
 }
 
 #: Options every variant starts from (a variant names only what it changes).
@@ -425,7 +430,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         print(f"[{layout}:{model_name}] default {result['summary']['default']}", flush=True)
         save(result)
         result["variant_checks"] = {}
-        if gpu and not args.no_variants:
+        if not args.no_variants:
             for name, options in VARIANTS.get(backend, []):
                 if args.variants and name not in args.variants.split(","):
                     continue

@@ -34,6 +34,8 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     for r in steps:
         sync = r["sync"]
         assert sync["bytes"] > 0 and sync["total_s"] > 0, sync
+        # vLLM's trainer engine drives start -> update -> finish; the client makes them one call per engine
+        assert sync["engine_calls"] == 1, sync
         # the status rounds to 4 significant digits (report.status_patch)
         assert r["throughput"]["weightSyncGbps"] == pytest.approx(sync["bytes"] / sync["total_s"] / 1e9, rel=1e-3)
         assert r["throughput"]["rolloutTokensPerSecond"] > 0

@@ -20,9 +20,21 @@ class EngineFanOut:
         self.worlds = worlds
         self.timeout_s = timeout_s  # spec.weightSync.timeoutSeconds: no engine call waits longer
         self.timings: dict[str, float] = {}
+        self.calls = 0  # Ray calls per engine since ``new_sync`` (one per method call, fanned out to every engine)
         #: the format of ``start_weight_update()`` called without one (vLLM >= 0.28's trainer engines call it so;
         #: ``TrainerEngineSender`` sets it from ``spec.weightSync.format``)
         self.checkpoint_format = True
+        #: vLLM >= 0.28's trainer engines that call ``update_weights`` once per sync (NCCL, gloo): defer
+        #: ``start_weight_update`` and make ``update_weights`` one ``update_weights_round`` call per engine (start,
+        #: receive, finish), so a sync is one Ray round trip per engine instead of three; ``TrainerEngineSender``
+        #: sets it (option ``rpc``)
+        self.one_round = False
+        self._round_format: bool | None = None  # a deferred start's format, until update_weights takes it
+        self._round_done = False  # the last update_weights finished the engines' update itself
+
+    def new_sync(self) -> None:
+        """Start counting a sync: ``timings`` and ``calls`` from zero."""
+        self.timings, self.calls = {}, 0
 
     def get(self, refs: Any, method: str) -> Any:
         """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines."""
@@ -39,6 +51,7 @@ class EngineFanOut:
 
     def _all(self, method: str, args: list[tuple]) -> None:
         t = time.perf_counter()
+        self.calls += 1
         self.get([getattr(h, method).remote(*a) for h, a in zip(self.handles, args)], method)
         self.timings[method] = self.timings.get(method, 0.0) + time.perf_counter() - t
 
@@ -54,17 +67,30 @@ class EngineFanOut:
 
     def start_weight_update(self, checkpoint_format: bool | None = None) -> None:
         fmt = self.checkpoint_format if checkpoint_format is None else checkpoint_format
+        self._round_done = False
+        if self.one_round:  # the engines start inside the update's round (``update_weights``)
+            self._round_format = fmt
+            return
         self._all("start_weight_update", [(fmt,)] * len(self.handles))
 
     def update_weights(self, update_info: Any) -> None:
+        if self._round_format is not None:
+            fmt, self._round_format = self._round_format, None
+            self.update_round(update_info, fmt)
+            self._round_done = True
+            return
         self._all("update_weights", [(update_info,)] * len(self.handles))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if self._round_done:  # the round finished the engines' update
+            self._round_done = False
+            return
         self._all("finish_weight_update", [()] * len(self.handles))
 
     def update_weights_nowait(self, update_info: Any, round_trip: bool = False) -> list[Any]:
         """``update_weights`` (or, ``round_trip``, the whole ``update_weights_round`` in the kernel format) on
         every engine without waiting: the Ray refs to wait on before the chunk's buffer is reused."""
+        self.calls += 1
         if round_trip:
             return [h.update_weights_round.remote(update_info, False) for h in self.handles]
         return [h.update_weights.remote(update_info) for h in self.handles]
@@ -73,6 +99,7 @@ class EngineFanOut:
         """start -> update -> finish in one actor call per engine (one Ray round trip instead of three); the
         engines' own stage times are recorded as the three calls' (the slowest engine's)."""
         t = time.perf_counter()
+        self.calls += 1
         stages = self.get([h.update_weights_round.remote(update_info, checkpoint_format) for h in self.handles],
                           "update_weights_round")
         self.record_rounds(stages, time.perf_counter() - t)

@@ -45,6 +45,7 @@ class Sender:
             "finish_s": t.get("finish_weight_update", 0.0),
             "send_s": wall,
             "bytes": float(self.source.bytes),
+            "engine_calls": float(self.client.calls),  # Ray calls per engine in this sync (rank 0; others 0)
         }
 
 
@@ -125,7 +126,12 @@ class TrainerEngineSender(Sender):
     (``ResidentExport``): the engines map the parameters once and a sync is one call per engine
     (``EngineFanOut.update_round``: start, a multi-tensor copy, finish inside the engine), instead of vLLM's
     trainer engine (a staging copy per sync, three calls per engine and one more per chunk). ``configure(
-    ipc_resident=False)`` keeps vLLM's path (the benchmark compares both in one run)."""
+    ipc_resident=False)`` keeps vLLM's path (the benchmark compares both in one run).
+
+    NCCL and gloo: vLLM's trainer engine calls the client's start, update (beside its broadcast) and finish;
+    with ``rpc="one"`` (``formats.DEFAULT_OPTIONS``) the client makes them one ``update_weights_round`` call per
+    engine (``EngineFanOut.one_round``): one Ray round trip per sync instead of three, as the 0.24 sender's
+    default. ``configure(rpc="three")`` goes back."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
@@ -136,6 +142,7 @@ class TrainerEngineSender(Sender):
         self.auto_reason: str | None = None
         self.resident: ResidentExport | None = None
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
+        self.rpc = str(DEFAULT_OPTIONS["rpc"])  # "one": one engine call per sync where the backend allows it
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
 
@@ -162,6 +169,13 @@ class TrainerEngineSender(Sender):
             raise ValueError(f"unknown weight-transfer backend {backend!r}")
         self._resolve(fmt)
         self.engine = factory.trainer_init(info, client=client, source=self._weight_source())
+        self._set_rounds()
+
+    def _set_rounds(self) -> None:
+        """NCCL and gloo trainer engines call ``update_weights`` once per sync: with ``rpc="one"`` the client
+        turns start, update and finish into one call per engine (``EngineFanOut.one_round``). vLLM's IPC trainer
+        engine calls it once per chunk, so it keeps three calls (its resident sync is one call already)."""
+        self.client.one_round = self.rpc == "one" and self.backend in ("nccl", "gloo")
 
     def _resolve(self, fmt: str) -> None:
         self.auto_reason = auto_keeps_checkpoint(self.backend, self.trainer_world) if fmt == "auto" else None
@@ -194,16 +208,24 @@ class TrainerEngineSender(Sender):
         return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
 
     def configure(self, **options: Any) -> dict[str, Any]:
-        """Change the weight format for later syncs (``format``: the benchmark compares them in one run);
-        returns the format in use, the plan's reason and the options this sender does not take."""
+        """Change the weight format (``format``), the resident IPC path (``ipc_resident``) or the engine calls
+        per sync (``rpc``: ``"one"``/``"three"``) for later syncs (the benchmark compares them in one run);
+        returns what is in use, the plan's reason and the options this sender does not take."""
         if "format" in options:
             self._resolve(options.pop("format"))
             self.engine.source = self._weight_source()
         if "ipc_resident" in options:
             self.ipc_resident = bool(options.pop("ipc_resident"))
+        if "rpc" in options:
+            rpc = options.pop("rpc")
+            if rpc not in ("one", "three"):
+                raise ValueError(f"rpc must be 'one' or 'three', not {rpc!r}")
+            self.rpc = rpc
+            self._set_rounds()
         out: dict[str, Any] = {"format": self.format,
                                "kernel_plan": self.auto_reason or (None if self.plan is None else self.plan.reason),
                                "ipc_resident": self._resident_on(),
+                               "rpc": "one" if self.client.one_round else "three",
                                "ipc_resident_reason": None if self.resident is None else self.resident.reason}
         if options:
             out["unsupported"] = sorted(options)
@@ -213,7 +235,7 @@ class TrainerEngineSender(Sender):
         return self.ipc_resident and self.resident is not None and self.format == "kernel"
 
     def send(self) -> dict[str, float]:
-        self.client.timings = {}
+        self.client.new_sync()
         t = time.perf_counter()
         message = self.resident.message() if self._resident_on() else None  # type: ignore[union-attr]
         if message is not None:
@@ -343,7 +365,7 @@ class RuntimeDrivenSender(Sender):
         return iter(self.source), names, dtypes, shapes
 
     def send(self) -> dict[str, float]:
-        self.client.timings = {}
+        self.client.new_sync()
         packed = self.init["packed"]
         kernel = self._kernel()
         t = time.perf_counter()
