@@ -104,9 +104,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 #: Sender variants timed after the default one (``configure_sync`` options of ``bench_actors.BenchTrainer``; vLLM
-#: >= 0.28's ``TrainerEngineSender`` takes ``format`` only and reports the rest as ``unsupported``). The default
-#: is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22 evening: vLLM producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the
-#: kernel format where its plan applies, else the checkpoint format.
+#: >= 0.28's ``TrainerEngineSender`` takes ``format``, ``ipc_resident`` and ``rpc`` and reports the rest as
+#: ``unsupported``). The default is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22 evening: vLLM
+#: producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the kernel format
+#: where its plan applies, else the checkpoint format. Variants run on CPU too (the ``gloo`` ones).
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
         ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
