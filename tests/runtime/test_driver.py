@@ -34,11 +34,13 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     for r in steps:
         sync = r["sync"]
         assert sync["bytes"] > 0 and sync["total_s"] > 0, sync
-        # vLLM's trainer engine drives start -> update -> finish; the client makes them one call per engine
-        assert sync["engine_calls"] == 1, sync
         # the status rounds to 4 significant digits (report.status_patch)
         assert r["throughput"]["weightSyncGbps"] == pytest.approx(sync["bytes"] / sync["total_s"] / 1e9, rel=1e-3)
         assert r["throughput"]["rolloutTokensPerSecond"] > 0
+    # vLLM's trainer engine drives start -> update -> finish: the client makes them one call per engine from the
+    # group's second sync on; the first (before step 1, which reports it) makes three, so a failing start raises
+    calls = [r["sync"]["engine_calls"] for r in steps]
+    assert calls[0] == 3 and set(calls[1:]) == {1}, calls
     assert records[-1]["runtime"]["state"] == "Succeeded"
     # the trainer computed on the CPUs its pod asked for (trainer.resources.cpu, at most this machine's share),
     # not on the one thread Ray gives an actor by default

@@ -28,9 +28,14 @@ class EngineFanOut:
         #: ``start_weight_update`` and make ``update_weights`` one ``update_weights_round`` call per engine (start,
         #: receive, finish), so a sync is one Ray round trip per engine instead of three; ``TrainerEngineSender``
         #: sets it (option ``rpc``)
+        #: The first sync of a format after the group's init (or after a failed round) still makes three calls,
+        #: so a failing start raises before the trainer's broadcast instead of leaving it waiting for engines
+        #: that never join; later syncs of that format are one call.
         self.one_round = False
         self._round_format: bool | None = None  # a deferred start's format, until update_weights takes it
         self._round_done = False  # the last update_weights finished the engines' update itself
+        self._started: bool | None = None  # the format of the three-call sync under way
+        self._proven: bool | None = None  # the format whose last sync completed (one call from then on)
 
     def new_sync(self) -> None:
         """Start counting a sync: ``timings`` and ``calls`` from zero."""
@@ -63,21 +68,24 @@ class EngineFanOut:
                 info["rank_offset"] = offset
             infos.append((info,))
             offset += w
+        self._proven = None  # a new group: its first sync makes three calls
         self._all("init_weight_transfer_engine", infos)
 
     def start_weight_update(self, checkpoint_format: bool | None = None) -> None:
         fmt = self.checkpoint_format if checkpoint_format is None else checkpoint_format
         self._round_done = False
-        if self.one_round:  # the engines start inside the update's round (``update_weights``)
+        if self.one_round and self._proven == fmt:  # the engines start inside the update's round
             self._round_format = fmt
             return
+        self._started, self._proven = fmt, None
         self._all("start_weight_update", [(fmt,)] * len(self.handles))
 
     def update_weights(self, update_info: Any) -> None:
         if self._round_format is not None:
             fmt, self._round_format = self._round_format, None
+            self._proven = None  # until this round succeeds
             self.update_round(update_info, fmt)
-            self._round_done = True
+            self._proven, self._round_done = fmt, True
             return
         self._all("update_weights", [(update_info,)] * len(self.handles))
 
@@ -86,6 +94,7 @@ class EngineFanOut:
             self._round_done = False
             return
         self._all("finish_weight_update", [()] * len(self.handles))
+        self._proven, self._started = self._started, None
 
     def update_weights_nowait(self, update_info: Any, round_trip: bool = False) -> list[Any]:
         """``update_weights`` (or, ``round_trip``, the whole ``update_weights_round`` in the kernel format) on

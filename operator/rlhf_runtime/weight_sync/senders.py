@@ -131,7 +131,8 @@ class TrainerEngineSender(Sender):
     NCCL and gloo: vLLM's trainer engine calls the client's start, update (beside its broadcast) and finish;
     with ``rpc="one"`` (``formats.DEFAULT_OPTIONS``) the client makes them one ``update_weights_round`` call per
     engine (``EngineFanOut.one_round``): one Ray round trip per sync instead of three, as the 0.24 sender's
-    default. ``configure(rpc="three")`` goes back."""
+    default, from the second sync of a format on (the first still makes three calls, so an engine that cannot
+    start raises before the broadcast). ``configure(rpc="three")`` goes back."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
