@@ -32,9 +32,9 @@ class EngineFanOut:
         #: so a failing start raises before the trainer's broadcast instead of leaving it waiting for engines
         #: that never join; later syncs of that format are one call.
         self.one_round = False
-        self._round_format: bool | None = None  # a deferred start's format, until update_weights takes it
-        self._round_done = False  # the last update_weights finished the engines' update itself
-        self._started: bool | None = None  # the format of the three-call sync under way
+        #: the sync under way: (stage, format), stage "deferred" (start left to the round), "round" (the round
+        #: finished the update) or "three" (three calls); None between syncs
+        self._open: tuple[str, bool] | None = None
         self._proven: bool | None = None  # the format whose last sync completed (one call from then on)
 
     def new_sync(self) -> None:
@@ -73,28 +73,29 @@ class EngineFanOut:
 
     def start_weight_update(self, checkpoint_format: bool | None = None) -> None:
         fmt = self.checkpoint_format if checkpoint_format is None else checkpoint_format
-        self._round_done = False
         if self.one_round and self._proven == fmt:  # the engines start inside the update's round
-            self._round_format = fmt
+            self._open = ("deferred", fmt)
             return
-        self._started, self._proven = fmt, None
+        self._open, self._proven = ("three", fmt), None
         self._all("start_weight_update", [(fmt,)] * len(self.handles))
 
     def update_weights(self, update_info: Any) -> None:
-        if self._round_format is not None:
-            fmt, self._round_format = self._round_format, None
-            self._proven = None  # until this round succeeds
+        if self._open is not None and self._open[0] == "deferred":
+            fmt = self._open[1]
+            self._open, self._proven = None, None  # until this round succeeds
             self.update_round(update_info, fmt)
-            self._proven, self._round_done = fmt, True
+            self._open, self._proven = ("round", fmt), fmt
             return
         self._all("update_weights", [(update_info,)] * len(self.handles))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        if self._round_done:  # the round finished the engines' update
-            self._round_done = False
+        stage, fmt = self._open or ("", None)
+        self._open = None
+        if stage == "round":  # the round finished the engines' update
             return
         self._all("finish_weight_update", [()] * len(self.handles))
-        self._proven, self._started = self._started, None
+        if stage == "three":
+            self._proven = fmt
 
     def update_weights_nowait(self, update_info: Any, round_trip: bool = False) -> list[Any]:
         """``update_weights`` (or, ``round_trip``, the whole ``update_weights_round`` in the kernel format) on
