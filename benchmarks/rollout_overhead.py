@@ -14,7 +14,10 @@ at ``--bare-memory``) and no Ray (so with the threads a plain process has: every
 * ``bare``: the bare ``LLM.generate`` in its own process.
 
 Overhead = 1 - runtime tokens/s / bare tokens/s (medians over the rounds), split into the driver's path (runtime
-vs in_actor) and the actor's process (in_actor vs bare). Writes ``--out`` (JSON with the exact command).
+vs in_actor) and the actor's process (in_actor vs bare); ``paired`` gives each from the rounds' paired log ratios
+with a 95% bootstrap interval. Each batch also records the machine around it (CPU steal share, busy CPUs; on a
+GPU its SM clock, power and temperature from ``nvidia-smi``), and ``noise`` correlates them with tokens/s, to
+say where a batch-to-batch spread comes from. Writes ``--out`` (JSON with the exact command).
 
     .venv/bin/python benchmarks/rollout_overhead.py --cpu --out benchmarks/results/rollout_overhead_cpu.json
     . benchmarks/gpu_env.sh /tmp/site-0.33.0 && python3 benchmarks/rollout_overhead.py --kind nvidia-h200-x2 \\
@@ -25,13 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
+import random
 import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -91,6 +99,93 @@ class Bare:
             self.proc.kill()
 
 
+def host_cpu() -> dict[str, float]:
+    """The machine's CPU seconds so far from ``/proc/stat`` (all CPUs): busy (user, nice, system, irq, softirq)
+    and steal (time the hypervisor ran something else while a CPU of this machine wanted to run)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    f += [0] * (8 - len(f))
+    return {"busy": (f[0] + f[1] + f[2] + f[5] + f[6]) / hz, "steal": f[7] / hz}
+
+
+class GpuClocks:
+    """The GPU's SM clock, power and temperature sampled every 100 ms by ``nvidia-smi`` in a thread, each sample
+    stamped on arrival (``time.perf_counter``); ``window(t0, t1)`` summarises one batch's samples."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+    def __init__(self, index: str) -> None:
+        self.samples: list[tuple[float, list[float]]] = []
+        self.proc = None
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        self.proc = subprocess.Popen(
+            [exe, f"--id={index}", "--query-gpu=" + ",".join(self.FIELDS), "--format=csv,noheader,nounits",
+             "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((time.perf_counter(), [float(x) for x in line.split(",")]))
+            except ValueError:
+                continue
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        xs = [v for t, v in self.samples if t0 <= t <= t1]
+        if not xs:
+            return {}
+        return {name.replace(".", "_"): statistics.mean(v[i] for v in xs) for i, name in enumerate(self.FIELDS)}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def bootstrap_mean(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ``xs`` and its 95% percentile-bootstrap interval."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return statistics.fmean(xs), means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    if len(xs) < 3 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
+        return None
+    return statistics.correlation(xs, ys)
+
+
+def paired(runs: dict[str, list[dict[str, Any]]], slow: str, fast: str) -> dict[str, float]:
+    """The overhead of ``slow`` over ``fast`` from the rounds' paired log ratios: the mean (as 1 - 1/exp) with
+    its 95% bootstrap interval, so noise shared by a round's batches cancels and what is left is sized."""
+    logs = [math.log(f["tokens_per_second"] / s["tokens_per_second"]) for s, f in zip(runs[slow], runs[fast])]
+    m, lo, hi = bootstrap_mean(logs)
+    return {"mean": 1 - math.exp(-m), "low": 1 - math.exp(-lo), "high": 1 - math.exp(-hi), "rounds": len(logs)}
+
+
+def noise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """How each way's batch-to-batch spread goes with the machine: coefficient of variation of tokens/s, and the
+    correlation of log tokens/s with the CPU steal share, the machine's busy CPUs and the GPU's SM clock."""
+    out: dict[str, Any] = {}
+    for name, xs in runs.items():
+        tps = [x["tokens_per_second"] for x in xs]
+        row: dict[str, Any] = {"cv": statistics.pstdev(tps) / statistics.mean(tps) if len(tps) > 1 else None}
+        logs = [math.log(t) for t in tps]
+        for key in ("steal_share", "busy_cpus", "clocks_sm"):
+            vals = [x.get(key) for x in xs]
+            if all(v is not None for v in vals):
+                row[f"{key}_mean"] = statistics.fmean(vals)
+                row[f"r_{key}"] = pearson(vals, logs)
+        out[name] = row
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="on CPU: layout cpu-gloo, float32, the gloo backend")
@@ -101,6 +196,8 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop starting rounds after this many minutes of rounds (0: run all --rounds)")
     p.add_argument("--graphs", action="store_true", help="GPU: CUDA graphs (rollout.enforceEager false, the API's "
                    "default; gpu_sync.py's layouts run eager for a faster start)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per batch (default: 64 GPU, 16 CPU)")
@@ -164,6 +261,7 @@ def main() -> int:
         "layout": layout, "model": model, "spec": spec, "sampling": sampling,
     }
     bare = None
+    clocks: GpuClocks | None = None
     try:
         rt.connect()
         rt.place()
@@ -207,22 +305,40 @@ def main() -> int:
         def bare_run() -> dict[str, Any]:
             return bare.generate(ids, sampling)
 
+        clocks = GpuClocks(env["CUDA_VISIBLE_DEVICES"].split(",")[0]) if gpu else None
+        cpus = len(os.sched_getaffinity(0))
+
+        def timed(way: Any) -> dict[str, Any]:
+            """One batch with the machine's state around it: CPU steal and busy CPUs, the GPU's clocks."""
+            c0, t0 = host_cpu(), time.perf_counter()
+            x = way()
+            c1, t1 = host_cpu(), time.perf_counter()
+            if c0 and c1:
+                x["steal_share"] = (c1["steal"] - c0["steal"]) / ((t1 - t0) * cpus)
+                x["busy_cpus"] = (c1["busy"] - c0["busy"]) / (t1 - t0)
+            if clocks is not None:
+                x.update(clocks.window(t0, t1))
+            return x
+
         ways = {"runtime": runtime, "in_actor": in_actor, "bare": bare_run}
         names = list(ways)
-        warm = {n: ways[n]() for n in names}
+        warm = {n: timed(ways[n]) for n in names}
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        start = time.monotonic()
         for r in range(a.rounds):
+            if a.minutes and r and time.monotonic() - start > a.minutes * 60:
+                break
             order = names[r % 3:] + names[:r % 3]
             for n in order:
-                x = ways[n]()
+                x = timed(ways[n])
                 x["tokens_per_second"] = x["tokens"] / x["seconds"]
                 x["round"] = r
                 runs[n].append(x)
             print(f"round {r}: " + ", ".join(f"{n} {runs[n][-1]['tokens_per_second']:.0f}" for n in names)
                   + " tokens/s", flush=True)
         med = {n: statistics.median(x["tokens_per_second"] for x in runs[n]) for n in names}
-        per_round = [1 - runs["runtime"][r]["tokens_per_second"] / runs["bare"][r]["tokens_per_second"]
-                     for r in range(a.rounds)]
+        per_round = [1 - rt_["tokens_per_second"] / b["tokens_per_second"]
+                     for rt_, b in zip(runs["runtime"], runs["bare"])]
         result.update({
             "batch": {"prompts": prompts_n, "samples_per_prompt": a.samples_per_prompt, "max_tokens": max_tokens},
             "warmup": warm, "runs": runs, "median_tokens_per_second": med,
@@ -231,11 +347,20 @@ def main() -> int:
             "overhead_per_round": per_round,
             "driver_path_overhead": 1 - med["runtime"] / med["in_actor"],
             "actor_process_overhead": 1 - med["in_actor"] / med["bare"],
+            "paired": {"overhead": paired(runs, "runtime", "bare"),
+                       "driver_path": paired(runs, "runtime", "in_actor"),
+                       "actor_process": paired(runs, "in_actor", "bare")},
+            "noise": noise(runs),
         })
         print(f"median tokens/s: {med}; overhead {result['overhead']:.1%} (median of rounds "
               f"{result['overhead_median_of_rounds']:.1%}; driver path {result['driver_path_overhead']:.1%}, "
               f"actor process {result['actor_process_overhead']:.1%})", flush=True)
+        for k, v in result["paired"].items():
+            print(f"paired {k}: {v['mean']:.1%} (95% {v['low']:.1%} .. {v['high']:.1%}, {v['rounds']} rounds)")
+        print("noise: " + json.dumps(result["noise"]), flush=True)
     finally:
+        if clocks is not None:
+            clocks.close()
         if bare is not None:
             bare.close()
         rt.shutdown()
