@@ -23,7 +23,9 @@ directory on the ``PYTHONPATH`` of the Ray it starts, so the actors can import t
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -146,9 +148,28 @@ def time_generate(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) 
 
     sp = SamplingParams(detokenize=False, **sampling)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    t = time.perf_counter()
-    outs = llm.generate(batch, sp, use_tqdm=False)
-    return {"seconds": time.perf_counter() - t, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}
+    pauses: list[tuple[int, float]] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # the interpreter's collections during the call
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(on_gc)
+    try:
+        t = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        seconds = time.perf_counter() - t
+    finally:
+        gc.callbacks.remove(on_gc)
+    sched = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
+    return {"seconds": seconds, "tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+            "gc_s": sum(x for _, x in pauses), "gc_collections": len(pauses),
+            "gc_gen2": sum(1 for g, _ in pauses if g == 2), "gc_tracked": len(gc.get_objects()),
+            "threads": sorted(th.name for th in threading.enumerate()),
+            "async_scheduling": getattr(sched, "async_scheduling", None)}
 
 
 class BenchEngine(Engine):
