@@ -4,7 +4,9 @@ One layout of ``gpu_sync.py`` (one engine; on CPU ``cpu-gloo`` with a random-ini
 the driver starts it (``rlhf_runtime.driver.Runtime``: Ray, placement, trainer and engine actors, one weight
 sync, so the engine holds the model's weights). Beside it, in a process of its own, a bare ``vllm.LLM`` with the
 engine actor's own arguments and environment (``load_format: auto`` from the same files; on a GPU the same GPU,
-at ``--bare-memory``) and no Ray (so with the threads a plain process has: every CPU it may use). Then
+at ``--bare-memory``; a vLLM cache root of its own, so it compiles the model as the actor did instead of loading the
+actor's compiled artifact, unless ``--bare-shares-cache``) and no Ray (so with the threads a plain process has:
+every CPU it may use). Then
 ``--rounds`` rounds, each timing, in an order that rotates from round to round, the same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first):
 
 * ``runtime``: ``Runtime.launch_rollout`` + ``collect``, as the driver does a step's rollout (prompt rendering,
@@ -206,6 +208,10 @@ def main() -> int:
     p.add_argument("--bare-memory", type=float, default=0.0,
                    help="gpu_memory_utilization of the bare engine (default: the engine's, capped at 0.4 on a GPU, "
                    "where both engines share one)")
+    p.add_argument("--bare-shares-cache", action="store_true",
+                   help="let the bare engine use vLLM's compile cache as the engine actor wrote it (with CUDA graphs "
+                   "it then loads the actor's AOT-compiled model instead of compiling its own; default: a cache "
+                   "root of its own, so both engines compile)")
     p.add_argument("--kind", default="cpu", help="device kind, recorded")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one step (start, rollout)")
     p.add_argument("--out", default=str(ROOT / "results" / "rollout_overhead_cpu.json"))
@@ -288,6 +294,9 @@ def main() -> int:
         result["engine_threads"] = rt.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
         result["engine_kwargs"] = {k: v for k, v in rt.engine_kwargs[0].items() if k != "model"}
         result["bare_kwargs"] = {k: v for k, v in kwargs.items() if k != "model"}
+        if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (README: 2026-11-25)
+            env["VLLM_CACHE_ROOT"] = str(work / "bare-vllm-cache")
+        result["bare_compile_cache"] = env.get("VLLM_CACHE_ROOT", "shared with the engine actor")
         bare = Bare(kwargs, env, a.timeout)
 
         batch = step_batch(samples, 0, prompts_n, 0)
