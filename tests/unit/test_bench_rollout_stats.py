@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -57,6 +58,9 @@ def test_host_cpu_counts_forward():
     a = ro.host_cpu()
     if not a:  # no /proc/stat on this system
         return
-    sum(i * i for i in range(200000))  # some CPU time
+    deadline = time.monotonic() + 10  # /proc/stat moves in clock ticks: burn CPU until one lands
     b = ro.host_cpu()
+    while b["busy"] <= a["busy"] and time.monotonic() < deadline:
+        sum(i * i for i in range(200000))
+        b = ro.host_cpu()
     assert b["busy"] > a["busy"] and b["steal"] >= a["steal"]
