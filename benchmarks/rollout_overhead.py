@@ -13,7 +13,9 @@ every CPU it may use). Then
   the Ray call, the engine's generate, result packing and transfer);
 * ``in_actor``: the engine actor's own ``LLM.generate`` on the same prompts, timed inside the actor
   (``bench_actors.BenchEngine.timed_generate``: no Ray transfer, no packing);
-* ``bare``: the bare ``LLM.generate`` in its own process.
+* ``bare``: the bare ``LLM.generate`` in its own process;
+* ``bare_loaded`` (``--bare-loaded``): a second bare engine that loads the actor's compiled model from the shared
+  cache while ``bare`` compiles its own (``paired.compile_cache``: bare vs bare_loaded).
 
 Overhead = 1 - runtime tokens/s / bare tokens/s (medians over the rounds), split into the driver's path (runtime
 vs in_actor) and the actor's process (in_actor vs bare); ``paired`` gives each from the rounds' paired log ratios
@@ -212,6 +214,10 @@ def main() -> int:
                    help="let the bare engine use vLLM's compile cache as the engine actor wrote it (with CUDA graphs "
                    "it then loads the actor's AOT-compiled model instead of compiling its own; default: a cache "
                    "root of its own, so both engines compile)")
+    p.add_argument("--bare-loaded", action="store_true",
+                   help="a second bare engine (the way bare_loaded) that loads the engine actor's compiled "
+                   "model from its cache (as --bare-shares-cache does) while bare compiles its own: both plain "
+                   "processes, so paired compile_cache sizes what loading a compiled artifact changes")
     p.add_argument("--kind", default="cpu", help="device kind, recorded")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one step (start, rollout)")
     p.add_argument("--out", default=str(ROOT / "results" / "rollout_overhead_cpu.json"))
@@ -266,7 +272,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "layout": layout, "model": model, "spec": spec, "sampling": sampling,
     }
-    bare = None
+    bare = bare_loaded = None
     clocks: GpuClocks | None = None
     try:
         rt.connect()
@@ -294,10 +300,15 @@ def main() -> int:
         result["engine_threads"] = rt.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
         result["engine_kwargs"] = {k: v for k, v in rt.engine_kwargs[0].items() if k != "model"}
         result["bare_kwargs"] = {k: v for k, v in kwargs.items() if k != "model"}
+        from vllm import envs as vllm_envs
+
+        actor_cache = env.get("VLLM_CACHE_ROOT") or vllm_envs.VLLM_CACHE_ROOT  # where the actor's engine caches
         if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (README: 2026-11-25)
             env["VLLM_CACHE_ROOT"] = str(work / "bare-vllm-cache")
         result["bare_compile_cache"] = env.get("VLLM_CACHE_ROOT", "shared with the engine actor")
         bare = Bare(kwargs, env, a.timeout)
+        if a.bare_loaded:  # the actor's own cache root, so it loads what the actor compiled
+            bare_loaded = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": actor_cache}, a.timeout)
 
         batch = step_batch(samples, 0, prompts_n, 0)
         ids = [render_prompt(x, tokenizer) for x in batch]
@@ -330,6 +341,8 @@ def main() -> int:
             return x
 
         ways = {"runtime": runtime, "in_actor": in_actor, "bare": bare_run}
+        if bare_loaded is not None:
+            ways["bare_loaded"] = lambda: bare_loaded.generate(ids, sampling)
         names = list(ways)
         warm = {n: timed(ways[n]) for n in names}
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -337,7 +350,7 @@ def main() -> int:
         for r in range(a.rounds):
             if a.minutes and r and time.monotonic() - start > a.minutes * 60:
                 break
-            order = names[r % 3:] + names[:r % 3]
+            order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 x = timed(ways[n])
                 x["tokens_per_second"] = x["tokens"] / x["seconds"]
@@ -358,7 +371,8 @@ def main() -> int:
             "actor_process_overhead": 1 - med["in_actor"] / med["bare"],
             "paired": {"overhead": paired(runs, "runtime", "bare"),
                        "driver_path": paired(runs, "runtime", "in_actor"),
-                       "actor_process": paired(runs, "in_actor", "bare")},
+                       "actor_process": paired(runs, "in_actor", "bare"),
+                       **({"compile_cache": paired(runs, "bare", "bare_loaded")} if bare_loaded else {})},
             "noise": noise(runs),
         })
         print(f"median tokens/s: {med}; overhead {result['overhead']:.1%} (median of rounds "
@@ -370,8 +384,9 @@ def main() -> int:
     finally:
         if clocks is not None:
             clocks.close()
-        if bare is not None:
-            bare.close()
+        for b in (bare, bare_loaded):
+            if b is not None:
+                b.close()
         rt.shutdown()
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")

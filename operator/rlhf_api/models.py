@@ -290,9 +290,8 @@ class WeightSync(Model):
         "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
         "kernel where it applies and was validated on GPUs (tensorParallelSize 1 engines over nccl or over ipc "
         "from one trainer GPU, vLLM 0.24 and 0.33; on vLLM 0.28+ also ipc from several trainer GPUs, e.g. FSDP2 "
-        "with DP or expert-parallel engines), else checkpoint; ipc from several trainer GPUs into a "
-        "tensor-parallel engine (each sending its GPU's shard, e.g. tensorParallelSize 2 colocated) is opt-in "
-        "(kernel). ipc from one trainer GPU in "
+        "with DP, expert-parallel or tensor-parallel engines, each trainer GPU sending the shard of the engine "
+        "worker beside it), else checkpoint. ipc from one trainer GPU in "
         "the kernel format on vLLM 0.28+: each engine maps the trainer's parameters once and a sync is one "
         "device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
     )

@@ -89,6 +89,19 @@ def _device(spec: RLHFJobSpec) -> torch.device:
     return torch.device("cuda", 0) if gpu else torch.device("cpu")
 
 
+def release_cached_gpu_memory(spec: RLHFJobSpec, device: torch.device) -> bool:
+    """After a training step, a sync or a role's forward passes in colocated placement: hand the CUDA caching
+    allocator's free blocks back to the GPU, so the vLLM engines sharing it can wake their weights and KV cache.
+    torch keeps the step's peak (activations, logits, gathered FSDP parameters) reserved otherwise: on 2xH100
+    (vLLM 0.33, Qwen3-1.7B, FSDP2x2 colocated with one TP=2 or two TP=1 engines at gpuMemoryUtilization 0.3) the
+    engines' wake-up after a GRPO step failed with ``CUDA Error: out of memory`` in vLLM's cumem allocator.
+    Separate placement keeps the cache (nothing else runs on those GPUs). Returns whether it released."""
+    if device.type != "cuda" or spec.placement.mode != "colocated":
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 def _init_group(spec: RLHFJobSpec, device: torch.device, rank: int, world: int, addr: str | None,
                 port: int | None) -> None:
     import torch.distributed as dist
@@ -163,6 +176,7 @@ class ReferenceModel:
             pp, cc = [p[i] for i in idx], [c[i] for i in idx]
             ids, attn, _ = pad(pp, cc, self.device)
             out += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
+        release_cached_gpu_memory(self.spec, self.device)
         return {"logp": out, "seconds": time.perf_counter() - t0}
 
 
@@ -255,6 +269,7 @@ class CriticModel:
             pp, cc = [p[i] for i in idx], [c[i] for i in idx]
             ids, attn, _ = pad(pp, cc, self.device)
             out += to_lists(self._values(ids, attn), pp, cc)
+        release_cached_gpu_memory(self.spec, self.device)
         return {"values": out, "seconds": time.perf_counter() - t0}
 
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -289,5 +304,7 @@ class CriticModel:
             self.opt.step()
         self.model.eval()
         self.updates += 1
+        del prepared
+        release_cached_gpu_memory(self.spec, self.device)
         stats["critic_train_s"] = time.perf_counter() - t0
         return stats

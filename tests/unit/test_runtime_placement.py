@@ -401,3 +401,21 @@ def test_local_runs_split_the_machines_cpus_among_actors_busy_together() -> None
     assert local_thread_cap(lay, async_mode=False, cpus=8) == 4  # two engines generate at once
     assert local_thread_cap(lay, async_mode=True, cpus=8) == 2  # and the trainer beside them
     assert local_thread_cap(lay, async_mode=False, cpus=1) == 1
+
+
+def test_colocated_roles_release_the_gpu_cache_only_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from rlhf_runtime.roles import release_cached_gpu_memory
+
+    released: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    colocated = spec(placement={"mode": "colocated"}, weightSync={"backend": "ipc"},
+                     trainer={"replicas": 1, "gpusPerReplica": 1}, rollout={"engines": 1})
+    separate = spec(trainer={"replicas": 1, "gpusPerReplica": 1}, rollout={"engines": 1})
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    # the engines sharing the GPU wake into what the trainer's allocator hands back; elsewhere the cache stays
+    assert release_cached_gpu_memory(colocated, gpu) and released == [True]
+    assert not release_cached_gpu_memory(separate, gpu)
+    assert not release_cached_gpu_memory(colocated, cpu)
+    assert released == [True]

@@ -267,19 +267,21 @@ def test_a_trainer_rank_without_engine_layouts_plans_no_kernel_format() -> None:
     assert not plan.ok and plan.reason == "no engine layout reached this trainer rank"
 
 
-def test_auto_takes_the_kernel_format_on_vllm_028_only_where_validated() -> None:
-    """vLLM >= 0.28: ``auto`` may take the kernel format over NCCL, over IPC from one trainer GPU and over IPC from
-    several trainer GPUs into TP=1 engines (DP, EP; validated on 2xH200 with vLLM 0.33); IPC from several trainer
-    GPUs into a tensor-parallel engine stays opt-in, whatever the plan would say."""
+def test_auto_takes_the_kernel_format_on_vllm_028_where_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM >= 0.28: ``auto`` takes the kernel format over NCCL, over IPC from one trainer GPU and over IPC from
+    several trainer GPUs into TP=1 engines (DP, EP; 2xH200) and into a TP=2 engine (2xH100), all validated with
+    vLLM 0.33; a vLLM where it was never validated keeps the checkpoint format and says why."""
+    from rlhf_runtime import vllm_compat
     from rlhf_runtime.weight_sync.senders import auto_keeps_checkpoint
 
     assert auto_keeps_checkpoint("nccl", 1) is None
     assert auto_keeps_checkpoint("nccl", 4) is None  # only rank 0 broadcasts; the others iterate beside it
     assert auto_keeps_checkpoint("ipc", 1) is None
-    assert auto_keeps_checkpoint("ipc", 2) is None
     assert auto_keeps_checkpoint("ipc", 2, engine_tp=1) is None
+    assert auto_keeps_checkpoint("ipc", 2, engine_tp=2) is None
+    monkeypatch.setattr(vllm_compat, "AUTO_KERNEL_SINCE_TRAINER_API", False)
     reason = auto_keeps_checkpoint("ipc", 2, engine_tp=2)
-    assert reason is not None and "format: kernel opts in" in reason
+    assert reason is not None and "until the kernel format is validated" in reason
 
 
 # ------------------------------------------------------------------------------------ MoE experts (EP)

@@ -10,8 +10,8 @@ Two formats reach an engine:
   parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds no source
   for them), TP=1, or over IPC with each trainer rank sending what the engine worker on its GPU holds (its TP
   shard, its experts under expert parallelism: ``senders.kernel_plan``). ``auto`` picks it only where validated
-  on GPUs (TP=1 engines over NCCL or from one IPC trainer worker; vLLM 0.24 and 0.33); the rest is opt-in
-  (``kernel``).
+  on GPUs (TP=1 engines over NCCL or from one IPC trainer worker, vLLM 0.24 and 0.33; on 0.28+ also IPC from
+  several trainer workers into DP, EP or TP=2 engines, vLLM 0.33); the rest is opt-in (``kernel``).
 
 ``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
@@ -33,8 +33,9 @@ FORMATS: tuple[str, ...] = ("auto", "checkpoint", "kernel")
 #: ``format`` comes from ``spec.weightSync.format``). The kernel format (``auto``) is the default since it passed
 #: the fresh-engine validation on GPUs (NCCL 1.7B with 3 engines, IPC 0.5B; ``benchmarks/README.md``); ``auto``
 #: falls back to the checkpoint format where its plan does not apply or is not validated (TP>1 engines over
-#: NCCL, several IPC trainer ranks, expert-parallel engines over NCCL). One RPC per engine and sync since it validated on NCCL 1.7B (17.9 ms vs 23.5 ms with
-#: three, same run).
+#: NCCL, on vLLM 0.24 several IPC trainer ranks, expert-parallel engines over NCCL). One RPC per engine and sync
+#: since it validated on NCCL 1.7B with vLLM 0.24 (17.9 ms vs 23.5 ms with three, same run); on vLLM >= 0.28
+#: NCCL keeps three (``senders.NCCL_RPC_DEFAULT``).
 DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "auto", "rpc": "one"}
 
 

@@ -91,21 +91,23 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
     return KernelPlan.build(source, layout, tp_rank)
 
 
+#: Engine calls per sync over NCCL on vLLM >= 0.28 unless ``configure(rpc=...)`` says otherwise (see
+#: ``TrainerEngineSender.__init__``); the CPU backend (gloo) takes ``DEFAULT_OPTIONS["rpc"]``.
+NCCL_RPC_DEFAULT = "three"
+
+
 def auto_keeps_checkpoint(backend: str, trainer_world: int, engine_tp: int = 1) -> str | None:
     """vLLM >= 0.28: why ``weightSync.format: auto`` stays with the checkpoint format although the kernel format
     may apply (a path not validated on GPUs; ``format: kernel`` opts in), else None. ``engine_tp``: the engines'
-    tensor-parallel size (from their layout, which every trainer rank holds). Depends on nothing a rank alone
-    knows, so all trainer ranks or none build the kernel plan (a collective). Pure.
+    tensor-parallel size. Depends on nothing a rank alone knows, so all trainer ranks or none build the kernel
+    plan (a collective). Pure.
 
-    Validated on GPUs (greedy tokens of a fresh engine equal the synced engine's): NCCL, IPC from one trainer
-    GPU, IPC from FSDP2x2 into two TP=1 engines (DP2, Qwen3-1.7B) and into two expert-parallel engines (EP2,
-    Qwen3-30B-A3B shape), 2xH200 with vLLM 0.33, 2026-11-24. Not yet: IPC from several trainer GPUs into a TP > 1
-    engine (each rank sends its GPU's shard)."""
+    Validated on GPUs (greedy tokens of a fresh engine equal the synced engine's), vLLM 0.33: NCCL, IPC from one
+    trainer GPU, IPC from FSDP2x2 into two TP=1 engines (DP2, Qwen3-1.7B) and into two expert-parallel engines
+    (EP2, Qwen3-30B-A3B shape), 2xH200, 2026-11-24; IPC from FSDP2x2 into one TP=2 engine (each rank sends its
+    GPU's shard; Qwen3-1.7B), 2xH100, 2026-11-25. So every layout the plan covers takes it."""
     if not vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API:
         return "auto keeps the checkpoint format on this vLLM until the kernel format is validated on GPUs"
-    if backend == "ipc" and trainer_world > 1 and engine_tp > 1:
-        return ("auto keeps the checkpoint format for IPC from several trainer workers into a tensor-parallel "
-                "engine (each sends its GPU's shard) until validated on GPUs: format: kernel opts in")
     return None
 
 
@@ -143,7 +145,11 @@ class TrainerEngineSender(Sender):
         self.auto_reason: str | None = None
         self.resident: ResidentExport | None = None
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
-        self.rpc = str(DEFAULT_OPTIONS["rpc"])  # "one": one engine call per sync where the backend allows it
+        #: "one": one engine call per sync where the backend allows it. NCCL keeps three until the one-call round
+        #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) its first one-call sync over NCCL never finished (the
+        #: run's limit, 280 s, passed with no engine error reported), while three calls were validated there
+        #: (benchmarks/README.md); ``configure(rpc="one")`` still asks for it.
+        self.rpc = NCCL_RPC_DEFAULT if backend == "nccl" else str(DEFAULT_OPTIONS["rpc"])
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
 
@@ -180,10 +186,6 @@ class TrainerEngineSender(Sender):
 
     def _resolve(self, fmt: str) -> None:
         self.auto_reason = auto_keeps_checkpoint(self.backend, self.trainer_world) if fmt == "auto" else None
-        if self.auto_reason is None and fmt == "auto" and self.backend == "ipc" and self.trainer_world > 1:
-            if self.plan is None:  # the engines' TP size comes with their layout (every rank builds the plan)
-                self.plan = kernel_plan(self.source, self.client, self.backend)
-            self.auto_reason = auto_keeps_checkpoint(self.backend, self.trainer_world, self.plan.tp)
         if self.auto_reason is not None:
             self.format = effective_format("checkpoint", None)
         else:
