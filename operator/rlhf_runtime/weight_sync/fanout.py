@@ -8,8 +8,11 @@ from 0, and it times every call (``timings``: seconds per method, summed over a 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class EngineFanOut:
@@ -42,7 +45,10 @@ class EngineFanOut:
         self.timings, self.calls = {}, 0
 
     def get(self, refs: Any, method: str) -> Any:
-        """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines."""
+        """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines. An engine's error is
+        logged here as well as raised: vLLM's NCCL trainer engine waits for ``update_weights`` in a thread beside
+        its broadcast, which then never returns (the failed engine never joins it), so the raise alone would
+        only show once ``weightSync.timeoutSeconds`` ends the sync."""
         import ray
         from ray.exceptions import GetTimeoutError
 
@@ -53,6 +59,10 @@ class EngineFanOut:
                 f"engine call {method} on {len(self.handles)} engine(s) did not finish within "
                 f"weightSync.timeoutSeconds={self.timeout_s:g}s"
             ) from None
+        except Exception as e:
+            log.error("engine call %s on %d engine(s) failed: %s: %s", method, len(self.handles),
+                      type(e).__name__, e)
+            raise
 
     def _all(self, method: str, args: list[tuple]) -> None:
         t = time.perf_counter()
