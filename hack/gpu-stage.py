@@ -25,7 +25,7 @@ Wheels already in <out>/wheels are reused, so a second run downloads nothing.
 
 Usage (from the repository root):
     python3 hack/gpu-stage.py --vllm 0.33.0 [--torch auto] [--ray 2.60.0] [--out .stage/vllm-0.33.0]
-                              [--part-mib 60] [--pin NAME==VERSION ...] [--with REQUIREMENT ...] [--skip NAME ...]
+                              [--part-mib N] [--pin NAME==VERSION ...] [--with REQUIREMENT ...] [--skip NAME ...]
                               [--image-packages FILE] [--kind nvidia-h200-x2]
     python3 hack/gpu-stage.py --vllm 0.33.0 --print-commands     # again, from the existing manifest
 
@@ -310,6 +310,30 @@ def ensure_ignored(out: Path) -> None:
         sys.exit(f"{out} is not git-ignored: the device would carry it with every command; use .stage/...")
 
 
+#: What one device call carries: the working tree (tracked and untracked-not-ignored files) plus the carried part.
+DEVICE_CARRY_MIB = 64
+
+
+def tree_mib() -> float:
+    """MiB of the working tree a device call copies besides the carried part (git's tracked files and the
+    untracked ones it does not ignore)."""
+    names = subprocess.check_output(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                    cwd=REPO).split(b"\0")
+    paths = (REPO / n.decode() for n in names if n)
+    return sum(p.stat().st_size for p in paths if p.is_file()) / 2**20
+
+
+def auto_part_mib(tree: float, limit: int = DEVICE_CARRY_MIB) -> int:
+    """The largest whole-MiB part that fits one device call beside a working tree of ``tree`` MiB, with 1 MiB to
+    spare for files written before the call (results, logs). 2026-11-25: a 4.6 MiB tree and 60 MiB parts were
+    refused ("the working tree is larger than 64 MiB")."""
+    part = int(limit - tree - 1)
+    if part < 8:
+        raise SystemExit(f"the working tree is {tree:.1f} MiB: too large to carry parts of a useful size beside it "
+                         f"in one device call ({limit} MiB)")
+    return part
+
+
 def pack(wheels: list[Wheel], out: Path, part_mib: int) -> list[dict]:
     for old in out.glob("part*"):
         old.unlink()
@@ -363,7 +387,8 @@ def main() -> None:
     ap.add_argument("--torch", default="auto", help="torch version; auto: the one vLLM pins")
     ap.add_argument("--ray", default="2.60.0", help="Ray version to stage")
     ap.add_argument("--out", help="output folder (default .stage/vllm-<version>), under the repository")
-    ap.add_argument("--part-mib", type=int, default=60, help="largest part, MiB (a device call carries 64)")
+    ap.add_argument("--part-mib", type=int, default=0,
+                    help="largest part, MiB (default: what fits one device call, 64 MiB, beside the working tree)")
     ap.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION",
                     help="force a version of any package in the closure (repeatable)")
     ap.add_argument("--with", dest="also", action="append", default=[], metavar="REQUIREMENT",
@@ -420,6 +445,11 @@ def main() -> None:
                for n, s in sorted(resolver.missing.items()) if n in wanted]
 
     wheels = [w for w, _ in staged]
+    if not args.part_mib:
+        tree = tree_mib()
+        args.part_mib = auto_part_mib(tree)
+        print(f"Parts of {args.part_mib} MiB (the working tree is {tree:.1f} MiB; a device call carries "
+              f"{DEVICE_CARRY_MIB})")
     parts = pack(wheels, out, args.part_mib)
     manifest = {
         "vllm": args.vllm, "torch": torch, "ray": args.ray, "with": args.also, "pins": args.pin,
