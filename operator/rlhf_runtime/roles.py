@@ -302,6 +302,7 @@ class CriticModel:
             if max_norm > 0:
                 stats["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             self.opt.step()
+        self.opt.zero_grad(set_to_none=True)  # free the gradients between steps (colocated engines wake into it)
         self.model.eval()
         self.updates += 1
         del prepared

@@ -323,6 +323,8 @@ class Trainer:
             if max_norm > 0:
                 stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
             self.opt.step()
+        self.opt.zero_grad(set_to_none=True)  # free the gradients until the next backward (every epoch starts
+        # from zero): colocated engines wake into that memory
         self.model.eval()
         self.step += 1
         if self.device.type == "cuda":
