@@ -146,9 +146,9 @@ class TrainerEngineSender(Sender):
         self.resident: ResidentExport | None = None
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
         #: "one": one engine call per sync where the backend allows it. NCCL keeps three until the one-call round
-        #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) its first one-call sync over NCCL never finished (the
-        #: run's limit, 280 s, passed with no engine error reported), while three calls were validated there
-        #: (benchmarks/README.md); ``configure(rpc="one")`` still asks for it.
+        #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) the benchmark stopped at its first one-call NCCL sync
+        #: (or the greedy rollout just before it: the run's 280 s passed with no engine error reported), while
+        #: three calls were validated there (benchmarks/README.md); ``configure(rpc="one")`` still asks for it.
         self.rpc = NCCL_RPC_DEFAULT if backend == "nccl" else str(DEFAULT_OPTIONS["rpc"])
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
