@@ -96,16 +96,16 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
 NCCL_RPC_DEFAULT = "three"
 
 
-def auto_keeps_checkpoint(backend: str, trainer_world: int, engine_tp: int = 1) -> str | None:
+def auto_keeps_checkpoint() -> str | None:
     """vLLM >= 0.28: why ``weightSync.format: auto`` stays with the checkpoint format although the kernel format
-    may apply (a path not validated on GPUs; ``format: kernel`` opts in), else None. ``engine_tp``: the engines'
-    tensor-parallel size. Depends on nothing a rank alone knows, so all trainer ranks or none build the kernel
-    plan (a collective). Pure.
+    may apply (not validated on GPUs on this vLLM; ``format: kernel`` opts in), else None. The same on every
+    trainer rank, so all ranks or none build the kernel plan (a collective). Pure.
 
     Validated on GPUs (greedy tokens of a fresh engine equal the synced engine's), vLLM 0.33: NCCL, IPC from one
     trainer GPU, IPC from FSDP2x2 into two TP=1 engines (DP2, Qwen3-1.7B) and into two expert-parallel engines
     (EP2, Qwen3-30B-A3B shape), 2xH200, 2026-11-24; IPC from FSDP2x2 into one TP=2 engine (each rank sends its
-    GPU's shard; Qwen3-1.7B), 2xH100, 2026-11-25. So every layout the plan covers takes it."""
+    GPU's shard; Qwen3-1.7B), 2xH100, 2026-11-25. So no layout the plan covers is held back any more; a layout
+    that is not validated would be named here."""
     if not vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API:
         return "auto keeps the checkpoint format on this vLLM until the kernel format is validated on GPUs"
     return None
@@ -185,7 +185,7 @@ class TrainerEngineSender(Sender):
         self.client.one_round = self.rpc == "one" and self.backend in ("nccl", "gloo")
 
     def _resolve(self, fmt: str) -> None:
-        self.auto_reason = auto_keeps_checkpoint(self.backend, self.trainer_world) if fmt == "auto" else None
+        self.auto_reason = auto_keeps_checkpoint() if fmt == "auto" else None
         if self.auto_reason is not None:
             self.format = effective_format("checkpoint", None)
         else:
