@@ -45,6 +45,8 @@ def test_each_transition_posts_one_event_and_reconciles_read_only_caches(cluster
     apply(cluster, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gsm8k-prompts"},
                     "data": {"prompts.jsonl": '{"prompt": "1+1?"}\n'}}, namespace)
     wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running once the data exists")
+    # Events are posted off the reconcile's path, after the status write: the Running one may land after the phase.
+    wait_for(lambda: any(e.reason == "Running" for e in job_events(api, namespace, name)), 60, "the Running Event")
 
     # Many events of the job's children after it settled: pods annotated (events no reconcile reads: they wake
     # none) and their PodScheduled condition touched (a field the reconcile reads: each wakes one, which finds
