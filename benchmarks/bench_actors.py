@@ -17,14 +17,20 @@
 ``send_stats(reset)``: seconds in the steps of vLLM >= 0.28's IPC trainer engine that no RPC times
 (``IPC_TRAINER_TIMED``; installs the timers the first time).
 
+Every one of these actors prints the Python stack of each of its threads to its stderr (Ray shows it in the
+driver's log) on ``SIGUSR1`` (``enable_stack_dumps``): ``gpu_sync.py`` sends it to them, and to its own run,
+before it kills a run past its limit, so a hang shows where each side waits.
+
 ``install(rt)`` makes a ``rlhf_runtime.driver.Runtime`` start these classes instead of its own, and puts this
 directory on the ``PYTHONPATH`` of the Ray it starts, so the actors can import this module.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -172,7 +178,28 @@ def time_generate(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) 
             "async_scheduling": getattr(sched, "async_scheduling", None)}
 
 
-class BenchEngine(Engine):
+#: The signal on which a benchmark process prints its threads' stacks (``enable_stack_dumps``), and the start of
+#: the process title Ray gives the actors of this module (``ray::BenchEngine.update_weights_round``, ...).
+STACK_SIGNAL = signal.SIGUSR1
+ACTOR_TITLE = "ray::Bench"
+
+
+def enable_stack_dumps() -> None:
+    """On ``STACK_SIGNAL`` this process writes every thread's Python stack to stderr and goes on (without it the
+    signal would end the process)."""
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
+
+
+class _StackDumps:
+    """Mixed in first: the actor registers the stack dump before the runtime class's own start (an engine's
+    start can hang too)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        enable_stack_dumps()
+        super().__init__(*args, **kwargs)
+
+
+class BenchEngine(_StackDumps, Engine):
     def timed_generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, float]:
         if self._stale_cache:  # as generate does
             self._stale_cache = not self.llm.reset_prefix_cache()
@@ -189,7 +216,7 @@ class BenchEngine(Engine):
         return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
 
-class BenchAsyncEngine(AsyncEngine):
+class BenchAsyncEngine(_StackDumps, AsyncEngine):
     async def reset_prefix_cache(self) -> bool:
         self._stale_cache = False
         return bool(await self.llm.reset_prefix_cache())
@@ -201,7 +228,7 @@ class BenchAsyncEngine(AsyncEngine):
         return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
 
-class BenchSteppedEngine(SteppedEngine):
+class BenchSteppedEngine(_StackDumps, SteppedEngine):
     def _reset_now(self) -> bool:  # on the engine thread
         self._stale_cache = False
         return bool(self.engine.reset_prefix_cache())
@@ -216,7 +243,7 @@ class BenchSteppedEngine(SteppedEngine):
         return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
 
 
-class BenchTrainer(Trainer):
+class BenchTrainer(_StackDumps, Trainer):
     def configure_sync(self, **options: Any) -> dict[str, Any]:
         """Sender options for later syncs (runtime-driven sender only); returns the options in force."""
         configure = getattr(self.sender, "configure", None)

@@ -131,6 +131,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("kernel-format-forced", {"format": "kernel"}),
         # vLLM >= 0.28: vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
         ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
+        # FSDP2 ranks into a TP engine: each rank's FSDP2 shard sent ungathered where it is its worker's TP shard
+        ("kernel-format-local-shards", {"format": "auto", "local_shards": True}),
     ],
     # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three
     "gloo": [
@@ -140,7 +142,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 }
 
 #: Options every variant starts from (a variant names only what it changes).
-RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True}
+RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True,
+                         "local_shards": False}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -338,6 +341,9 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
     out["ipc"] = syncs[0].get("ipc") if syncs else None  # resident or vllm (vLLM >= 0.28 IPC)
+    for k in ("gathers", "local_shards"):  # trainer rank 0's FSDP2 gathers and tensors sent as its own shard
+        if syncs and k in syncs[0]:
+            out[k] = syncs[0][k]
     return out
 
 
@@ -590,6 +596,9 @@ def bare_rollout(gpu: bool) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> int:
+    import bench_actors
+
+    bench_actors.enable_stack_dumps()  # the parent asks for the stacks before it kills a run past its limit
     layout, model_name = args.one.split(":")
     gpu = not args.cpu
     result: dict[str, Any] = {
@@ -654,6 +663,33 @@ def child(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ parent
+#: ``bench_actors.STACK_SIGNAL`` and ``ACTOR_TITLE`` (the parent does not import the runtime); seconds to wait for
+#: the stacks to reach the log.
+STACK_SIGNAL, ACTOR_TITLE, STACK_WAIT_S = signal.SIGUSR1, "ray::Bench", 6.0
+
+
+def stack_dump(run_pid: int) -> list[int]:
+    """Ask a run past its limit (``run_pid``, which registered the dump in ``child``) and every benchmark actor
+    (process title ``ACTOR_TITLE``...: they register it when they start) for the stacks of their threads; the pids
+    asked. Other processes are left alone: the signal would end a process that did not register it."""
+    pids = [run_pid]
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != run_pid:
+            try:
+                if (d / "cmdline").read_bytes().startswith(ACTOR_TITLE.encode()):
+                    pids.append(int(d.name))
+            except OSError:  # gone meanwhile
+                continue
+    asked = []
+    for pid in pids:
+        try:
+            os.kill(pid, STACK_SIGNAL)
+            asked.append(pid)
+        except ProcessLookupError:
+            continue
+    return asked
+
+
 def table(out: Path, names: list[str]) -> str:
     lines = ["layout:model | status | valid | sync ms (default) | GB/s | best variant ms | best GB/s | floor GB/s | tok/s"]
     for name in names:
@@ -745,7 +781,12 @@ def main() -> int:
                             print("   ", line[:400], flush=True)
                     time.sleep(0.5)
                 if proc.poll() is None:
-                    print(f"TIMEOUT {name} after {limit:.0f}s", flush=True)
+                    asked = stack_dump(proc.pid)
+                    print(f"TIMEOUT {name} after {limit:.0f}s; stacks of {len(asked)} processes in {log}", flush=True)
+                    until = time.time() + STACK_WAIT_S  # Ray forwards the actors' stderr to the run's output
+                    while proc.poll() is None and time.time() < until:
+                        f.write(proc.stdout.read() or b"")
+                        time.sleep(0.5)
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     res = out / f"gpu_{name.replace(':', '_')}.json"
