@@ -235,6 +235,26 @@ def test_kernel_plan_tp2_sends_each_rank_its_workers_shard() -> None:
     assert torch.equal(torch.cat([r["lm_head.weight"] for r in ranks]), hf["lm_head.weight"])
 
 
+def test_kernel_plan_takes_presliced_row_pieces_as_they_come() -> None:
+    """The HF tensors split along rows only (column- and vocabulary-parallel) can arrive as this rank's piece
+    already (an FSDP2 shard, ``ParamSource.local``): the plan does not split them again, and its tensors are
+    the ones it makes from whole tensors."""
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _hf()
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    for rank in range(2):
+        plan = KernelPlan.build(_Source(hf), _engine(hf, 2), tp_rank=rank)
+        rows = plan.row_split_sources()
+        assert rows == {a + f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")} | {
+            m + "gate_proj.weight", m + "up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"}
+        whole = dict(plan.iterate(_Source(hf)))
+        plan.presliced = rows
+        pieces = {n: t.chunk(2, dim=0)[rank] if n in rows else t for n, t in hf.items()}
+        got = dict(plan.iterate(_Source(pieces)))
+        assert got.keys() == whole.keys() and all(torch.equal(got[n], whole[n]) for n in whole)
+
+
 @pytest.mark.parametrize(("tp", "rank", "change", "reason"), [
     (2, None, None, "needs each trainer rank to send its own engine worker's shard"),
     # KV heads that do not split: vLLM replicates KV heads when there are fewer than TP

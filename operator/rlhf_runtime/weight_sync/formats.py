@@ -70,6 +70,14 @@ class KernelPlan:
         self.entries, self.ok, self.reason = entries, ok, reason
         self.shard = shard or {}  # engine name -> the dimension its sources are split along (TP > 1)
         self.tp, self.tp_rank = tp, tp_rank
+        #: HF names the stream yields already as this rank's piece (``ParamSource.local``: FSDP2 shards that are
+        #: the TP shard); ``iterate`` does not split them again
+        self.presliced: set[str] = set()
+
+    def row_split_sources(self) -> set[str]:
+        """HF names that every entry using them splits along dim 0 (the pieces an FSDP2 shard on dim 0 can be)."""
+        rows = {s for n, _, srcs in self.entries if self.shard.get(n) == 0 for s in srcs}
+        return rows - {s for n, _, srcs in self.entries if self.shard.get(n) != 0 for s in srcs}
 
     @staticmethod
     def _sources(name: str, hf: dict[str, Any], mapping: dict[str, list[str]]) -> list[str] | None:
@@ -193,7 +201,8 @@ class KernelPlan:
             parts = [have.pop(s) for s in srcs]
             dim = self.shard.get(name)
             if dim is not None:
-                parts = [p.chunk(self.tp, dim=dim)[self.tp_rank] for p in parts]
+                parts = [p if s in self.presliced else p.chunk(self.tp, dim=dim)[self.tp_rank]
+                         for s, p in zip(srcs, parts)]
             if len(parts) == 1:
                 yield name, parts[0] if dim is None else parts[0].contiguous()
             elif fuse:

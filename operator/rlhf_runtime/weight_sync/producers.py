@@ -5,7 +5,8 @@
   goes out under its second name too (vLLM's layerwise reload would otherwise keep the engine's old value),
   FSDP2 shards gathered (``full_tensor()``, a collective: every rank iterates), fused HF MoE experts split per
   expert (``rlhf_runtime.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
-  option).
+  option); ``local`` names go out as this rank's FSDP2 shard, ungathered (``local_candidates``: where the shard is
+  the piece a tensor-parallel engine worker on this rank's GPU holds).
 * ``PackedProducer``: vLLM's packed NCCL wire format from persistent double buffers.
 * ``IPCBufferProducer`` / ``cuda_ipc_export``: CUDA-IPC chunks from persistent double buffers.
 """
@@ -38,7 +39,11 @@ class ParamSource:
         self.model = model
         self.dtype = dtype
         self.skip = skip or set()
+        #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered: every rank must hold the
+        #: same set (the gathers of the others are collectives); ``senders.agreed_local_shards`` decides it
+        self.local: set[str] = set()
         self.gather_s = 0.0
+        self.gathers = 0  # full_tensor() calls of the last iteration
         self.bytes = 0
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
@@ -57,16 +62,41 @@ class ParamSource:
         wire = self.wire_shapes()
         return [n for n, _ in wire], [str(self.dtype).split(".")[-1]] * len(wire), [list(s) for _, s in wire]
 
+    def local_candidates(self, tp: int, tp_rank: int) -> set[str]:
+        """Names whose FSDP2 shard on this rank is exactly piece ``tp_rank`` of ``tp`` along dim 0 (``torch.chunk``,
+        what a TP engine worker holds of a column-parallel or vocabulary-parallel weight): a DTensor sharded on
+        dim 0 over a one-dimensional mesh of ``tp`` ranks, this rank at position ``tp_rank``, dim 0 divisible by
+        ``tp``, not a fused MoE tensor (split per expert on the way out). Depends on this rank's position: the
+        ranks agree on a set before using it (``senders.agreed_local_shards``)."""
+        out = set()
+        for name, p in self._named():
+            placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
+            if placements is None or mesh is None or mesh.ndim != 1 or mesh.size() != tp:
+                continue
+            if len(placements) != 1 or not placements[0].is_shard(0) or p.shape[0] % tp:
+                continue
+            if moe.is_fused_expert(name, len(p.shape)):
+                continue
+            if mesh.get_local_rank() == tp_rank and p.to_local().shape[0] == p.shape[0] // tp:
+                out.add(name)
+        return out
+
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self._named():
             t = time.perf_counter()
-            full = p.full_tensor() if callable(getattr(p, "full_tensor", None)) else p
+            if name in self.local:
+                full = p.to_local()
+            elif callable(getattr(p, "full_tensor", None)):
+                full = p.full_tensor()
+                self.gathers += 1
+            else:
+                full = p
             tensor = full.detach().to(self.dtype).contiguous()
             self.gather_s += time.perf_counter() - t
             yield name, tensor
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self.gather_s, self.bytes = 0.0, 0
+        self.gather_s, self.bytes, self.gathers = 0.0, 0, 0
         for name, tensor in moe.unfuse(self._gathered()):
             self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor

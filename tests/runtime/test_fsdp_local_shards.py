@@ -1,0 +1,133 @@
+"""FSDP2 shards sent ungathered where they are a tensor-parallel engine worker's shard (the kernel format over IPC
+from FSDP2 ranks into a TP engine, ``senders.agreed_local_shards``): on two real ``Trainer`` processes that shard a
+real tiny Qwen2 with ``fully_shard`` over gloo (CPU), each rank's kernel-format tensors for the TP=2 worker on its
+GPU are the same with and without the gathers the local shards replace, and far fewer gathers run. Ranks whose
+shards are not their workers' (or that disagree) gather everything: a rank skipping a gather the other runs would
+leave both waiting in it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.conftest import job_config, write_config
+
+pytestmark = pytest.mark.runtime
+
+# A tiny Qwen2 whose KV heads split two ways (the shared tiny model has one KV head: vLLM replicates it under TP=2).
+BUILD = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from rlhf_runtime.tiny import build_tokenizer
+cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+                  bos_token_id=2, eos_token_id=3, pad_token_id=0)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg).save_pretrained(sys.argv[1])
+build_tokenizer(sys.argv[1], 64)
+"""
+
+# One trainer rank: the kernel plan for the TP=2 engine worker ``worker`` (vLLM's per-rank Qwen2 layout: fused
+# qkv and gate_up split by rows per part, o and down by columns, vocabulary rows halved, norms whole), its tensors
+# gathered, then with the agreed local shards.
+WORKER = r"""
+import json, sys
+import torch
+from rlhf_runtime.trainer import Trainer
+from rlhf_runtime.weight_sync.formats import KernelPlan
+from rlhf_runtime.weight_sync.producers import ParamSource
+from rlhf_runtime.weight_sync.senders import agreed_local_shards
+
+cfg, rank, port, worker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
+source = ParamSource(t.model, torch.float32)
+hf = dict(source.wire_shapes())
+params, dims = [], {}
+for name, shape in hf.items():
+    rows, rest = shape[0], list(shape[1:])
+    if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
+        continue  # fused into the q_proj / gate_proj entry
+    if ".q_proj." in name:
+        fused = name.replace("q_proj", "qkv_proj")
+        parts = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+        params.append((fused, [sum(hf[p][0] for p in parts) // 2, *rest]))
+    elif ".gate_proj." in name:
+        fused = name.replace("gate_proj", "gate_up_proj")
+        params.append((fused, [(hf[name][0] + hf[name.replace("gate_proj", "up_proj")][0]) // 2, *rest]))
+    elif ".o_proj." in name or ".down_proj." in name:
+        fused = name
+        params.append((name, [rows, rest[0] // 2]))
+    elif "norm" in name:
+        params.append((name, list(shape)))
+        continue
+    else:  # embed_tokens, lm_head
+        fused = name
+        params.append((name, [rows // 2, *rest]))
+    dims[fused] = [0, 1]
+layout = {"params": params, "world_size": 2, "shard_dims": dims,
+          "packed_modules_mapping": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}}
+plan = KernelPlan.build(source, layout, tp_rank=worker)
+assert plan.ok, plan.reason
+agreed = agreed_local_shards(plan, source)  # a collective: both ranks call it here
+gathered = {n: x.clone() for n, x in plan.iterate(source)}
+full_gathers = source.gathers
+source.local, plan.presliced = set(agreed), set(agreed)
+local = {n: x.clone() for n, x in plan.iterate(source)}
+print(json.dumps({
+    "rank": rank, "worker": worker, "agreed": sorted(agreed), "names": len(hf),
+    "gathers": [full_gathers, source.gathers],
+    "differ": sorted(n for n in gathered if n not in local or not torch.equal(gathered[n], local[n])),
+    "shapes_ok": all(list(local[n].shape) == s for n, s in params),
+}))
+"""
+
+
+def _run(tmp: Path, cfg: Path, workers: list[int]) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(cfg), str(r), str(port), str(w)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, w in enumerate(workers)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("local-shards")
+    subprocess.run([sys.executable, "-c", BUILD, str(tmp / "model")], check=True, timeout=180)
+    spec = job_config(tmp / "model", trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"})
+    return write_config(tmp / "job.json", spec)
+
+
+def test_each_rank_sends_its_own_shard_where_it_is_its_workers(job: Path, tmp_path: Path) -> None:
+    ranks = _run(tmp_path, job, [0, 1])  # trainer rank r shares its GPU with TP worker r
+    want = {f"model.layers.{i}.{m}.{p}.{w}" for i in range(2) for m, ps in
+            (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))) for p in ps
+            for w in (("weight", "bias") if m == "self_attn" else ("weight",))}
+    want |= {"model.embed_tokens.weight", "lm_head.weight"}  # vocabulary-parallel: rows halved
+    for r in ranks:
+        assert set(r["agreed"]) == want, r["agreed"]  # not o_proj/down_proj (split by columns), not the norms
+        assert r["differ"] == [] and r["shapes_ok"], r
+        full, local = r["gathers"]
+        assert full == r["names"] and local == r["names"] - len(want), r["gathers"]
+
+
+@pytest.mark.parametrize("workers", [[1, 0], [0, 0]], ids=["swapped", "disagreeing"])
+def test_ranks_whose_shards_are_not_their_workers_gather_everything(job: Path, tmp_path: Path,
+                                                                    workers: list[int]) -> None:
+    """Swapped: each rank's shard is the other worker's piece. Disagreeing: rank 0's shards fit, rank 1's do not
+    (both plan for worker 0); rank 0 alone skipping its gathers would hang both."""
+    for r in _run(tmp_path, job, workers):
+        assert r["agreed"] == [] and r["differ"] == [] and r["shapes_ok"], r
+        assert r["gathers"] == [r["names"], r["names"]], r
