@@ -131,8 +131,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("kernel-format-forced", {"format": "kernel"}),
         # vLLM >= 0.28: vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
         ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
-        # FSDP2 ranks into a TP engine: each rank's FSDP2 shard sent ungathered where it is its worker's TP shard
-        ("kernel-format-local-shards", {"format": "auto", "local_shards": True}),
+        # each FSDP2 rank's shard sent ungathered where it is its TP worker's, no gather of what no engine takes
+        ("kernel-format-lean-gathers", {"format": "auto", "lean_gathers": True}),
     ],
     # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three
     "gloo": [
@@ -143,7 +143,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 #: Options every variant starts from (a variant names only what it changes).
 RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True,
-                         "local_shards": False}
+                         "lean_gathers": False}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -341,7 +341,8 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
     out["ipc"] = syncs[0].get("ipc") if syncs else None  # resident or vllm (vLLM >= 0.28 IPC)
-    for k in ("gathers", "local_shards"):  # trainer rank 0's FSDP2 gathers and tensors sent as its own shard
+    # trainer rank 0's FSDP2 gathers, tensors sent as its own shard, parameters left out (lean_gathers)
+    for k in ("gathers", "local_shards", "skipped"):
         if syncs and k in syncs[0]:
             out[k] = syncs[0][k]
     return out

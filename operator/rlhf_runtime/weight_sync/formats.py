@@ -74,6 +74,10 @@ class KernelPlan:
         #: the TP shard); ``iterate`` does not split them again
         self.presliced: set[str] = set()
 
+    def used_sources(self) -> set[str]:
+        """The HF names the plan takes (``iterate`` drops the others)."""
+        return {s for _, _, srcs in self.entries for s in srcs}
+
     def row_split_sources(self) -> set[str]:
         """HF names that every entry using them splits along dim 0 (the pieces an FSDP2 shard on dim 0 can be)."""
         rows = {s for n, _, srcs in self.entries if self.shard.get(n) == 0 for s in srcs}

@@ -6,7 +6,7 @@
   FSDP2 shards gathered (``full_tensor()``, a collective: every rank iterates), fused HF MoE experts split per
   expert (``rlhf_runtime.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
   option); ``local`` names go out as this rank's FSDP2 shard, ungathered (``local_candidates``: where the shard is
-  the piece a tensor-parallel engine worker on this rank's GPU holds).
+  the piece a tensor-parallel engine worker on this rank's GPU holds), ``drop`` names not at all (``unneeded``).
 * ``PackedProducer``: vLLM's packed NCCL wire format from persistent double buffers.
 * ``IPCBufferProducer`` / ``cuda_ipc_export``: CUDA-IPC chunks from persistent double buffers.
 """
@@ -40,8 +40,10 @@ class ParamSource:
         self.dtype = dtype
         self.skip = skip or set()
         #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered: every rank must hold the
-        #: same set (the gathers of the others are collectives); ``senders.agreed_local_shards`` decides it
+        #: same set (the gathers of the others are collectives); ``senders.agreed_gathers`` decides it
         self.local: set[str] = set()
+        #: parameter names not yielded at all (``unneeded``: no engine takes them), on the same terms as ``local``
+        self.drop: set[str] = set()
         self.gather_s = 0.0
         self.gathers = 0  # full_tensor() calls of the last iteration
         self.bytes = 0
@@ -67,7 +69,7 @@ class ParamSource:
         what a TP engine worker holds of a column-parallel or vocabulary-parallel weight): a DTensor sharded on
         dim 0 over a one-dimensional mesh of ``tp`` ranks, this rank at position ``tp_rank``, dim 0 divisible by
         ``tp``, not a fused MoE tensor (split per expert on the way out). Depends on this rank's position: the
-        ranks agree on a set before using it (``senders.agreed_local_shards``)."""
+        ranks agree on a set before using it (``senders.agreed_gathers``)."""
         out = set()
         for name, p in self._named():
             placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
@@ -81,8 +83,15 @@ class ParamSource:
                 out.add(name)
         return out
 
+    def unneeded(self, used: set[str]) -> set[str]:
+        """Parameter names none of whose tensors as sent (``wire_shapes``: fused MoE experts per expert) is in
+        ``used``: a stream for a plan that takes only ``used`` can leave them out, gathers and all."""
+        return {n for n, p in self._named() if not any(w in used for w, _ in moe.unfused_shapes(n, tuple(p.shape)))}
+
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self._named():
+            if name in self.drop:
+                continue
             t = time.perf_counter()
             if name in self.local:
                 full = p.to_local()

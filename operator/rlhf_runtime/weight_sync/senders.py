@@ -91,27 +91,31 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
     return KernelPlan.build(source, layout, tp_rank)
 
 
-def agreed_local_shards(plan: KernelPlan, source: ParamSource) -> set[str]:
-    """The HF names that every trainer rank can send as its own FSDP2 shard, ungathered: the plan splits them along
-    dim 0 only and on every rank the shard is the piece the engine worker on that rank's GPU holds
-    (``ParamSource.local_candidates``). A collective over the trainer's process group: every rank calls it at the
-    same point (right after ``kernel_plan``); empty on a lone rank."""
+def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set[str]]:
+    """What no trainer rank needs to gather for ``plan``: (``local``) the HF names every rank can send as its own
+    FSDP2 shard (the plan splits them along dim 0 only and on every rank the shard is the piece the engine worker
+    on that rank's GPU holds: ``ParamSource.local_candidates``) and (``unused``) the trainer parameters no rank's
+    plan takes (a tied head under its second name; ``ParamSource.unneeded``). With several ranks a collective over
+    the trainer's process group (every rank calls it at the same point, right after ``kernel_plan``): a gather
+    one rank skipped and another ran would leave both waiting in it."""
     import torch.distributed as dist
 
+    local = plan.row_split_sources() & source.local_candidates(plan.tp, plan.tp_rank) \
+        if plan.ok and plan.tp > 1 else set()
+    unused = source.unneeded(plan.used_sources()) if plan.ok else set()
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return set()
-    mine = sorted(plan.row_split_sources() & source.local_candidates(plan.tp, plan.tp_rank)) \
-        if plan.ok and plan.tp > 1 else []
+        return set(), unused  # one rank: nothing is a shard, and nothing it skips is a collective
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return set.intersection(*(set(x) for x in everyone))
+    dist.all_gather_object(everyone, (sorted(local), sorted(unused)))
+    return (set.intersection(*(set(x[0]) for x in everyone)), set.intersection(*(set(x[1]) for x in everyone)))
 
 
-#: Whether the kernel format over IPC from FSDP2 ranks into a TP engine sends each rank's own FSDP2 shard where it
-#: is the engine worker's TP shard (``agreed_local_shards``: no gather for column- and vocabulary-parallel weights)
-#: unless ``configure(local_shards=...)`` says otherwise. Off until it is validated on GPUs (the fresh-engine
-#: check); the benchmark's ``kernel-format-local-shards`` variant turns it on.
-LOCAL_SHARDS_DEFAULT = False
+#: Whether the kernel format sends each FSDP2 rank's own shard where it is the TP engine worker's shard
+#: (``agreed_gathers``: no gather for column- and vocabulary-parallel weights; IPC from FSDP2 ranks into a TP
+#: engine) and skips the trainer parameters no engine takes (a tied head's second name), unless
+#: ``configure(lean_gathers=...)`` says otherwise. Off until validated on GPUs (the fresh-engine check); the
+#: benchmark's ``kernel-format-lean-gathers`` variant turns it on.
+LEAN_GATHERS_DEFAULT = False
 
 #: Engine calls per sync over NCCL on vLLM >= 0.28 unless ``configure(rpc=...)`` says otherwise (see
 #: ``TrainerEngineSender.__init__``); the CPU backend (gloo) takes ``DEFAULT_OPTIONS["rpc"]``.
@@ -167,8 +171,8 @@ class TrainerEngineSender(Sender):
         self.auto_reason: str | None = None
         self.resident: ResidentExport | None = None
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
-        self.local_shards = LOCAL_SHARDS_DEFAULT  # see LOCAL_SHARDS_DEFAULT (configure: local_shards)
-        self.local_agreed: set[str] = set()  # agreed_local_shards of the kernel plan
+        self.lean_gathers = LEAN_GATHERS_DEFAULT  # see LEAN_GATHERS_DEFAULT (configure: lean_gathers)
+        self.agreed: tuple[set[str], set[str]] = (set(), set())  # agreed_gathers of the kernel plan
         #: "one": one engine call per sync where the backend allows it. NCCL keeps three until the one-call round
         #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) the benchmark stopped at its first one-call NCCL sync
         #: (or the greedy rollout just before it: the run's 280 s passed with no engine error reported), while
@@ -218,22 +222,23 @@ class TrainerEngineSender(Sender):
                     self.plan = KernelPlan([], False, "the gloo backend loads the checkpoint format only")
                 else:
                     self.plan = kernel_plan(self.source, self.client, self.backend)
-                    if self.backend == "ipc" and self.trainer_world > 1:  # every rank is here: a collective
-                        self.local_agreed = agreed_local_shards(self.plan, self.source)
+                    self.agreed = agreed_gathers(self.plan, self.source)  # every rank is here: a collective
             self.format = effective_format(fmt, self.plan)
         self.client.checkpoint_format = self.format == "checkpoint"
-        self._use_local_shards()
+        self._use_agreed_gathers()
         plan = self.plan
         one_gpu = self.trainer_world == 1 and plan is not None and plan.tp == 1
         if self.backend == "ipc" and self.format == "kernel" and one_gpu and self.resident is None:
             self.resident = ResidentExport(plan, self.source)
 
-    def _use_local_shards(self) -> None:
-        """The names sent ungathered (``local_agreed``) where the option is on and the kernel plan is in use."""
-        used = set(self.local_agreed) if self.local_shards and self.format == "kernel" else set()
-        self.source.local = used
+    def _use_agreed_gathers(self) -> None:
+        """Send the agreed names ungathered or not at all (``agreed``) where the option is on and the kernel plan
+        is in use; every name gathered otherwise (the checkpoint format sends every tensor whole)."""
+        on = self.lean_gathers and self.format == "kernel"
+        local, unused = self.agreed if on else (set(), set())
+        self.source.local, self.source.drop = set(local), set(unused)
         if self.plan is not None:
-            self.plan.presliced = set(used)
+            self.plan.presliced = set(local)
 
     def _weight_source(self) -> Any:
         if self.format != "kernel":
@@ -245,18 +250,18 @@ class TrainerEngineSender(Sender):
         return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
 
     def configure(self, **options: Any) -> dict[str, Any]:
-        """Change the weight format (``format``), the resident IPC path (``ipc_resident``), FSDP2 shards sent
-        ungathered where they are the TP shard (``local_shards``) or the engine calls per sync (``rpc``:
-        ``"one"``/``"three"``) for later syncs (the benchmark compares them in one run);
+        """Change the weight format (``format``), the resident IPC path (``ipc_resident``), the gathers the kernel
+        plan needs only (``lean_gathers``: ``agreed_gathers``) or the engine calls per sync (``rpc``: ``"one"``/
+        ``"three"``) for later syncs (the benchmark compares them in one run);
         returns what is in use, the plan's reason and the options this sender does not take."""
         if "format" in options:
             self._resolve(options.pop("format"))
             self.engine.source = self._weight_source()
         if "ipc_resident" in options:
             self.ipc_resident = bool(options.pop("ipc_resident"))
-        if "local_shards" in options:
-            self.local_shards = bool(options.pop("local_shards"))
-            self._use_local_shards()
+        if "lean_gathers" in options:
+            self.lean_gathers = bool(options.pop("lean_gathers"))
+            self._use_agreed_gathers()
         if "rpc" in options:
             rpc = options.pop("rpc")
             if rpc not in ("one", "three"):
@@ -267,7 +272,7 @@ class TrainerEngineSender(Sender):
                                "kernel_plan": self.auto_reason or (None if self.plan is None else self.plan.reason),
                                "ipc_resident": self._resident_on(),
                                "rpc": "one" if self.client.one_round else "three",
-                               "local_shards": len(self.source.local),
+                               "local_shards": len(self.source.local), "skipped": len(self.source.drop),
                                "ipc_resident_reason": None if self.resident is None else self.resident.reason}
         if options:
             out["unsupported"] = sorted(options)
@@ -296,7 +301,8 @@ class TrainerEngineSender(Sender):
         else:
             self.engine.send_weights()
             r = self._result(time.perf_counter() - t)
-            r.update(gathers=float(self.source.gathers), local_shards=float(len(self.source.local)))
+            r.update(gathers=float(self.source.gathers), local_shards=float(len(self.source.local)),
+                     skipped=float(len(self.source.drop)))
         r["format"] = self.format  # type: ignore[assignment]
         if self.backend == "ipc":  # which IPC path ran (ResidentExport.reason says why not resident)
             r["ipc"] = "resident" if message is not None else "vllm"  # type: ignore[assignment]

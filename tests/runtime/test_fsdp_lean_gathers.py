@@ -1,9 +1,10 @@
-"""FSDP2 shards sent ungathered where they are a tensor-parallel engine worker's shard (the kernel format over IPC
-from FSDP2 ranks into a TP engine, ``senders.agreed_local_shards``): on two real ``Trainer`` processes that shard a
-real tiny Qwen2 with ``fully_shard`` over gloo (CPU), each rank's kernel-format tensors for the TP=2 worker on its
-GPU are the same with and without the gathers the local shards replace, and far fewer gathers run. Ranks whose
-shards are not their workers' (or that disagree) gather everything: a rank skipping a gather the other runs would
-leave both waiting in it."""
+"""The gathers a kernel plan needs only (``senders.agreed_gathers``, option ``lean_gathers``): FSDP2 shards sent
+ungathered where they are a tensor-parallel engine worker's shard (the kernel format over IPC from FSDP2 ranks into
+a TP engine), and no gather of what no engine takes (a tied head's second name). On two real ``Trainer`` processes
+that shard a real tiny Qwen2 (tied embeddings) with ``fully_shard`` over gloo (CPU), each rank's kernel-format
+tensors for the TP=2 worker on its GPU are the same with and without the gathers left out, and far fewer gathers
+run. Ranks whose shards are not their workers' (or that disagree) gather every shard: a rank skipping a gather the
+other runs would leave both waiting in it."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from tests.runtime.conftest import job_config, write_config
 
 pytestmark = pytest.mark.runtime
 
-# A tiny Qwen2 whose KV heads split two ways (the shared tiny model has one KV head: vLLM replicates it under TP=2).
+# A tiny Qwen2 whose KV heads split two ways (the shared tiny model has one KV head: vLLM replicates it under TP=2),
+# with a tied head (vLLM's engine has no lm_head parameter then; the trainer's stream has it under both names).
 BUILD = r"""
 import sys, torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 from rlhf_runtime.tiny import build_tokenizer
 cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False,
+                  num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
                   bos_token_id=2, eos_token_id=3, pad_token_id=0)
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(cfg).save_pretrained(sys.argv[1])
@@ -33,15 +35,15 @@ build_tokenizer(sys.argv[1], 64)
 """
 
 # One trainer rank: the kernel plan for the TP=2 engine worker ``worker`` (vLLM's per-rank Qwen2 layout: fused
-# qkv and gate_up split by rows per part, o and down by columns, vocabulary rows halved, norms whole), its tensors
-# gathered, then with the agreed local shards.
+# qkv and gate_up split by rows per part, o and down by columns, vocabulary rows halved, norms whole, the tied
+# head not a parameter of its own), its tensors gathered, then with the agreed gathers only.
 WORKER = r"""
 import json, sys
 import torch
 from rlhf_runtime.trainer import Trainer
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.producers import ParamSource
-from rlhf_runtime.weight_sync.senders import agreed_local_shards
+from rlhf_runtime.weight_sync.senders import agreed_gathers
 
 cfg, rank, port, worker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
@@ -50,8 +52,8 @@ hf = dict(source.wire_shapes())
 params, dims = [], {}
 for name, shape in hf.items():
     rows, rest = shape[0], list(shape[1:])
-    if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name:
-        continue  # fused into the q_proj / gate_proj entry
+    if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name or name == "lm_head.weight":
+        continue  # fused into the q_proj / gate_proj entry; the tied head
     if ".q_proj." in name:
         fused = name.replace("q_proj", "qkv_proj")
         parts = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
@@ -65,7 +67,7 @@ for name, shape in hf.items():
     elif "norm" in name:
         params.append((name, list(shape)))
         continue
-    else:  # embed_tokens, lm_head
+    else:  # embed_tokens
         fused = name
         params.append((name, [rows // 2, *rest]))
     dims[fused] = [0, 1]
@@ -73,13 +75,13 @@ layout = {"params": params, "world_size": 2, "shard_dims": dims,
           "packed_modules_mapping": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}}
 plan = KernelPlan.build(source, layout, tp_rank=worker)
 assert plan.ok, plan.reason
-agreed = agreed_local_shards(plan, source)  # a collective: both ranks call it here
+local_ok, unused = agreed_gathers(plan, source)  # a collective: both ranks call it here
 gathered = {n: x.clone() for n, x in plan.iterate(source)}
 full_gathers = source.gathers
-source.local, plan.presliced = set(agreed), set(agreed)
+source.local, source.drop, plan.presliced = set(local_ok), set(unused), set(local_ok)
 local = {n: x.clone() for n, x in plan.iterate(source)}
 print(json.dumps({
-    "rank": rank, "worker": worker, "agreed": sorted(agreed), "names": len(hf),
+    "rank": rank, "worker": worker, "local": sorted(local_ok), "unused": sorted(unused), "names": len(hf),
     "gathers": [full_gathers, source.gathers],
     "differ": sorted(n for n in gathered if n not in local or not torch.equal(gathered[n], local[n])),
     "shapes_ok": all(list(local[n].shape) == s for n, s in params),
@@ -115,19 +117,22 @@ def test_each_rank_sends_its_own_shard_where_it_is_its_workers(job: Path, tmp_pa
     want = {f"model.layers.{i}.{m}.{p}.{w}" for i in range(2) for m, ps in
             (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))) for p in ps
             for w in (("weight", "bias") if m == "self_attn" else ("weight",))}
-    want |= {"model.embed_tokens.weight", "lm_head.weight"}  # vocabulary-parallel: rows halved
+    want.add("model.embed_tokens.weight")  # vocabulary-parallel: rows halved
     for r in ranks:
-        assert set(r["agreed"]) == want, r["agreed"]  # not o_proj/down_proj (split by columns), not the norms
+        assert set(r["local"]) == want, r["local"]  # not o_proj/down_proj (split by columns), not the norms
+        assert r["unused"] == ["lm_head.weight"], r["unused"]
         assert r["differ"] == [] and r["shapes_ok"], r
-        full, local = r["gathers"]
-        assert full == r["names"] and local == r["names"] - len(want), r["gathers"]
+        full, lean = r["gathers"]
+        assert full == r["names"] and lean == r["names"] - len(want) - 1, r["gathers"]
 
 
 @pytest.mark.parametrize("workers", [[1, 0], [0, 0]], ids=["swapped", "disagreeing"])
 def test_ranks_whose_shards_are_not_their_workers_gather_everything(job: Path, tmp_path: Path,
                                                                     workers: list[int]) -> None:
     """Swapped: each rank's shard is the other worker's piece. Disagreeing: rank 0's shards fit, rank 1's do not
-    (both plan for worker 0); rank 0 alone skipping its gathers would hang both."""
+    (both plan for worker 0); rank 0 alone skipping its gathers would hang both. The head no plan takes is still
+    left out on both."""
     for r in _run(tmp_path, job, workers):
-        assert r["agreed"] == [] and r["differ"] == [] and r["shapes_ok"], r
-        assert r["gathers"] == [r["names"], r["names"]], r
+        assert r["local"] == [] and r["unused"] == ["lm_head.weight"], r
+        assert r["differ"] == [] and r["shapes_ok"], r
+        assert r["gathers"] == [r["names"], r["names"] - 1], r
