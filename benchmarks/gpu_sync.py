@@ -113,6 +113,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
         ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
         ("kernel-format", {"producer": "runtime", "format": "auto"}),
+        # start, update, finish as three engine calls submitted back to back (EngineFanOut.pipelined); before
+        # one-rpc, which did not finish on 2xH100 (a variant that fails or hangs ends the variants)
+        ("kernel-format-pipelined-rpc", {"producer": "runtime", "format": "auto", "rpc": "pipelined"}),
         ("kernel-format-one-rpc", {"producer": "runtime", "format": "auto", "rpc": "one"}),
         ("kernel-format-256MB", {"producer": "runtime", "format": "auto", "bucket_bytes": 256 << 20}),
         ("kernel-format-4GB", {"producer": "runtime", "format": "auto", "bucket_bytes": 4 << 30}),
@@ -134,10 +137,12 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # each FSDP2 rank's shard sent ungathered where it is its TP worker's, no gather of what no engine takes
         ("kernel-format-lean-gathers", {"format": "auto", "lean_gathers": True}),
     ],
-    # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three
+    # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three,
+    # and three submitted back to back
     "gloo": [
         ("three-rpc", {"format": "auto", "rpc": "three"}),
         ("one-rpc", {"format": "auto", "rpc": "one"}),
+        ("pipelined-rpc", {"format": "auto", "rpc": "pipelined"}),
     ],
 }
 
@@ -341,10 +346,11 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
     out["ipc"] = syncs[0].get("ipc") if syncs else None  # resident or vllm (vLLM >= 0.28 IPC)
-    # trainer rank 0's FSDP2 gathers, tensors sent as its own shard, parameters left out (lean_gathers)
-    for k in ("gathers", "local_shards", "skipped"):
-        if syncs and k in syncs[0]:
-            out[k] = syncs[0][k]
+    # the last sync's engine calls and waits for the engines (rpc), trainer rank 0's FSDP2 gathers, tensors sent
+    # as its own shard and parameters left out (lean_gathers)
+    for k in ("engine_calls", "engine_waits", "gathers", "local_shards", "skipped"):
+        if syncs and k in syncs[-1]:
+            out[k] = syncs[-1][k]
     return out
 
 

@@ -214,8 +214,9 @@ class Trainer:
                 "trainer_world": self.world_size, "timeout_s": timeout}
         source = ParamSource(self.model, self.dtype, set(skip or []))
         self.sender = None
-        self.sender = make_sender(backend, EngineFanOut(handles, worlds, timeout), source, init,
-                                  self.spec.weight_sync.format)
+        # sync-mode engines are sync actors (one call at a time, in order): the fan-out may pipeline their calls
+        fanout = EngineFanOut(handles, worlds, timeout, ordered=self.spec.weight_sync.mode == "sync")
+        self.sender = make_sender(backend, fanout, source, init, self.spec.weight_sync.format)
 
     def sync_weights(self) -> dict[str, float]:
         if self.device.type == "cuda":

@@ -18,12 +18,17 @@ log = logging.getLogger(__name__)
 class EngineFanOut:
     """``VLLMWeightSyncClient`` over engine actors (``rlhf_runtime.engines``), with per-engine rank offsets."""
 
-    def __init__(self, handles: list[Any], worlds: list[int], timeout_s: float | None = None) -> None:
+    def __init__(self, handles: list[Any], worlds: list[int], timeout_s: float | None = None,
+                 ordered: bool = False) -> None:
         self.handles = handles
+        #: the engine actors run one call at a time, in the order this process submits them (sync actors,
+        #: ``max_concurrency=1``: ``weightSync.mode: sync``); async engines run calls side by side
+        self.ordered = ordered
         self.worlds = worlds
         self.timeout_s = timeout_s  # spec.weightSync.timeoutSeconds: no engine call waits longer
         self.timings: dict[str, float] = {}
         self.calls = 0  # Ray calls per engine since ``new_sync`` (one per method call, fanned out to every engine)
+        self.waits = 0  # times the trainer waited for the engines since ``new_sync`` (``get``)
         #: the format of ``start_weight_update()`` called without one (vLLM >= 0.28's trainer engines call it so;
         #: ``TrainerEngineSender`` sets it from ``spec.weightSync.format``)
         self.checkpoint_format = True
@@ -35,14 +40,22 @@ class EngineFanOut:
         #: so a failing start raises before the trainer's broadcast instead of leaving it waiting for engines
         #: that never join; later syncs of that format are one call.
         self.one_round = False
+        #: ``ordered`` engines, trainer engines that call ``update_weights`` once per sync: start, update and
+        #: finish stay three engine calls (vLLM's own worker methods) but are submitted back to back: the trainer
+        #: waits for the start with the update, then for a finish that is already running, so a sync pays one
+        #: Ray round trip per engine instead of three. The same first-sync rule as ``one_round``.
+        self.pipelined = False
+        self._finish_refs: list[Any] = []  # pipelined: the finish calls submitted with the update
         #: the sync under way: (stage, format), stage "deferred" (start left to the round), "round" (the round
-        #: finished the update) or "three" (three calls); None between syncs
+        #: finished the update), "three" (three calls), "pipelined" (the start submitted) or "pipelined-finish"
+        #: (the finish submitted); None between syncs
         self._open: tuple[str, bool] | None = None
         self._proven: bool | None = None  # the format whose last sync completed (one call from then on)
+        self._start_refs: list[Any] = []  # pipelined: the start calls submitted by start_weight_update
 
     def new_sync(self) -> None:
-        """Start counting a sync: ``timings`` and ``calls`` from zero."""
-        self.timings, self.calls = {}, 0
+        """Start counting a sync: ``timings``, ``calls`` and ``waits`` from zero."""
+        self.timings, self.calls, self.waits = {}, 0, 0
 
     def get(self, refs: Any, method: str) -> Any:
         """``ray.get`` bounded by ``timeout_s``; a timeout names the call and the engines. An engine's error is
@@ -52,6 +65,7 @@ class EngineFanOut:
         import ray
         from ray.exceptions import GetTimeoutError
 
+        self.waits += 1
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except GetTimeoutError:
@@ -86,6 +100,11 @@ class EngineFanOut:
         if self.one_round and self._proven == fmt:  # the engines start inside the update's round
             self._open = ("deferred", fmt)
             return
+        if self.pipelined and self.ordered and self._proven == fmt:  # submitted now, waited on with the update
+            self.calls += 1
+            self._start_refs = [h.start_weight_update.remote(fmt) for h in self.handles]
+            self._open = ("pipelined", fmt)
+            return
         self._open, self._proven = ("three", fmt), None
         self._all("start_weight_update", [(fmt,)] * len(self.handles))
 
@@ -96,12 +115,38 @@ class EngineFanOut:
             self.update_round(update_info, fmt)
             self._open, self._proven = ("round", fmt), fmt
             return
+        if self._open is not None and self._open[0] == "pipelined":
+            fmt = self._open[1]
+            self._open, self._proven = None, None  # until this sync succeeds
+            t = time.perf_counter()
+            self.calls += 2
+            updates = [h.update_weights.remote(update_info) for h in self.handles]
+            self._finish_refs = [h.finish_weight_update.remote() for h in self.handles]
+            try:
+                self.get(self._start_refs + updates, "start_weight_update+update_weights")
+            except BaseException:
+                # not waited for: it fails too (no update open), or waits behind a stuck update
+                self._finish_refs = []
+                raise
+            finally:
+                self._start_refs = []
+                self.timings["update_weights"] = self.timings.get("update_weights", 0.0) + time.perf_counter() - t
+            self._open = ("pipelined-finish", fmt)
+            return
         self._all("update_weights", [(update_info,)] * len(self.handles))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         stage, fmt = self._open or ("", None)
         self._open = None
         if stage == "round":  # the round finished the engines' update
+            return
+        if stage == "pipelined-finish":  # submitted with the update: wait for it
+            t = time.perf_counter()
+            finishing, self._finish_refs = self._finish_refs, []
+            self.get(finishing, "finish_weight_update")
+            self.timings["finish_weight_update"] = self.timings.get("finish_weight_update", 0.0) + \
+                time.perf_counter() - t
+            self._proven = fmt
             return
         self._all("finish_weight_update", [()] * len(self.handles))
         if stage == "three":

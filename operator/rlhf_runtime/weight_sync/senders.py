@@ -46,6 +46,7 @@ class Sender:
             "send_s": wall,
             "bytes": float(self.source.bytes),
             "engine_calls": float(self.client.calls),  # Ray calls per engine in this sync (rank 0; others 0)
+            "engine_waits": float(self.client.waits),  # times it waited for the engines (pipelined calls: fewer)
         }
 
 
@@ -117,6 +118,12 @@ def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set
 #: benchmark's ``kernel-format-lean-gathers`` variant turns it on.
 LEAN_GATHERS_DEFAULT = False
 
+#: The engine calls of a sync over NCCL or gloo (``configure(rpc=...)``): ``three`` (start, update, finish, each
+#: waited on), ``one`` (``EngineFanOut.one_round``: one ``update_weights_round`` call per engine) or ``pipelined``
+#: (``EngineFanOut.pipelined``: the three calls submitted back to back, one wait; engines of ``weightSync.mode:
+#: sync`` only, three elsewhere).
+RPC_MODES = ("one", "three", "pipelined")
+
 #: Engine calls per sync over NCCL on vLLM >= 0.28 unless ``configure(rpc=...)`` says otherwise (see
 #: ``TrainerEngineSender.__init__``); the CPU backend (gloo) takes ``DEFAULT_OPTIONS["rpc"]``.
 NCCL_RPC_DEFAULT = "three"
@@ -160,7 +167,9 @@ class TrainerEngineSender(Sender):
     with ``rpc="one"`` (``formats.DEFAULT_OPTIONS``) the client makes them one ``update_weights_round`` call per
     engine (``EngineFanOut.one_round``): one Ray round trip per sync instead of three, as the 0.24 sender's
     default, from the second sync of a format on (the first still makes three calls, so an engine that cannot
-    start raises before the broadcast). ``configure(rpc="three")`` goes back."""
+    start raises before the broadcast); with ``rpc="pipelined"`` (sync-mode engines) the three calls are
+    submitted back to back and waited on once (``EngineFanOut.pipelined``). ``configure(rpc="three")`` goes
+    back."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
@@ -208,9 +217,11 @@ class TrainerEngineSender(Sender):
 
     def _set_rounds(self) -> None:
         """NCCL and gloo trainer engines call ``update_weights`` once per sync: with ``rpc="one"`` the client
-        turns start, update and finish into one call per engine (``EngineFanOut.one_round``). vLLM's IPC trainer
+        turns start, update and finish into one call per engine (``EngineFanOut.one_round``), with
+        ``rpc="pipelined"`` it submits the three back to back (``EngineFanOut.pipelined``). vLLM's IPC trainer
         engine calls it once per chunk, so it keeps three calls (its resident sync is one call already)."""
         self.client.one_round = self.rpc == "one" and self.backend in ("nccl", "gloo")
+        self.client.pipelined = self.rpc == "pipelined" and self.backend in ("nccl", "gloo") and self.client.ordered
 
     def _resolve(self, fmt: str) -> None:
         self.auto_reason = auto_keeps_checkpoint() if fmt == "auto" else None
@@ -264,14 +275,15 @@ class TrainerEngineSender(Sender):
             self._use_agreed_gathers()
         if "rpc" in options:
             rpc = options.pop("rpc")
-            if rpc not in ("one", "three"):
-                raise ValueError(f"rpc must be 'one' or 'three', not {rpc!r}")
+            if rpc not in RPC_MODES:
+                raise ValueError(f"rpc must be one of {', '.join(RPC_MODES)}, not {rpc!r}")
             self.rpc = rpc
             self._set_rounds()
         out: dict[str, Any] = {"format": self.format,
                                "kernel_plan": self.auto_reason or (None if self.plan is None else self.plan.reason),
                                "ipc_resident": self._resident_on(),
-                               "rpc": "one" if self.client.one_round else "three",
+                               "rpc": "one" if self.client.one_round else "pipelined" if self.client.pipelined
+                               else "three",
                                "local_shards": len(self.source.local), "skipped": len(self.source.drop),
                                "ipc_resident_reason": None if self.resident is None else self.resident.reason}
         if options:

@@ -1,0 +1,38 @@
+"""The engine calls of a weight sync (``TrainerEngineSender`` option ``rpc``) on real Ray, a real vLLM engine and a
+real trainer over gloo (CPU), through the benchmark that compares them on GPUs (``benchmarks/gpu_sync.py --cpu``):
+each mode's syncs land (the engine's weights are scrambled before a mode's syncs, and its greedy tokens after them
+equal those of the validated first sync), and each makes the engine calls and waits it promises: three calls
+waited on one by one, one ``update_weights_round`` call, or three calls submitted back to back and waited on
+twice (``EngineFanOut.pipelined``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.runtime
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_sync.py"
+
+
+def test_each_rpc_mode_syncs_with_the_calls_and_waits_it_promises(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH), "--cpu", "--syncs", "3", "--timeout", "500", "--out", str(tmp_path / "out"),
+           "--work", str(tmp_path / "work"), "--variants", "three-rpc,pipelined-rpc", "cpu-gloo:tiny"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    result_file = tmp_path / "out" / "gpu_cpu-gloo_tiny.json"
+    assert result_file.exists(), (proc.stdout[-3000:], proc.stderr[-3000:])
+    r = json.loads(result_file.read_text())
+    assert r["status"] == "ok", (r.get("error"), r.get("traceback"), proc.stdout[-3000:])
+    assert r["validation"]["validated"], r["validation"]  # the first sync, against a fresh engine
+    s = r["summary"]
+    # the default: one call per sync from the group's second sync on
+    assert (s["default"]["engine_calls"], s["default"]["engine_waits"]) == (1, 1), s["default"]
+    for name, rpc, calls, waits in (("three-rpc", "three", 3, 3), ("pipelined-rpc", "pipelined", 3, 2)):
+        v = s[name]
+        assert v["options"]["rpc"] == rpc, v["options"]
+        assert v["greedy_equals_validated"], v  # the scrambled engine has the trainer's weights again
+        assert (v["engine_calls"], v["engine_waits"]) == (calls, waits), v
