@@ -670,15 +670,30 @@ def child(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ parent
-#: ``bench_actors.STACK_SIGNAL`` and ``ACTOR_TITLE`` (the parent does not import the runtime); seconds to wait for
-#: the stacks to reach the log.
-STACK_SIGNAL, ACTOR_TITLE, STACK_WAIT_S = signal.SIGUSR1, "ray::Bench", 6.0
+#: ``bench_actors.STACK_SIGNAL`` and ``ACTOR_TITLE`` (the parent does not import the runtime); the most seconds to
+#: wait for the stacks; where Ray keeps each worker's stderr (``worker-<id>-<pid>.err``: the actors' stacks).
+STACK_SIGNAL, ACTOR_TITLE, STACK_WAIT_S = signal.SIGUSR1, "ray::Bench", 10.0
+RAY_LOGS = Path("/tmp/ray/session_latest/logs")
+
+
+def actor_stacks(pids: list[int], final: bool = True) -> str:
+    """The stacks the actors ``pids`` wrote to their stderr on ``STACK_SIGNAL`` (Ray's worker logs, ``RAY_LOGS``),
+    one section per actor. ``final=False``: "" until every one of them has written its stacks (for polling)."""
+    parts = []
+    for pid in pids:
+        text = "".join(f.read_text(errors="replace") for f in RAY_LOGS.glob(f"worker-*-{pid}.err"))
+        start = min((i for i in (text.find("Current thread 0x"), text.find("Thread 0x")) if i >= 0), default=-1)
+        if start < 0 and not final:
+            return ""
+        parts.append(f"\n=== stacks of actor pid {pid}\n" + (text[start:] if start >= 0 else "(none written)\n"))
+    return "".join(parts)
 
 
 def stack_dump(run_pid: int) -> list[int]:
     """Ask a run past its limit (``run_pid``, which registered the dump in ``child``) and every benchmark actor
     (process title ``ACTOR_TITLE``...: they register it when they start) for the stacks of their threads; the pids
-    asked. Other processes are left alone: the signal would end a process that did not register it."""
+    asked, the run's first. Other processes are left alone: the signal would end a process that did not register
+    it."""
     pids = [run_pid]
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != run_pid:
@@ -790,10 +805,12 @@ def main() -> int:
                 if proc.poll() is None:
                     asked = stack_dump(proc.pid)
                     print(f"TIMEOUT {name} after {limit:.0f}s; stacks of {len(asked)} processes in {log}", flush=True)
-                    until = time.time() + STACK_WAIT_S  # Ray forwards the actors' stderr to the run's output
-                    while proc.poll() is None and time.time() < until:
+                    until = time.time() + STACK_WAIT_S  # the run's own goes to its output, the actors' to Ray's logs
+                    while proc.poll() is None and time.time() < until and not actor_stacks(asked[1:], final=False):
                         f.write(proc.stdout.read() or b"")
                         time.sleep(0.5)
+                    f.write(proc.stdout.read() or b"")
+                    f.write(actor_stacks(asked[1:]).encode())
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     res = out / f"gpu_{name.replace(':', '_')}.json"

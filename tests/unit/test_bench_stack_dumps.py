@@ -73,3 +73,25 @@ def test_a_hung_actor_prints_its_stack_and_lives_on_others_are_left_alone() -> N
         for p in (actor, other, run):
             p.kill()
             p.wait()
+
+
+def test_the_actors_stacks_are_read_back_from_their_ray_worker_logs(tmp_path: Path, monkeypatch) -> None:
+    """Ray writes an actor's stderr to ``worker-<id>-<pid>.err``: that is where its stacks land, and what the
+    parent appends to the run's log (after polling until every actor asked has written them)."""
+    monkeypatch.setattr(gpu_sync, "RAY_LOGS", tmp_path)
+    code = PROC.format(bench=str(Path(gpu_sync.__file__).parent), title=f"{bench_actors.ACTOR_TITLE}Trainer.sync",
+                       register=True)
+    err = tmp_path / "stderr"
+    with open(err, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=f)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        os.link(err, tmp_path / f"worker-0123abcd-{p.pid}.err")  # as Ray names it
+        assert gpu_sync.actor_stacks([p.pid], final=False) == ""  # nothing written yet: keep polling
+        assert p.pid in gpu_sync.stack_dump(p.pid)  # the pid asked first is signalled like the run
+        text = wait_for(lambda: gpu_sync.actor_stacks([p.pid], final=False), 30, "the actor's stacks", interval=0.2)
+        assert f"=== stacks of actor pid {p.pid}" in text and "waiting_in_the_broadcast" in text, text
+        assert "(none written)" in gpu_sync.actor_stacks([p.pid, 999999999])  # one that wrote none, at the end
+    finally:
+        p.kill()
+        p.wait()
