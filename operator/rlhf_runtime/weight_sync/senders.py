@@ -181,7 +181,8 @@ class TrainerEngineSender(Sender):
         self.resident: ResidentExport | None = None
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
         self.lean_gathers = LEAN_GATHERS_DEFAULT  # see LEAN_GATHERS_DEFAULT (configure: lean_gathers)
-        self.agreed: tuple[set[str], set[str]] = (set(), set())  # agreed_gathers of the kernel plan
+        self.agreed: tuple[set[str], set[str]] = (set(), set())  # agreed_gathers of the kernel plan (_agree)
+        self._agreed_plan: KernelPlan | None = None
         #: "one": one engine call per sync where the backend allows it. NCCL keeps three until the one-call round
         #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) the benchmark stopped at its first one-call NCCL sync
         #: (or the greedy rollout just before it: the run's 280 s passed with no engine error reported), while
@@ -233,7 +234,8 @@ class TrainerEngineSender(Sender):
                     self.plan = KernelPlan([], False, "the gloo backend loads the checkpoint format only")
                 else:
                     self.plan = kernel_plan(self.source, self.client, self.backend)
-                    self.agreed = agreed_gathers(self.plan, self.source)  # every rank is here: a collective
+                    if self.lean_gathers:
+                        self._agree()  # every rank is here (kernel_plan is a collective too)
             self.format = effective_format(fmt, self.plan)
         self.client.checkpoint_format = self.format == "checkpoint"
         self._use_agreed_gathers()
@@ -241,6 +243,13 @@ class TrainerEngineSender(Sender):
         one_gpu = self.trainer_world == 1 and plan is not None and plan.tp == 1
         if self.backend == "ipc" and self.format == "kernel" and one_gpu and self.resident is None:
             self.resident = ResidentExport(plan, self.source)
+
+    def _agree(self) -> None:
+        """``agreed_gathers`` for the plan in use, once per plan: a collective, so every rank calls this at the
+        same point (plan time, or ``configure(lean_gathers=True)`` sent to every rank). Without the option the
+        ranks never make it (the default path stays the one validated on GPUs)."""
+        if self.plan is not None and self._agreed_plan is not self.plan:
+            self.agreed, self._agreed_plan = agreed_gathers(self.plan, self.source), self.plan
 
     def _use_agreed_gathers(self) -> None:
         """Send the agreed names ungathered or not at all (``agreed``) where the option is on and the kernel plan
@@ -270,8 +279,10 @@ class TrainerEngineSender(Sender):
             self.engine.source = self._weight_source()
         if "ipc_resident" in options:
             self.ipc_resident = bool(options.pop("ipc_resident"))
-        if "lean_gathers" in options:
+        if "lean_gathers" in options:  # turning it on agrees on the gathers first: send it to every rank
             self.lean_gathers = bool(options.pop("lean_gathers"))
+            if self.lean_gathers:
+                self._agree()
             self._use_agreed_gathers()
         if "rpc" in options:
             rpc = options.pop("rpc")
