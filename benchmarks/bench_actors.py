@@ -17,9 +17,10 @@
 ``send_stats(reset)``: seconds in the steps of vLLM >= 0.28's IPC trainer engine that no RPC times
 (``IPC_TRAINER_TIMED``; installs the timers the first time).
 
-Every one of these actors prints the Python stack of each of its threads to its stderr (Ray shows it in the
-driver's log) on ``SIGUSR1`` (``enable_stack_dumps``): ``gpu_sync.py`` sends it to them, and to its own run,
-before it kills a run past its limit, so a hang shows where each side waits.
+Every one of these actors prints the Python stack of each of its threads to its stderr (Ray keeps it in the
+actor's worker log) on ``SIGUSR1`` (``enable_stack_dumps``): ``gpu_sync.py`` sends it to them, and to its own
+run, before it kills a run past its limit, and copies the stacks into the run's log, so a hang shows where each
+side waits.
 
 ``install(rt)`` makes a ``rlhf_runtime.driver.Runtime`` start these classes instead of its own, and puts this
 directory on the ``PYTHONPATH`` of the Ray it starts, so the actors can import this module.

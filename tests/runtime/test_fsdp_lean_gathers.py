@@ -78,7 +78,7 @@ assert plan.ok, plan.reason
 local_ok, unused = agreed_gathers(plan, source)  # a collective: both ranks call it here
 gathered = {n: x.clone() for n, x in plan.iterate(source)}
 full_gathers = source.gathers
-source.local, source.drop, plan.presliced = set(local_ok), set(unused), set(local_ok)
+source.local, source.drop = set(local_ok), set(unused)
 local = {n: x.clone() for n, x in plan.iterate(source)}
 print(json.dumps({
     "rank": rank, "worker": worker, "local": sorted(local_ok), "unused": sorted(unused), "names": len(hf),

@@ -249,9 +249,9 @@ def test_kernel_plan_takes_presliced_row_pieces_as_they_come() -> None:
         assert rows == {a + f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")} | {
             m + "gate_proj.weight", m + "up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"}
         whole = dict(plan.iterate(_Source(hf)))
-        plan.presliced = rows
-        pieces = {n: t.chunk(2, dim=0)[rank] if n in rows else t for n, t in hf.items()}
-        got = dict(plan.iterate(_Source(pieces)))
+        pieces = _Source({n: t.chunk(2, dim=0)[rank] if n in rows else t for n, t in hf.items()})
+        pieces.local = rows  # as ParamSource.local: these come as this rank's piece
+        got = dict(plan.iterate(pieces))
         assert got.keys() == whole.keys() and all(torch.equal(got[n], whole[n]) for n in whole)
 
 

@@ -70,9 +70,6 @@ class KernelPlan:
         self.entries, self.ok, self.reason = entries, ok, reason
         self.shard = shard or {}  # engine name -> the dimension its sources are split along (TP > 1)
         self.tp, self.tp_rank = tp, tp_rank
-        #: HF names the stream yields already as this rank's piece (``ParamSource.local``: FSDP2 shards that are
-        #: the TP shard); ``iterate`` does not split them again
-        self.presliced: set[str] = set()
 
     def used_sources(self) -> set[str]:
         """The HF names the plan takes (``iterate`` drops the others)."""
@@ -193,7 +190,9 @@ class KernelPlan:
         """Yields (engine name, tensor) in ``entries`` order, pulling HF tensors from ``source`` lazily.
         ``fuse=False`` yields fused parameters as their parts (``FusedParts``: the producers write them side by
         side in their buffers, which is the fused layout, without a ``torch.cat``). Split parameters yield this
-        rank's pieces (views; the packers copy them)."""
+        rank's pieces (views; the packers copy them), except the names the source yields as this rank's piece
+        already (``ParamSource.local``: FSDP2 shards that are the TP shard)."""
+        presliced = getattr(source, "local", ())  # a source without the attribute sends every tensor whole
         it = iter(source)
         needed = {s for e in self.entries for s in e[2]}
         have: dict[str, torch.Tensor] = {}
@@ -205,7 +204,7 @@ class KernelPlan:
             parts = [have.pop(s) for s in srcs]
             dim = self.shard.get(name)
             if dim is not None:
-                parts = [p if s in self.presliced else p.chunk(self.tp, dim=dim)[self.tp_rank]
+                parts = [p if s in presliced else p.chunk(self.tp, dim=dim)[self.tp_rank]
                          for s, p in zip(srcs, parts)]
             if len(parts) == 1:
                 yield name, parts[0] if dim is None else parts[0].contiguous()

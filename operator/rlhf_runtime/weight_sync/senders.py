@@ -97,7 +97,7 @@ def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set
     FSDP2 shard (the plan splits them along dim 0 only and on every rank the shard is the piece the engine worker
     on that rank's GPU holds: ``ParamSource.local_candidates``) and (``unused``) the trainer parameters no rank's
     plan takes (a tied head under its second name; ``ParamSource.unneeded``). With several ranks a collective over
-    the trainer's process group (every rank calls it at the same point, right after ``kernel_plan``): a gather
+    the trainer's process group (every rank calls it at the same point: ``TrainerEngineSender._agree``): a gather
     one rank skipped and another ran would leave both waiting in it."""
     import torch.distributed as dist
 
@@ -181,8 +181,7 @@ class TrainerEngineSender(Sender):
         self.resident: ResidentExport | None = None
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
         self.lean_gathers = LEAN_GATHERS_DEFAULT  # see LEAN_GATHERS_DEFAULT (configure: lean_gathers)
-        self.agreed: tuple[set[str], set[str]] = (set(), set())  # agreed_gathers of the kernel plan (_agree)
-        self._agreed_plan: KernelPlan | None = None
+        self.agreed: tuple[set[str], set[str]] | None = None  # agreed_gathers of the kernel plan (_agree)
         #: "one": one engine call per sync where the backend allows it. NCCL keeps three until the one-call round
         #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) the benchmark stopped at its first one-call NCCL sync
         #: (or the greedy rollout just before it: the run's 280 s passed with no engine error reported), while
@@ -245,20 +244,18 @@ class TrainerEngineSender(Sender):
             self.resident = ResidentExport(plan, self.source)
 
     def _agree(self) -> None:
-        """``agreed_gathers`` for the plan in use, once per plan: a collective, so every rank calls this at the
-        same point (plan time, or ``configure(lean_gathers=True)`` sent to every rank). Without the option the
-        ranks never make it (the default path stays the one validated on GPUs)."""
-        if self.plan is not None and self._agreed_plan is not self.plan:
-            self.agreed, self._agreed_plan = agreed_gathers(self.plan, self.source), self.plan
+        """``agreed_gathers`` for the kernel plan (built once per sender), once: a collective, so every rank calls
+        this at the same point (plan time, or ``configure(lean_gathers=True)`` sent to every rank). Without the
+        option the ranks never make it (the default path stays the one validated on GPUs)."""
+        if self.plan is not None and self.agreed is None:
+            self.agreed = agreed_gathers(self.plan, self.source)
 
     def _use_agreed_gathers(self) -> None:
         """Send the agreed names ungathered or not at all (``agreed``) where the option is on and the kernel plan
         is in use; every name gathered otherwise (the checkpoint format sends every tensor whole)."""
         on = self.lean_gathers and self.format == "kernel"
-        local, unused = self.agreed if on else (set(), set())
-        self.source.local, self.source.drop = set(local), set(unused)
-        if self.plan is not None:
-            self.plan.presliced = set(local)
+        local, unused = self.agreed if on and self.agreed is not None else (set(), set())
+        self.source.local, self.source.drop = set(local), set(unused)  # KernelPlan.iterate reads source.local
 
     def _weight_source(self) -> Any:
         if self.format != "kernel":
