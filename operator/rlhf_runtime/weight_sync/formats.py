@@ -35,7 +35,7 @@ FORMATS: tuple[str, ...] = ("auto", "checkpoint", "kernel")
 #: falls back to the checkpoint format where its plan does not apply or is not validated (TP>1 engines over
 #: NCCL, on vLLM 0.24 several IPC trainer ranks, expert-parallel engines over NCCL). One RPC per engine and sync
 #: since it validated on NCCL 1.7B with vLLM 0.24 (17.9 ms vs 23.5 ms with three, same run); on vLLM >= 0.28
-#: NCCL keeps three (``senders.NCCL_RPC_DEFAULT``).
+#: NCCL submits vLLM's three calls back to back (``senders.NCCL_RPC_DEFAULT``).
 DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "auto", "rpc": "one"}
 
 

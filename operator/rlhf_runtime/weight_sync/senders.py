@@ -114,9 +114,10 @@ def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set
 #: Whether the kernel format sends each FSDP2 rank's own shard where it is the TP engine worker's shard
 #: (``agreed_gathers``: no gather for column- and vocabulary-parallel weights; IPC from FSDP2 ranks into a TP
 #: engine) and skips the trainer parameters no engine takes (a tied head's second name), unless
-#: ``configure(lean_gathers=...)`` says otherwise. Off until validated on GPUs (the fresh-engine check); the
-#: benchmark's ``kernel-format-lean-gathers`` variant turns it on.
-LEAN_GATHERS_DEFAULT = False
+#: ``configure(lean_gathers=...)`` says otherwise. On since the fresh-engine check passed on vLLM 0.33.0, 2xH200,
+#: 2026-11-26 (Qwen3-1.7B, FSDP2x2 colocated: into one TP=2 engine 276 ms vs 366 ms with every gather, and into two
+#: TP=1 engines 356 vs 396 ms; greedy tokens equal after the syncs; benchmarks/README.md, sixth round).
+LEAN_GATHERS_DEFAULT = True
 
 #: The engine calls of a sync over NCCL or gloo (``configure(rpc=...)``): ``three`` (start, update, finish, each
 #: waited on), ``one`` (``EngineFanOut.one_round``: one ``update_weights_round`` call per engine) or ``pipelined``
@@ -125,8 +126,18 @@ LEAN_GATHERS_DEFAULT = False
 RPC_MODES = ("one", "three", "pipelined")
 
 #: Engine calls per sync over NCCL on vLLM >= 0.28 unless ``configure(rpc=...)`` says otherwise (see
-#: ``TrainerEngineSender.__init__``); the CPU backend (gloo) takes ``DEFAULT_OPTIONS["rpc"]``.
-NCCL_RPC_DEFAULT = "three"
+#: ``TrainerEngineSender.__init__``); the CPU backend (gloo) takes ``DEFAULT_OPTIONS["rpc"]``. ``pipelined``:
+#: vLLM's own three worker calls (the path validated first), one round trip; on vLLM 0.33.0, 2xH200, 2026-11-26
+#: (Qwen3-1.7B, 4.06 GB) 16.0 ms, 68.8% of the raw NCCL broadcast, vs 18.0 ms (61.2%) with three waits; the one-call
+#: round (``rpc="one"``) took 15.0 ms (73.7%) and validated there too, but did not finish on 2xH100 on 2026-11-25
+#: (cause not found), so it stays opt-in.
+NCCL_RPC_DEFAULT = "pipelined"
+
+
+def default_rpc(backend: str) -> str:
+    """The engine calls per sync a ``TrainerEngineSender`` of ``backend`` starts with (``configure(rpc=None)``
+    goes back to it). Pure."""
+    return NCCL_RPC_DEFAULT if backend == "nccl" else str(DEFAULT_OPTIONS["rpc"])
 
 
 def auto_keeps_checkpoint() -> str | None:
@@ -164,12 +175,12 @@ class TrainerEngineSender(Sender):
     ipc_resident=False)`` keeps vLLM's path (the benchmark compares both in one run).
 
     NCCL and gloo: vLLM's trainer engine calls the client's start, update (beside its broadcast) and finish;
-    with ``rpc="one"`` (``formats.DEFAULT_OPTIONS``) the client makes them one ``update_weights_round`` call per
-    engine (``EngineFanOut.one_round``): one Ray round trip per sync instead of three, as the 0.24 sender's
-    default, from the second sync of a format on (the first still makes three calls, so an engine that cannot
-    start raises before the broadcast); with ``rpc="pipelined"`` (sync-mode engines) the three calls are
-    submitted back to back and waited on once (``EngineFanOut.pipelined``). ``configure(rpc="three")`` goes
-    back."""
+    with ``rpc="one"`` (``formats.DEFAULT_OPTIONS``, gloo's default) the client makes them one
+    ``update_weights_round`` call per engine (``EngineFanOut.one_round``): one Ray round trip per sync instead of
+    three, as the 0.24 sender's default, from the second sync of a format on (the first still makes three calls,
+    so an engine that cannot start raises before the broadcast); with ``rpc="pipelined"`` (NCCL's default,
+    ``NCCL_RPC_DEFAULT``; sync-mode engines, three elsewhere) the three calls are submitted back to back and
+    waited on once (``EngineFanOut.pipelined``). ``configure(rpc="three")`` waits on each."""
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
@@ -182,11 +193,8 @@ class TrainerEngineSender(Sender):
         self.ipc_resident = True  # the resident path where it applies (configure: off for comparisons)
         self.lean_gathers = LEAN_GATHERS_DEFAULT  # see LEAN_GATHERS_DEFAULT (configure: lean_gathers)
         self.agreed: tuple[set[str], set[str]] | None = None  # agreed_gathers of the kernel plan (_agree)
-        #: "one": one engine call per sync where the backend allows it. NCCL keeps three until the one-call round
-        #: runs on GPUs: on vLLM 0.33 (2xH100, 2026-11-25) the benchmark stopped at its first one-call NCCL sync
-        #: (or the greedy rollout just before it: the run's 280 s passed with no engine error reported), while
-        #: three calls were validated there (benchmarks/README.md); ``configure(rpc="one")`` still asks for it.
-        self.rpc = NCCL_RPC_DEFAULT if backend == "nccl" else str(DEFAULT_OPTIONS["rpc"])
+        #: "one": one engine call per sync (gloo); NCCL pipelines vLLM's three calls (see NCCL_RPC_DEFAULT)
+        self.rpc = default_rpc(backend)
         if backend == "gloo":
             from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
 
@@ -245,8 +253,8 @@ class TrainerEngineSender(Sender):
 
     def _agree(self) -> None:
         """``agreed_gathers`` for the kernel plan (built once per sender), once: a collective, so every rank calls
-        this at the same point (plan time, or ``configure(lean_gathers=True)`` sent to every rank). Without the
-        option the ranks never make it (the default path stays the one validated on GPUs)."""
+        this at the same point (plan time, or ``configure(lean_gathers=True)`` sent to every rank). With the option
+        off (``configure(lean_gathers=False)`` before the plan) the ranks never make it."""
         if self.plan is not None and self.agreed is None:
             self.agreed = agreed_gathers(self.plan, self.source)
 
@@ -268,8 +276,9 @@ class TrainerEngineSender(Sender):
 
     def configure(self, **options: Any) -> dict[str, Any]:
         """Change the weight format (``format``), the resident IPC path (``ipc_resident``), the gathers the kernel
-        plan needs only (``lean_gathers``: ``agreed_gathers``) or the engine calls per sync (``rpc``: ``"one"``/
-        ``"three"``) for later syncs (the benchmark compares them in one run);
+        plan needs only (``lean_gathers``: ``agreed_gathers``) or the engine calls per sync (``rpc``: one of
+        ``RPC_MODES``) for later syncs (the benchmark compares them in one run); ``None`` for ``rpc`` or
+        ``lean_gathers`` goes back to the default;
         returns what is in use, the plan's reason and the options this sender does not take."""
         if "format" in options:
             self._resolve(options.pop("format"))
@@ -277,12 +286,14 @@ class TrainerEngineSender(Sender):
         if "ipc_resident" in options:
             self.ipc_resident = bool(options.pop("ipc_resident"))
         if "lean_gathers" in options:  # turning it on agrees on the gathers first: send it to every rank
-            self.lean_gathers = bool(options.pop("lean_gathers"))
+            lean = options.pop("lean_gathers")
+            self.lean_gathers = LEAN_GATHERS_DEFAULT if lean is None else bool(lean)
             if self.lean_gathers:
                 self._agree()
             self._use_agreed_gathers()
         if "rpc" in options:
             rpc = options.pop("rpc")
+            rpc = default_rpc(self.backend) if rpc is None else rpc
             if rpc not in RPC_MODES:
                 raise ValueError(f"rpc must be one of {', '.join(RPC_MODES)}, not {rpc!r}")
             self.rpc = rpc
@@ -390,11 +401,18 @@ class RuntimeDrivenSender(Sender):
 
     def configure(self, **options: Any) -> dict[str, Any]:
         """Change sender options (``producer``, ``format``, ``rpc``, ``ipc_wire``, ``packed``,
-        ``bucket_bytes``) for later syncs; returns the options in force, ``format`` being the one in use."""
+        ``bucket_bytes``) for later syncs (``None``: back to the default); returns the options in force,
+        ``format`` being the one in use."""
         for k in ("packed", "bucket_bytes"):
             if k in options:
                 self.init[k] = options.pop(k)
-        self.options.update(options)
+        for k, v in options.items():
+            if v is not None:
+                self.options[k] = v
+            elif k in DEFAULT_OPTIONS:
+                self.options[k] = DEFAULT_OPTIONS[k]
+            else:
+                self.options.pop(k, None)
         requested = self.options.get("format", "auto")
         if requested != "checkpoint" and self.plan is None:
             if self.backend == "ipc" and int(self.init.get("trainer_world", 1)) > 1:
