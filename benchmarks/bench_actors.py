@@ -1,7 +1,7 @@
 """Benchmark-only hooks on the runtime's actors, kept out of the production classes.
 
 ``BenchEngine`` / ``BenchAsyncEngine`` / ``BenchSteppedEngine`` add to the engine actor classes
-(``rlhf_runtime.engine_api.engine_class``):
+(``rlhf_runtime.rollout.api.engine_class``):
 
 * ``scramble_weights(seed)``: overwrite every parameter with noise, so a sync that misses a tensor shows in
   the greedy tokens;
@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_runtime.engines import AsyncEngine, Engine
-from rlhf_runtime.stepped_engine import SteppedEngine
-from rlhf_runtime.trainer import Trainer
+from rlhf_runtime.rollout.engines import AsyncEngine, Engine
+from rlhf_runtime.rollout.stepped import SteppedEngine
+from rlhf_runtime.roles.base.policy import Trainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -257,7 +257,7 @@ class BenchTrainer(_StackDumps, Trainer):
         vLLM 0.24, NCCL, the checkpoint format unpacked); the timers are installed at the first call."""
         if not _IPC_TRAINER_STATS:
             _IPC_TRAINER_STATS.update({f"{k}_{x}": 0 for k in IPC_TRAINER_TIMED for x in ("s", "calls")})
-            from rlhf_runtime import vllm_compat
+            from rlhf_runtime.vllm import compat as vllm_compat
 
             if vllm_compat.has_trainer_api():
                 _time_ipc_trainer(_IPC_TRAINER_STATS)

@@ -29,9 +29,9 @@ RESULT = ROOT / "results" / "cpu_runtime.json"
 
 
 def build_model(model: Path, hidden: int, layers: int) -> Path:
-    """A random-init Qwen2 (``rlhf_runtime.tiny``) at ``model``, built in a child process (torch stays out of this
+    """A random-init Qwen2 (``rlhf_testing.tiny``) at ``model``, built in a child process (torch stays out of this
     one)."""
-    build = (f"from rlhf_runtime.tiny import build_tiny_model; "
+    build = (f"from rlhf_testing.tiny import build_tiny_model; "
              f"build_tiny_model({str(model)!r}, hidden_size={hidden}, layers={layers})")
     subprocess.run([sys.executable, "-c", build], check=True)
     return model

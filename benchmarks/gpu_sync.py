@@ -213,7 +213,7 @@ def build_model(path: Path, name: str, gpu: bool, head: str = "ForCausalLM", see
     import torch
     import transformers
 
-    from rlhf_runtime.tiny import build_tokenizer
+    from rlhf_testing.tiny import build_tokenizer
 
     arch, cfg_kw = MODELS[name]
     cfg = getattr(transformers, f"{arch}Config")(**cfg_kw, bos_token_id=2, eos_token_id=3, pad_token_id=0, **config)
@@ -373,9 +373,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     from transformers import AutoTokenizer
 
     from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime.data import load_samples, render_prompt, step_batch
+    from rlhf_runtime.algo.data import load_samples, render_prompt, step_batch
     from rlhf_runtime.driver import Options, Runtime, ValidationError
-    from rlhf_runtime.report import Metrics, Reporter
+    from rlhf_runtime.infra.report import Metrics, Reporter
 
     gpu = not args.cpu
     work = Path(args.work) / f"{layout}_{model_name}"
@@ -498,7 +498,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         if rt.asleep:
             ray.get([e.wake_up.remote(None) for e in rt.engines])
             rt.asleep = False
-        from rlhf_runtime import config as rc
+        from rlhf_runtime.infra import config as rc
 
         sampling = rc.sampling_kwargs(cfg.spec)
         rollouts = []
@@ -569,7 +569,7 @@ def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
     from bench_actors import time_generate
     from vllm import LLM
 
-    from rlhf_runtime.engines import _llm_args
+    from rlhf_runtime.rollout.engines import _llm_args
 
     llm = LLM(**_llm_args(inputs["kwargs"]))  # the engine actor's exact LLM arguments
     runs = []

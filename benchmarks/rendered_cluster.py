@@ -16,7 +16,7 @@ For each layout (``separate-nccl``, ``colocated-ipc``; ``cpu-gloo`` as a CPU smo
    (``ray start`` returns; ``ray stop --force`` ends every node), and ConfigMap volume mounts mapped to local
    directories (``/etc/rlhf/job.json`` -> ``<work>/mounts/rlhf-config/job.json``);
 4. checks that the nodes Ray registered offer what the runtime's placement groups ask for
-   (``rlhf_runtime.placement.compute_layout(spec).totals()``), then runs the RayJob's entrypoint as KubeRay
+   (``rlhf_runtime.infra.placement.compute_layout(spec).totals()``), then runs the RayJob's entrypoint as KubeRay
    would (``python -m rlhf_runtime.driver --config <job.json>`` on the "head pod": its env, no GPU,
    ``RAY_ADDRESS`` = the head) with ``--no-report`` (no apiserver) and ``--progress-file`` (the runtime's
    local copy of what it would patch into ``status``);
@@ -355,7 +355,7 @@ print("NODES_JSON " + json.dumps({
 def run_layout(layout: str, args: argparse.Namespace, command: str, out: Path) -> dict[str, Any]:
     from rlhf_api.models import RLHFJobSpec
     from rlhf_operator.render import BASE_ENV, Job, render_config_map, render_ray_job
-    from rlhf_runtime.placement import compute_layout
+    from rlhf_runtime.infra.placement import compute_layout
 
     cpu = args.cpu
     model_name = "tiny" if cpu else args.model

@@ -61,7 +61,7 @@ def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
     from bench_actors import time_generate
     from vllm import LLM
 
-    from rlhf_runtime.engines import _llm_args
+    from rlhf_runtime.rollout.engines import _llm_args
 
     try:
         llm = LLM(**_llm_args(kwargs))
@@ -233,17 +233,17 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime import config as rc
-    from rlhf_runtime.data import load_samples, render_prompt, step_batch
+    from rlhf_runtime.infra import config as rc
+    from rlhf_runtime.algo.data import load_samples, render_prompt, step_batch
     from rlhf_runtime.driver import Options, Runtime
-    from rlhf_runtime.report import Metrics, Reporter
+    from rlhf_runtime.infra.report import Metrics, Reporter
 
     work = Path(tempfile.mkdtemp(prefix="rlhf-rollout-"))
     model_path = work / "model"
     if gpu:
         model = gpu_sync.build_model(model_path, a.model or "qwen3-1.7b", True)
     else:
-        from rlhf_runtime.tiny import build_tiny_model
+        from rlhf_testing.tiny import build_tiny_model
 
         build_tiny_model(str(model_path), hidden_size=a.hidden, layers=a.layers)
         model = {"architecture": "Qwen2ForCausalLM", "hidden": a.hidden, "layers": a.layers, "dtype": "float32"}

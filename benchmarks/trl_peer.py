@@ -1,7 +1,7 @@
 """Peers side by side: TRL's ``GRPOTrainer`` (vLLM colocate mode), veRL's GRPO (GPU) and the runtime's GRPO on the
 same work.
 
-Same model (a random-init Qwen2 built locally, the character tokenizer of ``rlhf_runtime.tiny``), prompts,
+Same model (a random-init Qwen2 built locally, the character tokenizer of ``rlhf_testing.tiny``), prompts,
 reward (the runtime's ``length`` rule: ``1 - |tokens - target| / target`` clipped at 0; TRL gets the same
 function), batch (prompts per step x samples per prompt, one optimiser step per batch), sampling (temperature,
 max tokens), learning rate, no KL, clip 0.2, and number of steps. The two run one after the other, ``--rounds``

@@ -1,6 +1,6 @@
 """The CPU RLHFJob that runs in real pods (demo and the real-pod tests): a tiny model built from a config,
 shared with the pods through a hostPath directory, the locally built CPU runtime image, every pod on a real
-node with requests small enough for a few 2-CPU nodes. Only the standard library and rlhf_runtime.tiny."""
+node with requests small enough for a few 2-CPU nodes. Only the standard library and rlhf_testing.tiny."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from realnodes import NODE_LABEL
 
-from rlhf_runtime.tiny import tiny_job_spec
+from rlhf_testing.tiny import tiny_job_spec
 
 SHARED_MOUNT = "/shared"
 
@@ -20,7 +20,7 @@ def make_shared_dir(path: Path) -> Path:
     """``path`` with a tiny model in ``tiny/``; world-writable, as the runtime image's user writes checkpoints."""
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "tiny" / "config.json").exists():
-        code = f"from rlhf_runtime.tiny import build_tiny_model; build_tiny_model({str(path / 'tiny')!r}, seed=0)"
+        code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path / 'tiny')!r}, seed=0)"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
     for p in [path, *path.rglob("*")]:
         os.chmod(p, 0o777 if p.is_dir() else 0o666)

@@ -19,7 +19,7 @@ Layout (GPUs per pod = ``nvidia.com/gpu`` request = Ray ``num-gpus``):
   PPO's critic, the reference policy when ``algorithm.klCoef > 0``), in either mode: one group each, named
   ``reward`` / ``critic`` / ``reference`` (the role's ``replicas`` pods x ``gpusPerReplica``, no GPU when the
   job is CPU-only; the role's ``resources``). A colocated role needs no group: its actors share the trainer
-  workers' GPUs (``rlhf_runtime.placement``).
+  workers' GPUs (``rlhf_runtime.infra.placement``).
 
 Each worker advertises a Ray custom resource (``rlhf_trainer`` / ``rlhf_rollout`` / ``rlhf_colocated`` /
 ``rlhf_reward`` / ``rlhf_critic`` / ``rlhf_reference``, ``rlhf_<group name>``) equal to its GPU count (1 on a

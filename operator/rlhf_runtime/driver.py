@@ -23,7 +23,7 @@ implements ``engine_api.RolloutEngine``). Colocated engines sleep while the trai
 discarded, when a full sync follows the wake; level 1 otherwise) and wake weights -> sync -> wake KV cache
 (GPU; CPU vLLM ignores sleep).
 
-Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.gloo_transfer``)
+Weight sync uses the spec's backend on GPUs and the CPU ``gloo`` backend (``rlhf_runtime.weight_sync.gloo``)
 whenever the trainer has no GPUs, through the same vLLM engine calls.
 
 LoRA (``spec.trainer.lora``): the engines start with the base model's real weights and LoRA enabled; a sync is
@@ -39,7 +39,7 @@ Validation (``spec.weightSync.validate`` or ``--validate``): after the first syn
 greedy output for the first prompts must equal, token for token, that of a fresh engine of the same shape
 loaded from the trainer's weights; engines of an expert-parallel DP group are compared rank by rank with a
 fresh DP group. Otherwise the run fails with "weight-sync validation failed". The weights reach each fresh
-engine's node through Ray's object store (``rlhf_runtime.node_files``: pods share no filesystem) and every copy
+engine's node through Ray's object store (``rlhf_runtime.infra.node_files``: pods share no filesystem) and every copy
 is removed afterwards, also when validation fails.
 
 Multi-pod addresses: FSDP2 trainer ranks meet at rank 0's node (IP and free port found there, never the
@@ -95,14 +95,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime import advantages as adv_plan
-from rlhf_runtime import config as rc
-from rlhf_runtime import node_files
-from rlhf_runtime.data import load_eval_samples, load_samples, render_prompt, step_batch
-from rlhf_runtime.engine_api import RolloutEngine, engine_class
-from rlhf_runtime.placement import ActorPlacement, compute_layout, local_thread_cap, spread
-from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, now_rfc3339
-from rlhf_runtime.rewards import combine, endpoint_rewards, make_reward, normalize
+from rlhf_runtime.algo import advantages as adv_plan
+from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra import node_files
+from rlhf_runtime.algo.data import load_eval_samples, load_samples, render_prompt, step_batch
+from rlhf_runtime.rollout.api import RolloutEngine, engine_class
+from rlhf_runtime.infra.placement import ActorPlacement, compute_layout, local_thread_cap, spread
+from rlhf_runtime.infra.report import ForeignJobError, Metrics, Reporter, StatusClient, now_rfc3339
+from rlhf_runtime.algo.rewards import combine, endpoint_rewards, make_reward, normalize
 
 log = logging.getLogger("rlhf_runtime")
 VALIDATION_PROMPTS = 8
@@ -296,7 +296,7 @@ class Runtime:
         #: every engine actor serves ``engine_api.RolloutEngine`` (``PausableEngine`` in async mode)
         self.engine_class: type[RolloutEngine] = engine_class(self.async_mode, self.spec.rollout.async_engine)
         self.engines: list[Any] = []  # Ray actor handles of ``engine_class``
-        self.trainer_class: type | None = None  # None: ``rlhf_runtime.trainer.Trainer``
+        self.trainer_class: type | None = None  # None: ``rlhf_runtime.roles.base.policy.Trainer``
         self.engine_kwargs: list[dict[str, Any]] = []
         self.asleep = False  # colocated engines sleep while the trainer trains
         self.dp_address: tuple[str, int] | None = None
@@ -394,7 +394,7 @@ class Runtime:
     def start_trainers(self) -> dict[str, Any]:
         import ray
 
-        from rlhf_runtime.trainer import Trainer
+        from rlhf_runtime.roles.base.policy import Trainer
 
         trainer_class = self.trainer_class or Trainer
         cfg_json = self.cfg.model_dump_json(by_alias=True)
@@ -419,8 +419,8 @@ class Runtime:
         critic's workers (FSDP2 over them when there are several), reference workers."""
         import ray
 
-        from rlhf_runtime.reward_model import RewardScorer
-        from rlhf_runtime.roles import CriticModel, ReferenceModel
+        from rlhf_runtime.roles.base.reward import RewardScorer
+        from rlhf_runtime.roles.base import CriticModel, ReferenceModel
 
         spec, cfg_json = self.spec, self.cfg.model_dump_json(by_alias=True)
         for role, places in self.layout.roles.items():
@@ -807,7 +807,7 @@ class Runtime:
         start when free < gpu_memory_utilization x total)."""
         import ray
 
-        from rlhf_runtime.placement import VALIDATION_SHARE
+        from rlhf_runtime.infra.placement import VALIDATION_SHARE
 
         kw = dict(self.engine_kwargs[i], model=str(path), load_format="auto")
         for key in rc.LORA_ENGINE_KEYS:  # LoRA: a plain engine of the merged weights

@@ -18,7 +18,7 @@ import pytest
 from kubernetes import client
 
 from rlhf_operator import naming
-from rlhf_runtime.tiny import tiny_job_spec
+from rlhf_testing.tiny import tiny_job_spec
 from tests.helpers import wait_for
 from tests.integration.conftest import apply
 from tests.integration.test_lifecycle import get_job, phase
@@ -30,7 +30,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-model")
-    code = f"from rlhf_runtime.tiny import build_tiny_model; build_tiny_model({str(path)!r}, seed=0)"
+    code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path)!r}, seed=0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
     return path
 

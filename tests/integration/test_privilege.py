@@ -33,8 +33,8 @@ from kubernetes.client.rest import ApiException
 
 from rlhf_api import models as m
 from rlhf_operator import naming, render
-from rlhf_runtime.report import StatusClient, status_patch
-from rlhf_runtime.tiny import tiny_job_spec
+from rlhf_runtime.infra.report import StatusClient, status_patch
+from rlhf_testing.tiny import tiny_job_spec
 from tests.helpers import wait_for
 from tests.integration.conftest import REPO, Operator, apply, free_port, load_sample, localcluster
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime.tiny import tiny_job_spec
+from rlhf_testing.tiny import tiny_job_spec
 from tests.helpers import JobAPI
 
 
@@ -26,7 +26,7 @@ from tests.helpers import JobAPI
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen2 (untied embeddings) and a char-level tokenizer, built locally."""
     path = tmp_path_factory.mktemp("tiny-model")
-    code = f"from rlhf_runtime.tiny import build_tiny_model; build_tiny_model({str(path)!r}, seed=0)"
+    code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path)!r}, seed=0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180)  # keeps torch out of pytest
     return path
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.runtime
 def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny sequence-classification reward model whose score rises with the share of '7' in the text."""
     path = tmp_path_factory.mktemp("tiny-rm")
-    code = f"from rlhf_runtime.tiny import build_tiny_reward_model; build_tiny_reward_model({str(path)!r}, target='7')"
+    code = f"from rlhf_testing.tiny import build_tiny_reward_model; build_tiny_reward_model({str(path)!r}, target='7')"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
     return path
 

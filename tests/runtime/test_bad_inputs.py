@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime.infra import checkpoint as ckpt
 from tests.runtime.conftest import Run, job_config, start_driver, write_config
 
 pytestmark = pytest.mark.runtime

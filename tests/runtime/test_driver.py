@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime.infra import checkpoint as ckpt
 from tests.helpers import wait_for
 from tests.runtime.conftest import job_config, start_driver, write_config
 

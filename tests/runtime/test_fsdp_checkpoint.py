@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime.infra import checkpoint as ckpt
 from tests.helpers import wait_for
 from tests.runtime.conftest import job_config, write_config
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
-from rlhf_runtime.trainer import Trainer
+from rlhf_runtime.roles.base.policy import Trainer
 
 cfg, rank, port, shards, phase = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)

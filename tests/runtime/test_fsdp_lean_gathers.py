@@ -25,7 +25,7 @@ pytestmark = pytest.mark.runtime
 BUILD = r"""
 import sys, torch
 from transformers import AutoModelForCausalLM, Qwen2Config
-from rlhf_runtime.tiny import build_tokenizer
+from rlhf_testing.tiny import build_tokenizer
 cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True,
                   bos_token_id=2, eos_token_id=3, pad_token_id=0)
@@ -40,7 +40,7 @@ build_tokenizer(sys.argv[1], 64)
 WORKER = r"""
 import json, sys
 import torch
-from rlhf_runtime.trainer import Trainer
+from rlhf_runtime.roles.base.policy import Trainer
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.producers import ParamSource
 from rlhf_runtime.weight_sync.senders import agreed_gathers

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.runtime
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-moe")
-    code = f"from rlhf_runtime.tiny import build_tiny_model; build_tiny_model({str(path)!r}, arch='qwen3_moe', seed=0)"
+    code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path)!r}, arch='qwen3_moe', seed=0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
     return path
 

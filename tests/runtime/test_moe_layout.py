@@ -14,7 +14,7 @@ from pathlib import Path
 
 SCRIPT = r"""
 import json, sys, torch, transformers
-from rlhf_runtime.tiny import build_tokenizer
+from rlhf_testing.tiny import build_tokenizer
 path = sys.argv[1]
 cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4,
@@ -24,7 +24,7 @@ torch.manual_seed(0)
 transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
 build_tokenizer(path, 64)
 from vllm import LLM
-from rlhf_runtime.engines import _worker_param_layout
+from rlhf_runtime.rollout.engines import _worker_param_layout
 llm = LLM(path, dtype="float32", max_model_len=128, gpu_memory_utilization=0.05, enforce_eager=True)
 layout = llm.collective_rpc(_worker_param_layout)[0]
 print("LAYOUT " + json.dumps({"experts": layout["experts"], "params": layout["params"],

@@ -1,4 +1,4 @@
-"""Files copied between Ray nodes through the object store (``rlhf_runtime.node_files``), on a real Ray cluster
+"""Files copied between Ray nodes through the object store (``rlhf_runtime.infra.node_files``), on a real Ray cluster
 of three nodes on this host: a head without CPUs and two workers, each with its own ``TMPDIR`` (as pods have
 their own filesystems) and its own custom resource, reached through placement-group bundles that ask for
 nothing else, as the runtime's bundles do."""
@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlhf_runtime import node_files
+from rlhf_runtime.infra import node_files
 
 root = Path(sys.argv[1])
 trainer_tmp, engine_tmp = root / "trainer-node", root / "engine-node"

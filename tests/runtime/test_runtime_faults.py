@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime.infra import checkpoint as ckpt
 from tests.helpers import JobAPI, wait_for
 from tests.runtime.conftest import Run, job_config, start_driver, start_reporting_driver, write_config
 

@@ -15,8 +15,8 @@ from tests.runtime.conftest import job_config, write_config
 SCRIPT = r"""
 import json, sys
 import torch
-from rlhf_runtime.trainer import Trainer
-from rlhf_runtime import trainer as trainer_mod
+from rlhf_runtime.roles.base.policy import Trainer
+from rlhf_runtime.roles.base import policy as trainer_mod
 
 cfg = open(sys.argv[1]).read()
 g = torch.Generator().manual_seed(0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlhf_api.models import Algorithm, EnvVar, RLHFJobSpec
-from rlhf_runtime import advantages
-from rlhf_runtime.config import spec_env
+from rlhf_runtime.algo import advantages
+from rlhf_runtime.infra.config import spec_env
 
 
 def test_critic_free_with_kl_in_the_loss_gives_one_advantage_per_sample() -> None:

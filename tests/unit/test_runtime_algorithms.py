@@ -1,4 +1,4 @@
-"""Advantages, returns and losses of rlhf_runtime.algorithms against hand-computed examples (torch, CPU)."""
+"""Advantages, returns and losses of rlhf_runtime.algo.objectives against hand-computed examples (torch, CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_runtime.algorithms import (
+from rlhf_runtime.algo.objectives import (
     ALGORITHMS,
     aggregate,
     discounted_returns,
@@ -18,7 +18,7 @@ from rlhf_runtime.algorithms import (
     token_rewards,
     value_loss,
 )
-from rlhf_runtime.grpo import group_advantages, grpo_loss
+from rlhf_runtime.algo.grpo import group_advantages, grpo_loss
 
 
 def test_algorithm_names() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_runtime import checkpoint as ckpt
+from rlhf_runtime.infra import checkpoint as ckpt
 
 HOST = socket.gethostname()
 
@@ -84,7 +84,7 @@ def test_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path: Path, caplog: py
                                                       damage, why: str) -> None:
     _save(tmp_path, 4)
     damage(_save(tmp_path, 6, "sixsix"))
-    with caplog.at_level(logging.WARNING, logger="rlhf_runtime.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_runtime.infra.checkpoint"):
         assert _content(ckpt.latest(tmp_path)) == (4, "4")
     assert any("step-00000006" in r.getMessage() and why in r.getMessage() for r in caplog.records), caplog.text
     ckpt.prune(tmp_path, keep=2)  # a corrupt newer step is left for a human; it does not count as kept
@@ -183,7 +183,7 @@ def test_undeletable_old_copy_does_not_fail_the_commit(tmp_path: Path, caplog: p
     if subprocess.run(["chattr", "+i", str(pinned)], check=False, capture_output=True).returncode:
         pytest.skip("chattr +i is not available here (needs root and a filesystem with the immutable flag)")
     try:
-        with caplog.at_level(logging.WARNING, logger="rlhf_runtime.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="rlhf_runtime.infra.checkpoint"):
             _save(tmp_path, 4, "new")  # the old copy cannot be removed after the rename in
         assert _content(ckpt.latest(tmp_path)) == (4, "new")
         assert "could not remove the previous copy" in caplog.text
@@ -201,7 +201,7 @@ def test_undeletable_old_copy_does_not_fail_the_commit(tmp_path: Path, caplog: p
 CRASHER = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from rlhf_runtime import checkpoint as ckpt
+    from rlhf_runtime.infra import checkpoint as ckpt
 
     root, crash_at, step, content = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     tmp = ckpt.tmp_dir(root, step)
@@ -277,7 +277,7 @@ AGREE = textwrap.dedent("""
     import sys
     from pathlib import Path
     import torch.distributed as dist
-    from rlhf_runtime import checkpoint as ckpt
+    from rlhf_runtime.infra import checkpoint as ckpt
 
     rank, port = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

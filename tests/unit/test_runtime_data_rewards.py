@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_api.models import Data, Reward
-from rlhf_runtime.data import (
+from rlhf_runtime.algo.data import (
     DATA_MOUNT,
     DataError,
     Sample,
@@ -19,7 +19,7 @@ from rlhf_runtime.data import (
     parse_lines,
     step_batch,
 )
-from rlhf_runtime.rewards import RewardError, make_reward
+from rlhf_runtime.algo.rewards import RewardError, make_reward
 
 
 def test_inline_prompts() -> None:

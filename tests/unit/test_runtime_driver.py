@@ -23,8 +23,8 @@ import pytest
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime import driver as drv
-from rlhf_runtime import node_files
-from rlhf_runtime.data import Sample
+from rlhf_runtime.infra import node_files
+from rlhf_runtime.algo.data import Sample
 
 HEAD_IP = "10.0.0.1"
 
@@ -207,8 +207,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
     ray = fake_ray(c)
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setitem(sys.modules, "ray.util", ray.util)
-    monkeypatch.setitem(sys.modules, "rlhf_runtime.trainer", types.SimpleNamespace(Trainer=FakeTrainer))
-    monkeypatch.setitem(sys.modules, "rlhf_runtime.engines", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setitem(sys.modules, "rlhf_runtime.roles.base.policy", types.SimpleNamespace(Trainer=FakeTrainer))
+    monkeypatch.setitem(sys.modules, "rlhf_runtime.rollout.engines", types.SimpleNamespace(Engine=FakeEngine))
     monkeypatch.setattr(drv.Runtime, "_strategy", lambda self, group, bundle: Strategy(group, bundle))
     monkeypatch.setattr(tempfile, "tempdir", str(c.nodes["head"][1]))  # the driver runs on the head node
     monkeypatch.setattr(FakeEngine, "fail", False)

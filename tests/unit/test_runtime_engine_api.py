@@ -7,10 +7,10 @@ import inspect
 
 import pytest
 
-from rlhf_runtime import engine_api
-from rlhf_runtime.engine_api import AdapterEngine, PausableEngine, RolloutEngine, engine_class
-from rlhf_runtime.engines import AsyncEngine, Engine
-from rlhf_runtime.stepped_engine import SteppedEngine
+from rlhf_runtime.rollout import api as engine_api
+from rlhf_runtime.rollout.api import AdapterEngine, PausableEngine, RolloutEngine, engine_class
+from rlhf_runtime.rollout.engines import AsyncEngine, Engine
+from rlhf_runtime.rollout.stepped import SteppedEngine
 
 
 def _methods(proto: type) -> dict[str, inspect.Signature]:
@@ -41,7 +41,7 @@ def test_no_benchmark_hooks_in_production_actors() -> None:
     for cls in (Engine, AsyncEngine, SteppedEngine):
         for hook in ("scramble_weights", "load_stats", "reset_prefix_cache", "configure_sync"):
             assert not hasattr(cls, hook), f"{cls.__name__}.{hook}"
-    from rlhf_runtime.trainer import Trainer
+    from rlhf_runtime.roles.base.policy import Trainer
 
     assert not hasattr(Trainer, "configure_sync")
 

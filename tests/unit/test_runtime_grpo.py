@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf_runtime.grpo import group_advantages, grpo_loss
+from rlhf_runtime.algo.grpo import group_advantages, grpo_loss
 
 
 def test_advantages_are_relative_within_each_group() -> None:

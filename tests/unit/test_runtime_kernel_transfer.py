@@ -1,4 +1,4 @@
-"""The kernel weight format on vLLM >= 0.28 (``rlhf_runtime.kernel_transfer``): what a worker engine loads into
+"""The kernel weight format on vLLM >= 0.28 (``rlhf_runtime.weight_sync.kernel``): what a worker engine loads into
 during a kernel-format update, the format switch around vLLM's own engine lifecycle, and the worker calls an
 engine makes before ``start_weight_update`` (``engines.format_rpc``). The transports (NCCL, CUDA IPC) and the
 fresh-engine validation of the whole path run on the lent GPUs (``benchmarks/gpu_sync.py``)."""
@@ -10,8 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from rlhf_runtime import engines, kernel_transfer, vllm_compat
-from rlhf_runtime.kernel_transfer import KernelFormatMixin, KernelTarget
+from rlhf_runtime.rollout import engines
+from rlhf_runtime.weight_sync import kernel as kernel_transfer
+from rlhf_runtime.vllm import compat as vllm_compat
+from rlhf_runtime.weight_sync.kernel import KernelFormatMixin, KernelTarget
 
 pytestmark = pytest.mark.skipif(not vllm_compat.has_trainer_api(), reason="vLLM >= 0.28 worker engines")
 
@@ -185,7 +187,7 @@ def test_registered_engines_are_vllms_with_the_switch() -> None:
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-    from rlhf_runtime import vllm_plugin
+    from rlhf_runtime.vllm import plugin as vllm_plugin
 
     vllm_plugin.register()
     for backend, parent in (("nccl", NCCLWeightTransferEngine), ("ipc", IPCWeightTransferEngine)):

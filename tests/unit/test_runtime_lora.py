@@ -1,5 +1,5 @@
-"""LoRA's pure parts (``rlhf_runtime.lora``: key names, adapter files, merge) against real PEFT on a tiny Qwen2
-built in memory, and the engine settings LoRA needs (``rlhf_runtime.config``)."""
+"""LoRA's pure parts (``rlhf_runtime.infra.lora``: key names, adapter files, merge) against real PEFT on a tiny Qwen2
+built in memory, and the engine settings LoRA needs (``rlhf_runtime.infra.config``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from pydantic import ValidationError
 
 from rlhf_api.models import LoRA, RLHFJobSpec
-from rlhf_runtime import config as rc
-from rlhf_runtime import lora
+from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra import lora
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rlhf_runtime import moe
+from rlhf_runtime.infra import moe
 
 
 @pytest.fixture(scope="module")

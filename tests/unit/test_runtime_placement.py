@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from rlhf_api.models import RLHFJobSpec
-from rlhf_runtime.config import engine_kwargs
-from rlhf_runtime.placement import (
+from rlhf_runtime.infra.config import engine_kwargs
+from rlhf_runtime.infra.placement import (
     COLOCATED_TRAINER_SHARE,
     VALIDATION_SHARE,
     PlacementError,
@@ -186,7 +186,7 @@ def test_spread_deals_prompts_round_robin() -> None:
 
 
 def test_expert_parallel_needs_a_moe_model_with_enough_experts() -> None:
-    from rlhf_runtime.config import check_model
+    from rlhf_runtime.infra.config import check_model
 
     s = spec(rollout={"engines": 4, "expertParallel": True})
     check_model(s, {"model_type": "qwen3_moe", "num_experts": 128})
@@ -406,7 +406,7 @@ def test_local_runs_split_the_machines_cpus_among_actors_busy_together() -> None
 def test_colocated_roles_release_the_gpu_cache_only_on_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from rlhf_runtime.roles import release_cached_gpu_memory
+    from rlhf_runtime.roles.base import release_cached_gpu_memory
 
     released: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))

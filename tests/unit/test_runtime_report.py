@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_runtime.report import ForeignJobError, Metrics, Reporter, StatusClient, status_patch
+from rlhf_runtime.infra.report import ForeignJobError, Metrics, Reporter, StatusClient, status_patch
 from tests.helpers import JobAPI
 
 PATH = "/apis/rlhf.dev/v1alpha1/namespaces/ns1/rlhfjobs/job1/status"
@@ -74,8 +74,8 @@ def test_refuses_to_report_into_another_job_with_the_same_name(fake_api: tuple[J
 
 
 def test_reporting_module_imports_without_torch_vllm_or_ray() -> None:
-    code = ("import sys, rlhf_runtime.report, rlhf_runtime.placement, rlhf_runtime.rewards, rlhf_runtime.data, "
-            "rlhf_runtime.config, rlhf_runtime.checkpoint, rlhf_runtime.grpo; "
+    code = ("import sys, rlhf_runtime.infra.report, rlhf_runtime.infra.placement, rlhf_runtime.algo.rewards, rlhf_runtime.algo.data, "
+            "rlhf_runtime.infra.config, rlhf_runtime.infra.checkpoint, rlhf_runtime.algo.grpo; "
             "print(' '.join(sorted({k.split('.')[0] for k in sys.modules})))")
     loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                 text=True).stdout.split())
@@ -83,7 +83,7 @@ def test_reporting_module_imports_without_torch_vllm_or_ray() -> None:
 
 
 def test_reports_name_the_ray_cluster_they_come_from(monkeypatch) -> None:
-    from rlhf_runtime.report import own_ray_cluster
+    from rlhf_runtime.infra.report import own_ray_cluster
 
     assert status_patch("Failed", message="x", ray_cluster="job-abc12")["status"]["runtime"]["rayCluster"] == "job-abc12"
     assert "rayCluster" not in status_patch("Running")["status"]["runtime"]

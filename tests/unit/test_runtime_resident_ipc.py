@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from rlhf_runtime import vllm_compat
+from rlhf_runtime.vllm import compat as vllm_compat
 from rlhf_runtime.weight_sync import KernelPlan, ParamSource, ResidentExport
 
 pytestmark = pytest.mark.skipif(not vllm_compat.has_trainer_api(), reason="vLLM >= 0.28 worker engines")
@@ -89,7 +89,7 @@ def _expected(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _setup(dtype: torch.dtype = torch.float32):
-    from rlhf_runtime.kernel_transfer import ResidentCopy
+    from rlhf_runtime.weight_sync.kernel import ResidentCopy
 
     model, engine = _model(), _engine_params()
     source = ParamSource(model, dtype)
@@ -197,7 +197,7 @@ def test_a_message_that_does_not_fit_the_engine_is_refused_before_anything_is_wr
 
 def test_the_worker_engine_takes_resident_update_infos() -> None:
     """vLLM parses the update dict into the engine's ``update_info_cls``: the resident message passes through."""
-    from rlhf_runtime.kernel_transfer import RlhfIPCWeightTransferEngine
+    from rlhf_runtime.weight_sync.kernel import RlhfIPCWeightTransferEngine
 
     info = RlhfIPCWeightTransferEngine.update_info_cls(names=[], dtype_names=[], shapes=[], ipc_handles={},
                                                       resident={"generation": "g", "entries": []})

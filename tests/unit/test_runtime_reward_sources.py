@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rlhf_api.models import Reward, RewardEndpoint, RewardModel
-from rlhf_runtime.rewards import RewardError, combine, endpoint_rewards, make_reward, normalize
+from rlhf_runtime.algo.rewards import RewardError, combine, endpoint_rewards, make_reward, normalize
 
 # ------------------------------------------------------------------------------------------ endpoint
 Reply = tuple[int, object]  # (HTTP status, JSON body or raw bytes)
@@ -193,8 +193,8 @@ def test_make_reward_without_rule_or_function() -> None:
 # -------------------------------------------------------------------------------------- reward model
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory: pytest.TempPathFactory):
-    from rlhf_runtime.reward_model import RewardScorer
-    from rlhf_runtime.tiny import build_tiny_reward_model
+    from rlhf_runtime.roles.base.reward import RewardScorer
+    from rlhf_testing.tiny import build_tiny_reward_model
 
     path = build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model", target="a")
     return RewardScorer(str(path), None, "float32", batch_size=3, device="cpu")
@@ -220,8 +220,8 @@ def test_reward_model_batches_and_padding_do_not_change_scores(scorer) -> None:
 
 
 def test_reward_model_errors(tmp_path: Path) -> None:
-    from rlhf_runtime.reward_model import RewardScorer
-    from rlhf_runtime.tiny import build_tiny_reward_model
+    from rlhf_runtime.roles.base.reward import RewardScorer
+    from rlhf_testing.tiny import build_tiny_reward_model
 
     two = build_tiny_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ValueError, match=r"spec.reward.model.name .*two.* has num_labels 2"):

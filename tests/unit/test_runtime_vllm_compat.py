@@ -1,10 +1,10 @@
-"""``rlhf_runtime.vllm_compat``: the supported-version check (pure) and the probes on the installed vLLM."""
+"""``rlhf_runtime.vllm.compat``: the supported-version check (pure) and the probes on the installed vLLM."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlhf_runtime import vllm_compat as vc
+from rlhf_runtime.vllm import compat as vc
 
 
 @pytest.mark.parametrize("version", ["0.24.0", "0.24.1", "0.28.0", "0.32.0+cpu", "0.33.0", "0.33.0rc1", "0.40.2",

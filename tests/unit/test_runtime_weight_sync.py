@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-from rlhf_runtime import moe
+from rlhf_runtime.infra import moe
 from rlhf_runtime.weight_sync import IPCBufferProducer
 
 
@@ -291,7 +291,7 @@ def test_auto_takes_the_kernel_format_on_vllm_028_where_validated(monkeypatch: p
     """vLLM >= 0.28: ``auto`` takes the kernel format over NCCL, over IPC from one trainer GPU and over IPC from
     several trainer GPUs into TP=1 engines (DP, EP; 2xH200) and into a TP=2 engine (2xH100), all validated with
     vLLM 0.33; a vLLM where it was never validated keeps the checkpoint format and says why."""
-    from rlhf_runtime import vllm_compat
+    from rlhf_runtime.vllm import compat as vllm_compat
     from rlhf_runtime.weight_sync.senders import auto_keeps_checkpoint
 
     assert auto_keeps_checkpoint() is None  # no backend, trainer size or engine TP is held back
@@ -407,7 +407,7 @@ class _RoutedExperts(torch.nn.Module):
 def test_engine_reports_its_local_experts_and_their_layout(emap, backend, w13) -> None:
     from types import SimpleNamespace
 
-    from rlhf_runtime.engines import _worker_param_layout
+    from rlhf_runtime.rollout.engines import _worker_param_layout
 
     model = torch.nn.Module()
     model.experts = torch.nn.Module()

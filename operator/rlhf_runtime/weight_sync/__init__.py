@@ -10,7 +10,7 @@ Runs in the trainer process (rank 0 sends). ``make_sender(...)`` returns a ``Sen
 * ``senders``: ``TrainerEngineSender`` (vLLM >= 0.28), ``RuntimeDrivenSender`` (vLLM 0.24), ``make_sender``;
 * ``fanout``: ``EngineFanOut``, the control plane over the engine actors.
 
-Every vLLM version difference they depend on lives in ``rlhf_runtime.vllm_compat``.
+Every vLLM version difference they depend on lives in ``rlhf_runtime.vllm.compat``.
 """
 
 from rlhf_runtime.weight_sync.fanout import EngineFanOut

@@ -1,6 +1,6 @@
 """Engine fan-out: the trainer's control plane to the engine actors (vLLM's ``VLLMWeightSyncClient`` role).
 
-``EngineFanOut`` calls the same method on every engine actor (``rlhf_runtime.engine_api.RolloutEngine``) and
+``EngineFanOut`` calls the same method on every engine actor (``rlhf_runtime.rollout.api.RolloutEngine``) and
 waits at most ``weightSync.timeoutSeconds``. It gives each engine its own ``rank_offset`` (``1 + the world
 sizes of the engines before it``), because each engine is a separate vLLM instance whose workers count ranks
 from 0, and it times every call (``timings``: seconds per method, summed over a sync).
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 class EngineFanOut:
-    """``VLLMWeightSyncClient`` over engine actors (``rlhf_runtime.engines``), with per-engine rank offsets."""
+    """``VLLMWeightSyncClient`` over engine actors (``rlhf_runtime.rollout.engines``), with per-engine rank offsets."""
 
     def __init__(self, handles: list[Any], worlds: list[int], timeout_s: float | None = None,
                  ordered: bool = False) -> None:

@@ -4,7 +4,7 @@
   format with matching metadata: ``named_parameters(remove_duplicate=False)``, so a tied ``lm_head.weight``
   goes out under its second name too (vLLM's layerwise reload would otherwise keep the engine's old value),
   FSDP2 shards gathered (``full_tensor()``, a collective: every rank iterates), fused HF MoE experts split per
-  expert (``rlhf_runtime.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
+  expert (``rlhf_runtime.infra.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
   option); ``local`` names go out as this rank's FSDP2 shard, ungathered (``local_candidates``: where the shard is
   the piece a tensor-parallel engine worker on this rank's GPU holds), ``drop`` names not at all (``unneeded``).
 * ``PackedProducer``: vLLM's packed NCCL wire format from persistent double buffers.
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from rlhf_runtime import moe, vllm_compat
+from rlhf_runtime.infra import moe
+from rlhf_runtime.vllm import compat as vllm_compat
 
 
 class FusedParts(list):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rlhf_runtime import vllm_compat
+from rlhf_runtime.vllm import compat as vllm_compat
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import DEFAULT_OPTIONS, KernelPlan, effective_format
 from rlhf_runtime.weight_sync.producers import IPCBufferProducer, PackedProducer, ParamSource, ResidentExport
@@ -196,7 +196,7 @@ class TrainerEngineSender(Sender):
         #: "one": one engine call per sync (gloo); NCCL pipelines vLLM's three calls (see NCCL_RPC_DEFAULT)
         self.rpc = default_rpc(backend)
         if backend == "gloo":
-            from rlhf_runtime.gloo_transfer import GlooTrainerInitInfo
+            from rlhf_runtime.weight_sync.gloo import GlooTrainerInitInfo
 
             info: Any = GlooTrainerInitInfo(
                 master_address=init["master_address"], master_port=init["master_port"],
@@ -553,7 +553,7 @@ def make_sender(backend: str, client: EngineFanOut, source: ParamSource, init: d
                 fmt: str = "auto") -> Sender:
     """The sender for the installed vLLM. ``init``: master_address, master_port, world_size, packed, bucket_bytes,
     rank, trainer_world, timeout_s; ``fmt``: ``spec.weightSync.format``."""
-    from rlhf_runtime import vllm_plugin
+    from rlhf_runtime.vllm import plugin as vllm_plugin
 
     vllm_compat.require_supported_vllm()
     vllm_plugin.register()

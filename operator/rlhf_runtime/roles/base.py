@@ -1,6 +1,6 @@
 """Models beside the policy, each in Ray actors of its own: the frozen reference and PPO's critic.
 
-(The reward model is ``rlhf_runtime.reward_model.RewardScorer``.) Where they run is ``placement.Layout.roles``:
+(The reward model is ``rlhf_runtime.roles.base.reward.RewardScorer``.) Where they run is ``placement.Layout.roles``:
 on the trainer's GPUs (colocated: one actor beside each trainer worker) or in a worker group of their own.
 
 Batches are the trainer's: ``prompts`` and ``completions`` as token ids per sample. Per-token results are lists
@@ -15,7 +15,7 @@ layout, where the completion of sample ``i`` sits at positions ``len(prompt_i) .
   clipped value loss (``algorithms.value_loss``) against the returns, ``epochsPerStep`` passes, its own AdamW
   at ``algorithm.ppo.criticLearningRate``. Several critic workers shard it with FSDP2, like the trainer.
   With ``spec.checkpoint`` it is checkpointed beside the policy, under ``<checkpoint.path>/critic`` with the
-  same crash-safe layout (``rlhf_runtime.checkpoint``), at the trainer's steps; a resumed run's critic loads the
+  same crash-safe layout (``rlhf_runtime.infra.checkpoint``), at the trainer's steps; a resumed run's critic loads the
   step the trainer resumed from (the critic is saved first, so that step always has one), or starts afresh
   with a warning when it is missing.
 """
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
-from rlhf_runtime import checkpoint as ckpt
-from rlhf_runtime.algorithms import value_loss
-from rlhf_runtime.grpo import token_logprobs
+from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.algo.objectives import value_loss
+from rlhf_runtime.algo.grpo import token_logprobs
 
 MICRO_BATCH = 64
 log = logging.getLogger("rlhf_runtime")

@@ -113,15 +113,15 @@ def engine_class(async_mode: bool, async_engine: str = "asyncllm") -> type[Rollo
     ``spec.rollout.asyncEngine``: ``asyncllm`` (``engines.AsyncEngine``) or ``stepped``
     (``stepped_engine.SteppedEngine``). Imports the class's module (light: vLLM loads in the actor)."""
     if not async_mode:
-        from rlhf_runtime.engines import Engine
+        from rlhf_runtime.rollout.engines import Engine
 
         return Engine
     if async_engine == "asyncllm":
-        from rlhf_runtime.engines import AsyncEngine
+        from rlhf_runtime.rollout.engines import AsyncEngine
 
         return cast("type[RolloutEngine]", AsyncEngine)  # coroutines: the same results through Ray
     if async_engine == "stepped":
-        from rlhf_runtime.stepped_engine import SteppedEngine
+        from rlhf_runtime.rollout.stepped import SteppedEngine
 
         return cast("type[RolloutEngine]", SteppedEngine)
     raise ValueError(f"rollout.asyncEngine must be one of {', '.join(ASYNC_ENGINES)}, not {async_engine!r}")

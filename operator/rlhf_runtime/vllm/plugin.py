@@ -14,17 +14,17 @@ def register() -> None:
 
     if "gloo" not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            "gloo", "rlhf_runtime.gloo_transfer", "GlooWeightTransferEngine"
+            "gloo", "rlhf_runtime.weight_sync.gloo", "GlooWeightTransferEngine"
         )
-    from rlhf_runtime import vllm_compat
+    from rlhf_runtime.vllm import compat as vllm_compat
 
     trainer_factory = vllm_compat.trainer_factory()
     if trainer_factory is None:  # vLLM 0.24: no trainer-side factory (and the format is start's argument)
         return
     for name, cls in (("rlhf_nccl", "RlhfNCCLWeightTransferEngine"), ("rlhf_ipc", "RlhfIPCWeightTransferEngine")):
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, "rlhf_runtime.kernel_transfer", cls)
+            WeightTransferEngineFactory.register_engine(name, "rlhf_runtime.weight_sync.kernel", cls)
     if "gloo" not in trainer_factory._registry:
         trainer_factory.register_engine(
-            "gloo", "rlhf_runtime.gloo_transfer", "GlooTrainerWeightTransferEngine"
+            "gloo", "rlhf_runtime.weight_sync.gloo", "GlooTrainerWeightTransferEngine"
         )

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from rlhf_runtime import vllm_compat
-from rlhf_runtime.engines import (
+from rlhf_runtime.vllm import compat as vllm_compat
+from rlhf_runtime.rollout.engines import (
     _device_info,
     _layout,
     _llm_args,

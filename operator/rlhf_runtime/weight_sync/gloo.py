@@ -4,7 +4,7 @@ vLLM ships ``nccl`` and ``ipc`` backends, both GPU-only. This backend speaks the
 (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``)
 over a torch gloo ``ProcessGroup`` with its own ``TCPStore``, so CPU CI drives exactly the engine calls the
 GPU path drives. It is registered in every vLLM process by the plugin entry point
-(``rlhf_runtime.vllm_plugin:register``) and selected with ``WeightTransferConfig(backend="gloo")``.
+(``rlhf_runtime.vllm.plugin:register``) and selected with ``WeightTransferConfig(backend="gloo")``.
 
 Wire format (both sides derive it from the same metadata, so they always agree):
 
@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rlhf_runtime import vllm_compat
+from rlhf_runtime.vllm import compat as vllm_compat
 
 #: vLLM >= 0.28 has a trainer-side engine API (the trainer side below); 0.24 does not (the runtime then drives the
 #: round trip itself, ``weight_sync.RuntimeDrivenSender``, which has no gloo path).

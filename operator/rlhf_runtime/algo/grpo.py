@@ -42,7 +42,7 @@ def grpo_loss(
 ) -> tuple[Any, dict[str, float]]:
     """``logp``/``old_logp``/``ref_logp``/``mask``: [B, T] tensors; ``advantages``: [B]. Returns (loss, stats):
     ``algorithms.policy_loss`` with symmetric clipping and token aggregation."""
-    from rlhf_runtime.algorithms import policy_loss
+    from rlhf_runtime.algo.objectives import policy_loss
 
     return policy_loss(logp, old_logp, advantages, mask, clip_ratio, clip_ratio, "token", ref_logp, kl_coef)
 

@@ -1,10 +1,10 @@
 """vLLM engines as Ray actors: ``Engine`` (sync ``LLM``) and ``AsyncEngine`` (``AsyncLLM``, for
 ``weightSync.mode: async``).
 
-Both implement ``rlhf_runtime.engine_api.RolloutEngine`` (the weight-transfer surface
+Both implement ``rlhf_runtime.rollout.api.RolloutEngine`` (the weight-transfer surface
 ``init_weight_transfer_engine(init_info)``, ``start_weight_update(checkpoint_format)``,
 ``update_weights(update_info)``, ``finish_weight_update()``, and ``generate``) with plain dicts; vLLM's version
-differences are ``rlhf_runtime.vllm_compat``'s (e.g. whether ``start_weight_update`` takes
+differences are ``rlhf_runtime.vllm.compat``'s (e.g. whether ``start_weight_update`` takes
 ``is_checkpoint_format``). Results come back as plain lists, not vLLM objects. An unsupported vLLM is refused
 when the engine starts (``vllm_compat.require_supported_vllm``).
 
@@ -13,7 +13,7 @@ computed with the old weights; a cached prefix would also take a different prefi
 engine, which breaks token-for-token validation).
 
 LoRA (``trainer.lora``): an ``Engine`` started with ``enable_lora`` serves every rollout with its newest adapter.
-``load_adapter(payload, adapter_id)`` writes the adapter files (``rlhf_runtime.lora``) to a fresh temporary
+``load_adapter(payload, adapter_id)`` writes the adapter files (``rlhf_runtime.infra.lora``) to a fresh temporary
 directory, drops the previous adapter (vLLM's ``remove_lora`` and its directory) and loads the new one under a new
 integer id (``add_lora``), so no request runs on a half-replaced adapter and no KV of the old one is reused.
 
@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from rlhf_runtime import vllm_compat
+from rlhf_runtime.vllm import compat as vllm_compat
 
 
 def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
@@ -49,7 +49,8 @@ def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
 def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import WeightTransferConfig
 
-    from rlhf_runtime import vllm_compat, vllm_plugin
+    from rlhf_runtime.vllm import compat as vllm_compat
+    from rlhf_runtime.vllm import plugin as vllm_plugin
 
     vllm_compat.require_supported_vllm()  # a clear error before vLLM builds anything
     vllm_plugin.register()  # in-process engines (uni executor) do not always load plugins before use
@@ -166,7 +167,7 @@ def _worker_freeze(worker: Any) -> int:
 def _worker_weight_format(worker: Any, kernel: bool) -> bool:
     """(collective_rpc, vLLM >= 0.28) Switch the worker's weight-transfer engine to the kernel or the checkpoint
     format (``kernel_transfer.set_format``)."""
-    from rlhf_runtime import kernel_transfer
+    from rlhf_runtime.weight_sync import kernel as kernel_transfer
 
     return kernel_transfer.set_format(getattr(worker, "weight_transfer_engine", None), kernel)
 
@@ -262,7 +263,7 @@ class Engine:
         to load it, and the trainer's ``serialize_s``."""
         from vllm.lora.request import LoRARequest
 
-        from rlhf_runtime import lora
+        from rlhf_runtime.infra import lora
 
         t0 = time.perf_counter()
         path = lora.write_files(payload["files"], tempfile.mkdtemp(prefix=f"rlhf-lora-{adapter_id}-"))

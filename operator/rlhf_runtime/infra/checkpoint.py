@@ -49,7 +49,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("rlhf_runtime.checkpoint")
+log = logging.getLogger("rlhf_runtime.infra.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 #: ``.tmp-step-<N>-<host>-<pid>`` (a write in progress) and ``.old-step-<N>-<host>-<pid>`` (a re-save's set-aside

@@ -10,16 +10,16 @@ Guarantees:
 
 * Optimiser: AdamW with ``algorithm.learningRate`` and ``trainer.optimizer`` (betas, weight decay), gradient
   clipping at ``maxGradNorm`` (0 disables it).
-* Loss: ``rlhf_runtime.algorithms.policy_loss`` (clipped policy gradient with ``clipRatio`` /
+* Loss: ``rlhf_runtime.algo.objectives.policy_loss`` (clipped policy gradient with ``clipRatio`` /
   ``clipRatioHigh``, optional k3 KL to the frozen initial policy when ``klCoef > 0`` and ``klMode`` loss),
   aggregated per ``lossAggregation`` over the batch, ``epochsPerStep`` passes, micro-batches of
   ``roles.MICRO_BATCH`` sequences with gradient accumulation. Advantages come from the driver, per sample or
   per token (PPO's GAE, KL in the reward).
-* Checkpoints (``rlhf_runtime.checkpoint``): the model (``save_pretrained``), the optimiser state and the
+* Checkpoints (``rlhf_runtime.infra.checkpoint``): the model (``save_pretrained``), the optimiser state and the
   step, written atomically; a new actor resumes from the newest one, so the step counter continues. Under
   FSDP2 both are gathered to full tensors (``torch.distributed.checkpoint.state_dict``) and every rank takes
   its own shards back on resume. FSDP2 also runs on CPU over gloo (tests).
-* LoRA (``trainer.lora``, ``rlhf_runtime.lora``): the base model is frozen and wrapped with a PEFT adapter;
+* LoRA (``trainer.lora``, ``rlhf_runtime.infra.lora``): the base model is frozen and wrapped with a PEFT adapter;
   the optimiser holds the adapter's parameters only. The in-trainer reference is the same model with the
   adapter disabled (no second copy of the base). A sync is ``adapter_payload`` (the adapter files, handed to
   the engines by the driver through Ray's object store), not the weight-transfer group. Checkpoints hold
@@ -40,12 +40,13 @@ from typing import Any
 import torch
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime import checkpoint as ckpt
-from rlhf_runtime import lora as lora_mod
-from rlhf_runtime import node_files, vllm_compat
-from rlhf_runtime.algorithms import policy_loss
-from rlhf_runtime.grpo import token_logprobs
-from rlhf_runtime.roles import (
+from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import lora as lora_mod
+from rlhf_runtime.infra import node_files
+from rlhf_runtime.vllm import compat as vllm_compat
+from rlhf_runtime.algo.objectives import policy_loss
+from rlhf_runtime.algo.grpo import token_logprobs
+from rlhf_runtime.roles.base import (
     chunks,
     from_lists,
     full_model_state,
@@ -160,7 +161,8 @@ class Trainer:
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
         # vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
         # in the first init_weight_sync (bounded by weightSync.timeoutSeconds, which is for the transfer itself)
-        from rlhf_runtime import vllm_plugin, weight_sync  # noqa: F401 - loaded here, not in the first sync
+        from rlhf_runtime import weight_sync  # noqa: F401 - loaded here, not in the first sync
+        from rlhf_runtime.vllm import plugin as vllm_plugin
 
         vllm_compat.require_supported_vllm()
         vllm_plugin.register()

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_api.models import Algorithm
-from rlhf_runtime import algorithms as alg
+from rlhf_runtime.algo import objectives as alg
 
 
 def needs_token_inputs(a: Algorithm) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rlhf_runtime.config import check_model_path
+from rlhf_runtime.infra.config import check_model_path
 
 FIELD = "spec.reward.model.name"
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from rlhf_runtime.grpo import group_advantages
+from rlhf_runtime.algo.grpo import group_advantages
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -1,0 +1,1 @@
+"""The runtime's plumbing: job config, placement, checkpoints, status reporting, LoRA, MoE layouts, node files."""

@@ -1,0 +1,1 @@
+"""vLLM engine actors (sync, async, stepped) behind one interface (``api.RolloutEngine``)."""

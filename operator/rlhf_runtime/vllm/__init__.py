@@ -1,0 +1,1 @@
+"""The one place that knows vLLM: version differences (``compat``) and the vLLM plugin (``plugin``)."""
