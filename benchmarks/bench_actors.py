@@ -39,7 +39,7 @@ from typing import Any
 
 from rlhf_runtime.rollout.engines import AsyncEngine, Engine
 from rlhf_runtime.rollout.stepped import SteppedEngine
-from rlhf_runtime.roles.base.policy import Trainer
+from rlhf_runtime.roles.policy import Trainer
 
 HERE = Path(__file__).resolve().parent
 

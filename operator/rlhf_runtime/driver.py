@@ -296,7 +296,7 @@ class Runtime:
         #: every engine actor serves ``engine_api.RolloutEngine`` (``PausableEngine`` in async mode)
         self.engine_class: type[RolloutEngine] = engine_class(self.async_mode, self.spec.rollout.async_engine)
         self.engines: list[Any] = []  # Ray actor handles of ``engine_class``
-        self.trainer_class: type | None = None  # None: ``rlhf_runtime.roles.base.policy.Trainer``
+        self.trainer_class: type | None = None  # None: ``rlhf_runtime.roles.policy.Trainer``
         self.engine_kwargs: list[dict[str, Any]] = []
         self.asleep = False  # colocated engines sleep while the trainer trains
         self.dp_address: tuple[str, int] | None = None
@@ -394,7 +394,7 @@ class Runtime:
     def start_trainers(self) -> dict[str, Any]:
         import ray
 
-        from rlhf_runtime.roles.base.policy import Trainer
+        from rlhf_runtime.roles.policy import Trainer
 
         trainer_class = self.trainer_class or Trainer
         cfg_json = self.cfg.model_dump_json(by_alias=True)
@@ -419,7 +419,7 @@ class Runtime:
         critic's workers (FSDP2 over them when there are several), reference workers."""
         import ray
 
-        from rlhf_runtime.roles.base.reward import RewardScorer
+        from rlhf_runtime.roles.reward import RewardScorer
         from rlhf_runtime.roles.base import CriticModel, ReferenceModel
 
         spec, cfg_json = self.spec, self.cfg.model_dump_json(by_alias=True)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
-from rlhf_runtime.roles.base.policy import Trainer
+from rlhf_runtime.roles.policy import Trainer
 
 cfg, rank, port, shards, phase = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)

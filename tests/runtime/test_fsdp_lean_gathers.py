@@ -40,7 +40,7 @@ build_tokenizer(sys.argv[1], 64)
 WORKER = r"""
 import json, sys
 import torch
-from rlhf_runtime.roles.base.policy import Trainer
+from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.producers import ParamSource
 from rlhf_runtime.weight_sync.senders import agreed_gathers

@@ -126,7 +126,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from rlhf_runtime.algo.grpo import token_logprobs
 from rlhf_runtime.roles.base import pad
-from rlhf_runtime.roles.base.policy import Trainer
+from rlhf_runtime.roles.policy import Trainer
 
 cfg, base = open(sys.argv[1]).read(), sys.argv[2]
 batch = {"prompts": [[5, 6, 7], [8, 9]], "completions": [[20, 21, 22], [24, 25]], "advantages": [1.0, -1.0]}

@@ -15,7 +15,7 @@ from tests.runtime.conftest import job_config, write_config
 SCRIPT = r"""
 import json, sys
 import torch
-from rlhf_runtime.roles.base.policy import Trainer
+from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.roles.base import policy as trainer_mod
 
 cfg = open(sys.argv[1]).read()

@@ -207,7 +207,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
     ray = fake_ray(c)
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setitem(sys.modules, "ray.util", ray.util)
-    monkeypatch.setitem(sys.modules, "rlhf_runtime.roles.base.policy", types.SimpleNamespace(Trainer=FakeTrainer))
+    monkeypatch.setitem(sys.modules, "rlhf_runtime.roles.policy", types.SimpleNamespace(Trainer=FakeTrainer))
     monkeypatch.setitem(sys.modules, "rlhf_runtime.rollout.engines", types.SimpleNamespace(Engine=FakeEngine))
     monkeypatch.setattr(drv.Runtime, "_strategy", lambda self, group, bundle: Strategy(group, bundle))
     monkeypatch.setattr(tempfile, "tempdir", str(c.nodes["head"][1]))  # the driver runs on the head node

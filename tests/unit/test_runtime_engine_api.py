@@ -41,7 +41,7 @@ def test_no_benchmark_hooks_in_production_actors() -> None:
     for cls in (Engine, AsyncEngine, SteppedEngine):
         for hook in ("scramble_weights", "load_stats", "reset_prefix_cache", "configure_sync"):
             assert not hasattr(cls, hook), f"{cls.__name__}.{hook}"
-    from rlhf_runtime.roles.base.policy import Trainer
+    from rlhf_runtime.roles.policy import Trainer
 
     assert not hasattr(Trainer, "configure_sync")
 

@@ -193,7 +193,7 @@ def test_make_reward_without_rule_or_function() -> None:
 # -------------------------------------------------------------------------------------- reward model
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory: pytest.TempPathFactory):
-    from rlhf_runtime.roles.base.reward import RewardScorer
+    from rlhf_runtime.roles.reward import RewardScorer
     from rlhf_testing.tiny import build_tiny_reward_model
 
     path = build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model", target="a")
@@ -220,7 +220,7 @@ def test_reward_model_batches_and_padding_do_not_change_scores(scorer) -> None:
 
 
 def test_reward_model_errors(tmp_path: Path) -> None:
-    from rlhf_runtime.roles.base.reward import RewardScorer
+    from rlhf_runtime.roles.reward import RewardScorer
     from rlhf_testing.tiny import build_tiny_reward_model
 
     two = build_tiny_reward_model(tmp_path / "two", num_labels=2)

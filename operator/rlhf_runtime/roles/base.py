@@ -1,6 +1,6 @@
 """Models beside the policy, each in Ray actors of its own: the frozen reference and PPO's critic.
 
-(The reward model is ``rlhf_runtime.roles.base.reward.RewardScorer``.) Where they run is ``placement.Layout.roles``:
+(The reward model is ``rlhf_runtime.roles.reward.RewardScorer``.) Where they run is ``placement.Layout.roles``:
 on the trainer's GPUs (colocated: one actor beside each trainer worker) or in a worker group of their own.
 
 Batches are the trainer's: ``prompts`` and ``completions`` as token ids per sample. Per-token results are lists
