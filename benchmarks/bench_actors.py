@@ -12,18 +12,19 @@
 * ``reset_prefix_cache()``: drop the prefix cache now (a cached prefix takes another prefill path than a cold
   one, so greedy comparisons start cold); whether vLLM did.
 
-``BenchTrainer`` adds ``configure_sync(**options)``: sender options of the runtime-driven sender (vLLM 0.24:
-``producer``, ``format``, ``rpc``, ``ipc_wire``, ``packed``, ``bucket_bytes``) for later syncs; and
-``send_stats(reset)``: seconds in the steps of vLLM >= 0.28's IPC trainer engine that no RPC times
-(``IPC_TRAINER_TIMED``; installs the timers the first time).
+``BenchTrainer`` adds ``configure_sync(**options)``: the sender's settings for later syncs (``configure_sender``:
+``SYNC_OPTIONS``, the variants of ``gpu_sync.py``; the production sender has no such hook, the benchmark sets its
+attributes from here); and ``send_stats(reset)``: seconds in the steps of vLLM's IPC trainer engine that no RPC
+times (``IPC_TRAINER_TIMED``; installs the timers the first time).
 
 Every one of these actors prints the Python stack of each of its threads to its stderr (Ray keeps it in the
 actor's worker log) on ``SIGUSR1`` (``enable_stack_dumps``): ``gpu_sync.py`` sends it to them, and to its own
 run, before it kills a run past its limit, and copies the stacks into the run's log, so a hang shows where each
 side waits.
 
-``install(rt)`` makes a ``rlhf_runtime.driver.Runtime`` start these classes instead of its own, and puts this
-directory on the ``PYTHONPATH`` of the Ray it starts, so the actors can import this module.
+``classes(spec)`` hands these classes to ``rlhf_runtime.controller.loop.Runtime(classes=...)`` (the runtime's
+extension point, ``controller.actors.ActorClasses``), and puts this directory on the ``PYTHONPATH`` of the Ray it
+starts, so the actors can import this module.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.rollout.engines import AsyncEngine, Engine
 from rlhf_runtime.rollout.stepped import SteppedEngine
-from rlhf_runtime.roles.policy import Trainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -91,7 +92,7 @@ def _worker_time_loads(worker: Any, reset: bool = False, device_sync: bool = Fal
     return out
 
 
-#: What ``BenchTrainer.send_stats`` times in vLLM >= 0.28's IPC trainer engine (``ipc_engine``), the trainer side
+#: What ``BenchTrainer.send_stats`` times in vLLM's IPC trainer engine (``ipc_engine``), the trainer side
 #: of a packed IPC sync between its RPCs: ``pack``: inside ``packed_ipc_producer``'s generator, per chunk
 #: (iterating the source: the plan's fused tensors, FSDP gathers; copying each tensor into the one IPC buffer;
 #: waiting for those copies); ``post``: ``_post_send_sync`` after each chunk and after the finish
@@ -244,23 +245,60 @@ class BenchSteppedEngine(_StackDumps, SteppedEngine):
         return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
 
 
+#: The sender settings a variant may change (``TrainerEngineSender`` attributes; ``format`` is its
+#: ``requested_format``). ``None`` for ``rpc`` or ``lean_gathers``: the sender's default.
+SYNC_OPTIONS = ("format", "ipc_resident", "lean_gathers", "rpc")
+
+
+def configure_sender(sender: Any, **options: Any) -> dict[str, Any]:
+    """Set ``options`` (``SYNC_OPTIONS``) on ``sender``, a ``weight_sync.TrainerEngineSender``, and apply them now
+    (``apply_settings``: a collective where the format plans or the lean gathers are agreed, so call it on every
+    trainer rank alike); returns what is in use. Unknown option names and ``rpc`` values raise ValueError."""
+    from rlhf_runtime.weight_sync import senders
+
+    unknown = sorted(set(options) - set(SYNC_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown sender options {unknown}: the sender takes {', '.join(SYNC_OPTIONS)}")
+    rpc = options.get("rpc")
+    if "rpc" in options and rpc is not None and rpc not in senders.RPC_MODES:
+        raise ValueError(f"rpc must be one of {', '.join(senders.RPC_MODES)}, not {rpc!r}")
+    if "format" in options:
+        sender.requested_format = options["format"]
+    if "ipc_resident" in options:
+        sender.ipc_resident = bool(options["ipc_resident"])
+    if "lean_gathers" in options:
+        lean = options["lean_gathers"]
+        sender.lean_gathers = senders.LEAN_GATHERS_DEFAULT if lean is None else bool(lean)
+    if "rpc" in options:
+        sender.rpc = senders.default_rpc(sender.backend) if rpc is None else rpc
+    sender.apply_settings()
+    return sender_settings(sender)
+
+
+def sender_settings(sender: Any) -> dict[str, Any]:
+    """What ``sender`` uses now: the weight format, why not the kernel format (the plan's reason), the resident IPC
+    path, the engine calls per sync (``one``/``pipelined``/``three``), the tensors sent as the rank's own shard and
+    the parameters left out (lean gathers), and why the resident IPC path does not apply."""
+    client = sender.client
+    return {"format": sender.format,
+            "kernel_plan": sender.auto_reason or (None if sender.plan is None else sender.plan.reason),
+            "ipc_resident": sender.resident_active,
+            "rpc": "one" if client.one_round else "pipelined" if client.pipelined else "three",
+            "local_shards": len(sender.source.local), "skipped": len(sender.source.drop),
+            "ipc_resident_reason": None if sender.resident is None else sender.resident.reason}
+
+
 class BenchTrainer(_StackDumps, Trainer):
     def configure_sync(self, **options: Any) -> dict[str, Any]:
-        """Sender options for later syncs (runtime-driven sender only); returns the options in force."""
-        configure = getattr(self.sender, "configure", None)
-        if configure is None:
-            return {"unsupported": sorted(options)}
-        return configure(**options)
+        """The sender's settings for later syncs (``configure_sender``); returns what is in use."""
+        return configure_sender(self.sender, **options)
 
     def send_stats(self, reset: bool = False) -> dict[str, float]:
         """Seconds and calls of ``IPC_TRAINER_TIMED`` since the last reset (zeros where the path is not taken:
-        vLLM 0.24, NCCL, the checkpoint format unpacked); the timers are installed at the first call."""
+        NCCL, gloo, the resident IPC sync); the timers are installed at the first call."""
         if not _IPC_TRAINER_STATS:
             _IPC_TRAINER_STATS.update({f"{k}_{x}": 0 for k in IPC_TRAINER_TIMED for x in ("s", "calls")})
-            from rlhf_runtime.vllm import compat as vllm_compat
-
-            if vllm_compat.has_trainer_api():
-                _time_ipc_trainer(_IPC_TRAINER_STATS)
+            _time_ipc_trainer(_IPC_TRAINER_STATS)
         out = dict(_IPC_TRAINER_STATS)
         if reset:
             _IPC_TRAINER_STATS.update({k: 0 for k in _IPC_TRAINER_STATS})
@@ -271,10 +309,19 @@ BENCH_CLASSES: dict[type, type] = {Engine: BenchEngine, AsyncEngine: BenchAsyncE
                                    SteppedEngine: BenchSteppedEngine}
 
 
-def install(rt: Any) -> None:
-    """Before ``rt.connect()``: ``rt`` (a ``Runtime``) starts the benchmark subclasses of its actor classes."""
-    rt.engine_class = BENCH_CLASSES[rt.engine_class]
-    rt.trainer_class = BenchTrainer
+def classes(spec: Any) -> Any:
+    """The benchmark subclasses for a job of ``spec``, for ``controller.loop.Runtime(classes=...)`` (the
+    runtime's extension point); puts this directory on the ``PYTHONPATH`` of the Ray the run starts, so the
+    actors can import this module."""
+    from rlhf_runtime.controller.actors import ActorClasses
+    from rlhf_runtime.rollout.api import engine_class
+
+    install_path()
+    engine = engine_class(spec.weight_sync.mode == "async", spec.rollout.async_engine)
+    return ActorClasses(trainer=BenchTrainer, engine=BENCH_CLASSES[engine])
+
+
+def install_path() -> None:
     path = os.environ.get("PYTHONPATH", "")
     if str(HERE) not in path.split(os.pathsep):  # the actors import this module by name
         os.environ["PYTHONPATH"] = os.pathsep.join([p for p in (path, str(HERE)) if p])

@@ -1,9 +1,10 @@
-"""GPU async mode: the real driver (``python -m rlhf_runtime.driver --local --validate``) with
+"""GPU async mode: the real driver (``python -m rlhf_testing.driver --local --validate``: the runtime's driver with
+the test hooks' actor classes) with
 ``weightSync.mode: async`` on two GPUs (trainer GPU0, one vLLM engine GPU1, NCCL): the next rollout runs
 while the trainer trains, the sync pauses it mid-request, swaps the weights and resumes it.
 
 Builds a random-init model from a real config (``gpu_sync.MODELS``), runs ``--steps`` steps with
-``--async-pause-after-tokens`` and batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``), and writes
+``--pause-after-tokens`` (the hooked engines wait until a live sample has that many tokens before a sync) and batch-invariant kernels (``VLLM_BATCH_INVARIANT=1``), and writes
 ``<out>/gpu_async_<engine>_<model>.json``: the fresh-engine validation, every step's sync stages (pause,
 transfer, resume), how many samples mixed old and new weights, and throughput. ``--engine`` picks the
 async engine (``spec.rollout.asyncEngine``): ``stepped`` (in-process ``LLM`` stepped by the actor) or ``asyncllm``.
@@ -66,8 +67,8 @@ def main() -> int:
     env = {**os.environ, **SAFE_ENV}
     if gpu:  # batch-invariant kernels are Triton (GPU) kernels
         env["VLLM_BATCH_INVARIANT"] = "1"
-    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(work / "job.json"), "--local", "--no-report",
-           "--validate", "--progress-file", str(progress), "--async-pause-after-tokens", str(args.pause_after_tokens)]
+    cmd = [sys.executable, "-m", "rlhf_testing.driver", "--config", str(work / "job.json"), "--local", "--no-report",
+           "--validate", "--progress-file", str(progress), "--pause-after-tokens", str(args.pause_after_tokens)]
     t = time.perf_counter()
     with open(Path(args.out) / f"gpu_async_{args.engine}_{args.model}.log", "wb") as log:
         try:

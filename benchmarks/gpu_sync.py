@@ -1,4 +1,4 @@
-"""GPU weight-sync benchmark: the runtime's own components (``rlhf_runtime.driver.Runtime``, its trainer and
+"""GPU weight-sync benchmark: the runtime's own components (``rlhf_runtime.controller.loop.Runtime``, its trainer and
 engine actors, ``rlhf_runtime.weight_sync``) on real GPUs, one layout and model size per child process.
 
 For each ``LAYOUT:MODEL`` (e.g. ``separate-nccl:qwen2-0.5b``) a child process
@@ -103,44 +103,35 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                      "rollout": {"engines": 2, "gpuMemoryUtilization": 0.05}},
 }
 
-#: Sender variants timed after the default one (``configure_sync`` options of ``bench_actors.BenchTrainer``; vLLM
-#: >= 0.28's ``TrainerEngineSender`` takes ``format``, ``ipc_resident`` and ``rpc`` and reports the rest as
-#: ``unsupported``). The default is ``weight_sync.DEFAULT_OPTIONS`` (results before 2026-11-22 evening: vLLM
-#: producer + checkpoint format). ``format: auto`` is what earlier results called ``kernel``: the kernel format
-#: where its plan applies, else the checkpoint format. Variants run on CPU too (the ``gloo`` ones).
+#: Sender variants timed after the default one (``configure_sync`` options of ``bench_actors.BenchTrainer``:
+#: ``TrainerEngineSender``'s settings ``format``, ``ipc_resident``, ``lean_gathers`` and ``rpc``). The default is
+#: the sender's own (what the driver runs: the job's ``weightSync.format``, ``senders.default_rpc``,
+#: ``senders.LEAN_GATHERS_DEFAULT``, the resident IPC path on). ``format: auto`` is what earlier results called
+#: ``kernel``: the kernel format where its plan applies, else the checkpoint format. Variants run on CPU too (the
+#: ``gloo`` ones).
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
-        ("vllm-producer-checkpoint", {"producer": "vllm", "format": "checkpoint"}),
-        ("runtime-producer", {"producer": "runtime", "format": "checkpoint"}),
-        ("kernel-format", {"producer": "runtime", "format": "auto", "rpc": "three"}),  # each call waited on
+        ("checkpoint-format", {"format": "checkpoint"}),
+        ("kernel-format", {"format": "auto", "rpc": "three"}),  # each call waited on
         # start, update, finish as three engine calls submitted back to back (EngineFanOut.pipelined); before
         # one-rpc, which did not finish on 2xH100 (a variant that fails or hangs ends the variants)
-        ("kernel-format-pipelined-rpc", {"producer": "runtime", "format": "auto", "rpc": "pipelined"}),
-        ("kernel-format-one-rpc", {"producer": "runtime", "format": "auto", "rpc": "one"}),
-        ("kernel-format-256MB", {"producer": "runtime", "format": "auto", "bucket_bytes": 256 << 20}),
-        ("kernel-format-4GB", {"producer": "runtime", "format": "auto", "bucket_bytes": 4 << 30}),
-        # vLLM >= 0.28: the runtime's kernel-format worker engines (auto keeps checkpoint there until validated)
+        ("kernel-format-pipelined-rpc", {"format": "auto", "rpc": "pipelined"}),
+        ("kernel-format-one-rpc", {"format": "auto", "rpc": "one"}),
+        # the runtime's kernel-format worker engines wherever the plan applies (a plan that does not fails)
         ("kernel-format-forced", {"format": "kernel"}),
     ],
     "ipc": [
-        ("packed", {"packed": True, "format": "checkpoint"}),
-        ("unpacked", {"packed": False, "format": "checkpoint"}),
-        ("kernel-format-unpacked", {"packed": False, "format": "auto"}),
-        ("kernel-format-packed-vllm", {"packed": True, "format": "auto", "producer": "vllm"}),
-        ("kernel-format-packed", {"packed": True, "format": "auto", "producer": "runtime", "ipc_wire": "packed"}),
-        ("kernel-format-views", {"packed": True, "format": "auto", "producer": "runtime", "ipc_wire": "views"}),
-        ("kernel-format-views-one-rpc", {"packed": True, "format": "auto", "producer": "runtime",
-                                         "ipc_wire": "views", "rpc": "one", "bucket_bytes": 4 << 30}),
+        ("checkpoint-format", {"format": "checkpoint"}),
         ("kernel-format-forced", {"format": "kernel"}),
-        # vLLM >= 0.28: vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
+        # vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
         ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
         # each FSDP2 rank's shard sent ungathered where it is its TP worker's, no gather of what no engine takes
         # (the default since 2026-11-26), and every parameter gathered (before)
         ("kernel-format-lean-gathers", {"format": "auto", "lean_gathers": True}),
         ("kernel-format-full-gathers", {"format": "auto", "lean_gathers": False}),
     ],
-    # CPU (vLLM >= 0.28's trainer engine, checkpoint format only): one engine call per sync (default) vs three,
-    # and three submitted back to back
+    # CPU (vLLM's trainer engine, checkpoint format only): one engine call per sync (default) vs three, and three
+    # submitted back to back
     "gloo": [
         ("three-rpc", {"format": "auto", "rpc": "three"}),
         ("one-rpc", {"format": "auto", "rpc": "one"}),
@@ -148,10 +139,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
 }
 
-#: Options every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
-#: engine calls per sync and the lean gathers, which differ by backend and version).
-RESET: dict[str, Any] = {"rpc": None, "ipc_wire": "packed", "producer": "runtime", "ipc_resident": True,
-                         "lean_gathers": None}
+#: Settings every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
+#: engine calls per sync and the lean gathers, which differ by backend).
+RESET: dict[str, Any] = {"rpc": None, "ipc_resident": True, "lean_gathers": None}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -212,7 +202,6 @@ def build_model(path: Path, name: str, gpu: bool, head: str = "ForCausalLM", see
     (GPU) / fp32 (CPU), plus tokenizer."""
     import torch
     import transformers
-
     from rlhf_testing.tiny import build_tokenizer
 
     arch, cfg_kw = MODELS[name]
@@ -312,8 +301,8 @@ def greedy(rt: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]
 
     sp = {"n": 1, "temperature": 0.0, "max_tokens": max_tokens}
     # a cold prefix cache every time: a cached prefix takes another prefill path (not bitwise equal)
-    ray.get([e.reset_prefix_cache.remote() for e in rt.engines])
-    outs = ray.get([e.generate.remote(prompts, sp) for e in rt.engines])
+    ray.get([e.reset_prefix_cache.remote() for e in rt.actors.engines])
+    outs = ray.get([e.generate.remote(prompts, sp) for e in rt.actors.engines])
     return [[o["samples"][0] for o in out] for out in outs]
 
 
@@ -324,15 +313,15 @@ def timed_sync(rt: Any) -> dict[str, Any]:
 
     sleep_s = 0.0
     if rt.sleeps:
-        sleep_s = rt.sleep_engines(next_syncs=True)  # the driver's choice when a sync follows
-    r = rt.sync()
-    loads = ray.get([e.load_stats.remote(True) for e in rt.engines])
+        sleep_s = rt.weights.sleep(next_syncs=True)  # the driver's choice when a sync follows
+    r = rt.weights.sync(0)
+    loads = ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
     r["engine_load_s"] = max(w["load_s"] for ws in loads for w in ws)
     r["engine_load_calls"] = max(w["calls"] for ws in loads for w in ws)
     for k in ("start", "receive", "finish"):  # the worker transfer engine's own steps (bench_actors.TIMED)
         r[f"engine_{k}_s"] = max(w.get(f"{k}_s", 0.0) for ws in loads for w in ws)
     r["engine_receive_calls"] = max(w.get("receive_calls", 0) for ws in loads for w in ws)
-    sent = ray.get(rt.trainers[0].send_stats.remote(True))  # vLLM >= 0.28 IPC: the trainer engine's own steps
+    sent = ray.get(rt.actors.trainers[0].send_stats.remote(True))  # IPC: vLLM's trainer engine's own steps
     for k in bench_actors.IPC_TRAINER_TIMED:
         r[f"trainer_{k}_s"], r[f"trainer_{k}_calls"] = sent[f"{k}_s"], sent[f"{k}_calls"]
     r["sleep_s"] = sleep_s
@@ -340,7 +329,7 @@ def timed_sync(rt: Any) -> dict[str, Any]:
 
 
 def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ["total_s", "pause_s", "start_s", "transfer_s", "trainer_send_s", "pack_s", "gather_s",
+    keys = ["total_s", "pause_s", "start_s", "transfer_s", "gather_s",
             "engine_load_s", "engine_start_s", "engine_receive_s", "engine_finish_s", "trainer_pack_s",
             "trainer_post_s", "finish_s", "resume_s", "engine_call_s",
             "send_s", "sleep_s"]
@@ -348,7 +337,7 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     out["bytes"] = syncs[0]["bytes"] if syncs else 0
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
-    out["ipc"] = syncs[0].get("ipc") if syncs else None  # resident or vllm (vLLM >= 0.28 IPC)
+    out["ipc"] = syncs[0].get("ipc") if syncs else None  # IPC: resident or vllm
     # the last sync's engine calls and waits for the engines (rpc), trainer rank 0's FSDP2 gathers, tensors sent
     # as its own shard and parameters left out (lean_gathers)
     for k in ("engine_calls", "engine_waits", "gathers", "local_shards", "skipped"):
@@ -374,7 +363,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
 
     from rlhf_api.models import RuntimeConfig
     from rlhf_runtime.algo.data import load_samples, render_prompt, step_batch
-    from rlhf_runtime.driver import Options, Runtime, ValidationError
+    from rlhf_runtime.controller.loop import Runtime
+    from rlhf_runtime.controller.validation import ValidationError
     from rlhf_runtime.infra.report import Metrics, Reporter
 
     gpu = not args.cpu
@@ -393,39 +383,39 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     result["spec"] = spec
     backend = spec["weightSync"]["backend"] if gpu else "gloo"
     cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
-    opts = Options(local=True, report=False, validate=True, progress_file=str(work / "progress.jsonl"))
-    rt = Runtime(cfg, opts, Reporter(None, Metrics(cfg.name, cfg.namespace), opts.progress_file))
-    bench_actors.install(rt)  # engines with scramble_weights/load_stats, trainers with configure_sync
-    rt.env.update(SAFE_ENV)
-    rt.env.update(actor_env)
+    reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
+    # engines with scramble_weights/load_stats, trainers with configure_sync (the runtime's extension point)
+    rt = Runtime(cfg, reporter, local=True, validate=True, classes=bench_actors.classes(cfg.spec))
+    rt.actors.env.update(SAFE_ENV)
+    rt.actors.env.update(actor_env)
     if layout.endswith("async"):
-        rt.env["VLLM_BATCH_INVARIANT"] = "1"
+        rt.actors.env["VLLM_BATCH_INVARIANT"] = "1"
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     samples = load_samples(cfg.spec.data)
     stages: dict[str, float] = {}
     try:
         t = time.perf_counter()
         rt.connect()
-        rt.place()
-        rt.start_trainers()
+        rt.actors.placement.place()
+        rt.actors.start_trainers()
         stages["trainers_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        rt.start_engines()
+        rt.actors.start_engines()
         stages["engines_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        rt.init_sync()
+        rt.weights.init_group()
         stages["init_sync_s"] = time.perf_counter() - t
         # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
-        ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.engines])
-        ray.get(rt.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
+        ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.actors.engines])
+        ray.get(rt.actors.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
         t = time.perf_counter()
-        result["first_sync"] = rt.sync()
+        result["first_sync"] = rt.weights.sync(0)
         stages["first_sync_s"] = time.perf_counter() - t
         print(f"[{layout}:{model_name}] first sync {result['first_sync']}", flush=True)
         save(result)
         t = time.perf_counter()
         try:
-            v = rt.validate(tokenizer, samples)
+            v = rt.validator.validate(tokenizer, samples)
             result["validation"] = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched",
                                                        "mismatched_by_engine")}
         except ValidationError as e:
@@ -440,7 +430,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         # steady-state syncs, default sender settings (what the driver uses); one warm-up sync first
         time.sleep(2)  # let the killed validation engine go
         timed_sync(rt)
-        ray.get([e.load_stats.remote(True) for e in rt.engines])
+        ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
         result["syncs"] = {"default": [timed_sync(rt) for _ in range(args.syncs)]}
         result["summary"] = {"default": {**summarize(result["syncs"]["default"]),
                                          "greedy_equals_validated": greedy(rt, prompts, max_new) == reference}}
@@ -453,13 +443,11 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                     continue
                 try:
                     applied = ray.get([t.configure_sync.remote(**{**RESET, **options})
-                                       for t in rt.trainers])[0]
-                    ray.get([e.scramble_weights.remote(1234) for e in rt.engines])
-                    ray.get([e.load_stats.remote(True) for e in rt.engines])
+                                       for t in rt.actors.trainers])[0]
+                    ray.get([e.scramble_weights.remote(1234) for e in rt.actors.engines])
+                    ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
                     syncs = [timed_sync(rt) for _ in range(args.syncs)]
-                    if rt.asleep:
-                        ray.get([e.wake_up.remote(None) for e in rt.engines])
-                        rt.asleep = False
+                    rt.weights.wake()
                     same = greedy(rt, prompts, max_new) == reference
                     result["syncs"][name] = syncs
                     result["summary"][name] = {**summarize(syncs), "options": applied,
@@ -470,19 +458,17 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                     result["summary"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
                     print(f"[{layout}:{model_name}] {name} FAILED {traceback.format_exc()}", flush=True)
                     break  # the engine may be mid-update: later variants would only hang
-            from rlhf_runtime.weight_sync import DEFAULT_OPTIONS
-
             if args.revalidate:  # the fastest path again under the driver's fresh-engine validation
                 fastest = min((n for n, v in result["summary"].items() if v.get("greedy_equals_validated")),
                               key=lambda n: result["summary"][n]["median_total_s"], default=None)
                 options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
                 if options:
-                    ray.get([t.configure_sync.remote(**{**RESET, **options}) for t in rt.trainers])
-                    ray.get([e.scramble_weights.remote(99) for e in rt.engines])
+                    ray.get([t.configure_sync.remote(**{**RESET, **options}) for t in rt.actors.trainers])
+                    ray.get([e.scramble_weights.remote(99) for e in rt.actors.engines])
                     sync = timed_sync(rt)
                     t = time.perf_counter()
                     try:
-                        v = rt.validate(tokenizer, samples)
+                        v = rt.validator.validate(tokenizer, samples)
                         check = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched")}
                     except ValidationError as e:
                         check = {"validated": False, "error": str(e)}
@@ -490,65 +476,64 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                                                     **check, "seconds": time.perf_counter() - t}
                     print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
                     save(result)
-            ray.get([t.configure_sync.remote(**{**DEFAULT_OPTIONS, **RESET}, packed=spec["weightSync"].get("packed", True),
-                                             bucket_bytes=spec["weightSync"]["bucketSizeMB"] << 20)
-                     for t in rt.trainers])
+            # back on the sender's defaults (the job's format) for the training step's sync
+            ray.get([t.configure_sync.remote(**RESET, format=spec["weightSync"].get("format", "auto"))
+                     for t in rt.actors.trainers])
 
         # rollout throughput (one warm-up), as the driver launches it
-        if rt.asleep:
-            ray.get([e.wake_up.remote(None) for e in rt.engines])
-            rt.asleep = False
+        rt.weights.wake()
         from rlhf_runtime.infra import config as rc
 
         sampling = rc.sampling_kwargs(cfg.spec)
         rollouts = []
         for i in range(1 + args.rollouts):  # a warm-up on batch 0, then the same batch 1 every time
             batch = step_batch(samples, min(i, 1), cfg.spec.algorithm.prompts_per_step, 0)
-            ro = rt.launch_rollout(tokenizer, batch, sampling, 0)
-            outs = rt.collect(ro)
+            ro = rt.experience.launch(tokenizer, batch, sampling, 0)
+            outs = rt.experience.collect(ro)
             batch, dt = ro.batch, time.perf_counter() - ro.t_launch
             tokens = sum(len(c) for o in outs for c in o["samples"])
             rollouts.append({"seconds": dt, "tokens": tokens, "samples": sum(len(o["samples"]) for o in outs),
                              "tokens_per_second": tokens / dt})
         BARE_INPUTS.update(prompts=[render_prompt(x, tokenizer) for x in batch], sampling=sampling,
-                           kwargs=dict(rt.engine_kwargs[0], model=str(model_path), load_format="auto"),
-                           env=dict(rt.env), engine_gpu=0 if rt.colocated else 1, engines=len(rt.engines),
+                           kwargs=dict(rt.actors.engine_kwargs[0], model=str(model_path), load_format="auto"),
+                           env=dict(rt.actors.env), engine_gpu=0 if cfg.spec.placement.mode == "colocated" else 1,
+                           engines=len(rt.actors.engines),
                            runs=args.rollouts)
         result["rollout"] = {"runs": rollouts, "tokens_per_second": median([r["tokens_per_second"] for r in rollouts[1:]]),
                              "sampling": sampling, "prompts": cfg.spec.algorithm.prompts_per_step,
-                             "enforce_eager": cfg.spec.rollout.enforce_eager, "engines": len(rt.engines)}
+                             "enforce_eager": cfg.spec.rollout.enforce_eager, "engines": len(rt.actors.engines)}
         print(f"[{layout}:{model_name}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
         save(result)
-        if len(rt.engines) > 1 and not rt.layout.dp_group:
+        if len(rt.actors.engines) > 1 and not rt.layout.dp_group:
             # the same batch on the first k engines (independent replicas), k = 1..N: DP scaling
-            engines, scaling = rt.engines, []
+            engines, scaling = rt.actors.engines.actors, []
             try:
                 for k in range(1, len(engines) + 1):
-                    rt.engines = engines[:k]
+                    rt.actors.engines.actors = engines[:k]
                     batch = step_batch(samples, 1, cfg.spec.algorithm.prompts_per_step, 0)
-                    ro = rt.launch_rollout(tokenizer, batch, sampling, 0)
-                    outs = rt.collect(ro)
+                    ro = rt.experience.launch(tokenizer, batch, sampling, 0)
+                    outs = rt.experience.collect(ro)
                     dt = time.perf_counter() - ro.t_launch
                     tokens = sum(len(c) for o in outs for c in o["samples"])
                     scaling.append({"engines": k, "seconds": dt, "tokens": tokens, "tokens_per_second": tokens / dt})
                     print(f"[{layout}:{model_name}] rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
             finally:
-                rt.engines = engines
+                rt.actors.engines.actors = engines
             result["rollout"]["scaling"] = scaling
             save(result)
 
         # one GRPO step on the last rollout, then the sync the driver would do
         if rt.sleeps:
-            rt.sleep_engines(next_syncs=True)
-        w = len(rt.trainers)
+            rt.weights.sleep(next_syncs=True)
+        w = len(rt.actors.trainers)
         pr = [ro.prompt_ids[i] for i, o in enumerate(outs) for _ in o["samples"]]
         comps = [c for o in outs for c in o["samples"]]
         adv = [((i % 8) - 3.5) / 2.3 for i in range(len(comps))]
         t = time.perf_counter()
         stats = ray.get([tr.train.remote({"prompts": pr[r::w], "completions": comps[r::w], "advantages": adv[r::w]})
-                         for r, tr in enumerate(rt.trainers)])[0]
+                         for r, tr in enumerate(rt.actors.trainers)])[0]
         result["train"] = {"seconds": time.perf_counter() - t, "stats": stats}
-        result["sync_after_train"] = rt.sync()
+        result["sync_after_train"] = rt.weights.sync(1)
         after = greedy(rt, prompts, max_new)
         result["sync_after_train"]["greedy_changed"] = after != reference
         print(f"[{layout}:{model_name}] train {result['train']['seconds']:.2f}s, sync after train "

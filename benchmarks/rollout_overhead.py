@@ -1,7 +1,7 @@
 """Rollout overhead: the runtime's rollout beside bare vLLM on the same batch, interleaved in one run.
 
 One layout of ``gpu_sync.py`` (one engine; on CPU ``cpu-gloo`` with a random-init model) is started exactly as
-the driver starts it (``rlhf_runtime.driver.Runtime``: Ray, placement, trainer and engine actors, one weight
+the driver starts it (``rlhf_runtime.controller.loop.Runtime``: Ray, placement, trainer and engine actors, one weight
 sync, so the engine holds the model's weights). Beside it, in a process of its own, a bare ``vllm.LLM`` with the
 engine actor's own arguments and environment (``load_format: auto`` from the same files; on a GPU the same GPU,
 at ``--bare-memory``; a vLLM cache root of its own, so it compiles the model as the actor did instead of loading the
@@ -9,7 +9,7 @@ actor's compiled artifact, unless ``--bare-shares-cache``) and no Ray (so with t
 every CPU it may use). Then
 ``--rounds`` rounds, each timing, in an order that rotates from round to round, the same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first):
 
-* ``runtime``: ``Runtime.launch_rollout`` + ``collect``, as the driver does a step's rollout (prompt rendering,
+* ``runtime``: ``Runtime.experience.launch`` + ``collect``, as the driver does a step's rollout (prompt rendering,
   the Ray call, the engine's generate, result packing and transfer);
 * ``in_actor``: the engine actor's own ``LLM.generate`` on the same prompts, timed inside the actor
   (``bench_actors.BenchEngine.timed_generate``: no Ray transfer, no packing);
@@ -233,9 +233,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime.infra import config as rc
     from rlhf_runtime.algo.data import load_samples, render_prompt, step_batch
-    from rlhf_runtime.driver import Options, Runtime
+    from rlhf_runtime.controller.loop import Runtime
+    from rlhf_runtime.infra import config as rc
     from rlhf_runtime.infra.report import Metrics, Reporter
 
     work = Path(tempfile.mkdtemp(prefix="rlhf-rollout-"))
@@ -259,11 +259,10 @@ def main() -> int:
     if spec["rollout"].get("engines", 1) != 1 or spec["weightSync"].get("mode") == "async":
         raise SystemExit(f"{layout}: one engine in sync mode only (the bare engine stands for one engine)")
     cfg = RuntimeConfig(name="rollout-overhead", namespace="bench", spec=spec)
-    opts = Options(local=True, report=False, validate=False, progress_file=str(work / "progress.jsonl"))
-    rt = Runtime(cfg, opts, Reporter(None, Metrics(cfg.name, cfg.namespace), opts.progress_file))
-    bench_actors.install(rt)
-    rt.env.update(gpu_sync.SAFE_ENV)
-    rt.env.update(actor_env)
+    reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
+    rt = Runtime(cfg, reporter, local=True, classes=bench_actors.classes(cfg.spec))
+    rt.actors.env.update(gpu_sync.SAFE_ENV)
+    rt.actors.env.update(actor_env)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     samples = load_samples(cfg.spec.data)
     sampling = rc.sampling_kwargs(cfg.spec)
@@ -276,29 +275,27 @@ def main() -> int:
     clocks: GpuClocks | None = None
     try:
         rt.connect()
-        rt.place()
-        rt.start_trainers()
-        rt.start_engines()
-        rt.init_sync()
-        rt.sync()  # the engine started with dummy weights: now it holds the model's, as the bare engine does
-        if rt.asleep:
-            ray.get([e.wake_up.remote(None) for e in rt.engines])
-            rt.asleep = False
+        rt.actors.placement.place()
+        rt.actors.start_trainers()
+        rt.actors.start_engines()
+        rt.weights.init_group()
+        rt.weights.sync(0)  # the engine started with dummy weights: now it holds the model's, as the bare one does
+        rt.weights.wake()
         import vllm
 
         result["versions"] = {"vllm": vllm.__version__, "ray": ray.__version__}
         layout_engine = rt.layout.engines[0]
-        env = {**rt.env, **layout_engine.env}
-        kwargs = dict(rt.engine_kwargs[0], model=str(model_path), load_format="auto")
+        env = {**rt.actors.env, **layout_engine.env}
+        kwargs = dict(rt.actors.engine_kwargs[0], model=str(model_path), load_format="auto")
         if gpu:
             kwargs["gpu_memory_utilization"] = a.bare_memory or min(kwargs["gpu_memory_utilization"], 0.4)
             # the engine actor's own GPU (Ray's CUDA_VISIBLE_DEVICES in the actor)
-            env["CUDA_VISIBLE_DEVICES"] = ray.get(rt.engines[0].device_info.remote())["cuda_visible_devices"]
+            env["CUDA_VISIBLE_DEVICES"] = ray.get(rt.actors.engines[0].device_info.remote())["cuda_visible_devices"]
         elif a.bare_memory:
             kwargs["gpu_memory_utilization"] = a.bare_memory
         # the engine actor's compute threads (placement threads on CPU jobs; Ray's default, 1, where unset)
-        result["engine_threads"] = rt.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
-        result["engine_kwargs"] = {k: v for k, v in rt.engine_kwargs[0].items() if k != "model"}
+        result["engine_threads"] = rt.actors.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
+        result["engine_kwargs"] = {k: v for k, v in rt.actors.engine_kwargs[0].items() if k != "model"}
         result["bare_kwargs"] = {k: v for k, v in kwargs.items() if k != "model"}
         from vllm import envs as vllm_envs
 
@@ -314,13 +311,13 @@ def main() -> int:
         ids = [render_prompt(x, tokenizer) for x in batch]
 
         def runtime() -> dict[str, Any]:
-            ro = rt.launch_rollout(tokenizer, batch, sampling, 0)
-            outs = rt.collect(ro)
+            ro = rt.experience.launch(tokenizer, batch, sampling, 0)
+            outs = rt.experience.collect(ro)
             return {"seconds": time.perf_counter() - ro.t_launch,
                     "tokens": sum(len(c) for o in outs for c in o["samples"])}
 
         def in_actor() -> dict[str, Any]:
-            return ray.get(rt.engines[0].timed_generate.remote(ids, sampling), timeout=a.timeout)
+            return ray.get(rt.actors.engines[0].timed_generate.remote(ids, sampling), timeout=a.timeout)
 
         def bare_run() -> dict[str, Any]:
             return bare.generate(ids, sampling)

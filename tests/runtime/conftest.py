@@ -1,7 +1,9 @@
 """Shared fixtures of the runtime tier: a tiny model built once per session, job configs, driver runs.
 
 Every driver run is a real subprocess (``python -m rlhf_runtime.driver --local``) with its own local Ray, real
-vLLM (CPU) engines and the real ``gloo`` weight-transfer backend; nothing is mocked.
+vLLM (CPU) engines and the real ``gloo`` weight-transfer backend; nothing is mocked. ``hooks=True`` runs the
+same driver with the test hooks of ``rlhf_testing.driver`` (subclasses of the runtime's actors, handed in
+through its extension point).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_testing.tiny import tiny_job_spec
 from tests.helpers import JobAPI
 
 
@@ -81,13 +83,15 @@ class Run:
 
 
 def start_driver(
-    tmp: Path, config: Path, *args: str, name: str = "run", env: dict[str, str] | None = None
+    tmp: Path, config: Path, *args: str, name: str = "run", env: dict[str, str] | None = None, hooks: bool = False
 ) -> Run:
-    """Start the driver on ``config``; ``env`` adds to (or overrides) this process's environment."""
+    """Start the driver on ``config``; ``env`` adds to (or overrides) this process's environment; ``hooks``:
+    ``rlhf_testing.driver`` (``--skip-tensor``, ``--pause-after-tokens``)."""
     progress = tmp / f"{name}.progress.jsonl"
     log = tmp / f"{name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **(env or {})}
-    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local", "--no-report",
+    module = "rlhf_testing.driver" if hooks else "rlhf_runtime.driver"
+    cmd = [sys.executable, "-m", module, "--config", str(config), "--local", "--no-report",
            "--progress-file", str(progress), *args]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

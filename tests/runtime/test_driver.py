@@ -54,7 +54,7 @@ def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> No
     # turned on by the spec field alone (no --validate)
     spec = job_config(tiny_model, algorithm={"steps": 2}, rollout={"engines": 2}, weightSync={"validate": True})
     cfg = write_config(tmp_path / "job.json", spec)
-    run = start_driver(tmp_path, cfg, "--debug-skip-tensor", "lm_head.weight")
+    run = start_driver(tmp_path, cfg, "--skip-tensor", "lm_head.weight", hooks=True)
     assert run.wait(timeout=300) == 3, run.tail()
     records = run.records()
     validation = [r["validation"] for r in records if "validation" in r]
@@ -118,9 +118,10 @@ def test_async_mode_pauses_mid_request_and_matches_fresh_engine(
                  "sampling": {"temperature": 1.0, "maxTokens": 160, "samplesPerPrompt": 2}},
     )
     cfg = write_config(tmp_path / "job.json", spec)
-    run = start_driver(tmp_path, cfg, "--validate", "--async-pause-after-tokens", "4")
+    run = start_driver(tmp_path, cfg, "--validate", "--pause-after-tokens", "4", hooks=True)
     assert run.wait(timeout=300) == 0, run.tail()
-    actor = {"asyncllm": "AsyncEngine", "stepped": "SteppedEngine"}[engine]
+    # the hooked subclasses (rlhf_testing.driver) of AsyncEngine and SteppedEngine
+    actor = {"asyncllm": "LatePauseAsyncEngine", "stepped": "LatePauseSteppedEngine"}[engine]
     assert f"({actor} pid=" in run.log.read_text(errors="replace")  # Ray's log prefix: the engine that ran
     records = run.records()
     assert [r["validation"]["validated"] for r in records if "validation" in r] == [True]

@@ -109,7 +109,7 @@ def test_validation_catches_an_incomplete_adapter(tiny_model: Path, tmp_path: Pa
     # one module's adapter is left out of every sync: the first validation (zero adapter) cannot see it, the one
     # after the last step (trained adapter vs a fresh engine of the merged weights) must
     cfg = write_config(tmp_path / "job.json", lora_job(tiny_model, 4))
-    run = start_driver(tmp_path, cfg, "--debug-skip-tensor", "layers.1.self_attn.o_proj")
+    run = start_driver(tmp_path, cfg, "--skip-tensor", "layers.1.self_attn.o_proj", hooks=True)
     assert run.wait(timeout=240) == 3, run.tail()
     records = run.records()
     assert [r["validation"]["validated"] for r in records if "validation" in r] == [True, False]
@@ -124,8 +124,8 @@ WORKER = r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from rlhf_runtime.algo.grpo import token_logprobs
-from rlhf_runtime.roles.base import pad
+from rlhf_runtime.roles.batches import token_logprobs
+from rlhf_runtime.roles.batches import pad
 from rlhf_runtime.roles.policy import Trainer
 
 cfg, base = open(sys.argv[1]).read(), sys.argv[2]

@@ -1,8 +1,8 @@
-"""What a real vLLM engine reports about its MoE experts for the kernel-format plan (``engines._expert_layout``):
-vLLM's own module and parameter names, the expert ids and the backend's layout. On CPU vLLM's MoE backend
-(``CPU``) prepacks the expert weights, so every stacked expert parameter carries a refusal naming it, and the
-kernel plan falls back to the checkpoint format. A tiny random Qwen3-MoE, built locally, in a subprocess
-(keeps torch and vLLM out of pytest)."""
+"""What a real vLLM engine reports about its MoE experts for the kernel-format plan
+(``rollout.workers.expert_layout``): vLLM's own module and parameter names, the expert ids and the backend's
+layout. On CPU vLLM's MoE backend (``CPU``) prepacks the expert weights, so every stacked expert parameter
+carries a refusal naming it, and the kernel plan falls back to the checkpoint format. A tiny random Qwen3-MoE,
+built locally, in a subprocess (keeps torch and vLLM out of pytest)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ torch.manual_seed(0)
 transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
 build_tokenizer(path, 64)
 from vllm import LLM
-from rlhf_runtime.rollout.engines import _worker_param_layout
+from rlhf_runtime.rollout.workers import worker_param_layout
 llm = LLM(path, dtype="float32", max_model_len=128, gpu_memory_utilization=0.05, enforce_eager=True)
-layout = llm.collective_rpc(_worker_param_layout)[0]
+layout = llm.collective_rpc(worker_param_layout)[0]
 print("LAYOUT " + json.dumps({"experts": layout["experts"], "params": layout["params"],
                               "shard_dims": layout["shard_dims"]}))
 """

@@ -22,9 +22,11 @@ from typing import Any, ClassVar
 import pytest
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime import driver as drv
-from rlhf_runtime.infra import node_files
 from rlhf_runtime.algo.data import Sample
+from rlhf_runtime.controller.actors import Placement
+from rlhf_runtime.controller.deadlines import Watchdog
+from rlhf_runtime.controller.loop import Runtime
+from rlhf_runtime.infra import node_files
 
 HEAD_IP = "10.0.0.1"
 
@@ -190,7 +192,7 @@ class Reporter:
     def live_job(self) -> None:
         return None
 
-    def _write_progress(self, record: dict[str, Any]) -> None:
+    def write_progress(self, record: dict[str, Any]) -> None:
         self.progress.append(record)
 
 
@@ -209,41 +211,41 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
     monkeypatch.setitem(sys.modules, "ray.util", ray.util)
     monkeypatch.setitem(sys.modules, "rlhf_runtime.roles.policy", types.SimpleNamespace(Trainer=FakeTrainer))
     monkeypatch.setitem(sys.modules, "rlhf_runtime.rollout.engines", types.SimpleNamespace(Engine=FakeEngine))
-    monkeypatch.setattr(drv.Runtime, "_strategy", lambda self, group, bundle: Strategy(group, bundle))
+    monkeypatch.setattr(Placement, "strategy", lambda self, where: Strategy(where.group, where.bundle))
     monkeypatch.setattr(tempfile, "tempdir", str(c.nodes["head"][1]))  # the driver runs on the head node
     monkeypatch.setattr(FakeEngine, "fail", False)
     monkeypatch.setattr(FakeEngine, "loaded", [])
     return c
 
 
-def runtime(spec: dict[str, Any], validate: bool = False) -> drv.Runtime:
+def runtime(spec: dict[str, Any], validate: bool = False) -> Runtime:
     base: dict[str, Any] = {"model": {"name": "m"}, "image": "i", "data": {"prompts": ["p"] * 4},
                             "reward": {"rule": "contains", "target": "x"}}
     cfg = RuntimeConfig(name="j", namespace="ns", spec={**base, **spec})
-    return drv.Runtime(cfg, drv.Options(validate=validate), Reporter())  # type: ignore[arg-type]
+    return Runtime(cfg, Reporter(), validate=validate)
 
 
 # ------------------------------------------------------------------------------------------ tests
 def test_fsdp2_ranks_meet_at_rank_0s_node_not_the_drivers(cluster: Cluster) -> None:
     rt = runtime({"trainer": {"replicas": 2, "gpusPerReplica": 2, "strategy": "fsdp2"}})
-    rt.start_trainers()
-    infos = [t.info.remote().value for t in rt.trainers]
+    rt.actors.start_trainers()
+    infos = [t.info.remote().value for t in rt.actors.trainers]
     rank0_node = cluster.node_of(Strategy(rt.layout.trainers[0].group, rt.layout.trainers[0].bundle))
     rank0_ip = cluster.nodes[rank0_node][0]
     assert rank0_ip != HEAD_IP
     assert {(i["addr"], i["port"]) for i in infos} == {(rank0_ip, infos[0]["port"])}  # every rank dials rank 0
     assert 20000 <= infos[0]["port"] < 60000
-    assert ("_node_address", rank0_node) in cluster.calls  # the free port was found on rank 0's node
+    assert ("node_address", rank0_node) in cluster.calls  # the free port was found on rank 0's node
 
 
 def test_a_single_trainer_needs_no_rendezvous(cluster: Cluster) -> None:
     rt = runtime({"trainer": {"replicas": 1, "gpusPerReplica": 1}})
-    rt.start_trainers()
-    assert rt.trainers[0].info.remote().value["addr"] is None
-    assert not [c for c in cluster.calls if c[0] == "_node_address"]
+    rt.actors.start_trainers()
+    assert rt.actors.trainers[0].info.remote().value["addr"] is None
+    assert not [c for c in cluster.calls if c[0] == "node_address"]
 
 
-def _start_for_validation(rt: drv.Runtime) -> None:
+def _start_for_validation(rt: Runtime) -> None:
     """Trainers, and running engines (already synced: they load nothing) on their bundles' nodes."""
     import ray
 
@@ -251,10 +253,10 @@ def _start_for_validation(rt: drv.Runtime) -> None:
         def __init__(self) -> None:
             pass
 
-    rt.start_trainers()
+    rt.actors.start_trainers()
     for e in rt.layout.engines:
-        rt.engines.append(ray.remote(Synced).options(scheduling_strategy=Strategy(e.group, e.bundle)).remote())
-        rt.engine_kwargs.append({"model": "m", "gpu_memory_utilization": 0.5})
+        rt.actors.engines.append(ray.remote(Synced).options(scheduling_strategy=Strategy(e.group, e.bundle)).remote())
+        rt.actors.engine_kwargs.append({"model": "m", "gpu_memory_utilization": 0.5})
 
 
 SAMPLES = [Sample(p) for p in ("ab", "cd", "ef", "gh")]
@@ -270,7 +272,7 @@ def test_validation_weights_reach_each_fresh_engines_node_and_are_removed(cluste
         "rollout": {"engines": 2, "expertParallel": True}}
     rt = runtime(spec, validate=True)
     _start_for_validation(rt)
-    result = rt.validate(Tokenizer(), SAMPLES)
+    result = rt.validator.validate(Tokenizer(), SAMPLES)
     assert result["validated"]
     fresh = list(range(2)) if layout == "expert-parallel" else [0]
     want_nodes = [cluster.nodes[cluster.node_of(Strategy(rt.layout.engines[i].group, rt.layout.engines[i].bundle))][1]
@@ -288,7 +290,7 @@ def test_validation_removes_every_copy_when_the_fresh_engine_fails(cluster: Clus
     _start_for_validation(rt)
     FakeEngine.fail = True
     with pytest.raises(RuntimeError, match="engine died"):
-        rt.validate(Tokenizer(), SAMPLES)
+        rt.validator.validate(Tokenizer(), SAMPLES)
     assert len(FakeEngine.loaded) == 2
     assert _leftovers(cluster) == []
 
@@ -302,9 +304,10 @@ def test_validation_is_on_with_the_spec_field_or_the_flag(cluster: Cluster) -> N
 def test_actors_get_spec_env_over_the_runtime_defaults_and_no_forced_offline_hub(cluster: Cluster) -> None:
     rt = runtime({"trainer": {"gpusPerReplica": 0},
                   "env": [{"name": "TOKENIZERS_PARALLELISM", "value": "true"}, {"name": "X", "value": "1"}]})
-    assert rt.env["TOKENIZERS_PARALLELISM"] == "true" and rt.env["X"] == "1"
-    assert "HF_HUB_OFFLINE" not in rt.env and "TRANSFORMERS_OFFLINE" not in rt.env
-    assert rt.env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # CPU job defaults still there
+    env = rt.actors.env
+    assert env["TOKENIZERS_PARALLELISM"] == "true" and env["X"] == "1"
+    assert "HF_HUB_OFFLINE" not in env and "TRANSFORMERS_OFFLINE" not in env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # CPU job defaults still there
 
 
 # ------------------------------------------------------------------------------ watchdog, recovery bound
@@ -313,7 +316,7 @@ def test_watchdog_fires_once_when_no_progress_within_the_live_deadline() -> None
 
     deadline = [600.0]
     fired: list[str] = []
-    w = drv.Watchdog(lambda: deadline[0], fired.append, poll_seconds=0.01)
+    w = Watchdog(lambda: deadline[0], fired.append, poll_seconds=0.01)
     w.start()
     try:
         w.doing("train step 3: trainer rank 0")
@@ -332,7 +335,7 @@ def test_watchdog_stays_quiet_while_steps_complete() -> None:
     from tests.helpers import wait_for
 
     fired: list[str] = []
-    w = drv.Watchdog(lambda: 0.5, fired.append, poll_seconds=0.01)
+    w = Watchdog(lambda: 0.5, fired.append, poll_seconds=0.01)
     w.start()
     beats = []
     try:
@@ -350,34 +353,34 @@ def test_watchdog_stays_quiet_while_steps_complete() -> None:
 def test_in_run_recoveries_are_bounded(cluster: Cluster) -> None:
     rt = runtime({"checkpoint": {"volume": "v", "path": "/ckpt"},
                   "volumes": [{"name": "v", "emptyDir": {}}]})
-    rt.recoveries = rt.spec.in_run_recoveries  # default 3
+    rt.recovery.count = rt.spec.in_run_recoveries  # default 3
     with pytest.raises(RuntimeError, match=r"engine 1 died during rollout of step 4: in-run recovery limit \(3\) "
                                            r"reached, failing the run \(spec.backoffLimit"):
-        rt.recover(engines=[1], trainers=False, where="rollout of step 4", error=RuntimeError("actor died"))
+        rt.recovery.recover([1], False, "rollout of step 4", RuntimeError("actor died"), 3)
 
 
 def test_a_dead_trainer_without_checkpoints_fails_the_run(cluster: Cluster) -> None:
     rt = runtime({})
-    rt.trainers = [object()]
+    rt.actors.trainers.actors = [object()]
     with pytest.raises(RuntimeError, match="trainer rank 0 died during train step 2 and spec.checkpoint is not set"):
-        rt.recover(engines=[], trainers=True, where="train step 2", error=RuntimeError("actor died"))
+        rt.recovery.recover([], True, "train step 2", RuntimeError("actor died"), 1)
 
 
 def test_in_run_recoveries_0_turns_in_run_recovery_off(cluster: Cluster) -> None:
     rt = runtime({"inRunRecoveries": 0})  # every fault goes to backoffLimit
     with pytest.raises(RuntimeError, match=r"engine 0 died during weight sync: in-run recovery limit \(0\) reached"):
-        rt.recover(engines=[0], trainers=False, where="weight sync", error=RuntimeError("actor died"))
+        rt.recovery.recover([0], False, "weight sync", RuntimeError("actor died"), 0)
 
 
 def test_cpu_actor_env_sets_threads_unless_the_job_does() -> None:
     cpu = {"trainer": {"gpusPerReplica": 0, "resources": {"cpu": "6"}},
            "rollout": {"resources": {"cpu": "3"}}}
     rt = runtime(cpu)
-    assert rt.actor_env(rt.layout.trainers[0])["OMP_NUM_THREADS"] == "6"
-    assert rt.actor_env(rt.layout.engines[0], {"X": "1"})["OMP_NUM_THREADS"] == "3"
-    rt.thread_cap = 2  # a local run on a machine of 2 CPUs for one busy actor at a time
-    assert rt.actor_env(rt.layout.trainers[0])["OMP_NUM_THREADS"] == "2"
+    assert rt.actors.actor_env(rt.layout.trainers[0])["OMP_NUM_THREADS"] == "6"
+    assert rt.actors.actor_env(rt.layout.engines[0], {"X": "1"})["OMP_NUM_THREADS"] == "3"
+    rt.actors.thread_cap = 2  # a local run on a machine of 2 CPUs for one busy actor at a time
+    assert rt.actors.actor_env(rt.layout.trainers[0])["OMP_NUM_THREADS"] == "2"
     own = runtime({**cpu, "env": [{"name": "OMP_NUM_THREADS", "value": "5"}]})
-    assert own.actor_env(own.layout.trainers[0])["OMP_NUM_THREADS"] == "5"  # spec.env wins
+    assert own.actors.actor_env(own.layout.trainers[0])["OMP_NUM_THREADS"] == "5"  # spec.env wins
     gpu = runtime({"trainer": {"gpusPerReplica": 1}})
-    assert "OMP_NUM_THREADS" not in gpu.actor_env(gpu.layout.engines[0])
+    assert "OMP_NUM_THREADS" not in gpu.actors.actor_env(gpu.layout.engines[0])

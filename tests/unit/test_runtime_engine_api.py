@@ -46,6 +46,16 @@ def test_no_benchmark_hooks_in_production_actors() -> None:
     assert not hasattr(Trainer, "configure_sync")
 
 
+def test_one_engine_base() -> None:
+    """The three engine classes share their start-up and queries (``rollout.base``); the sync ``Engine`` has no
+    coroutine method (one would make it an async Ray actor, and the fan-out pipelines calls to sync actors only)."""
+    from rlhf_runtime.rollout.base import AsyncEngineBase, EngineBase
+
+    assert all(issubclass(cls, EngineBase) for cls in (Engine, AsyncEngine, SteppedEngine))
+    assert issubclass(AsyncEngine, AsyncEngineBase) and issubclass(SteppedEngine, AsyncEngineBase)
+    assert not [n for n in dir(Engine) if inspect.iscoroutinefunction(getattr(Engine, n))]
+
+
 def test_engine_class_by_mode_and_async_engine() -> None:
     assert engine_class(False) is Engine
     assert engine_class(False, "stepped") is Engine  # sync mode runs vLLM's LLM whatever asyncEngine says

@@ -1,6 +1,6 @@
-"""The kernel weight format on vLLM >= 0.28 (``rlhf_runtime.weight_sync.kernel``): what a worker engine loads into
-during a kernel-format update, the format switch around vLLM's own engine lifecycle, and the worker calls an
-engine makes before ``start_weight_update`` (``engines.format_rpc``). The transports (NCCL, CUDA IPC) and the
+"""The kernel weight format (``rlhf_runtime.weight_sync.kernel``): what a worker engine loads into during a
+kernel-format update, the format switch around vLLM's own engine lifecycle, and the worker calls an engine makes
+before ``start_weight_update`` (``rollout.workers.format_rpc``). The transports (NCCL, CUDA IPC) and the
 fresh-engine validation of the whole path run on the lent GPUs (``benchmarks/gpu_sync.py``)."""
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from rlhf_runtime.rollout import engines
-from rlhf_runtime.weight_sync import kernel as kernel_transfer
+from rlhf_runtime.rollout import workers
 from rlhf_runtime.vllm import compat as vllm_compat
+from rlhf_runtime.weight_sync import kernel as kernel_transfer
 from rlhf_runtime.weight_sync.kernel import KernelFormatMixin, KernelTarget
-
-pytestmark = pytest.mark.skipif(not vllm_compat.has_trainer_api(), reason="vLLM >= 0.28 worker engines")
 
 
 def model() -> torch.nn.Module:
@@ -26,7 +24,7 @@ def model() -> torch.nn.Module:
 def test_kernel_target_copies_into_the_parameters_in_place() -> None:
     m = model()
     weight = m[0].weight
-    assert weight.requires_grad  # an in-place copy into such a leaf outside no_grad raises (vLLM 0.24 froze them)
+    assert weight.requires_grad  # an in-place copy into such a leaf outside no_grad raises
     new = torch.randn(6, 4)
     target = KernelTarget(m)
     assert target.load_weights([("0.weight", new), ("1.bias", torch.ones(6))]) == {"0.weight", "1.bias"}
@@ -199,11 +197,8 @@ def test_registered_engines_are_vllms_with_the_switch() -> None:
 
 
 def test_format_rpc() -> None:
-    # vLLM 0.24 (start takes the format): freeze before every kernel sync, nothing for checkpoint
-    assert engines.format_rpc(True, False, False) == (engines._worker_freeze, ())
-    assert engines.format_rpc(True, True, False) is None
-    # 0.28+: the switch, sent only when the format changes
-    assert engines.format_rpc(False, False, False) == (engines._worker_weight_format, (True,))
-    assert engines.format_rpc(False, False, True) is None
-    assert engines.format_rpc(False, True, True) == (engines._worker_weight_format, (False,))
-    assert engines.format_rpc(False, True, False) is None
+    # the switch, sent only when the format changes
+    assert workers.format_rpc(False, False) == (workers.worker_weight_format, (True,))
+    assert workers.format_rpc(False, True) is None
+    assert workers.format_rpc(True, True) == (workers.worker_weight_format, (False,))
+    assert workers.format_rpc(True, False) is None

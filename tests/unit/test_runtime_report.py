@@ -75,7 +75,7 @@ def test_refuses_to_report_into_another_job_with_the_same_name(fake_api: tuple[J
 
 def test_reporting_module_imports_without_torch_vllm_or_ray() -> None:
     code = ("import sys, rlhf_runtime.infra.report, rlhf_runtime.infra.placement, rlhf_runtime.algo.rewards, rlhf_runtime.algo.data, "
-            "rlhf_runtime.infra.config, rlhf_runtime.infra.checkpoint, rlhf_runtime.algo.grpo; "
+            "rlhf_runtime.infra.config, rlhf_runtime.infra.checkpoint, rlhf_runtime.algo.objectives; "
             "print(' '.join(sorted({k.split('.')[0] for k in sys.modules})))")
     loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                 text=True).stdout.split())

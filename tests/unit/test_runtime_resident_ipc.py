@@ -15,10 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from rlhf_runtime.vllm import compat as vllm_compat
 from rlhf_runtime.weight_sync import KernelPlan, ParamSource, ResidentExport
-
-pytestmark = pytest.mark.skipif(not vllm_compat.has_trainer_api(), reason="vLLM >= 0.28 worker engines")
 
 UUID = "GPU-resident-test"
 MAPPING = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

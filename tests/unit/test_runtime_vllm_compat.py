@@ -7,26 +7,32 @@ import pytest
 from rlhf_runtime.vllm import compat as vc
 
 
-@pytest.mark.parametrize("version", ["0.24.0", "0.24.1", "0.28.0", "0.32.0+cpu", "0.33.0", "0.33.0rc1", "0.40.2",
+@pytest.mark.parametrize("version", ["0.28.0", "0.29.1", "0.31.0", "0.32.0+cpu", "0.33.0", "0.33.0rc1", "0.40.2",
                                      "1.0.0", "0.28.dev5+g1234"])
 def test_supported_versions_pass(version: str) -> None:
-    assert vc.check_version(version) >= (0, 24)
+    assert vc.check_version(version) >= (0, 28)
 
 
-@pytest.mark.parametrize("version", ["0.23.9", "0.10.2", "0.25.0", "0.26.1", "0.27.0rc2"])
+@pytest.mark.parametrize("version", ["0.24.0", "0.24.1", "0.23.9", "0.10.2", "0.25.0", "0.26.1", "0.27.0rc2"])
 def test_unsupported_versions_are_refused_naming_version_and_range(version: str) -> None:
     with pytest.raises(vc.UnsupportedVLLMError) as e:
         vc.check_version(version)
     msg = str(e.value)
     assert f"vLLM {version} is " in msg
-    assert "0.24.x or >= 0.28" in msg and "install a supported version" in msg
+    assert ">= 0.28" in msg and "install a supported version" in msg
 
 
-def test_older_and_in_between_say_why() -> None:
-    with pytest.raises(vc.UnsupportedVLLMError, match="older than 0.24, the oldest the runtime supports"):
-        vc.check_version("0.22.0")
-    with pytest.raises(vc.UnsupportedVLLMError, match=r"not supported \(0.25-0.27"):
-        vc.check_version("0.26.0")
+def test_the_range_is_stated_once() -> None:
+    assert vc.SUPPORTED_RANGE == ">= 0.28" and vc.OLDEST_SUPPORTED == (0, 28)
+    assert set(vc.VALIDATED) == {"0.32", "0.33"}
+    assert ">= 0.28" in (vc.__doc__ or "")
+
+
+def test_older_versions_say_why() -> None:
+    with pytest.raises(vc.UnsupportedVLLMError, match="older than 0.28, the oldest the runtime supports"):
+        vc.check_version("0.24.0")
+    with pytest.raises(vc.UnsupportedVLLMError, match="the first with trainer-side weight-transfer engines"):
+        vc.check_version("0.27.0")
 
 
 def test_unreadable_version_is_refused() -> None:
@@ -39,27 +45,18 @@ def test_parse_version() -> None:
     assert vc.parse_version("v0.24.0") == (0, 24)
 
 
-def test_start_update_kwargs() -> None:
-    def v024(is_checkpoint_format: bool) -> None: ...
-
-    def v032() -> None: ...
-
-    assert vc.takes_format_flag(v024) and not vc.takes_format_flag(v032)
-    assert vc.start_update_kwargs(True, False) == {"is_checkpoint_format": False}
-    assert vc.start_update_kwargs(True, True) == {"is_checkpoint_format": True}
-    # 0.28+: no argument whichever the format (the format is the worker engine's switch, kernel_transfer)
-    assert vc.start_update_kwargs(False, True) == vc.start_update_kwargs(False, False) == {}
-
-
 def test_probes_on_the_installed_vllm() -> None:
-    """CI's vLLM (>= 0.28): supported, trainer API present, its engines take no format flag."""
+    """CI's vLLM (>= 0.28): supported, trainer API present, its engines' start takes no format flag (the format
+    is the runtime's worker engines' switch, ``weight_sync.kernel``)."""
     pytest.importorskip("vllm")
-    assert vc.require_supported_vllm() >= (0, 28)
-    assert vc.has_trainer_api()
-    assert vc.trainer_factory() is not None
-    from vllm import LLM
+    import inspect
 
-    assert not vc.takes_format_flag(LLM.start_weight_update)
+    assert vc.require_supported_vllm() >= (0, 28)
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine  # noqa: F401
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: F401
+
+    assert "is_checkpoint_format" not in inspect.signature(LLM.start_weight_update).parameters
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
     # 0.32's update info carries no bucket size (its trainer engine and workers agree on it at init)

@@ -232,7 +232,7 @@ class Reporter:
         self.heartbeat_seconds = heartbeat_seconds
         self.thread: threading.Thread | None = None
 
-    def _write_progress(self, record: dict[str, Any]) -> None:
+    def write_progress(self, record: dict[str, Any]) -> None:
         if self.progress:
             self.progress.parent.mkdir(parents=True, exist_ok=True)
             with self.progress.open("a", encoding="utf-8") as f:
@@ -291,7 +291,7 @@ class Reporter:
             self._patch(body)
             if self.metrics and step is not None:
                 self.metrics.update(step, throughput or {})
-            self._write_progress({"time": time.time(), **body["status"], **(extra or {})})
+            self.write_progress({"time": time.time(), **body["status"], **(extra or {})})
 
     def start_heartbeat(self, on_beat: Any = None) -> None:
         """Re-patch state, heartbeat, progressTime and observedGeneration every ``heartbeat_seconds``;

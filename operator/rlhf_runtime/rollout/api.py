@@ -7,9 +7,9 @@ or all three in one ``update_weights_round``), the kernel-format layout query, t
 and sleep/wake. ``PausableEngine`` adds mid-request ``pause``/``resume`` (``weightSync.mode: async``);
 ``AdapterEngine`` adds ``load_adapter`` (``trainer.lora``).
 
-Implementations: ``engines.Engine`` (sync ``vllm.LLM``: ``RolloutEngine`` + ``AdapterEngine``),
-``engines.AsyncEngine`` (``AsyncLLM``) and ``stepped_engine.SteppedEngine`` (an in-process ``LLM`` stepped by
-the actor), both ``PausableEngine``. The async classes implement the same methods as coroutines: through a Ray
+Implementations, all on ``base.EngineBase`` (the shared start-up and queries): ``engines.Engine`` (sync
+``vllm.LLM``: ``RolloutEngine`` + ``AdapterEngine``), ``engines.AsyncEngine`` (``AsyncLLM``) and
+``stepped.SteppedEngine`` (an in-process ``LLM`` stepped by the actor), both ``PausableEngine``. The async classes implement the same methods as coroutines: through a Ray
 actor handle (``handle.method.remote(...)``) a caller sees the same arguments and results either way, which is
 the contract this module states (and ``tests/unit/test_runtime_engine_api.py`` checks method by method).
 Arguments and results are plain Python data (dicts, lists, numbers), never vLLM objects.
@@ -51,8 +51,9 @@ class RolloutEngine(Protocol):
         ...
 
     def start_weight_update(self, checkpoint_format: bool = True) -> None:
-        """Open a weight update: checkpoint format (HF names, layerwise reload) or, where the vLLM can
-        (``vllm_compat.takes_format_flag``), the kernel format; ValueError otherwise."""
+        """Open a weight update: checkpoint format (HF names, layerwise reload) or the kernel format (the engine's
+        own parameters, copied in place by the runtime's worker engines, ``weight_sync.kernel``); ValueError where
+        the engine's weight-transfer backend cannot load it."""
         ...
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -111,7 +112,7 @@ class AdapterEngine(RolloutEngine, Protocol):
 def engine_class(async_mode: bool, async_engine: str = "asyncllm") -> type[RolloutEngine]:
     """The engine actor class of a job: ``engines.Engine`` in ``weightSync.mode: sync``; in async mode
     ``spec.rollout.asyncEngine``: ``asyncllm`` (``engines.AsyncEngine``) or ``stepped``
-    (``stepped_engine.SteppedEngine``). Imports the class's module (light: vLLM loads in the actor)."""
+    (``stepped.SteppedEngine``). Imports the class's module (light: vLLM loads in the actor)."""
     if not async_mode:
         from rlhf_runtime.rollout.engines import Engine
 

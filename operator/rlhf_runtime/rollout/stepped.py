@@ -1,6 +1,7 @@
 """``SteppedEngine``: the async-mode engine actor with vLLM **in-process** (for ``weightSync.mode: async``).
 
-Same methods, arguments, results and semantics as ``engines.AsyncEngine``, which is built on ``AsyncLLM``;
+Same methods, arguments, results and semantics as ``engines.AsyncEngine``, which is built on ``AsyncLLM``
+(both on ``base.AsyncEngineBase``: the shared start-up, queries and weight-update calls);
 but ``AsyncLLM`` always runs its engine core in a spawned subprocess, which some machines cannot start. This
 one builds a sync ``vllm.LLM`` in the actor process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and drives its
 V1 ``LLMEngine`` itself (``add_request`` / ``step`` / ``has_unfinished_requests``) on one dedicated thread:
@@ -18,7 +19,7 @@ V1 ``LLMEngine`` itself (``add_request`` / ``step`` / ``has_unfinished_requests`
 Not supported: vLLM data parallelism (``VLLM_DP_SIZE`` > 1, expert-parallel DP groups), whose ranks would
 have to pause at the same step.
 
-Selected by ``spec.rollout.asyncEngine: stepped`` (``engine_api.engine_class``). Import only inside Ray actors,
+Selected by ``spec.rollout.asyncEngine: stepped`` (``rollout.api.engine_class``). Import only inside Ray actors,
 like ``engines`` (vLLM is imported in ``__init__``).
 """
 
@@ -34,17 +35,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from rlhf_runtime.rollout.base import AsyncEngineBase, _llm_args
 from rlhf_runtime.vllm import compat as vllm_compat
-from rlhf_runtime.rollout.engines import (
-    _device_info,
-    _layout,
-    _llm_args,
-    _prepare_env,
-    _worker_memory,
-    _worker_param_layout,
-    format_rpc,
-    update_round_async,
-)
 
 
 class _Request:
@@ -75,20 +67,17 @@ class _Request:
         }
 
 
-class SteppedEngine:
+class SteppedEngine(AsyncEngineBase):
     """An in-process vLLM ``LLM`` stepped by one background thread, in an async Ray actor; generation can be
     paused mid-request for a weight swap (the ``AsyncEngine`` surface)."""
 
     def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        _prepare_env(kwargs, env)
+        super().__init__(kwargs, env)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the whole point: the engine core in this process
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._live: dict[str, _Request] = {}
-        self._paused = False
         self._pause_waiter: tuple[int, Future[None]] | None = None  # pause(after_tokens) not yet reached
-        self._stale_cache = False  # see engines.Engine
         self._error: BaseException | None = None  # the engine failed in step(): nothing is stepped any more
-        self.version = 0  # bumped by resume() after a swap
         self._thread = threading.Thread(target=self._loop, name="vllm-stepped-engine", daemon=True)
         self._thread.start()
         t = time.perf_counter()
@@ -110,8 +99,6 @@ class SteppedEngine:
             raise NotImplementedError(
                 "SteppedEngine does not support vLLM data parallelism (VLLM_DP_SIZE > 1)"
             )
-        self._format_flag = vllm_compat.takes_format_flag(self.llm.start_weight_update)
-        self._kernel = False  # the kernel-format switch last sent to the workers (vLLM >= 0.28)
 
     def _submit(self, fn: Callable[[], Any]) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -259,14 +246,14 @@ class SteppedEngine:
             self.core.pause_scheduler(mode="keep", clear_cache=False)
 
     # ----------------------------------------------------------------------- the actor's methods
-    async def ready(self) -> float:
-        return self.start_seconds
+    def _vllm_config(self) -> Any:
+        return self.engine.vllm_config
 
-    async def pid(self) -> int:
-        return os.getpid()
+    async def _collective_rpc(self, fn: Callable[..., Any], args: tuple = ()) -> Any:
+        return await self._call(self.llm.collective_rpc, fn, args=args)
 
-    async def world_size(self) -> int:
-        return self.engine.vllm_config.parallel_config.world_size
+    async def _start_update(self) -> None:
+        await self._call(self.llm.start_weight_update)
 
     async def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[dict[str, Any]]:
         from vllm import SamplingParams
@@ -289,29 +276,11 @@ class SteppedEngine:
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         await self._call(self.llm.init_weight_transfer_engine, {"init_info": init_info})
 
-    async def start_weight_update(self, checkpoint_format: bool = True) -> None:
-        kw = vllm_compat.start_update_kwargs(self._format_flag, checkpoint_format)
-        rpc = format_rpc(self._format_flag, checkpoint_format, self._kernel)
-        if rpc is not None:
-            await self._call(self.llm.collective_rpc, rpc[0], args=rpc[1])
-            self._kernel = not checkpoint_format
-        await self._call(self.llm.start_weight_update, **kw)
-
-    async def param_layout(self) -> dict[str, Any]:
-        return _layout(await self._call(self.llm.collective_rpc, _worker_param_layout))
-
-    async def device_info(self) -> dict[str, Any]:
-        """(GPU) See ``engines.Engine.device_info``."""
-        return _device_info(await self._call(self.llm.collective_rpc, _worker_memory))
-
     async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self._call(self.llm.update_weights, {"update_info": update_info})
 
     async def finish_weight_update(self) -> None:
         await self._call(self._finish_weight_update)
-
-    async def update_weights_round(self, update_info: dict[str, Any], checkpoint_format: bool = True) -> dict[str, float]:
-        return await update_round_async(self, update_info, checkpoint_format)
 
     async def sleep(self, level: int) -> None:
         await self._call(self._sleep, level)

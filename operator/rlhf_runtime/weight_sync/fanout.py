@@ -181,5 +181,5 @@ class EngineFanOut:
 
     def engine_layouts(self) -> list[dict[str, Any]]:
         """Every engine's own parameters (name, shape), fused-module mapping, world size, MoE experts and
-        workers (TP rank and GPU each): ``engines._worker_param_layout``."""
+        workers (TP rank and GPU each): ``rollout.workers.worker_param_layout``."""
         return self.get([h.param_layout.remote() for h in self.handles], "param_layout")

@@ -5,17 +5,16 @@ Two formats reach an engine:
 * **checkpoint**: Hugging Face names and shapes (``ParamSource``), loaded through vLLM's layerwise reload
   (``model.load_weights``): works for every engine layout and every supported vLLM;
 * **kernel**: the engine's own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` / ``gate_up_proj``
-  written side by side), loaded by a plain ``param.copy_``: on vLLM 0.24 ``start_weight_update(
-  is_checkpoint_format=False)``, on 0.28+ the runtime's worker engines (``kernel_transfer``); engines whose
-  parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds no source
-  for them), TP=1, or over IPC with each trainer rank sending what the engine worker on its GPU holds (its TP
-  shard, its experts under expert parallelism: ``senders.kernel_plan``). ``auto`` picks it only where validated
-  on GPUs (TP=1 engines over NCCL or from one IPC trainer worker, vLLM 0.24 and 0.33; on 0.28+ also IPC from
-  several trainer workers into DP, EP or TP=2 engines, vLLM 0.33); the rest is opt-in (``kernel``).
+  written side by side), loaded by a plain ``param.copy_`` in the runtime's worker engines (``weight_sync.kernel``);
+  engines whose parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds
+  no source for them), TP=1, or over IPC with each trainer rank sending what the engine worker on its GPU holds
+  (its TP shard, its experts under expert parallelism: ``senders.kernel_plan``). ``auto`` picks it only where
+  validated on GPUs (TP=1 engines over NCCL or from one IPC trainer worker; IPC from several trainer workers into
+  DP, EP or TP=2 engines; vLLM 0.33); the rest is opt-in (``kernel``).
 
 ``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
-``checkpoint``. ``effective_format`` decides; ``DEFAULT_OPTIONS`` are the sender's defaults.
+``checkpoint``. ``effective_format`` decides.
 """
 
 from __future__ import annotations
@@ -28,15 +27,6 @@ import torch
 from rlhf_runtime.weight_sync.producers import FusedParts, ParamSource
 
 FORMATS: tuple[str, ...] = ("auto", "checkpoint", "kernel")
-
-#: Default options of the runtime-driven sender (``RuntimeDrivenSender.configure`` changes them per trainer;
-#: ``format`` comes from ``spec.weightSync.format``). The kernel format (``auto``) is the default since it passed
-#: the fresh-engine validation on GPUs (NCCL 1.7B with 3 engines, IPC 0.5B; ``benchmarks/README.md``); ``auto``
-#: falls back to the checkpoint format where its plan does not apply or is not validated (TP>1 engines over
-#: NCCL, on vLLM 0.24 several IPC trainer ranks, expert-parallel engines over NCCL). One RPC per engine and sync
-#: since it validated on NCCL 1.7B with vLLM 0.24 (17.9 ms vs 23.5 ms with three, same run); on vLLM >= 0.28
-#: NCCL submits vLLM's three calls back to back (``senders.NCCL_RPC_DEFAULT``).
-DEFAULT_OPTIONS: dict[str, Any] = {"producer": "runtime", "format": "auto", "rpc": "one"}
 
 
 class KernelPlan:
@@ -56,7 +46,7 @@ class KernelPlan:
     source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps the checkpoint
     format (``auto``) or refuses (``kernel``).
 
-    MoE experts (``experts`` in the engine layout, ``engines._expert_layout``): vLLM holds a layer's local experts
+    MoE experts (``experts`` in the engine layout, ``workers.expert_layout``): vLLM holds a layer's local experts
     as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, for each local
     expert in local order (``ids``: global expert ids, so an expert-parallel engine gets only its own experts),
     the per-expert HF tensors the stream yields (``moe.unfuse``) in the order the engine's MoE backend keeps

@@ -32,18 +32,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
 from rlhf_runtime.vllm import compat as vllm_compat
-
-#: vLLM >= 0.28 has a trainer-side engine API (the trainer side below); 0.24 does not (the runtime then drives the
-#: round trip itself, ``weight_sync.RuntimeDrivenSender``, which has no gloo path).
-HAS_TRAINER_API = vllm_compat.has_trainer_api()
-if HAS_TRAINER_API:
-    from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -228,88 +224,86 @@ def send(group: Any, pairs: Iterator[tuple[str, torch.Tensor]], packed: bool, bu
     return total
 
 
-if HAS_TRAINER_API:
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer init info (vLLM's trainer-engine API)."""
 
-    @dataclass
-    class GlooTrainerInitInfo(TrainerInitInfo):
-        """Trainer init info (vLLM >= 0.28 trainer-engine API)."""
+    backend: ClassVar[str] = BACKEND
 
-        backend: ClassVar[str] = BACKEND
-
-        master_address: str
-        master_port: int
-        world_size: int
-        packed: bool = True
-        packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-        timeout_seconds: float = TIMEOUT.total_seconds()
+    master_address: str
+    master_port: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_seconds: float = TIMEOUT.total_seconds()
 
 
-    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-        """Trainer side: rank 0 of the gloo group; drives the engines through ``client``."""
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer side: rank 0 of the gloo group; drives the engines through ``client``."""
 
-        init_info_cls = GlooTrainerInitInfo
+    init_info_cls = GlooTrainerInitInfo
 
-        def __init__(self, *, client: Any, source: Any, is_sender: bool = True, packed: bool = True,
-                     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-            super().__init__(client=client, source=source, is_sender=is_sender)
-            self.packed = packed
-            self.bucket_bytes = packed_buffer_size_bytes
-            self.store: Any = None
-            self.group: Any = None
-            self.bytes_sent = 0
+    def __init__(self, *, client: Any, source: Any, is_sender: bool = True, packed: bool = True,
+                 packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.packed = packed
+        self.bucket_bytes = packed_buffer_size_bytes
+        self.store: Any = None
+        self.group: Any = None
+        self.bytes_sent = 0
 
-        @classmethod
-        def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: Any = None) -> GlooTrainerWeightTransferEngine:
-            if source is None:
-                raise ValueError("gloo trainer weight transfer needs a WeightSource")
-            engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=init_info.packed,
-                         packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
-            if not engine.is_sender:
-                return engine
-            worker_info = GlooWeightTransferInitInfo(
-                master_address=init_info.master_address,
-                master_port=init_info.master_port,
-                rank_offset=1,
-                world_size=init_info.world_size,
-                packed=init_info.packed,
-                packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: Any = None) -> GlooTrainerWeightTransferEngine:
+        if source is None:
+            raise ValueError("gloo trainer weight transfer needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=init_info.packed,
+                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
+        if not engine.is_sender:
+            return engine
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=init_info.master_address,
+            master_port=init_info.master_port,
+            rank_offset=1,
+            world_size=init_info.world_size,
+            packed=init_info.packed,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            timeout_seconds=init_info.timeout_seconds,
+        )
+        # The workers block in init until every rank joined: run their RPC beside our own join.
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
+            engine.store, engine.group = _process_group(
+                init_info.master_address, init_info.master_port, 0, init_info.world_size, is_master=True,
                 timeout_seconds=init_info.timeout_seconds,
             )
-            # The workers block in init until every rank joined: run their RPC beside our own join.
-            with ThreadPoolExecutor(max_workers=1) as exe:
-                fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
-                engine.store, engine.group = _process_group(
-                    init_info.master_address, init_info.master_port, 0, init_info.world_size, is_master=True,
-                    timeout_seconds=init_info.timeout_seconds,
-                )
-                fut.result()
-            return engine
+            fut.result()
+        return engine
 
-        def send_weights(self) -> None:
-            meta = vllm_compat.source_metadata(self.source)
-            if not self.is_sender:
-                for _ in vllm_compat.source_tensors(self.source):
-                    pass
-                return
-            update = GlooWeightTransferUpdateInfo(
-                names=[m.name for m in meta],
-                dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
-                shapes=[list(m.shape) for m in meta],
-            )
-            self.client.start_weight_update()
-            exe = ThreadPoolExecutor(max_workers=1)
-            try:
-                fut = exe.submit(self.client.update_weights, asdict(update))
-                self.bytes_sent = send(self.group, vllm_compat.source_tensors(self.source), self.packed,
-                                      self.bucket_bytes)
-                fut.result()
-            finally:
-                exe.shutdown(wait=False)
-            self.client.finish_weight_update()
+    def send_weights(self) -> None:
+        meta = vllm_compat.source_metadata(self.source)
+        if not self.is_sender:
+            for _ in vllm_compat.source_tensors(self.source):
+                pass
+            return
+        update = GlooWeightTransferUpdateInfo(
+            names=[m.name for m in meta],
+            dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
+            shapes=[list(m.shape) for m in meta],
+        )
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            fut = exe.submit(self.client.update_weights, asdict(update))
+            self.bytes_sent = send(self.group, vllm_compat.source_tensors(self.source), self.packed,
+                                  self.bucket_bytes)
+            fut.result()
+        finally:
+            exe.shutdown(wait=False)
+        self.client.finish_weight_update()
 
-        def shutdown(self) -> None:
-            self.group = None
-            self.store = None
+    def shutdown(self) -> None:
+        self.group = None
+        self.store = None
 
 
 _lock = threading.Lock()
@@ -322,6 +316,5 @@ def register() -> None:
     with _lock:
         if BACKEND not in factory.WeightTransferEngineFactory._registry:
             factory.WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-        trainer_factory = vllm_compat.trainer_factory()
-        if HAS_TRAINER_API and trainer_factory is not None and BACKEND not in trainer_factory._registry:
-            trainer_factory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)
+        if BACKEND not in factory.WeightTransferTrainerFactory._registry:
+            factory.WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)

@@ -1,13 +1,12 @@
-"""The kernel weight format on vLLM >= 0.28: engine-side backends that copy into the engine's own parameters.
+"""The kernel weight format: engine-side backends that copy into the engine's own parameters.
 
-vLLM 0.28 dropped ``start_weight_update(is_checkpoint_format=False)``: its ``nccl`` and ``ipc`` worker engines
-always run the layerwise reload (``initialize_layerwise_reload`` in ``start_weight_update``, ``load_weights`` per
-chunk, ``finalize_layerwise_reload`` in ``finish_weight_update``), which took 74 of 94 ms of a 1.7B NCCL sync on
-2xH200 with 0.33 (``benchmarks/README.md``, fourth round). vLLM 0.28+ leaves each engine its own lifecycle
-(``WeightTransferEngine``: "engines that apply weights in place leave those methods as no-ops"), so the runtime
-registers its own engines, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport unchanged, plus a per-engine format
-switch (``set_format``, a worker RPC the runtime sends when ``weightSync.format`` resolves to kernel). The CPU
-``gloo`` engine has no switch (see below why the kernel format cannot apply on CPU).
+vLLM's ``nccl`` and ``ipc`` worker engines always run the layerwise reload (``initialize_layerwise_reload`` in
+``start_weight_update``, ``load_weights`` per chunk, ``finalize_layerwise_reload`` in ``finish_weight_update``),
+most of a NCCL sync's time (benchmarks/README.md, "Where the defaults come from"). vLLM leaves each engine its
+own lifecycle (``WeightTransferEngine``: "engines that apply weights in place leave those methods as no-ops"), so
+the runtime registers its own engines, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport unchanged, plus a
+per-engine format switch (``set_format``, a worker RPC the runtime sends when ``weightSync.format`` resolves to
+kernel). The CPU ``gloo`` engine has no switch (see below why the kernel format cannot apply on CPU).
 
 * checkpoint (default): exactly the parent engine (HF names, layerwise reload);
 * kernel: ``start_weight_update`` puts a ``KernelTarget`` where the engine loads into (``self.model``): its
@@ -22,7 +21,7 @@ The ``rlhf_ipc`` engine also takes the resident sync (``ResidentCopy``; trainer 
 trainer's exported parameters, mapped once and copied from in one multi-tensor copy per sync.
 
 The module imports torch and vLLM: import it only in processes that run engines (vLLM resolves the backends by
-module path, ``vllm_plugin.register``).
+module path, ``rlhf_runtime.vllm.plugin.register``).
 """
 
 from __future__ import annotations
@@ -114,7 +113,6 @@ def set_format(engine: Any, kernel: bool) -> bool:
     return engine.kernel_format
 
 
-# vLLM >= 0.28 only (``vllm_plugin`` registers these there; 0.24's engines take the format in their start).
 class RlhfNCCLWeightTransferEngine(KernelFormatMixin, NCCLWeightTransferEngine):
     """vLLM's ``nccl`` worker engine with the kernel-format switch."""
 

@@ -1,4 +1,4 @@
-"""Producers: what the trainer sends, and the runtime's own packers.
+"""Producers: what the trainer sends, and the trainer side of the resident IPC sync.
 
 * ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF)
   format with matching metadata: ``named_parameters(remove_duplicate=False)``, so a tied ``lm_head.weight``
@@ -7,8 +7,9 @@
   expert (``rlhf_runtime.infra.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
   option); ``local`` names go out as this rank's FSDP2 shard, ungathered (``local_candidates``: where the shard is
   the piece a tensor-parallel engine worker on this rank's GPU holds), ``drop`` names not at all (``unneeded``).
-* ``PackedProducer``: vLLM's packed NCCL wire format from persistent double buffers.
-* ``IPCBufferProducer`` / ``cuda_ipc_export``: CUDA-IPC chunks from persistent double buffers.
+* ``FusedParts``: a fused engine parameter as its parts side by side (``KernelPlan.iterate(fuse=False)``).
+* ``ResidentExport`` / ``cuda_ipc_export``: the resident IPC sync's trainer side (the engines map the trainer's
+  parameters once and copy from them every sync).
 """
 
 from __future__ import annotations
@@ -59,11 +60,6 @@ class ParamSource:
     def metadata(self) -> list[Any]:
         """vLLM's ``ParamMeta`` per tensor as sent (vLLM >= 0.28)."""
         return [vllm_compat.param_meta(n, self.dtype, shape) for n, shape in self.wire_shapes()]
-
-    def wire_metadata(self) -> tuple[list[str], list[str], list[list[int]]]:
-        """(names, dtype names, shapes) as sent: the lists of vLLM 0.24's update infos."""
-        wire = self.wire_shapes()
-        return [n for n, _ in wire], [str(self.dtype).split(".")[-1]] * len(wire), [list(s) for _, s in wire]
 
     def local_candidates(self, tp: int, tp_rank: int) -> set[str]:
         """Names whose FSDP2 shard on this rank is exactly piece ``tp_rank`` of ``tp`` along dim 0 (``torch.chunk``,
@@ -116,77 +112,6 @@ class ParamSource:
         return vllm_compat.as_weight_source(self.metadata, lambda: iter(self))
 
 
-class PackedProducer:
-    """Trainer side of vLLM's packed NCCL wire format with two persistent buffers.
-
-    vLLM's consumer (``packed_nccl_broadcast_consumer``) cuts a chunk after the first tensor that takes it
-    past ``bucket_bytes`` (or at the end); so does this producer. Buffers are allocated once (grown when a
-    chunk needs more) and reused across syncs; chunk k+1 is packed on the copy stream while chunk k is
-    broadcast on the NCCL stream, ordered by events.
-    """
-
-    def __init__(self, bucket_bytes: int) -> None:
-        self.bucket_bytes = bucket_bytes
-        self.buffers: list[torch.Tensor] = []
-        self.copy_stream: Any = None
-        self.comm_stream: Any = None
-
-    def _buffer(self, i: int, size: int) -> torch.Tensor:
-        while len(self.buffers) <= i:
-            self.buffers.append(torch.empty(0, dtype=torch.uint8, device="cuda"))
-        if self.buffers[i].numel() < size:
-            self.buffers[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
-        return self.buffers[i]
-
-    def send(self, group: Any, stream: Any) -> float:
-        """Broadcast every tensor of ``stream`` from rank 0; returns host seconds spent packing."""
-        if self.copy_stream is None:
-            self.copy_stream, self.comm_stream = torch.cuda.Stream(), torch.cuda.Stream()
-        packed_ev = [torch.cuda.Event(), torch.cuda.Event()]
-        sent_ev: list[Any] = [None, None]
-        pack_s = 0.0
-        slot = 0
-        pending: list[torch.Tensor] = []
-        size = 0
-        main = torch.cuda.current_stream()
-
-        def flush(pending: list[torch.Tensor], size: int, slot: int) -> None:
-            nonlocal pack_s
-            t = time.perf_counter()
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_stream(main)  # the tensors were produced on the main stream
-                if sent_ev[slot] is not None:  # the buffer's previous broadcast must be done
-                    self.copy_stream.wait_event(sent_ev[slot])
-                buf = self._buffer(slot, size)
-                off = 0
-                for p in pending:
-                    n = p.numel()
-                    buf[off : off + n].copy_(p, non_blocking=True)
-                    off += n
-                    p.record_stream(self.copy_stream)
-                packed_ev[slot].record(self.copy_stream)
-            pack_s += time.perf_counter() - t
-            with torch.cuda.stream(self.comm_stream):
-                self.comm_stream.wait_event(packed_ev[slot])
-                group.broadcast(buf[:size], src=0, stream=self.comm_stream)
-                ev = torch.cuda.Event()
-                ev.record(self.comm_stream)
-                sent_ev[slot] = ev
-
-        for _, t in stream:
-            for part in t if isinstance(t, list) else [t]:  # a fused parameter's parts go side by side
-                flat = part.detach().contiguous().view(-1).view(torch.uint8)
-                pending.append(flat)
-                size += flat.numel()
-            if size > self.bucket_bytes:
-                flush(pending, size, slot)
-                pending, size, slot = [], 0, 1 - slot
-        if pending:
-            flush(pending, size, slot)
-        self.comm_stream.synchronize()
-        return pack_s
-
-
 def cuda_ipc_export(tensor: torch.Tensor) -> dict[str, tuple]:
     """``{physical GPU UUID: rebuild_cuda_tensor args}`` for ``tensor``, the handle format of vLLM's IPC
     consumer. Each export pairs with one rebuild-and-release on the engine (torch's cross-process refcount)."""
@@ -196,123 +121,13 @@ def cuda_ipc_export(tensor: torch.Tensor) -> dict[str, tuple]:
     return {uuid: reduce_tensor(tensor)[1]}
 
 
-class IPCBufferProducer:
-    """Trainer side of the CUDA-IPC sync in the kernel format with persistent buffers (option
-    ``producer="runtime"``, one trainer worker).
-
-    vLLM 0.24's packed IPC sender allocates a fresh buffer every sync (exported once but rebuilt and released
-    by the engine per chunk, so the trainer's GPU memory grows by one buffer per sync), waits for each chunk
-    before packing the next, and its consumer clones every tensor before copying it into the parameter. Here
-    two buffers of ``bucket_bytes`` are allocated once (grown if one tensor is larger) and reused across
-    syncs, chunk k+1 is packed while the engines load chunk k, each chunk is exported once per delivery
-    (``cuda_ipc_export``: pairs with the engine's one rebuild) and ``torch.cuda.ipc_collect()`` runs once per
-    sync. ``wire``:
-
-    * ``"packed"``: vLLM's packed IPC format (one handle per chunk, ``tensor_sizes``); the engine clones each
-      tensor out of the buffer, then copies it into the parameter;
-    * ``"views"``: vLLM's unpacked format, one handle per tensor, every one a view into the chunk's buffer;
-      the engine opens the buffer once per chunk (torch caches storages by handle) and copies each view
-      straight into its parameter: one device copy per byte on each side, no clone.
-
-    Only the kernel format may use it: the checkpoint format's layerwise reload keeps references to the
-    tensors it was given beyond ``update_weights`` and would read a reused buffer. ``deliver(update_info)``
-    sends one chunk to every engine without waiting and returns what to wait on (Ray refs) before the
-    chunk's buffer is written again; ``send`` returns the engines' results of every delivery.
-    """
-
-    def __init__(self, bucket_bytes: int, export: Any = None, wait: Any = None, device: str = "cuda") -> None:
-        self.bucket_bytes = bucket_bytes
-        self.export = export or cuda_ipc_export
-        self.wait = wait  # default ray.get
-        self.device = device
-        self.buffers: list[torch.Tensor] = []
-        self.pack_s = 0.0
-        self.chunks = 0
-
-    def _buffer(self, i: int, size: int) -> torch.Tensor:
-        while len(self.buffers) <= i:
-            self.buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if self.buffers[i].numel() < size:
-            self.buffers[i] = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=self.device)
-        return self.buffers[i]
-
-    def _wait(self, refs: Any) -> list[Any]:
-        if refs is None:
-            return []
-        if self.wait is not None:
-            return list(self.wait(refs))
-        import ray
-
-        return list(ray.get(refs))
-
-    def send(self, stream: Any, deliver: Any, wire: str = "packed") -> list[Any]:
-        if wire not in ("packed", "views"):
-            raise ValueError(f"ipc_wire must be packed or views, not {wire!r}")
-        self.pack_s, self.chunks = 0.0, 0
-        results: list[Any] = []
-        inflight: list[Any] = [None, None]
-        slot = 0
-        pending: list[tuple[str, list[torch.Tensor]]] = []
-        size = 0
-
-        def flush(pending: list[tuple[str, list[torch.Tensor]]], size: int, slot: int) -> None:
-            results.extend(self._wait(inflight[slot]))  # the engines are done with this buffer's last chunk
-            t = time.perf_counter()
-            buf = self._buffer(slot, size)
-            names, dtypes, shapes, sizes, views = [], [], [], [], []
-            off = 0
-            for name, parts in pending:
-                start = off
-                for p in parts:
-                    n = p.numel() * p.element_size()
-                    buf[off : off + n].copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
-                    off += n
-                dtype = parts[0].dtype
-                shape = list(parts.shape) if isinstance(parts, FusedParts) else list(parts[0].shape) if len(
-                    parts) == 1 else [sum(p.shape[0] for p in parts), *parts[0].shape[1:]]
-                names.append(name)
-                dtypes.append(str(dtype).split(".")[-1])
-                shapes.append(shape)
-                sizes.append(off - start)
-                if wire == "views":
-                    views.append(buf[start:off].view(dtype).view(shape))
-            if buf.device.type == "cuda":
-                torch.cuda.current_stream(buf.device).synchronize()  # the engine reads after the handle arrives
-            info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes}
-            if wire == "packed":
-                info.update(packed=True, tensor_sizes=sizes, ipc_handles=self.export(buf[:off]))
-            else:
-                info.update(packed=False, ipc_handles=[self.export(v) for v in views])
-            self.pack_s += time.perf_counter() - t
-            inflight[slot] = deliver(info)
-            self.chunks += 1
-
-        for name, t in stream:
-            parts = [p.detach() for p in (t if isinstance(t, list) else [t])]
-            if isinstance(t, FusedParts):
-                parts = FusedParts(parts, t.shape)
-            n = sum(p.numel() * p.element_size() for p in parts)
-            if pending and size + n > self.bucket_bytes:  # a chunk never exceeds the bucket (unless one tensor does)
-                flush(pending, size, slot)
-                pending, size, slot = [], 0, 1 - slot
-            pending.append((name, parts))
-            size += n
-        if pending:
-            flush(pending, size, slot)
-        for refs in (inflight[1 - slot], inflight[slot]):  # the older chunk first
-            results.extend(self._wait(refs))
-        if self.device == "cuda":
-            torch.cuda.ipc_collect()
-        return results
-
-
 class ResidentExport:
     """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): the engines
     copy straight out of the trainer's parameters, mapped once.
 
     vLLM's IPC trainer engine packs every tensor into a staging buffer each sync (a device copy of the model,
-    one copy launch per tensor, a fresh export of the buffer) and the engines map that buffer again each sync;
-    with its three RPCs that bounds a 1.7B sync at ~23 ms for a 1.9 ms device copy (``benchmarks/README.md``).
+    one copy launch per tensor, a fresh export of the buffer) and the engines map that buffer again each sync,
+    with three RPCs: a bound far above the device copy (benchmarks/README.md, "Where the defaults come from").
     Here every tensor of the plan that is a view of a trainer parameter (same dtype: no cast; the engine's
     fused parameters take their parts side by side) is exported once (``cuda_ipc_export``, torch's refcounted
     CUDA IPC); the first sync of a ``generation`` sends the handles, later ones only the generation, and each
@@ -358,8 +173,9 @@ class ResidentExport:
         return entries
 
     def signature(self) -> tuple[int, ...]:
-        """Where the parameters' data are now (the parameter objects are listed once: walking the module tree
-        every sync cost ~1 ms for a 1.7B; a parameter given new data, ``p.data = ...`` or ``model.to``, moves)."""
+        """Where the parameters' data are now (the parameter objects are listed once, not the module tree walked
+        every sync: benchmarks/README.md, "Where the defaults come from"; a parameter given new data,
+        ``p.data = ...`` or ``model.to``, moves)."""
         return tuple(p.data_ptr() for p in self._parameters())
 
     def _parameters(self) -> list[torch.Tensor]:

@@ -1,0 +1,196 @@
+"""The job's actors: trainer ranks, engines and the roles beside them, started on their placement bundles.
+
+* Trainers (``roles.policy.Trainer``, or ``ActorClasses.trainer``): one per ``Layout.trainers`` entry; FSDP2
+  ranks meet at rank 0's node (IP and a free port found there, never the driver's head pod).
+* Roles (``Layout.roles``): reward-model scorers, the critic's workers (FSDP2 over them when there are
+  several; a resumed run's critic loads the step the trainer resumed from), reference workers.
+* Engines (``rollout.api.engine_class`` of the job's mode, or ``ActorClasses.engine``): one per
+  ``Layout.engines`` entry; an expert-parallel DP group gets vLLM's offline SPMD variables (``VLLM_DP_*``,
+  master on engine 0's node) and starts together. A replacement takes the dead engine's bundle.
+* Environment: the job's (``infra.config.actor_env``), the placement's, and on CPU-only jobs
+  ``OMP_NUM_THREADS`` = the placement's ``threads`` (at most ``thread_cap`` in a local run) unless ``spec.env``
+  sets it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rlhf_api.models import RuntimeConfig
+from rlhf_runtime.controller.actors import DP_PORTS, ActorClasses, ActorGroup, Placement
+from rlhf_runtime.controller.deadlines import Deadlines
+from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra.placement import ActorPlacement, Layout, local_thread_cap
+from rlhf_runtime.rollout.api import RolloutEngine, engine_class
+
+
+class JobActors:
+    """Every actor of one run, by role (``trainers``, ``engines``, ``roles[name]``: ``ActorGroup``s)."""
+
+    def __init__(self, cfg: RuntimeConfig, layout: Layout, deadlines: Deadlines, classes: ActorClasses | None,
+                 local: bool) -> None:
+        spec = cfg.spec
+        self.cfg, self.spec, self.layout, self.deadlines = cfg, spec, layout, deadlines
+        self.gpu = layout.gpu
+        self.async_mode = spec.weight_sync.mode == "async"
+        self.backend = rc.resolve_backend(spec, self.gpu)
+        self.env = rc.actor_env(spec, self.gpu)
+        # CPU-only jobs: each actor computes on its pod's CPUs (placement ``threads``), not on the one thread Ray
+        # gives an actor, unless spec.env sets OMP_NUM_THREADS (a value, or valueFrom: then the pods have it).
+        # Not the driver's own environment: Ray's job supervisor runs it with OMP_NUM_THREADS=1.
+        self.own_threads = any(e.name == "OMP_NUM_THREADS" for e in spec.env or [])
+        self.thread_cap = (local_thread_cap(layout, self.async_mode, len(os.sched_getaffinity(0)))
+                           if local else None)
+        classes = classes or ActorClasses()
+        self.trainer_class = classes.trainer
+        #: every engine actor serves ``rollout.api.RolloutEngine`` (``PausableEngine`` in async mode)
+        self.engine_class: type[RolloutEngine] = classes.engine or engine_class(self.async_mode,
+                                                                               spec.rollout.async_engine)
+        self.placement = Placement(layout, cfg.name, deadlines)
+        self.trainers = ActorGroup("trainer", deadlines)
+        self.engines = ActorGroup("engine", deadlines)
+        self.roles: dict[str, ActorGroup] = {}
+        self.engine_kwargs: list[dict[str, Any]] = []
+        self.dp_address: tuple[str, int] | None = None
+        self.trainer_pids: list[Any] = []
+        self.trainer_threads: list[Any] = []  # each trainer's torch threads (OMP_NUM_THREADS, ``actor_env``)
+        self.param_bytes = 0  # the policy's full weights (Trainer.info), beside an adapter sync's bytes
+        self.replacements = {"engines": 0, "trainers": 0}
+
+    def actor_env(self, a: ActorPlacement, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of the actor placed at ``a``: the job's (``self.env``), the placement's, ``extra``,
+        and on CPU-only jobs ``OMP_NUM_THREADS`` = ``a.threads`` (at most ``self.thread_cap`` in a local run)."""
+        env = {**self.env, **a.env, **(extra or {})}
+        if a.threads and not self.own_threads:
+            env["OMP_NUM_THREADS"] = str(min(a.threads, self.thread_cap or a.threads))
+        return env
+
+    def _options(self, a: ActorPlacement, env: dict[str, str], **extra: Any) -> dict[str, Any]:
+        return {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus, "scheduling_strategy": self.placement.strategy(a),
+                "runtime_env": {"env_vars": env}, **extra}
+
+    def _rendezvous(self, places: list[ActorPlacement]) -> tuple[str | None, int | None]:
+        """torch.distributed rendezvous of several ranks: rank 0 listens on its own node."""
+        return self.placement.address_on(places[0]) if len(places) > 1 else (None, None)
+
+    # -------------------------------------------------------------------------------------- trainers
+    def start_trainers(self) -> dict[str, Any]:
+        """Every trainer rank; returns rank 0's ``info`` (step, resumed_from, param_bytes, ...)."""
+        import ray
+
+        from rlhf_runtime.roles.policy import Trainer
+
+        cls = self.trainer_class or Trainer
+        cfg_json = self.cfg.model_dump_json(by_alias=True)
+        places = self.layout.trainers
+        addr, port = self._rendezvous(places)
+        for rank, a in enumerate(places):
+            self.trainers.append(ray.remote(cls).options(**self._options(a, self.actor_env(a))).remote(
+                cfg_json, rank, len(places), addr, port))
+        infos = self.trainers.call_step("info", what=f"start of {self.trainers.describe()}")
+        self.trainer_pids = [i.get("pid") for i in infos]
+        self.trainer_threads = [i.get("threads") for i in infos]
+        self.param_bytes = int(infos[0].get("param_bytes") or 0)
+        return infos[0]
+
+    def restart_trainers(self) -> dict[str, Any]:
+        """Kill every trainer rank and start them again (they resume from the newest checkpoint)."""
+        self.trainers.kill()
+        self.trainers.actors = []
+        self.replacements["trainers"] += 1
+        return self.start_trainers()
+
+    # ----------------------------------------------------------------------------------------- roles
+    def start_roles(self, resume_step: int | None) -> dict[str, list[dict[str, Any]]]:
+        """The actors of the roles beside the policy (``Layout.roles``); their ``info`` by role."""
+        for role, places in self.layout.roles.items():
+            group = ActorGroup(role, self.deadlines)
+            addr, port = self._rendezvous(places) if role == "critic" else (None, None)
+            for rank, a in enumerate(places):
+                group.append(self._start_role(role, a, rank, len(places), addr, port, resume_step))
+            self.roles[role] = group
+        if not self.roles:
+            return {}
+        what = f"start of {', '.join(g.describe() for g in self.roles.values())}"
+        flat = self.deadlines.get_step([r for g in self.roles.values() for r in g.submit("info")], what)
+        infos, at = {}, 0
+        for k, g in self.roles.items():
+            infos[k], at = flat[at : at + len(g)], at + len(g)
+        return infos
+
+    def _start_role(self, role: str, a: ActorPlacement, rank: int, world: int, addr: str | None,
+                    port: int | None, resume_step: int | None) -> Any:
+        import ray
+
+        from rlhf_runtime.roles.critic import CriticModel
+        from rlhf_runtime.roles.reference import ReferenceModel
+        from rlhf_runtime.roles.reward import RewardScorer
+
+        spec, cfg_json = self.spec, self.cfg.model_dump_json(by_alias=True)
+        cls = {"reward": RewardScorer, "critic": CriticModel, "reference": ReferenceModel}[role]
+        actor = ray.remote(cls).options(**self._options(a, self.actor_env(a)))
+        if role == "reward":
+            m = spec.reward.model
+            assert m is not None
+            return actor.remote(m.name, m.revision, spec.model.dtype, m.batch_size, None, spec.model.trust_remote_code)
+        if role == "critic":  # resumes at the trainer's step
+            return actor.remote(cfg_json, rank, world, addr, port, resume_step or None)
+        return actor.remote(cfg_json)
+
+    def role(self, name: str) -> ActorGroup:
+        """The actors of role ``name`` (an empty group when the job has none)."""
+        return self.roles.get(name) or ActorGroup(name, self.deadlines)
+
+    # --------------------------------------------------------------------------------------- engines
+    def dp_env(self, rank: int, address: tuple[str, int]) -> dict[str, str]:
+        """vLLM's offline SPMD data-parallel settings for engine ``rank`` (each engine sees only its own GPUs,
+        so its local DP rank is 0)."""
+        return {"VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": "0", "VLLM_DP_SIZE": str(len(self.layout.engines)),
+                "VLLM_DP_MASTER_IP": address[0], "VLLM_DP_MASTER_PORT": str(address[1])}
+
+    def make_engine(self, i: int) -> Any:
+        """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
+        import ray
+
+        e = self.layout.engines[i]
+        env = self.actor_env(e, self.dp_env(i, self.dp_address) if self.dp_address else None)
+        return ray.remote(self.engine_class).options(
+            **self._options(e, env, max_concurrency=16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env)
+
+    def start_engines(self) -> None:
+        dp = self.placement.address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
+        self.dp_address = dp
+        for i, e in enumerate(self.layout.engines):
+            # one vLLM DP group (expert parallel): same seed on every rank, they step together
+            seed = self.spec.algorithm.seed + (0 if dp else i)
+            self.engine_kwargs.append(rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor,
+                                                       self.gpu, seed=seed))
+            self.engines.append(self.make_engine(i))
+        # a DP group starts together
+        self.engines.call_step("ready", what=f"start of {self.engines.describe()}")
+
+    def replace_engines(self, idx: list[int]) -> None:
+        """Engines ``idx`` killed and started again on their bundles; waits until they are ready."""
+        for i in idx:
+            self.engines.kill(i)
+            self.engines[i] = self.make_engine(i)
+            self.replacements["engines"] += 1
+        self.deadlines.get_step(self.engines.submit("ready", ranks=idx),
+                                f"start of replacement {self.engines.describe(idx)}")
+
+    # ------------------------------------------------------------------------------------------ misc
+    def record(self) -> dict[str, Any]:
+        """Which process serves which actor (progress file): for people reading a run, and for fault tests."""
+        pids = self.engines.call("pid", what=f"pid of {self.engines.describe()}")
+        return {"trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
+                "trainer_threads": self.trainer_threads}
+
+    def everyone(self) -> list[ActorGroup]:
+        return [self.engines, self.trainers, *self.roles.values()]
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove the placement groups."""
+        for g in self.everyone():
+            g.kill()
+        self.placement.remove()

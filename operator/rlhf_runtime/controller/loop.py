@@ -1,0 +1,373 @@
+"""The control loop: one RLHFJob from its ``RuntimeConfig``, a step as a pipeline of stages.
+
+A step (``weightSync.mode: sync``): engines ready (a weight sync if due: every ``everyNSteps`` steps, and always
+before the first rollout of a run, since engines start with dummy weights) -> rollout of ``promptsPerStep``
+prompts x ``samplesPerPrompt`` samples spread over the engines -> rewards (while the roles' per-token passes
+run) -> advantages -> one update of the policy (and the critic) -> checkpoint if due -> export if due ->
+report. In ``async`` mode the rollout of the next step runs while the trainer trains, and the sync after the
+update pauses it mid-request (``pause_generation(mode="keep")``), swaps the weights and resumes it; every sample
+records how many of its tokens came before the swap. Colocated engines sleep while the trainer trains.
+
+The parts: ``job_actors.JobActors`` (every actor, by role, as ``actors.ActorGroup``s), ``sync.WeightSync``,
+``experience.Experience`` (rollout, rewards, role passes), ``recovery.Recovery``, ``validation.Validator``,
+``deadlines`` (every call bounded; the watchdog). Weight sync uses the spec's backend on GPUs and the CPU
+``gloo`` backend whenever the trainer has no GPUs, through the same vLLM engine calls.
+
+Live edits: at each step boundary and from the heartbeat thread the loop reads its RLHFJob and adopts
+``spec.algorithm.steps`` (the loop ends at the new total, raised or lowered) and
+``spec.progressDeadlineSeconds``; ``status.runtime.observedGeneration`` is the generation applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_api.models import RuntimeConfig
+from rlhf_runtime.algo.data import load_eval_samples, load_samples, step_batch
+from rlhf_runtime.algo.rewards import make_reward, normalize
+from rlhf_runtime.controller.actors import ActorClasses
+from rlhf_runtime.controller.deadlines import Deadlines, Watchdog
+from rlhf_runtime.controller.experience import Experience, Rollout, Samples, samples
+from rlhf_runtime.controller.job_actors import JobActors
+from rlhf_runtime.controller.recovery import Recovered, Recovery
+from rlhf_runtime.controller.sync import WeightSync
+from rlhf_runtime.controller.validation import Validator
+from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra.placement import compute_layout
+from rlhf_runtime.infra.report import now_rfc3339
+
+log = logging.getLogger("rlhf_runtime")
+
+
+@dataclass
+class Inputs:
+    """What every step reads: tokenizer, prompts, eval prompts, the reward rule or hook, sampling settings."""
+
+    tokenizer: Any
+    samples: list[Any]
+    eval_samples: list[Any]
+    reward_fn: Any
+    sampling: dict[str, Any]
+    n: int  # samples per prompt
+
+
+def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, samples: int,
+               sync: dict[str, float] | None, reward_mean: float) -> dict[str, float]:
+    out = {"rollout_tokens_per_second": tokens / rollout_s if rollout_s > 0 else 0.0,
+           "samples_per_second": samples / step_s if step_s > 0 else 0.0,
+           "step_seconds": step_s, "rollout_seconds": rollout_s, "train_seconds": train_s,
+           "reward_mean": reward_mean}
+    if sync:
+        out["weight_sync_seconds"] = sync["total_s"]
+        out["weight_sync_gbps"] = sync["gbps"]
+    return out
+
+
+def load_inputs(spec: Any) -> Inputs:
+    """Prompts, reward and tokenizer, checked before any actor starts (a bad input fails fast)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    samples, eval_samples, reward_fn = load_samples(spec.data), load_eval_samples(spec.data), make_reward(spec.reward)
+    tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
+    if spec.model.revision:
+        tok_kw["revision"] = spec.model.revision
+    rc.check_model_path(spec.model.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
+    except OSError as e:
+        raise OSError(f"cannot load the tokenizer of spec.model.name {spec.model.name!r}: {e}") from e
+    rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
+    rc.check_lora(spec)
+    return Inputs(tokenizer, samples, eval_samples, reward_fn, rc.sampling_kwargs(spec),
+                  spec.rollout.sampling.samples_per_prompt)
+
+
+class Runtime:
+    """One run. ``classes``: the actors' classes (``actors.ActorClasses``, the extension point for code
+    outside the package); ``local``: start a local Ray (``num_cpus``) instead of joining the cluster."""
+
+    def __init__(self, cfg: RuntimeConfig, reporter: Any, watchdog: Watchdog | None = None, *,
+                 local: bool = False, num_cpus: int | None = None, validate: bool = False,
+                 classes: ActorClasses | None = None) -> None:
+        self.cfg, self.spec, self.reporter = cfg, cfg.spec, reporter
+        self.local, self.num_cpus = local, num_cpus
+        # without a started watchdog (unit tests) nothing fires; the deadlines still bound every call
+        self.watchdog = watchdog or Watchdog(lambda: self.progress_deadline, lambda message: None)
+        self.total = self.spec.algorithm.steps  # live: spec.algorithm.steps (refresh_spec)
+        self.progress_deadline = self.spec.progress_deadline_seconds  # live: spec.progressDeadlineSeconds
+        self.layout = compute_layout(self.spec)
+        self.deadlines = Deadlines(float(self.spec.weight_sync.timeout_seconds), lambda: self.progress_deadline,
+                                   self.watchdog)
+        self.actors = JobActors(cfg, self.layout, self.deadlines, classes, local)
+        self.weights = WeightSync(self.spec, self.actors.trainers, self.actors.engines, self.actors.backend,
+                                  lambda: self.actors.param_bytes)
+        self.experience = Experience(self.spec, self.actors, self.recover_engines)
+        self.recovery = Recovery(self.spec, self.actors, self.weights, self.watchdog, reporter)
+        self.validator = Validator(self.actors, self.spec.rollout.sampling.max_tokens,
+                                   float(self.spec.weight_sync.timeout_seconds), reporter.write_progress)
+        self.async_mode = self.spec.weight_sync.mode == "async"
+        self.sleeps = rc.engines_sleep(self.spec, self.layout.gpu)
+        self.validate_first_sync = rc.validation_enabled(self.spec, validate)
+        self.lora = self.spec.trainer.lora is not None
+        self.done = 0
+        self.resumed: int | None = None
+        self.pending: Rollout | None = None
+        self.output: dict[str, Any] | None = None  # status.output: the newest export
+        self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
+
+    # ------------------------------------------------------------------------------------------ start
+    def connect(self) -> None:
+        import ray
+
+        env = {"env_vars": dict(self.actors.env)}
+        if not self.local:
+            try:
+                ray.init(address="auto", runtime_env=env, log_to_driver=True)
+                return
+            except ConnectionError:
+                log.warning("no Ray cluster reachable: starting a local one")
+        resources = {k: v for k, v in self.layout.totals().items() if k.startswith("rlhf_")}
+        # bundles ask for no CPUs (placement.py); one per actor keeps Ray's worker pool warm
+        cpus = self.num_cpus or len(self.layout.trainers) + len(self.layout.engines) + 1
+        ray.init(num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
+
+    def start(self, job: Inputs) -> None:
+        """Ray, placement groups, trainers (resuming from the newest checkpoint), roles, engines, the
+        weight-transfer group and the first sync (validated when asked)."""
+        self.reporter.report("Starting", message="starting Ray actors")
+        self.watchdog.doing("connecting to Ray and placing actors")
+        self.connect()
+        self.actors.placement.place()
+        info = self.actors.start_trainers()
+        self.done, self.resumed = int(info["step"]), info["resumed_from"]
+        msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
+        self.reporter.report("Starting", step=self.done, message=msg, resumed_from_step=self.resumed)
+        roles = self.actors.start_roles(self.done)
+        if roles:
+            self.reporter.write_progress({"time": time.time(), "roles": roles})
+        self.actors.start_engines()
+        self.record_actors()
+        self.weights.init_group()
+        self.weights.sync(self.done)  # engines start with dummy weights
+        if self.validate_first_sync:
+            self.watchdog.doing("weight-sync validation")
+            self.validator.validate(job.tokenizer, job.samples)
+
+    def record_actors(self) -> None:
+        self.reporter.write_progress({"time": time.time(), "actors": self.actors.record()})
+
+    # ------------------------------------------------------------------------------------------- run
+    def run(self) -> None:
+        self.watchdog.doing("loading data, tokenizer and reward")
+        job = load_inputs(self.spec)
+        self.refresh_spec()
+        self.start(job)
+        self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
+                             resumed_from_step=self.resumed, extra={"sync": self.weights.last})
+        tp: dict[str, float] = {}
+        while True:
+            self.refresh_spec()
+            if self.done >= self.total:
+                break
+            try:
+                tp = self.step(job) or tp
+            except Exception as e:  # noqa: BLE001 - recovery re-raises what it cannot repair
+                self.pending = None
+                self.after_recovery(self.recovery.from_error(e, self.done))
+        self.finish(job)
+        self.reporter.report("Succeeded", step=self.done, throughput=tp or None,
+                             message=f"completed {self.done} steps", resumed_from_step=self.resumed,
+                             extra={"replacements": dict(self.actors.replacements),
+                                    "rerun_prompts": self.experience.rerun_prompts})
+
+    def step(self, job: Inputs) -> dict[str, float]:
+        """One training step from ``self.done``, stage by stage; returns its throughput."""
+        done, t_step = self.done, time.perf_counter()
+        self.engines_ready(done)
+        self.maybe_evaluate(job, done)
+        ro = self.pending or self.launch(job, done)
+        outs = self.experience.collect(ro)
+        rollout_s = time.perf_counter() - ro.t_launch
+        self.pending = self.launch(job, done + 1) if self.async_mode and done + 1 < self.total else None
+        if self.sleeps:  # free the GPU for training
+            self.weights.sleep(next_syncs=not self.async_mode and self.weights.due(done + 1))
+        batch = samples(ro, outs, job.tokenizer, job.n)
+        passes = self.experience.launch_token_inputs(batch.seqs())  # runs while the rewards are computed
+        t_reward = time.perf_counter()
+        rewards = self.experience.score(batch.items, batch.lengths(), job.reward_fn, done + 1)
+        reward_s = time.perf_counter() - t_reward
+        scores = normalize(rewards, self.spec.reward.normalize)
+        plan, role_s = self.experience.token_inputs(passes, batch.seqs(), scores, job.n)
+        t_train = time.perf_counter()
+        stats = self.update(batch, plan, role_s, done)
+        train_s = time.perf_counter() - t_train
+        done = int(stats["step"])
+        self.checkpoint(done)
+        if self.async_mode and done < self.total and self.weights.due(done):
+            self.weights.sync(done)  # pauses the next rollout mid-request
+        self.done = done
+        self.maybe_export(done)
+        self.watchdog.progress()
+        self.reporter.mark_progress()
+        tp = throughput(time.perf_counter() - t_step, rollout_s, train_s, batch.tokens, len(rewards),
+                        self.weights.last, sum(rewards) / len(rewards))
+        tp.update(reward_seconds=reward_s, **role_s)
+        self.report_step(tp, stats, batch)
+        return tp
+
+    # ---------------------------------------------------------------------------------------- stages
+    def engines_ready(self, done: int) -> None:
+        """Sync mode: the weights of step ``done`` reach the engines when a sync is due; else they wake."""
+        if not self.async_mode and self.weights.due(done):
+            self.weights.sync(done)
+        else:
+            self.weights.wake()
+
+    def launch(self, job: Inputs, step: int) -> Rollout:
+        batch = step_batch(job.samples, step, self.spec.algorithm.prompts_per_step, self.spec.algorithm.seed)
+        return self.experience.launch(job.tokenizer, batch, job.sampling, step)
+
+    def update(self, batch: Samples, plan: dict[str, Any], role_s: dict[str, float], done: int) -> dict[str, Any]:
+        """One update of the policy (every trainer rank on its shard) and, for PPO, of the critic."""
+        seqs, trainers, critic = batch.seqs(), self.actors.trainers, self.actors.role("critic")
+        train_batch: dict[str, Any] = {**seqs, "advantages": plan["advantages"]}
+        for key in ("old_logprobs", "ref_logprobs"):
+            if plan.get(key) is not None:
+                train_batch[key] = plan[key]
+        critic_refs = critic.submit_shards("train", {**seqs, "returns": plan["returns"], "values": plan["values"]}
+                                           ) if len(critic) else []
+        stats = self.deadlines.get_step(trainers.submit_shards("train", train_batch),
+                                        f"train step {done + 1}: {trainers.describe()}")[0]
+        if critic_refs:
+            stats.update(self.deadlines.get_step(critic_refs, f"critic update of step {done + 1}")[0])
+            role_s["critic_seconds"] = role_s.get("critic_seconds", 0.0) + stats.get("critic_train_s", 0.0)
+        if plan.get("kl") is not None:
+            stats["kl_in_reward"] = plan["kl"]
+        return stats
+
+    def checkpoint(self, done: int) -> None:
+        """Every ``checkpoint.everyNSteps`` steps and at the last: the critic first (so that every policy
+        checkpoint has its critic), then the policy."""
+        c, critic, trainers = self.spec.checkpoint, self.actors.role("critic"), self.actors.trainers
+        if c is None or (done % c.every_n_steps and done != self.total):
+            return
+        if len(critic):
+            critic.call_step("save_checkpoint", done, what=f"critic checkpoint save at step {done}")
+        trainers.call_step("save_checkpoint", what=f"checkpoint save at step {done}: {trainers.describe()}")
+
+    def maybe_export(self, done: int) -> None:
+        out = self.spec.output
+        if out and out.every_n_steps and done % out.every_n_steps == 0 and done < self.total:
+            self.export(f"{out.path.rstrip('/')}/step-{done}")
+
+    def maybe_evaluate(self, job: Inputs, done: int) -> None:
+        if (job.eval_samples and done and done % self.spec.data.eval_every_n_steps == 0
+                and self.weights.synced_at == done and (self.evaluation or {}).get("step") != done):
+            self.evaluate(job)
+
+    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples) -> None:
+        extra: dict[str, Any] = {"train": stats, "sync": self.weights.last, "tokens": batch.tokens,
+                                 "replacements": dict(self.actors.replacements)}
+        if self.async_mode:
+            extra["swap"] = batch.swap
+        log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,
+                 tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
+        self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
+                             f"{self.total}", resumed_from_step=self.resumed, extra=extra)
+
+    # -------------------------------------------------------------------------------------- recovery
+    def recover_engines(self, engines: list[int], where: str, error: BaseException) -> None:
+        """A rollout lost engines ``engines``: replace them (``Recovery``), then go on."""
+        self.after_recovery(self.recovery.recover(engines, False, where, error, self.done))
+
+    def after_recovery(self, r: Recovered) -> None:
+        if r.trainers:  # a resume: progress is counted from it
+            self.done, self.resumed = int(r.step or 0), r.resumed_from
+            self.watchdog.progress()
+            self.reporter.mark_progress()
+        self.reporter.report("Running", step=self.done, message=r.message, resumed_from_step=self.resumed,
+                             extra={"recovery": r.record, "replacements": dict(self.actors.replacements)})
+        self.record_actors()
+
+    # ---------------------------------------------------------------------------------- evaluation, end
+    def evaluate(self, job: Inputs) -> dict[str, Any]:
+        """Greedy answers (one each) of the synced engines to the eval prompts, scored like training samples
+        (not normalised); the mean goes to ``status.eval``."""
+        greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
+        self.watchdog.doing(f"evaluation at step {self.done}")
+        ro = self.experience.launch(job.tokenizer, job.eval_samples, greedy, self.done)
+        comps = [o["samples"][0] for o in self.experience.collect(ro)]
+        items = [(s, job.tokenizer.decode(c, skip_special_tokens=True)) for s, c in zip(job.eval_samples, comps)]
+        rewards = self.experience.score(items, [len(c) for c in comps], job.reward_fn, self.done)
+        self.evaluation = {"reward_mean": sum(rewards) / len(rewards), "step": self.done, "prompts": len(rewards),
+                           "time": now_rfc3339()}
+        log.info("eval at step %d: mean reward %.4f over %d prompts", self.done, self.evaluation["reward_mean"],
+                 len(rewards))
+        self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
+                             resumed_from_step=self.resumed, evaluation=self.evaluation,
+                             extra={"eval": {**self.evaluation, "completions": [t for _, t in items]}})
+        return self.evaluation
+
+    def export(self, path: str) -> str:
+        """The current policy in Hugging Face format at ``path`` (``Trainer.export``); ``status.output``."""
+        self.watchdog.doing(f"export to {path}")
+        t0, trainers = time.perf_counter(), self.actors.trainers
+        trainers.call_step("export", path, what=f"export to {path}: {trainers.describe()}")
+        self.output = {"path": path, "step": self.done, "time": now_rfc3339()}
+        log.info("exported step %d to %s in %.1fs", self.done, path, time.perf_counter() - t0)
+        self.reporter.report("Running", step=self.done, message=f"exported step {self.done} to {path}",
+                             resumed_from_step=self.resumed, output=self.output)
+        return path
+
+    def finish(self, job: Inputs) -> None:
+        """After the last step: sync the engines to the final policy when anything reads them (evaluation,
+        validation of the export or, with LoRA, of the trained adapter), evaluate, export to
+        ``<output.path>/final``; with validation on, the exported directory (without an export and with LoRA: a
+        fresh engine of the merged weights) must give the synced engines' greedy tokens."""
+        out, validate = self.spec.output, self.validate_first_sync
+        lora_check = validate and self.lora and not out  # the first validation saw the zero adapter only
+        if job.eval_samples or (out and validate) or lora_check:
+            self.weights.ready(self.done)
+        if job.eval_samples and (self.evaluation or {}).get("step") != self.done:
+            self.evaluate(job)
+        if out:
+            path = self.export(f"{out.path.rstrip('/')}/final")
+            if validate:
+                self.watchdog.doing("validation of the exported model")
+                self.validator.validate(job.tokenizer, job.samples, path=path)
+        if lora_check:
+            self.watchdog.doing("weight-sync validation of the trained adapter")
+            self.validator.validate(job.tokenizer, job.samples)
+
+    # ------------------------------------------------------------------------------------ live edits
+    def refresh_spec(self) -> None:
+        """Adopt live edits of the RLHFJob (``spec.algorithm.steps``, ``spec.progressDeadlineSeconds``; the
+        other fields cannot change on a submitted job) and report the generation applied. Called at each step
+        boundary and from the heartbeat thread; without API reporting nothing changes."""
+        job = self.reporter.live_job()
+        if not job:
+            return
+        spec = job.get("spec") or {}
+        gen = (job.get("metadata") or {}).get("generation")
+        steps = (spec.get("algorithm") or {}).get("steps")
+        deadline = spec.get("progressDeadlineSeconds")
+        if isinstance(steps, int) and steps >= 1 and steps != self.total:
+            log.info("spec.algorithm.steps changed: %d -> %d (generation %s)", self.total, steps, gen)
+            self.total = steps
+        if isinstance(deadline, int) and deadline >= 1 and deadline != self.progress_deadline:
+            log.info("spec.progressDeadlineSeconds changed: %d -> %d (generation %s)", self.progress_deadline,
+                     deadline, gen)
+            self.progress_deadline = deadline
+        if isinstance(gen, int):
+            self.reporter.observed_generation = gen
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        self.actors.shutdown()
+        ray.shutdown()

@@ -1,0 +1,89 @@
+"""The runtime's driver with test hooks, outside the runtime package.
+
+    python -m rlhf_testing.driver [--skip-tensor NAME] [--pause-after-tokens N] <rlhf_runtime.driver arguments>
+
+Runs ``rlhf_runtime.main.main`` with actor classes of its own (``controller.actors.ActorClasses``, the runtime's
+extension point), subclasses of the runtime's:
+
+* ``--skip-tensor NAME``: the trainer leaves this tensor out of every weight sync (LoRA: every adapter tensor
+  whose name contains it), which the validation mode must catch;
+* ``--pause-after-tokens N`` (async mode): before a sync, the engine waits until a live sample has ``N`` tokens,
+  so that the sync pauses requests mid-generation.
+
+The settings reach the actors through the environment (``SKIP_ENV``, ``PAUSE_ENV``): a local Ray's workers
+inherit the driver's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rlhf_runtime.controller.actors import ActorClasses
+from rlhf_runtime.roles.policy import Trainer
+from rlhf_runtime.rollout.engines import AsyncEngine
+from rlhf_runtime.rollout.stepped import SteppedEngine
+
+SKIP_ENV = "RLHF_TESTING_SKIP_TENSOR"
+PAUSE_ENV = "RLHF_TESTING_PAUSE_AFTER_TOKENS"
+
+
+def _skip() -> list[str] | None:
+    name = os.environ.get(SKIP_ENV)
+    return [name] if name else None
+
+
+def _after_tokens() -> int:
+    return int(os.environ.get(PAUSE_ENV, "0"))
+
+
+class SkippingTrainer(Trainer):
+    def init_weight_sync(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return super().init_weight_sync(*args, **kwargs, skip=_skip())
+
+    def adapter_payload(self, skip: list[str] | None = None):  # type: ignore[no-untyped-def]
+        return super().adapter_payload(_skip())
+
+
+class LatePauseAsyncEngine(AsyncEngine):
+    async def pause(self, after_tokens: int = 0) -> None:
+        await super().pause(_after_tokens())
+
+
+class LatePauseSteppedEngine(SteppedEngine):
+    async def pause(self, after_tokens: int = 0) -> None:
+        await super().pause(_after_tokens())
+
+
+def classes(config: str | None) -> ActorClasses:
+    """The hooked classes for the job at ``config`` (its engine class depends on the spec)."""
+    from rlhf_runtime.infra import config as rc
+
+    try:
+        spec = rc.load_config(config).spec
+    except Exception:  # noqa: BLE001 - a bad job.json: the runtime's main reports it
+        return ActorClasses(trainer=SkippingTrainer)
+    engine = None
+    if spec.weight_sync.mode == "async":
+        engine = LatePauseSteppedEngine if spec.rollout.async_engine == "stepped" else LatePauseAsyncEngine
+    return ActorClasses(trainer=SkippingTrainer, engine=engine)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlhf_runtime import main as runtime_main
+
+    p = argparse.ArgumentParser(prog="rlhf_testing.driver", add_help=False)
+    p.add_argument("--skip-tensor")
+    p.add_argument("--pause-after-tokens", type=int, default=0)
+    p.add_argument("--config", default=os.environ.get("RLHF_JOB_CONFIG"))
+    a, rest = p.parse_known_args(argv)
+    if a.skip_tensor:
+        os.environ[SKIP_ENV] = a.skip_tensor
+    if a.pause_after_tokens:
+        os.environ[PAUSE_ENV] = str(a.pause_after_tokens)
+    return runtime_main.main([*rest, *(["--config", a.config] if a.config else [])], classes=classes(a.config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
