@@ -554,9 +554,9 @@ def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
     from bench_actors import time_generate
     from vllm import LLM
 
-    from rlhf_runtime.rollout.engines import _llm_args
+    from rlhf_runtime.rollout.base import llm_args
 
-    llm = LLM(**_llm_args(inputs["kwargs"]))  # the engine actor's exact LLM arguments
+    llm = LLM(**llm_args(inputs["kwargs"]))  # the engine actor's exact LLM arguments
     runs = []
     for _ in range(1 + inputs.get("runs", 1)):  # a warm-up, then timed (as the runtime's rollout)
         r = time_generate(llm, inputs["prompts"], inputs["sampling"])

@@ -61,10 +61,10 @@ def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
     from bench_actors import time_generate
     from vllm import LLM
 
-    from rlhf_runtime.rollout.engines import _llm_args
+    from rlhf_runtime.rollout.base import llm_args
 
     try:
-        llm = LLM(**_llm_args(kwargs))
+        llm = LLM(**llm_args(kwargs))
         conn.send({"ready": True})
         while (msg := conn.recv()) is not None:
             conn.send(time_generate(llm, *msg))

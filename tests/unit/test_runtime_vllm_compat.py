@@ -57,10 +57,6 @@ def test_probes_on_the_installed_vllm() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: F401
 
     assert "is_checkpoint_format" not in inspect.signature(LLM.start_weight_update).parameters
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
-
-    # 0.32's update info carries no bucket size (its trainer engine and workers agree on it at init)
-    assert vc.nccl_takes_bucket_size(NCCLWeightTransferUpdateInfo) is False
 
 
 def test_weight_source_round_trip() -> None:

@@ -4,7 +4,7 @@
 ``engines.AsyncEngine`` and ``stepped.SteppedEngine`` (async Ray actors: every method a coroutine, one event loop;
 Ray makes an actor async when any of its methods is one, so the sync base has none).
 
-* Start-up (``EngineBase.__init__`` and ``_llm_args``): the actor's environment before vLLM is imported, the
+* Start-up (``EngineBase.__init__`` and ``llm_args``): the actor's environment before vLLM is imported, the
   supported-version check (``vllm.compat.require_supported_vllm``), the runtime's vLLM plugin (the ``gloo``
   backend and the kernel-format worker engines) and vLLM's weight-transfer config; the subclass then builds its
   vLLM engine and sets ``start_seconds``.
@@ -38,7 +38,7 @@ def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
         del os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+def llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     """vLLM's engine arguments from the runtime's (``weight_transfer_backend``: ``spec.weightSync.backend``, built
     as the runtime's worker engine of that backend, ``vllm.compat.ENGINE_BACKENDS``), after the version check and
     the plugin's registration."""
@@ -58,7 +58,7 @@ def _llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 class EngineBase:
     """The start-up, state and queries every engine actor shares (see the module's docstring). A subclass calls
-    ``EngineBase.__init__`` first, then builds its vLLM engine (with ``_llm_args(kwargs)``) and sets
+    ``EngineBase.__init__`` first, then builds its vLLM engine (with ``llm_args(kwargs)``) and sets
     ``start_seconds``; it implements ``_vllm_config`` and ``_collective_rpc``."""
 
     def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_runtime.rollout import workers
-from rlhf_runtime.rollout.base import AsyncEngineBase, EngineBase, _llm_args
+from rlhf_runtime.rollout.base import AsyncEngineBase, EngineBase, llm_args
 
 
 def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
@@ -57,7 +57,7 @@ class Engine(EngineBase):
         from vllm import LLM
 
         t = time.perf_counter()
-        self.llm = LLM(**_llm_args(kwargs))
+        self.llm = LLM(**llm_args(kwargs))
         self.start_seconds = time.perf_counter() - t
         self._update_open = False  # between start_weight_update and finish_weight_update
         self.lora_request: Any = None  # LoRA: the adapter every generate uses (load_adapter)
@@ -157,7 +157,7 @@ class AsyncEngine(AsyncEngineBase):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         t = time.perf_counter()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**_llm_args(kwargs)))
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**llm_args(kwargs)))
         self.start_seconds = time.perf_counter() - t
         self._live: dict[str, list[int]] = {}
         self._swaps: dict[str, list[int]] = {}

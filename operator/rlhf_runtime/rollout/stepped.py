@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from rlhf_runtime.rollout.base import AsyncEngineBase, _llm_args
+from rlhf_runtime.rollout.base import AsyncEngineBase, llm_args
 from rlhf_runtime.vllm import compat as vllm_compat
 
 
@@ -88,7 +88,7 @@ class SteppedEngine(AsyncEngineBase):
     def _build(self, kwargs: dict[str, Any]) -> None:
         from vllm import LLM
 
-        self.llm = LLM(**_llm_args(kwargs))
+        self.llm = LLM(**llm_args(kwargs))
         self.engine = self.llm.llm_engine
         self.core = vllm_compat.inprocess_core(self.engine)
         if self.core is None:

@@ -10,9 +10,7 @@ The differences within the range, and how each is detected (by what is there, no
 
 * ``WeightSource``: an ABC with ``metadata()`` / ``__iter__`` in 0.28-0.32; 0.33 makes ``metadata`` a
   ``functools.cached_property`` and reads whole tensors through ``iter_full()`` (``as_weight_source``,
-  ``source_metadata``, ``source_tensors``);
-* the NCCL packed-bucket size as an argument of ``NCCLWeightTransferUpdateInfo`` /
-  ``NCCLTrainerSendWeightsArgs`` (``nccl_takes_bucket_size``).
+  ``source_metadata``, ``source_tensors``).
 
 Also here, so that no other module pokes at vLLM's internals: the runtime's worker engines per backend
 (``ENGINE_BACKENDS``: vLLM's plus the kernel-format switch, ``weight_sync.kernel``), batch-invariant mode's NCCL
@@ -24,9 +22,7 @@ Importing this module imports nothing from vLLM; each probe imports what it look
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,14 +122,6 @@ def param_meta(name: str, dtype: Any, shape: tuple[int, ...]) -> Any:
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     return ParamMeta(name, dtype, shape)
-
-
-def nccl_takes_bucket_size(cls: Any) -> bool:
-    """Whether vLLM's NCCL update info / send args (``cls``, a dataclass or class) take
-    ``packed_buffer_size_bytes``: then both sides must be given the same bucket size to cut the same chunks."""
-    if dataclasses.is_dataclass(cls):
-        return "packed_buffer_size_bytes" in {f.name for f in dataclasses.fields(cls)}
-    return "packed_buffer_size_bytes" in inspect.signature(cls).parameters
 
 
 def source_metadata(source: Any) -> list[Any]:
