@@ -16,7 +16,7 @@ SCRIPT = r"""
 import json, sys
 import torch
 from rlhf_runtime.roles.policy import Trainer
-from rlhf_runtime.roles.base import policy as trainer_mod
+from rlhf_runtime.roles import policy as trainer_mod
 
 cfg = open(sys.argv[1]).read()
 g = torch.Generator().manual_seed(0)

@@ -12,13 +12,13 @@ from rlhf_runtime.algo.objectives import (
     aggregate,
     discounted_returns,
     gae,
+    group_advantages,
     masked_whiten,
     policy_loss,
     sequence_advantages,
     token_rewards,
     value_loss,
 )
-from rlhf_runtime.algo.grpo import group_advantages, grpo_loss
 
 
 def test_algorithm_names() -> None:
@@ -185,7 +185,7 @@ def test_kl_in_loss_k3_estimator() -> None:
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
-def test_symmetric_token_policy_loss_equals_grpo_loss(kl_coef: float) -> None:
+def test_symmetric_token_policy_loss_is_grpo_loss(kl_coef: float) -> None:
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(4, 6, generator=g)
     old = logp + 0.3 * torch.randn(4, 6, generator=g)  # some ratios outside [0.8, 1.2]
@@ -193,8 +193,16 @@ def test_symmetric_token_policy_loss_equals_grpo_loss(kl_coef: float) -> None:
     adv = torch.randn(4, generator=g)
     mask = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
     ours, ours_stats = policy_loss(logp, old, adv, mask, 0.2, 0.2, "token", ref_logp=ref, kl_coef=kl_coef)
-    theirs, their_stats = grpo_loss(logp, old, adv, mask, 0.2, ref_logp=ref, kl_coef=kl_coef)
-    assert float(ours) == pytest.approx(float(theirs), rel=1e-6, abs=1e-7)
+    # GRPO's loss written out: -min(ratio * A, clip(ratio, 0.8, 1.2) * A) + kl_coef * k3 per token, averaged over
+    # every completion token of the batch
+    m = mask.float()
+    ratio = torch.exp(logp - old)
+    pg = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    theirs = float(((pg + kl_coef * k3) * m).sum() / m.sum())
+    their_stats = {"loss": theirs, "kl": float((k3 * m).sum() / m.sum()) if kl_coef > 0 else 0.0,
+                   "clip_fraction": float((((ratio < 0.8) | (ratio > 1.2)).float() * m).sum() / m.sum())}
+    assert float(ours) == pytest.approx(theirs, rel=1e-6, abs=1e-7)
     assert ours_stats == pytest.approx(their_stats, rel=1e-6, abs=1e-7)
     assert 0 < ours_stats["clip_fraction"] < 1
 

@@ -1,4 +1,5 @@
-"""GRPO advantages (pure) and the clipped policy-gradient loss (torch, CPU)."""
+"""GRPO: group advantages (pure) and its clipped policy-gradient loss, ``policy_loss`` with the symmetric clip and
+token aggregation (torch, CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf_runtime.algo.grpo import group_advantages, grpo_loss
+from rlhf_runtime.algo.objectives import group_advantages, policy_loss
 
 
 def test_advantages_are_relative_within_each_group() -> None:
@@ -27,7 +28,7 @@ def test_loss_on_policy_is_minus_mean_advantage_over_completion_tokens() -> None
     logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, stats = grpo_loss(logp, logp.clone(), adv, mask, clip_ratio=0.2)
+    loss, stats = policy_loss(logp, logp.clone(), adv, mask, 0.2, 0.2, "token")
     assert float(loss) == pytest.approx(-(1 + 1 - 2) / 3)
     assert stats["clip_fraction"] == 0.0
 
@@ -36,10 +37,10 @@ def test_loss_clips_the_ratio() -> None:
     old = torch.zeros(1, 2)
     new = torch.full((1, 2), math.log(2.0))  # ratio 2 on both tokens
     mask = torch.tensor([[1, 1]])
-    loss, stats = grpo_loss(new, old, torch.tensor([1.0]), mask, clip_ratio=0.2)
+    loss, stats = policy_loss(new, old, torch.tensor([1.0]), mask, 0.2, 0.2, "token")
     assert float(loss) == pytest.approx(-1.2)  # min(2 * A, 1.2 * A) for A > 0
     assert stats["clip_fraction"] == 1.0
-    loss, _ = grpo_loss(new, old, torch.tensor([-1.0]), mask, clip_ratio=0.2)
+    loss, _ = policy_loss(new, old, torch.tensor([-1.0]), mask, 0.2, 0.2, "token")
     assert float(loss) == pytest.approx(2.0)  # min(-2, -1.2) = -2 -> loss 2: no clipping for A < 0
 
 
@@ -47,7 +48,7 @@ def test_gradient_raises_logprob_of_positive_advantage_samples() -> None:
     logits = torch.zeros(2, 4, requires_grad=True)
     tokens = torch.tensor([1, 2])
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])  # [2, 1]
-    loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), torch.ones(2, 1), clip_ratio=0.2)
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), torch.ones(2, 1), 0.2, 0.2, "token")
     loss.backward()
     assert logits.grad[0, 1] < 0 and logits.grad[1, 2] > 0  # descent raises sample 0, lowers sample 1
 
@@ -56,9 +57,9 @@ def test_kl_term_is_zero_at_the_reference_and_positive_away_from_it() -> None:
     logp = torch.log(torch.tensor([[0.5, 0.25]]))
     mask = torch.ones(1, 2)
     zero_adv = torch.tensor([0.0])
-    loss, stats = grpo_loss(logp, logp, zero_adv, mask, 0.2, ref_logp=logp.clone(), kl_coef=0.5)
+    loss, stats = policy_loss(logp, logp, zero_adv, mask, 0.2, 0.2, "token", ref_logp=logp.clone(), kl_coef=0.5)
     assert float(loss) == pytest.approx(0.0) and stats["kl"] == pytest.approx(0.0)
-    loss, stats = grpo_loss(logp, logp, zero_adv, mask, 0.2, ref_logp=logp - 0.3, kl_coef=0.5)
+    loss, stats = policy_loss(logp, logp, zero_adv, mask, 0.2, 0.2, "token", ref_logp=logp - 0.3, kl_coef=0.5)
     assert stats["kl"] > 0 and float(loss) == pytest.approx(0.5 * stats["kl"], rel=1e-5)
 
 

@@ -8,12 +8,14 @@ Sequence advantages (critic-free; ``r`` the finite rewards of the batch, groups 
 samples share one prompt):
 
 * ``grpo``: ``(r_i - mean(group)) / (std(group) + eps)``, 0 for a group whose std is below ``eps``
-  (``grpo.group_advantages``).
+  (``group_advantages``).
 * ``rloo``: leave-one-out baseline within the group, ``A_i = r_i - sum_{j != i} r_j / (n - 1)``
   ``= n / (n - 1) * (r_i - mean(group))``; needs ``n = group_size >= 2``.
 * ``reinforce++`` (REINFORCE++, OpenRLHF): normalisation over the whole batch,
   ``A_i = (r_i - mean(r)) / (std(r) + eps)``, all 0 when ``std(r) < eps``. Standard deviations are population
   ones (divide by n).
+* The rewards must split into whole groups, and each must be a finite number (a NaN or an infinity would poison
+  its whole group and the update): else ``ValueError``, naming the first bad reward.
 * ``ppo`` has no sequence advantages: they come from a critic through ``gae``.
 
 KL in the reward (``token_rewards``): per completion token ``kl_t = logp_t - ref_logp_t`` (the k1 estimator of
@@ -42,7 +44,7 @@ strictly larger one, i.e. where the clip removes the token's gradient.
 Aggregation (``aggregate``) of a per-token quantity ``x`` over the mask ``m``:
 
 * ``token``: ``sum(x * m) / sum(m)`` over the whole batch: every completion token weighs the same (GRPO's
-  ``grpo_loss``, DAPO's token-level loss).
+  loss: ``policy_loss`` with ``clip_low == clip_high`` and token aggregation; DAPO's token-level loss).
 * ``sequence``: ``mean_b( sum_t(x * m)[b] / sum_t(m)[b] )`` over the rows with at least one completion token:
   every sequence weighs the same, whatever its length.
 """
@@ -51,8 +53,6 @@ from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
-
-from rlhf_runtime.algo.grpo import group_advantages
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -69,6 +69,19 @@ def _check_rewards(rewards: list[float], group_size: int) -> None:
     for i, r in enumerate(rewards):
         if not isinstance(r, (int, float)) or not math.isfinite(r):
             raise ValueError(f"reward {i} (group {i // group_size}) is {r!r}: rewards must be finite numbers")
+
+
+def group_advantages(rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:
+    """GRPO: each sample's reward relative to its group, ``(r - mean(group)) / (std(group) + eps)``; zeros for a
+    group whose rewards are all equal (no signal)."""
+    _check_rewards(rewards, group_size)
+    out: list[float] = []
+    for g in range(0, len(rewards), group_size):
+        grp = rewards[g : g + group_size]
+        mean = sum(grp) / len(grp)
+        std = math.sqrt(sum((r - mean) ** 2 for r in grp) / len(grp))
+        out += [0.0 if std < eps else (r - mean) / (std + eps) for r in grp]
+    return out
 
 
 def sequence_advantages(name: str, rewards: list[float], group_size: int, eps: float = 1e-6) -> list[float]:

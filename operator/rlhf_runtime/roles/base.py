@@ -1,31 +1,39 @@
-"""Models beside the policy, each in Ray actors of its own: the frozen reference and PPO's critic.
+"""One FSDP worker: what the policy trainer (``roles.policy.Trainer``) and PPO's critic (``roles.critic``) share.
 
-(The reward model is ``rlhf_runtime.roles.reward.RewardScorer``.) Where they run is ``placement.Layout.roles``:
-on the trainer's GPUs (colocated: one actor beside each trainer worker) or in a worker group of their own.
+``FSDPWorker`` is the base of both actor classes; one actor per worker of the role. It guarantees:
 
-Batches are the trainer's: ``prompts`` and ``completions`` as token ids per sample. Per-token results are lists
-over each sample's *completion* tokens only (``to_lists``/``from_lists`` convert from/to the padded ``[B, T]``
-layout, where the completion of sample ``i`` sits at positions ``len(prompt_i) .. len(seq_i) - 1``).
+* Device: ``cuda:0`` when the trainer has GPUs (``trainer.gpusPerReplica`` > 0; the actor sees only its own GPU
+  share), else the CPU. The torch seed is ``algorithm.seed`` plus the role's ``seed_offset``.
+* Process group: with several workers, a torch.distributed group of all of them (NCCL on GPU, gloo on CPU,
+  rank 0's address handed out by the driver). Rendezvous and every collective (FSDP gathers, the checkpoint
+  broadcast) are bounded by ``weightSync.timeoutSeconds``: a rank that never joins or hangs fails the others
+  instead of blocking them. ``close`` destroys the group (idempotent; the driver calls it before killing actors).
+* Sharding (``shard``): FSDP2's ``fully_shard`` of every decoder layer, then of the whole model; nothing with one
+  worker.
+* Optimiser (``make_optimizer``): AdamW at the role's learning rate with ``trainer.optimizer``'s betas and weight
+  decay, its state optionally restored from a checkpoint (``load_optimizer_state``).
+* Training step (``optimise``): the batch in micro-batches of ``batches.MICRO_BATCH`` samples, prepared once
+  without gradients (``micro_inputs``), then ``epochsPerStep`` passes: gradients zeroed, each micro-batch's loss
+  (``micro_loss``) times its share of the batch (``batches.micro_share``, per ``lossAggregation``) backward, the
+  role's loss statistics accumulated the same way, gradient clipping at ``maxGradNorm`` (0 disables it; the norm
+  is reported as ``grad_norm_stat``, the last pass's), an optimiser step. Afterwards the gradients are freed
+  (``set_to_none``), the model is back in eval mode and, colocated on a GPU, the cached memory is released
+  (``release_cached_gpu_memory``) for the engines to wake into.
+* Checkpoints (``save_step``, ``rlhf_runtime.infra.checkpoint``): a collective under FSDP (every rank gathers the
+  full model and optimiser state, ``full_model_state``/``full_optimizer_state``); rank 0 writes the model
+  (``write_model``: ``model/`` in ``save_pretrained`` form) and ``optimizer.pt`` into a temporary directory,
+  commits it atomically as ``step-<N>`` with its ``state.json``, and keeps the newest two. A failed write leaves
+  no partial copy (the newest complete one stays).
 
-* ``ReferenceModel.logprobs``: log-probabilities of each completion token under the initial policy (the base
-  model), the same alignment and temperature as the trainer's (``grpo.token_logprobs``).
-* ``CriticModel``: the policy's architecture (or ``spec.critic.model``) with a one-output token head
-  (``AutoModelForTokenClassification``, ``num_labels=1``). Its value for completion token ``t`` is the head's
-  output at position ``t - 1``: the value of the state the token was generated from. ``train`` takes PPO's
-  clipped value loss (``algorithms.value_loss``) against the returns, ``epochsPerStep`` passes, its own AdamW
-  at ``algorithm.ppo.criticLearningRate``. Several critic workers shard it with FSDP2, like the trainer.
-  With ``spec.checkpoint`` it is checkpointed beside the policy, under ``<checkpoint.path>/critic`` with the
-  same crash-safe layout (``rlhf_runtime.infra.checkpoint``), at the trainer's steps; a resumed run's critic loads the
-  step the trainer resumed from (the critic is saved first, so that step always has one), or starts afresh
-  with a warning when it is missing.
+Subclasses load ``self.model`` and supply the loss of one micro-batch and what is prepared for it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,55 +42,11 @@ import torch
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
 from rlhf_runtime.infra import checkpoint as ckpt
-from rlhf_runtime.algo.objectives import value_loss
-from rlhf_runtime.algo.grpo import token_logprobs
-
-MICRO_BATCH = 64
-log = logging.getLogger("rlhf_runtime")
+from rlhf_runtime.roles.batches import chunks, micro_share, pad
 
 
-def pad(prompts: list[list[int]], completions: list[list[int]], device: Any) -> tuple[torch.Tensor, ...]:
-    """``(input_ids, attention_mask, completion_mask)``, each ``[B, T]``, right-padded."""
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width)
-    for i, (s, p) in enumerate(zip(seqs, prompts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        mask[i, len(p) : len(s)] = 1
-    return ids.to(device), attn.to(device), mask.to(device)
-
-
-def to_lists(x: torch.Tensor, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-    """The completion positions of each row of ``x`` ([B, T]) as plain lists."""
-    rows = x.detach().float().cpu()
-    return [rows[i, len(p) : len(p) + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
-
-
-def from_lists(values: list[list[float]], prompts: list[list[int]], width: int, device: Any) -> torch.Tensor:
-    """Inverse of ``to_lists``: a ``[B, width]`` tensor, zeros outside the completions."""
-    out = torch.zeros(len(values), width)
-    for i, (v, p) in enumerate(zip(values, prompts)):
-        if v:
-            out[i, len(p) : len(p) + len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out.to(device)
-
-
-def micro_share(mask: torch.Tensor, total_tokens: float, rows: int, aggregation: str) -> float:
-    """The weight of one micro-batch's loss (``mask``: its completion tokens) in the whole batch's: its share of
-    the batch's ``total_tokens`` (token aggregation) or of its ``rows`` sequences (sequence aggregation)."""
-    if aggregation == "token":
-        return float(mask.sum()) / max(total_tokens, 1.0)
-    return len(mask) / rows
-
-
-def chunks(n: int) -> list[list[int]]:
-    return [list(range(i, min(i + MICRO_BATCH, n))) for i in range(0, n, MICRO_BATCH)]
-
-
-def _device(spec: RLHFJobSpec) -> torch.device:
+def worker_device(spec: RLHFJobSpec) -> torch.device:
+    """``cuda:0`` (made the current device) when the job's trainer has GPUs and this process sees one; else CPU."""
     gpu = torch.cuda.is_available() and spec.trainer.gpus_per_replica > 0
     if gpu:
         torch.cuda.set_device(0)  # the actor sees only its own GPU share
@@ -102,8 +66,11 @@ def release_cached_gpu_memory(spec: RLHFJobSpec, device: torch.device) -> bool:
     return True
 
 
-def _init_group(spec: RLHFJobSpec, device: torch.device, rank: int, world: int, addr: str | None,
-                port: int | None) -> None:
+def init_process_group(spec: RLHFJobSpec, device: torch.device, rank: int, world: int, addr: str | None,
+                       port: int | None) -> None:
+    """Join the default torch.distributed group of ``world`` workers at ``addr:port`` (rank 0's): NCCL on GPU,
+    gloo on CPU (FSDP2 over gloo: the CPU tests); rendezvous and collectives time out after
+    ``weightSync.timeoutSeconds``."""
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(addr), str(port)
@@ -143,169 +110,176 @@ def load_optimizer_state(model: Any, opt: Any, state: dict[str, Any], world_size
     set_optimizer_state_dict(model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
 
 
-def _load_kwargs(spec: RLHFJobSpec, revision: bool = True) -> dict[str, Any]:
-    kw: dict[str, Any] = {"dtype": getattr(torch, spec.model.dtype), "trust_remote_code": spec.model.trust_remote_code}
+def read_optimizer_state(step_dir: Path) -> dict[str, Any]:
+    """The optimiser state a checkpoint step directory holds (``optimizer.pt``, on the CPU)."""
+    return torch.load(step_dir / "optimizer.pt", map_location="cpu", weights_only=False)
+
+
+def load_kwargs(spec: RLHFJobSpec, revision: bool = True) -> dict[str, Any]:
+    """``from_pretrained`` arguments for ``spec.model``: its dtype, ``trustRemoteCode`` and (with ``revision``) its
+    revision, when set."""
+    kw: dict[str, Any] = {"dtype": getattr(torch, spec.model.dtype),
+                          "trust_remote_code": spec.model.trust_remote_code}
     if revision and spec.model.revision:
         kw["revision"] = spec.model.revision
     return kw
 
 
-class ReferenceModel:
-    """The frozen initial policy in an actor of its own (``spec.reference.placement`` colocated or separate)."""
+@dataclass
+class MicroBatch:
+    """One micro-batch on the worker's device: ``batches.pad``'s ``[B, T]`` tensors and the role's own inputs."""
 
-    def __init__(self, config_json: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
-        self.device = _device(spec)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **_load_kwargs(spec)).to(self.device)
-        self.model.eval().requires_grad_(False)
-
-    def info(self) -> dict[str, Any]:
-        return {"device": str(self.device), "pid": os.getpid(),
-                "parameters": sum(p.numel() for p in self.model.parameters())}
-
-    @torch.no_grad()
-    def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """``{"logp": per completion token, "seconds": compute time}``."""
-        t0 = time.perf_counter()
-        temp = self.spec.rollout.sampling.temperature or 1.0
-        p, c = batch["prompts"], batch["completions"]
-        out: list[list[float]] = []
-        for idx in chunks(len(p)):
-            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-            ids, attn, _ = pad(pp, cc, self.device)
-            out += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
-        release_cached_gpu_memory(self.spec, self.device)
-        return {"logp": out, "seconds": time.perf_counter() - t0}
+    ids: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor
+    inputs: dict[str, Any]
 
 
-class CriticModel:
-    """PPO's value model; one actor per critic worker (FSDP2 over all of them when there are several)."""
+class FSDPWorker:
+    """The base of the FSDP2 roles (module docstring). Subclasses set ``self.model`` and call ``shard`` and
+    ``make_optimizer`` in their ``__init__``, and define ``micro_inputs`` and ``micro_loss``."""
+
+    #: Added to ``algorithm.seed`` for this role's torch seed.
+    seed_offset = 0
+    #: The loss statistics ``micro_loss`` returns that a training step reports (share-weighted, over the passes).
+    loss_stats: tuple[str, ...] = ()
+    #: The key of the clipped gradient norm in a training step's statistics.
+    grad_norm_stat = "grad_norm"
+
+    model: Any
+    opt: torch.optim.Optimizer
 
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
-                 dist_port: int | None = None, resume_step: int | None = None) -> None:
-        from transformers import AutoModelForTokenClassification
-
-        self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
-        critic = spec.critic_settings()
-        if critic is None:
-            raise ValueError("a critic runs only for algorithm.name 'ppo'")
+                 dist_port: int | None = None) -> None:
+        self.spec = RuntimeConfig.model_validate_json(config_json).spec
         self.rank, self.world_size = rank, world_size
-        self.device = _device(spec)
-        torch.manual_seed(spec.algorithm.seed + 1)
+        self.check_spec()
+        self.device = worker_device(self.spec)
+        torch.manual_seed(self.spec.algorithm.seed + self.seed_offset)
+        self.owns_group = False
         if world_size > 1:
-            _init_group(spec, self.device, rank, world_size, dist_addr, dist_port)
-        source = critic.model or spec.model.name
-        self.root = Path(spec.checkpoint.path) / "critic" if spec.checkpoint else None
-        opt_state, self.resumed_from = None, None
-        if resume_step and self.root is not None:
-            saved = ckpt.step_dir(self.root, resume_step)
-            if (saved / "state.json").is_file():  # written last: the step directory is complete
-                source, self.resumed_from = str(saved / "model"), resume_step
-                opt_state = torch.load(saved / "optimizer.pt", map_location="cpu", weights_only=False)
-            else:
-                log.warning("no critic checkpoint for step %d under %s: the critic starts afresh", resume_step,
-                            self.root)
-        try:
-            self.model = AutoModelForTokenClassification.from_pretrained(
-                source, num_labels=1, **_load_kwargs(spec, revision=critic.model is None)).to(self.device)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot load the critic from {'spec.critic.model' if critic.model else 'spec.model.name'}"
-                             f" {source!r} as a token-classification model with one output: {e}") from e
-        if spec.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        if world_size > 1:
-            from torch.distributed.fsdp import fully_shard
+            init_process_group(self.spec, self.device, rank, world_size, dist_addr, dist_port)
+            self.owns_group = True
 
-            base = getattr(self.model, self.model.base_model_prefix, self.model)
-            for layer in getattr(base, "layers", []):
-                fully_shard(layer)
-            fully_shard(self.model)
-        ppo, o = spec.algorithm.ppo_settings(), spec.trainer.optimizer
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=ppo.critic_learning_rate, betas=(o.beta1, o.beta2),
-                                     weight_decay=o.weight_decay)
-        if opt_state is not None:
-            load_optimizer_state(self.model, self.opt, opt_state, world_size)
-        self.updates = 0
+    def check_spec(self) -> None:
+        """Refuse a spec this role cannot run, before anything is set up (a ``ValueError``); default: none."""
 
-    def info(self) -> dict[str, Any]:
-        return {"device": str(self.device), "pid": os.getpid(), "rank": self.rank, "world": self.world_size,
-                "resumed_from": self.resumed_from}
+    def close(self) -> None:
+        """Destroy the torch.distributed process group this worker made (several workers), so its communicators
+        are torn down before the actor is killed. Idempotent; a no-op for a single worker."""
+        if not self.owns_group:
+            return
+        self.owns_group = False
+        import torch.distributed as dist
 
-    def save_checkpoint(self, step: int) -> str | None:
-        """The critic at training step ``step`` (a collective under FSDP: every rank calls it; rank 0 writes)."""
-        if self.root is None:
-            return None
-        state = full_model_state(self.model, self.world_size)
-        optim = full_optimizer_state(self.model, self.opt, self.world_size)
-        if self.rank != 0:
-            return None
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt.tmp_dir(self.root, step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            self.model.save_pretrained(str(tmp / "model"), state_dict=state)
-            torch.save(optim, tmp / "optimizer.pt")
-            final = ckpt.commit(tmp, self.root, step, {"role": "critic"})
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        ckpt.prune(self.root, keep=2)
-        return str(final)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
-    def _values(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        v = self.model(input_ids=ids, attention_mask=attn).logits[..., 0].float()[:, :-1]
-        return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+    # ------------------------------------------------------------------------------------------- model
+    def decoder_layers(self) -> Iterable[Any]:
+        """The blocks ``shard`` wraps one by one: the ``layers`` of the model's base (``base_model_prefix``)."""
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        return getattr(base, "layers", [])
 
-    @torch.no_grad()
-    def values(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """``{"values": per completion token, "seconds": compute time}``."""
-        t0 = time.perf_counter()
+    def shard(self) -> None:
+        """FSDP2 over several workers: ``fully_shard`` of each decoder layer, then of the whole model."""
+        if self.world_size == 1:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.decoder_layers():
+            fully_shard(layer)
+        fully_shard(self.model)
+
+    def make_optimizer(self, params: Iterable[Any], lr: float, state: dict[str, Any] | None) -> None:
+        """``self.opt``: AdamW over ``params`` at ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's."""
+        o = self.spec.trainer.optimizer
+        self.opt = torch.optim.AdamW(params, lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        if state is not None:
+            load_optimizer_state(self.model, self.opt, state, self.world_size)
+
+    # ---------------------------------------------------------------------------------------- training
+    def micro_inputs(self, batch: dict[str, Any], idx: list[int], prompts: list[list[int]], ids: torch.Tensor,
+                     attn: torch.Tensor) -> dict[str, Any]:
+        """What ``micro_loss`` needs besides the tokens, for the samples ``idx`` of ``batch`` (``prompts``: theirs;
+        ``ids``/``attn``: padded). Runs once per step, before the passes, without gradients, in eval mode."""
+        raise NotImplementedError
+
+    def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch (aggregated over it per ``lossAggregation``) and its ``loss_stats``."""
+        raise NotImplementedError
+
+    def prepare(self, batch: dict[str, Any]) -> tuple[list[MicroBatch], float]:
+        """The batch's micro-batches on the device (``micro_inputs`` included) and its completion tokens."""
+        p, c = batch["prompts"], batch["completions"]
+        prepared: list[MicroBatch] = []
+        total_tokens = 0.0
         self.model.eval()
-        p, c = batch["prompts"], batch["completions"]
-        out: list[list[float]] = []
-        for idx in chunks(len(p)):
-            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-            ids, attn, _ = pad(pp, cc, self.device)
-            out += to_lists(self._values(ids, attn), pp, cc)
-        release_cached_gpu_memory(self.spec, self.device)
-        return {"values": out, "seconds": time.perf_counter() - t0}
+        with torch.no_grad():
+            for idx in chunks(len(p)):
+                pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+                ids, attn, mask = pad(pp, cc, self.device)
+                prepared.append(MicroBatch(ids, attn, mask, self.micro_inputs(batch, idx, pp, ids, attn)))
+                total_tokens += float(mask.sum())
+        return prepared, total_tokens
 
-    def train(self, batch: dict[str, Any]) -> dict[str, float]:
-        """``batch``: prompts, completions, ``returns`` and ``values`` (the values ``values`` gave before this
-        update) per completion token. Returns loss statistics."""
-        t0 = time.perf_counter()
+    def optimise(self, batch: dict[str, Any]) -> dict[str, float]:
+        """One training step on ``batch`` (module docstring); returns the loss statistics and the grad norm."""
+        prepared, total_tokens = self.prepare(batch)
+        stats = self.run_passes(prepared, total_tokens, len(batch["prompts"]))
+        del prepared
+        self.opt.zero_grad(set_to_none=True)  # free the gradients until the next backward (every pass starts
+        # from zero): colocated engines wake into that memory
+        self.model.eval()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        release_cached_gpu_memory(self.spec, self.device)  # colocated: the engines wake into this memory next
+        return stats
+
+    def run_passes(self, prepared: list[MicroBatch], total_tokens: float, rows: int) -> dict[str, float]:
+        """``epochsPerStep`` optimiser passes over the micro-batches (gradient accumulation, clipping, a step
+        each); ``rows``: the batch's samples."""
         a = self.spec.algorithm
-        p, c = batch["prompts"], batch["completions"]
-        prepared, total = [], 0.0
-        for idx in chunks(len(p)):
-            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-            ids, attn, mask = pad(pp, cc, self.device)
-            w = ids.shape[1]
-            ret = from_lists([batch["returns"][i] for i in idx], pp, w, self.device)
-            old = from_lists([batch["values"][i] for i in idx], pp, w, self.device)
-            prepared.append((ids, attn, mask, ret, old))
-            total += float(mask.sum())
-        stats = {"value_loss": 0.0, "value_clip_fraction": 0.0}
+        stats = dict.fromkeys(self.loss_stats, 0.0)
         self.model.train()
         for _ in range(a.epochs_per_step):
             self.opt.zero_grad(set_to_none=True)
-            for ids, attn, mask, ret, old in prepared:
-                loss, st = value_loss(self._values(ids, attn), old, ret, mask, a.ppo_settings().value_clip,
-                                      a.loss_aggregation)
-                share = micro_share(mask, total, len(p), a.loss_aggregation)
+            for micro in prepared:
+                loss, st = self.micro_loss(micro)
+                share = micro_share(micro.mask, total_tokens, rows, a.loss_aggregation)
                 (loss * share).backward()
-                for k in stats:
+                for k in self.loss_stats:  # not the grad norm, set per pass below
                     stats[k] += st[k] * share / a.epochs_per_step
             max_norm = self.spec.trainer.optimizer.max_grad_norm
             if max_norm > 0:
-                stats["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                stats[self.grad_norm_stat] = float(norm)
             self.opt.step()
-        self.opt.zero_grad(set_to_none=True)  # free the gradients between steps (colocated engines wake into it)
-        self.model.eval()
-        self.updates += 1
-        del prepared
-        release_cached_gpu_memory(self.spec, self.device)
-        stats["critic_train_s"] = time.perf_counter() - t0
         return stats
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def write_model(self, directory: Path, state: dict[str, torch.Tensor] | None) -> None:
+        """Write the model into a checkpoint's step ``directory`` (rank 0; ``state``: the gathered full state
+        under FSDP, else None): ``model/`` in ``save_pretrained`` form."""
+        self.model.save_pretrained(str(directory / "model"), state_dict=state)
+
+    def save_step(self, root: str | Path, step: int, meta: dict[str, Any]) -> str | None:
+        """Checkpoint the model and optimiser as step ``step`` under ``root`` (``meta`` joins its ``state.json``);
+        a collective under FSDP: every rank calls it, rank 0 writes and returns the step's directory."""
+        state = full_model_state(self.model, self.world_size)  # collectives under FSDP: every rank takes part
+        optim = full_optimizer_state(self.model, self.opt, self.world_size)
+        if self.rank != 0:
+            return None
+        Path(root).mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.tmp_dir(root, step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            self.write_model(tmp, state)
+            torch.save(optim, tmp / "optimizer.pt")
+            final = ckpt.commit(tmp, root, step, meta)
+        except BaseException:  # e.g. a full disk: no partial copy left behind (the newest complete one stays)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        ckpt.prune(root, keep=2)
+        return str(final)
+

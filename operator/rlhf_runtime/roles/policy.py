@@ -1,10 +1,12 @@
 """The trainer: an HF Transformers causal-LM policy trained with a clipped policy gradient, in a Ray actor.
 
-One ``Trainer`` actor per trainer worker. ``strategy: single`` is one worker (GPU or CPU). ``strategy: fsdp2``
-runs one worker per trainer GPU, each joining a torch.distributed NCCL group (rank 0's address is handed out
-by the driver) and sharding every decoder layer and then the whole model with ``fully_shard``; every worker
-runs ``train`` on its slice of the batch and all of them iterate the weights for a sync (``full_tensor()``
-is a collective), while only rank 0 sends (GPU only; not exercised by the CPU tests).
+One ``Trainer`` actor per trainer worker, a ``roles.base.FSDPWorker`` (device, seed ``algorithm.seed``, process
+group, sharding, optimiser, training step, checkpoint writing). ``strategy: single`` is one worker (GPU or CPU).
+``strategy: fsdp2`` runs one worker per trainer GPU, each joining a torch.distributed NCCL group (rank 0's
+address is handed out by the driver) and sharding every decoder layer and then the whole model with
+``fully_shard``; every worker runs ``train`` on its slice of the batch and all of them iterate the weights for a
+sync (``full_tensor()`` is a collective), while only rank 0 sends (GPU only; not exercised by the CPU tests).
+The driver calls it through ``roles.api.PolicyActor``.
 
 Guarantees:
 
@@ -13,12 +15,14 @@ Guarantees:
 * Loss: ``rlhf_runtime.algo.objectives.policy_loss`` (clipped policy gradient with ``clipRatio`` /
   ``clipRatioHigh``, optional k3 KL to the frozen initial policy when ``klCoef > 0`` and ``klMode`` loss),
   aggregated per ``lossAggregation`` over the batch, ``epochsPerStep`` passes, micro-batches of
-  ``roles.MICRO_BATCH`` sequences with gradient accumulation. Advantages come from the driver, per sample or
-  per token (PPO's GAE, KL in the reward).
+  ``roles.batches.MICRO_BATCH`` sequences with gradient accumulation. Advantages come from the driver, per
+  sample or per token (PPO's GAE, KL in the reward).
 * Checkpoints (``rlhf_runtime.infra.checkpoint``): the model (``save_pretrained``), the optimiser state and the
-  step, written atomically; a new actor resumes from the newest one, so the step counter continues. Under
-  FSDP2 both are gathered to full tensors (``torch.distributed.checkpoint.state_dict``) and every rank takes
-  its own shards back on resume. FSDP2 also runs on CPU over gloo (tests).
+  step, written atomically; a new actor resumes from the newest one (the same step on every rank, chosen by
+  rank 0), so the step counter continues; a checkpoint of the other kind (adapter or full model) than
+  ``trainer.lora`` asks for is refused. Under FSDP2 both are gathered to full tensors
+  (``torch.distributed.checkpoint.state_dict``) and every rank takes its own shards back on resume. FSDP2 also
+  runs on CPU over gloo (tests).
 * LoRA (``trainer.lora``, ``rlhf_runtime.infra.lora``): the base model is frozen and wrapped with a PEFT adapter;
   the optimiser holds the adapter's parameters only. The in-trainer reference is the same model with the
   adapter disabled (no second copy of the base). A sync is ``adapter_payload`` (the adapter files, handed to
@@ -33,30 +37,25 @@ import os
 import shutil
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlhf_api.models import RuntimeConfig
+from rlhf_runtime.algo.objectives import policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import lora as lora_mod
 from rlhf_runtime.infra import node_files
-from rlhf_runtime.vllm import compat as vllm_compat
-from rlhf_runtime.algo.objectives import policy_loss
-from rlhf_runtime.algo.grpo import token_logprobs
 from rlhf_runtime.roles.base import (
-    chunks,
-    from_lists,
+    FSDPWorker,
+    MicroBatch,
     full_model_state,
-    full_optimizer_state,
-    load_optimizer_state,
-    micro_share,
-    pad,
+    load_kwargs,
+    read_optimizer_state,
     release_cached_gpu_memory,
-    to_lists,
 )
+from rlhf_runtime.roles.batches import chunks, from_lists, pad, to_lists, token_logprobs
+from rlhf_runtime.vllm import compat as vllm_compat
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
@@ -76,105 +75,98 @@ def match_engine_nccl_settings() -> bool:
     return True
 
 
-class Trainer:
+class Trainer(FSDPWorker):
+    """The policy trainer (module docstring); one actor per trainer worker."""
+
+    loss_stats = ("loss", "kl", "clip_fraction")
+    grad_norm_stat = "grad_norm"
+
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
                  dist_addr: str | None = None, dist_port: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         match_engine_nccl_settings()
-
-        cfg = RuntimeConfig.model_validate_json(config_json)
-        self.spec = spec = cfg.spec
-        self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() and spec.trainer.gpus_per_replica else torch.device("cpu")
+        super().__init__(config_json, rank, world_size, dist_addr, dist_port)
+        spec = self.spec
         self.dtype = getattr(torch, spec.model.dtype)
-        torch.manual_seed(spec.algorithm.seed)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the actor sees only its own GPU(s): cuda:0
-        if world_size > 1:
-            import torch.distributed as dist
-
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(dist_addr), str(dist_port)
-            # rendezvous and every collective (FSDP gathers, the checkpoint broadcast) are bounded: a rank that
-            # never joins or hangs fails the others within weightSync.timeoutSeconds instead of blocking them
-            timeout = timedelta(seconds=spec.weight_sync.timeout_seconds)
-            if self.device.type == "cuda":
-                dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=self.device,
-                                        timeout=timeout)
-            else:  # CPU (tests): FSDP2 over gloo
-                dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-
         self.step = 0
         self.resumed_from: int | None = None
         self.lora = spec.trainer.lora
-        source = spec.model.name
-        opt_state = None
-        found = self._agreed_checkpoint()
-        if found:
-            self.step, path = found
-            self.resumed_from = self.step
-            source = str(path / "model")
-            if (path / "adapter").is_dir() != bool(self.lora):
-                raise RuntimeError(f"checkpoint step {self.step} at {path} holds "
-                                   f"{'a LoRA adapter' if (path / 'adapter').is_dir() else 'a full model'}, but "
-                                   f"spec.trainer.lora is {'set' if self.lora else 'unset'}: use another "
-                                   "spec.checkpoint.path")
-            opt_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
         self.base_model = spec.model.name
-        kw: dict[str, Any] = {"dtype": self.dtype, "trust_remote_code": spec.model.trust_remote_code}
-        if spec.model.revision and (not found or self.lora):
-            kw["revision"] = spec.model.revision
-        if self.lora:  # the frozen base from spec.model, the adapter from the checkpoint
-            self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device)
-            if spec.trainer.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable()
-                self.model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
-            self.model = lora_mod.wrap(self.model, self.lora)
-            if found:
-                tensors, _ = lora_mod.deserialize(lora_mod.read_files(found[1] / "adapter"))
-                lora_mod.load_adapter(self.model, tensors)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(source, **kw).to(self.device)
-            if spec.trainer.gradient_checkpointing:
-                self.model.gradient_checkpointing_enable()
-        self.ref = None
-        # the reference inside the trainer: a model of its own, or (LoRA) the policy with its adapter disabled
-        self.own_ref = spec.reference_active() and spec.reference.placement == "trainer"
-        if self.own_ref and not self.lora:
-            # The reference is the initial policy (the base model), also after a resume.
-            self.ref = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device).eval()
-            self.ref.requires_grad_(False)
-        if world_size > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in self.model.model.layers:
-                fully_shard(layer)
-            fully_shard(self.model)
-        o = spec.trainer.optimizer
+        found = self._agreed_checkpoint()
+        opt_state = self._resume(*found) if found else None
+        kw = load_kwargs(spec, revision=not found or bool(self.lora))
+        self.model = self._load_policy(found[1] if found else None, kw)
+        self._load_reference(kw)
+        self.shard()
         params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
-        self.opt = torch.optim.AdamW(
-            params, lr=spec.algorithm.learning_rate, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
-        )
-        if opt_state is not None:
-            load_optimizer_state(self.model, self.opt, opt_state, self.world_size)
+        self.make_optimizer(params, spec.algorithm.learning_rate, opt_state)
         self.sender: Any = None
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
-        # vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
-        # in the first init_weight_sync (bounded by weightSync.timeoutSeconds, which is for the transfer itself)
+        self._load_weight_transfer()
+        # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
+        self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
+                               if ".lora_" not in n)
+
+    def _resume(self, step: int, path: Path) -> dict[str, Any]:
+        """Continue at checkpoint ``step`` (at ``path``): the step counter, and its optimiser state (returned).
+        Its kind (a LoRA adapter or a full model) must match ``spec.trainer.lora``."""
+        self.step = self.resumed_from = step
+        if (path / "adapter").is_dir() != bool(self.lora):
+            raise RuntimeError(f"checkpoint step {self.step} at {path} holds "
+                               f"{'a LoRA adapter' if (path / 'adapter').is_dir() else 'a full model'}, but "
+                               f"spec.trainer.lora is {'set' if self.lora else 'unset'}: use another "
+                               "spec.checkpoint.path")
+        return read_optimizer_state(path)
+
+    def _load_policy(self, saved: Path | None, kw: dict[str, Any]) -> Any:
+        """The policy: ``spec.model`` or the checkpoint at ``saved``. LoRA: the frozen base from ``spec.model``,
+        wrapped with a fresh adapter or the checkpoint's."""
+        from transformers import AutoModelForCausalLM
+
+        checkpointing = self.spec.trainer.gradient_checkpointing
+        if not self.lora:
+            source = str(saved / "model") if saved else self.spec.model.name
+            model = AutoModelForCausalLM.from_pretrained(source, **kw).to(self.device)
+            if checkpointing:
+                model.gradient_checkpointing_enable()
+            return model
+        model = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device)
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
+        model = lora_mod.wrap(model, self.lora)
+        if saved:
+            tensors, _ = lora_mod.deserialize(lora_mod.read_files(saved / "adapter"))
+            lora_mod.load_adapter(model, tensors)
+        return model
+
+    def _load_reference(self, kw: dict[str, Any]) -> None:
+        """The reference inside the trainer (``own_ref``, placement ``trainer`` with a KL penalty): a model of its
+        own (``self.ref``, the initial policy, also after a resume), or (LoRA) the policy with its adapter
+        disabled (``self.ref`` None)."""
+        from transformers import AutoModelForCausalLM
+
+        self.ref = None
+        self.own_ref = self.spec.reference_active() and self.spec.reference.placement == "trainer"
+        if self.own_ref and not self.lora:
+            self.ref = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device).eval()
+            self.ref.requires_grad_(False)
+
+    def _load_weight_transfer(self) -> None:
+        """vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
+        in the first init_weight_sync (bounded by weightSync.timeoutSeconds, which is for the transfer itself)."""
         from rlhf_runtime import weight_sync  # noqa: F401 - loaded here, not in the first sync
         from rlhf_runtime.vllm import plugin as vllm_plugin
 
         vllm_compat.require_supported_vllm()
         vllm_plugin.register()
-        vllm_compat.has_trainer_api()
-        # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
-        self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
-                               if ".lora_" not in n)
+        # vLLM's trainer-side weight-transfer engines, which the senders build (``weight_sync.senders``)
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: F401
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
         """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``)
-        and broadcasts it (``checkpoint.agree``), so all FSDP ranks load the same step even when a save commits (or a torn one is
-        cleaned up) between the ranks' own looks at the directory. ``None``: start from the base model."""
+        and broadcasts it (``checkpoint.agree``), so all FSDP ranks load the same step even when a save commits
+        (or a torn one is cleaned up) between the ranks' own looks at the directory. ``None``: start from the
+        base model."""
         c = self.spec.checkpoint
         if c is None:
             return None
@@ -244,7 +236,7 @@ class Trainer:
     # -------------------------------------------------------------------------------------- training
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Per completion token (``roles.to_lists``): log-probabilities under the current policy (``logp``) and,
+        """Per completion token (``batches.to_lists``): log-probabilities under the current policy (``logp``) and,
         with the reference inside the trainer, under the reference (``ref``, else None); ``seconds`` of compute.
         Under FSDP every rank calls it with its own slice."""
         t0 = time.perf_counter()
@@ -271,99 +263,74 @@ class Trainer:
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
         """``batch``: ``prompts`` and ``completions`` (token ids per sample) and ``advantages``: one float per
         sample, or one per completion token (lists). Optional per-token lists: ``old_logprobs`` (the policy's
-        before this step, from ``logprobs``; when absent, computed here for epochsPerStep > 1 and taken from the loss
-        pass itself for one pass) and ``ref_logprobs`` (from a reference
-        actor; else the trainer's own reference, if any). The KL penalty enters the loss only with
-        ``algorithm.klMode`` loss. Returns loss statistics and the step counter."""
+        before this step, from ``logprobs``; when absent, computed here for epochsPerStep > 1 and taken from the
+        loss pass itself for one pass) and ``ref_logprobs`` (from a reference actor; else the trainer's own
+        reference, if any). The KL penalty enters the loss only with ``algorithm.klMode`` loss. Returns loss
+        statistics (``FSDPWorker.optimise``), the step counter and ``train_s``."""
         t0 = time.perf_counter()
-        a = self.spec.algorithm
-        temp = self.spec.rollout.sampling.temperature or 1.0
-        p, c = batch["prompts"], batch["completions"]
-        kl_in_loss = a.kl_coef > 0 and a.kl_mode == "loss"
-        # One optimiser pass: the weights do not change before its backward passes, so the "old" policy is the
-        # current one and the loss pass's log-probabilities (detached) are its values; a separate forward
-        # pass would compute the same numbers (up to dropout) at a third of the step's compute.
-        on_policy = a.epochs_per_step == 1
-        prepared = []
-        total_tokens = 0.0
-        self.model.eval()
-        with torch.no_grad():
-            for idx in chunks(len(p)):
-                pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-                ids, attn, mask = pad(pp, cc, self.device)
-                w = ids.shape[1]
-                adv_in = [batch["advantages"][i] for i in idx]
-                if isinstance(adv_in[0], list):
-                    adv = from_lists(adv_in, pp, w, self.device)
-                else:
-                    adv = torch.tensor(adv_in, dtype=torch.float32, device=self.device)
-                if batch.get("old_logprobs") is not None:
-                    old = from_lists([batch["old_logprobs"][i] for i in idx], pp, w, self.device)
-                elif on_policy:
-                    old = None  # the loss pass's own log-probabilities, detached: the same weights
-                else:
-                    old = token_logprobs(self.model, ids, attn, temp)
-                ref = None
-                if kl_in_loss and batch.get("ref_logprobs") is not None:
-                    ref = from_lists([batch["ref_logprobs"][i] for i in idx], pp, w, self.device)
-                elif kl_in_loss and self.own_ref:
-                    ref = self._ref_logprobs(ids, attn, temp)
-                prepared.append((ids, attn, mask, old, ref, adv))
-                total_tokens += float(mask.sum())
-        self.model.train()
-        stats: dict[str, float] = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-        for _ in range(a.epochs_per_step):
-            self.opt.zero_grad(set_to_none=True)
-            for ids, attn, mask, old, ref, adv in prepared:
-                logp = token_logprobs(self.model, ids, attn, temp)
-                loss, st = policy_loss(logp, logp.detach() if old is None else old, adv, mask, a.clip_ratio, a.clip_high(), a.loss_aggregation, ref,
-                                       a.kl_coef if kl_in_loss else 0.0)
-                share = micro_share(mask, total_tokens, len(p), a.loss_aggregation)
-                (loss * share).backward()
-                for k in ("loss", "kl", "clip_fraction"):  # not grad_norm, set per epoch below
-                    stats[k] += st[k] * share / a.epochs_per_step
-            max_norm = self.spec.trainer.optimizer.max_grad_norm
-            if max_norm > 0:
-                stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)  # free the gradients until the next backward (every epoch starts
-        # from zero): colocated engines wake into that memory
-        self.model.eval()
+        stats = self.optimise(batch)
         self.step += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        del prepared
-        release_cached_gpu_memory(self.spec, self.device)  # colocated: the engines wake into this memory next
         stats["step"] = self.step
         stats["train_s"] = time.perf_counter() - t0
         return stats
 
+    def _kl_in_loss(self) -> bool:
+        a = self.spec.algorithm
+        return a.kl_coef > 0 and a.kl_mode == "loss"
+
+    def micro_inputs(self, batch: dict[str, Any], idx: list[int], prompts: list[list[int]], ids: torch.Tensor,
+                     attn: torch.Tensor) -> dict[str, Any]:
+        """The micro-batch's advantages (``[B]`` or ``[B, T]``), old log-probabilities and, with the KL penalty in
+        the loss, the reference's. With one optimiser pass and no ``old_logprobs`` the old ones are None: the
+        weights do not change before its backward passes, so the "old" policy is the current one and the loss
+        pass's log-probabilities (detached) are its values; a separate forward pass would compute the same
+        numbers (up to dropout) at a third of the step's compute."""
+        temp = self.spec.rollout.sampling.temperature or 1.0
+        w = ids.shape[1]
+        adv_in = [batch["advantages"][i] for i in idx]
+        if isinstance(adv_in[0], list):
+            adv = from_lists(adv_in, prompts, w, self.device)
+        else:
+            adv = torch.tensor(adv_in, dtype=torch.float32, device=self.device)
+        if batch.get("old_logprobs") is not None:
+            old = from_lists([batch["old_logprobs"][i] for i in idx], prompts, w, self.device)
+        elif self.spec.algorithm.epochs_per_step == 1:
+            old = None  # the loss pass's own log-probabilities, detached: the same weights
+        else:
+            old = token_logprobs(self.model, ids, attn, temp)
+        ref = None
+        if self._kl_in_loss() and batch.get("ref_logprobs") is not None:
+            ref = from_lists([batch["ref_logprobs"][i] for i in idx], prompts, w, self.device)
+        elif self._kl_in_loss() and self.own_ref:
+            ref = self._ref_logprobs(ids, attn, temp)
+        return {"advantages": adv, "old": old, "ref": ref}
+
+    def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``objectives.policy_loss`` of the micro-batch under the current weights."""
+        a = self.spec.algorithm
+        logp = token_logprobs(self.model, micro.ids, micro.attn, self.spec.rollout.sampling.temperature or 1.0)
+        old = micro.inputs["old"]
+        return policy_loss(logp, logp.detach() if old is None else old, micro.inputs["advantages"], micro.mask,
+                           a.clip_ratio, a.clip_high(), a.loss_aggregation, micro.inputs["ref"],
+                           a.kl_coef if self._kl_in_loss() else 0.0)
+
     # ----------------------------------------------------------------------------------- persistence
     def save_checkpoint(self) -> str | None:
+        """The policy at the current step under ``spec.checkpoint.path`` (``FSDPWorker.save_step``; a collective
+        under FSDP: every rank calls it, rank 0 writes and returns the step's directory)."""
         c = self.spec.checkpoint
         if c is None:
             return None
-        state = full_model_state(self.model, self.world_size)  # collectives under FSDP: every rank takes part
-        optim = full_optimizer_state(self.model, self.opt, self.world_size)
-        if self.rank != 0:
-            return None
-        Path(c.path).mkdir(parents=True, exist_ok=True)
-        tmp = ckpt.tmp_dir(c.path, self.step)
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            if self.lora:  # the adapter in full precision (the base is spec.model's)
-                files = lora_mod.serialize(lora_mod.adapter_tensors(self.model),
-                                           lora_mod.adapter_config(self.lora, self.base_model))
-                lora_mod.write_files(files, tmp / "adapter")
-            else:
-                self.model.save_pretrained(str(tmp / "model"), state_dict=state)
-            torch.save(optim, tmp / "optimizer.pt")
-            final = ckpt.commit(tmp, c.path, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
-        except BaseException:  # e.g. a full disk: no partial copy left behind (the newest complete one stays)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        ckpt.prune(c.path, keep=2)
-        return str(final)
+        return self.save_step(c.path, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
+
+    def write_model(self, directory: Path, state: dict[str, torch.Tensor] | None) -> None:
+        """``model/``, or with LoRA ``adapter/``: the adapter in full precision (the base is spec.model's)."""
+        if not self.lora:
+            super().write_model(directory, state)
+            return
+        files = lora_mod.serialize(lora_mod.adapter_tensors(self.model),
+                                   lora_mod.adapter_config(self.lora, self.base_model))
+        lora_mod.write_files(files, directory / "adapter")
 
     def save_weights(self, path: str) -> str:
         """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``; with LoRA the

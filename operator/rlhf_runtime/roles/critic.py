@@ -1,0 +1,144 @@
+"""PPO's critic (value model) in Ray actors of its own: one ``CriticModel`` actor per critic worker.
+
+Where they run is ``placement.Layout.roles``: on the trainer's GPUs (colocated: one actor beside each trainer
+worker) or in a worker group of their own. Several critic workers shard it with FSDP2, like the trainer
+(``roles.base.FSDPWorker``: process group, sharding, optimiser, training step and checkpoint layout).
+
+* Model: the policy's architecture (or ``spec.critic.model``) with a one-output token head
+  (``AutoModelForTokenClassification``, ``num_labels=1``). Its value for completion token ``t`` is the head's
+  output at position ``t - 1``: the value of the state the token was generated from. Batches and per-token lists
+  are ``roles.batches``'.
+* ``train`` takes PPO's clipped value loss (``algo.objectives.value_loss``) against the returns, ``epochsPerStep``
+  passes, its own AdamW at ``algorithm.ppo.criticLearningRate``; its torch seed is ``algorithm.seed + 1``.
+* With ``spec.checkpoint`` it is checkpointed beside the policy, under ``<checkpoint.path>/critic`` with the same
+  crash-safe layout (``rlhf_runtime.infra.checkpoint``), at the trainer's steps; a resumed run's critic loads the
+  step the trainer resumed from (the critic is saved first, so that step always has one), or starts afresh with a
+  warning when it is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_api.models import Critic
+from rlhf_runtime.algo.objectives import value_loss
+from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.roles.base import (
+    FSDPWorker,
+    MicroBatch,
+    load_kwargs,
+    read_optimizer_state,
+    release_cached_gpu_memory,
+)
+from rlhf_runtime.roles.batches import chunks, from_lists, pad, to_lists
+
+log = logging.getLogger("rlhf_runtime")
+
+
+class CriticModel(FSDPWorker):
+    """PPO's value model; one actor per critic worker (FSDP2 over all of them when there are several)."""
+
+    seed_offset = 1
+    loss_stats = ("value_loss", "value_clip_fraction")
+    grad_norm_stat = "critic_grad_norm"
+
+    def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
+                 dist_port: int | None = None, resume_step: int | None = None) -> None:
+        super().__init__(config_json, rank, world_size, dist_addr, dist_port)
+        spec = self.spec
+        critic = spec.critic_settings()
+        assert critic is not None  # check_spec
+        self.root = Path(spec.checkpoint.path) / "critic" if spec.checkpoint else None
+        source, opt_state = self._resume(critic.model or spec.model.name, resume_step)
+        self.model = self._load(source, critic)
+        if spec.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.shard()
+        lr = spec.algorithm.ppo_settings().critic_learning_rate
+        self.make_optimizer(self.model.parameters(), lr, opt_state)
+        self.updates = 0
+
+    def check_spec(self) -> None:
+        if self.spec.critic_settings() is None:
+            raise ValueError("a critic runs only for algorithm.name 'ppo'")
+
+    def _resume(self, source: str, resume_step: int | None) -> tuple[str, dict[str, Any] | None]:
+        """Where the model comes from and the optimiser state: the checkpoint of ``resume_step`` when it is
+        complete, else ``source`` and none (with a warning when a step was asked for)."""
+        self.resumed_from: int | None = None
+        if not resume_step or self.root is None:
+            return source, None
+        saved = ckpt.step_dir(self.root, resume_step)
+        if not (saved / "state.json").is_file():  # written last: the step directory is complete
+            log.warning("no critic checkpoint for step %d under %s: the critic starts afresh", resume_step,
+                        self.root)
+            return source, None
+        self.resumed_from = resume_step
+        return str(saved / "model"), read_optimizer_state(saved)
+
+    def _load(self, source: str, critic: Critic) -> Any:
+        """The value model from ``source`` (a token head with one output), or a ``ValueError`` naming the field."""
+        from transformers import AutoModelForTokenClassification
+
+        try:
+            return AutoModelForTokenClassification.from_pretrained(
+                source, num_labels=1, **load_kwargs(self.spec, revision=critic.model is None)).to(self.device)
+        except (OSError, ValueError) as e:
+            field = "spec.critic.model" if critic.model else "spec.model.name"
+            raise ValueError(f"cannot load the critic from {field} {source!r} as a token-classification model "
+                             f"with one output: {e}") from e
+
+    def info(self) -> dict[str, Any]:
+        return {"device": str(self.device), "pid": os.getpid(), "rank": self.rank, "world": self.world_size,
+                "resumed_from": self.resumed_from}
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """The critic at training step ``step`` (a collective under FSDP: every rank calls it; rank 0 writes)."""
+        if self.root is None:
+            return None
+        return self.save_step(self.root, step, {"role": "critic"})
+
+    def _values(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        v = self.model(input_ids=ids, attention_mask=attn).logits[..., 0].float()[:, :-1]
+        return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``{"values": per completion token, "seconds": compute time}``."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        p, c = batch["prompts"], batch["completions"]
+        out: list[list[float]] = []
+        for idx in chunks(len(p)):
+            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+            ids, attn, _ = pad(pp, cc, self.device)
+            out += to_lists(self._values(ids, attn), pp, cc)
+        release_cached_gpu_memory(self.spec, self.device)
+        return {"values": out, "seconds": time.perf_counter() - t0}
+
+    def train(self, batch: dict[str, Any]) -> dict[str, float]:
+        """``batch``: prompts, completions, ``returns`` and ``values`` (the values ``values`` gave before this
+        update) per completion token. Returns loss statistics."""
+        t0 = time.perf_counter()
+        stats = self.optimise(batch)
+        self.updates += 1
+        stats["critic_train_s"] = time.perf_counter() - t0
+        return stats
+
+    def micro_inputs(self, batch: dict[str, Any], idx: list[int], prompts: list[list[int]], ids: torch.Tensor,
+                     attn: torch.Tensor) -> dict[str, Any]:
+        """The returns and the old values of the micro-batch's samples, ``[B, T]``."""
+        w = ids.shape[1]
+        return {"returns": from_lists([batch["returns"][i] for i in idx], prompts, w, self.device),
+                "old": from_lists([batch["values"][i] for i in idx], prompts, w, self.device)}
+
+    def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        a = self.spec.algorithm
+        return value_loss(self._values(micro.ids, micro.attn), micro.inputs["old"], micro.inputs["returns"],
+                          micro.mask, a.ppo_settings().value_clip, a.loss_aggregation)

@@ -1,0 +1,52 @@
+"""The frozen reference policy in Ray actors of its own (``spec.reference.placement`` colocated or separate).
+
+Where they run is ``placement.Layout.roles``: on the trainer's GPUs (colocated: one actor beside each trainer
+worker) or in a worker group of their own. (With placement ``trainer`` the reference lives inside each trainer
+worker instead, ``roles.policy``.)
+
+``ReferenceModel.logprobs``: log-probabilities of each completion token under the initial policy (the base model,
+``spec.model``), with the same alignment and temperature as the trainer's (``batches.token_logprobs``), as lists
+over each sample's completion tokens (``batches.to_lists``). No gradients, no optimiser, no checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from rlhf_api.models import RuntimeConfig
+from rlhf_runtime.roles.base import load_kwargs, release_cached_gpu_memory, worker_device
+from rlhf_runtime.roles.batches import chunks, pad, to_lists, token_logprobs
+
+
+class ReferenceModel:
+    """The frozen initial policy in an actor of its own (``spec.reference.placement`` colocated or separate)."""
+
+    def __init__(self, config_json: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
+        self.device = worker_device(spec)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **load_kwargs(spec)).to(self.device)
+        self.model.eval().requires_grad_(False)
+
+    def info(self) -> dict[str, Any]:
+        return {"device": str(self.device), "pid": os.getpid(),
+                "parameters": sum(p.numel() for p in self.model.parameters())}
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``{"logp": per completion token, "seconds": compute time}``."""
+        t0 = time.perf_counter()
+        temp = self.spec.rollout.sampling.temperature or 1.0
+        p, c = batch["prompts"], batch["completions"]
+        out: list[list[float]] = []
+        for idx in chunks(len(p)):
+            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
+            ids, attn, _ = pad(pp, cc, self.device)
+            out += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
+        release_cached_gpu_memory(self.spec, self.device)
+        return {"logp": out, "seconds": time.perf_counter() - t0}
