@@ -1,7 +1,7 @@
 # Environment for benchmarks on the lent GPU machines. Source it from the repository root:
 #     . benchmarks/gpu_env.sh [SITE]
 # SITE: where `hack/gpu-stage.py`'s device commands installed vLLM, Ray and the torch they pin
-# (default /tmp/site-0.33.0; /tmp/site for the older ../shared/gpu staging of vLLM 0.24).
+# (default /tmp/site-0.33.0; the runtime supports vLLM >= 0.28).
 # The device has the repository as a working tree, not installed: the project's vLLM plugin
 # (pyproject's `vllm.general_plugins` entry point, which vLLM loads in every process it starts, Ray and
 # multiprocessing workers of TP>1 engines included) is made visible by a dist-info folder with that entry

@@ -29,10 +29,11 @@ and over all rounds. Not a test.
 On a GPU (``--gpu MODEL``, one of ``gpu_sync.MODELS``, random weights in bf16): both on one GPU, ours in its
 colocated layout (trainer and engine share the GPU, weights over CUDA IPC, the engine resident as TRL's colocate
 mode keeps it: ``placement.colocatedSleep: false``), TRL with ``vllm_mode="colocate"`` and its defaults
-otherwise. TRL 1.16.0 supports vLLM 0.22-0.31, so the GPU comparison runs on vLLM 0.24 (staged with
-``hack/gpu-stage.py --vllm 0.24.0 --with trl==1.16.0``, see benchmarks/README.md)::
+otherwise. TRL 1.16.0 supports vLLM 0.22-0.31 and the runtime vLLM >= 0.28, so the GPU comparison runs on a
+vLLM in 0.28-0.31, e.g. 0.31.0 (staged with ``hack/gpu-stage.py --vllm 0.31.0 --with trl==1.16.0``). The
+comparison of 2026-11-24 in benchmarks/README.md ran on vLLM 0.24, which the runtime no longer supports::
 
-    . benchmarks/gpu_env.sh /tmp/site-0.24.0 && CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_peer.py \
+    . benchmarks/gpu_env.sh /tmp/site-0.31.0 && CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_peer.py \
         --trl-python python3 --gpu qwen2-0.5b --kind nvidia-h200-x2 --out $OUT/trl_peer_gpu.json
 """
 

@@ -29,7 +29,9 @@ Usage (from the repository root):
                               [--image-packages FILE] [--kind nvidia-h200-x2]
     python3 hack/gpu-stage.py --vllm 0.33.0 --print-commands     # again, from the existing manifest
 
-vLLM 0.24 with TRL for the peer benchmark (benchmarks/trl_peer.py; TRL 1.16.0 supports vLLM 0.22-0.31), 2026-11-24:
+vLLM 0.24 with TRL for the peer benchmark (benchmarks/trl_peer.py; TRL 1.16.0 supports vLLM 0.22-0.31), 2026-11-24
+(the runtime supports vLLM >= 0.28 since 2026-11-26: the peer now needs a version in 0.28-0.31, e.g.
+`--vllm 0.31.0 --with trl==1.16.0`; not staged yet):
 96 wheels, 557 MB, 9 parts (torch 2.11.0 is the image's: `--image-packages` gives its version, which meets the pin):
     python3 hack/gpu-stage.py --vllm 0.24.0 --image-packages hack/gpu/image-freeze.txt --with trl==1.16.0 \
         --pin xgrammar==0.2.3 --pin apache-tvm-ffi==0.1.9 --pin nvidia-cudnn-frontend==1.32.0 \

@@ -19,7 +19,7 @@ from kubernetes import client
 
 from rlhf_operator import naming
 from rlhf_testing.tiny import tiny_job_spec
-from tests.helpers import wait_for
+from tests.helpers import LOADED_MACHINE_RAY_ENV, wait_for
 from tests.integration.conftest import apply
 from tests.integration.test_lifecycle import get_job, phase
 
@@ -66,7 +66,7 @@ def test_runtime_reports_progress_into_the_rlhfjob(cluster, api, operator, names
     assert can("create", "rayjobs") == "no"
 
     log = tmp_path / "driver.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **LOADED_MACHINE_RAY_ENV}
     with log.open("w") as out:
         driver = subprocess.Popen(
             [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local", "--kubeconfig", str(kc)],

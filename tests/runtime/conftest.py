@@ -21,7 +21,7 @@ import pytest
 from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_api.models import RuntimeConfig
-from tests.helpers import JobAPI
+from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +89,7 @@ def start_driver(
     ``rlhf_testing.driver`` (``--skip-tensor``, ``--pause-after-tokens``)."""
     progress = tmp / f"{name}.progress.jsonl"
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **(env or {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **LOADED_MACHINE_RAY_ENV, **(env or {})}
     module = "rlhf_testing.driver" if hooks else "rlhf_runtime.driver"
     cmd = [sys.executable, "-m", module, "--config", str(config), "--local", "--no-report",
            "--progress-file", str(progress), *args]
@@ -104,7 +104,7 @@ def start_reporting_driver(tmp: Path, config: Path, api: JobAPI, *args: str, nam
     """``start_driver`` that reports to ``api`` (``--kubeconfig``) instead of ``--no-report``."""
     progress = tmp / f"{name}.progress.jsonl"
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **(env or {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **LOADED_MACHINE_RAY_ENV, **(env or {})}
     cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local",
            "--kubeconfig", str(api.kubeconfig(tmp / "kubeconfig")), "--progress-file", str(progress), *args]
     with log.open("w") as out:

@@ -111,7 +111,7 @@ def resolve_backend(spec: RLHFJobSpec, gpu: bool) -> str:
     return spec.weight_sync.backend if gpu else "gloo"
 
 
-#: The ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks``, 0.24 and 0.32 alike).
+#: The ``max_lora_rank`` values vLLM accepts (``vllm.config.lora.MaxLoRARanks`` as of 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: Engine keyword arguments that turn on LoRA serving (``engine_kwargs``); a plain engine has none of them.
 LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
