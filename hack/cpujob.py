@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from realnodes import NODE_LABEL
-
 from rlhf_testing.tiny import tiny_job_spec
 
 SHARED_MOUNT = "/shared"

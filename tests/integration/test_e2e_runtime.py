@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
+from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_operator import naming
-from rlhf_testing.tiny import tiny_job_spec
 from tests.helpers import LOADED_MACHINE_RAY_ENV, wait_for
 from tests.integration.conftest import apply
 from tests.integration.test_lifecycle import get_job, phase

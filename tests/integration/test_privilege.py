@@ -30,11 +30,11 @@ import pytest
 import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_api import models as m
 from rlhf_operator import naming, render
 from rlhf_runtime.infra.report import StatusClient, status_patch
-from rlhf_testing.tiny import tiny_job_spec
 from tests.helpers import wait_for
 from tests.integration.conftest import REPO, Operator, apply, free_port, load_sample, localcluster
 

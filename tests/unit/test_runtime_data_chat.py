@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from rlhf_api.models import Data
-from rlhf_runtime.algo.data import DataError, Sample, load_eval_samples, load_samples, parse_lines, render_prompt
+from rlhf_runtime.algo.data import (
+    DataError,
+    Sample,
+    load_eval_samples,
+    load_samples,
+    parse_lines,
+    render_prompt,
+)
 
 #: A chat template in the tiny tokenizer's alphabet (lower-case letters, digits, some punctuation).
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}; {% endfor %}"
@@ -23,9 +30,8 @@ def _line(**obj: Any) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from transformers import AutoTokenizer
-
     from rlhf_testing.tiny import build_tokenizer
+    from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("tok")
     build_tokenizer(path)

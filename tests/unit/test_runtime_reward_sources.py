@@ -193,8 +193,9 @@ def test_make_reward_without_rule_or_function() -> None:
 # -------------------------------------------------------------------------------------- reward model
 @pytest.fixture(scope="module")
 def scorer(tmp_path_factory: pytest.TempPathFactory):
-    from rlhf_runtime.roles.reward import RewardScorer
     from rlhf_testing.tiny import build_tiny_reward_model
+
+    from rlhf_runtime.roles.reward import RewardScorer
 
     path = build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model", target="a")
     return RewardScorer(str(path), None, "float32", batch_size=3, device="cpu")
@@ -220,8 +221,9 @@ def test_reward_model_batches_and_padding_do_not_change_scores(scorer) -> None:
 
 
 def test_reward_model_errors(tmp_path: Path) -> None:
-    from rlhf_runtime.roles.reward import RewardScorer
     from rlhf_testing.tiny import build_tiny_reward_model
+
+    from rlhf_runtime.roles.reward import RewardScorer
 
     two = build_tiny_reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ValueError, match=r"spec.reward.model.name .*two.* has num_labels 2"):
