@@ -12,7 +12,7 @@ images: setup
 	bash hack/build-images.sh >/dev/null
 
 test: setup images
-	$(PY) -m pytest -ra --durations=20 -n 3 --dist loadgroup
+	$(PY) -m pytest -ra --durations=20
 
 demo: setup images
 	$(PY) hack/demo.py

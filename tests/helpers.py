@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-#: For a local Ray on this 2-core machine while the other tiers run beside it: its GCS declares a node dead only
-#: after ~60 s without an answer (Ray's defaults: 5 missed checks of 3 s, 10 s timeout), so a raylet starved
-#: for a few seconds under load is not taken for dead (seen: "node ... marked dead" mid-run at load ~9).
+#: For a local Ray on a loaded 2-core machine (trainer, engines and Ray's own processes share it): its GCS declares
+#: a node dead only after ~60 s without an answer (Ray's defaults: 5 missed checks of 3 s, 10 s timeout), so a
+#: raylet starved for a few seconds is not taken for dead (seen: "node ... marked dead" mid-run at load ~9).
 #: Single-node runs only: no test of these tiers kills a node.
 LOADED_MACHINE_RAY_ENV = {"RAY_health_check_failure_threshold": "20", "RAY_health_check_timeout_ms": "30000"}
 
