@@ -28,6 +28,7 @@ from rlhf_runtime.algo.rewards import combine, endpoint_rewards
 from rlhf_runtime.controller.actors import merge
 from rlhf_runtime.controller.deadlines import DeadlineExceeded, actor_died
 from rlhf_runtime.controller.job_actors import JobActors
+from rlhf_runtime.controller.recovery import is_dead
 from rlhf_runtime.infra.placement import spread
 
 
@@ -125,7 +126,7 @@ class Experience:
             except DeadlineExceeded:
                 raise
             except Exception as e:
-                if not (self.repairable and actor_died(e) and self.actors_dead(i)):
+                if not (self.repairable and actor_died(e) and is_dead(self.engines[i], "pid")):
                     raise
                 lost.append(i)
                 errors[i] = e
@@ -133,11 +134,6 @@ class Experience:
             for r, k in zip(res, ro.parts.get(i, [])):
                 outs[k] = r
         return lost, errors
-
-    def actors_dead(self, i: int) -> bool:
-        from rlhf_runtime.controller.recovery import is_dead
-
-        return is_dead(self.engines[i], "pid")
 
     # ------------------------------------------------------------------------------------------ rewards
     def score(self, items: list[tuple[Any, str]], lengths: list[int], reward_fn: Any, step: int) -> list[float]:
