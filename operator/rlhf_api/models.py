@@ -288,12 +288,11 @@ class WeightSync(Model):
         "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines, of "
         "tensorParallelSize 1 (ipc: or each engine worker colocated with a trainer GPU, which sends that "
         "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
-        "kernel where it applies and was validated on GPUs (tensorParallelSize 1 engines over nccl or over ipc "
-        "from one trainer GPU, vLLM 0.24 and 0.33; on vLLM 0.28+ also ipc from several trainer GPUs, e.g. FSDP2 "
-        "with DP, expert-parallel or tensor-parallel engines, each trainer GPU sending the shard of the engine "
-        "worker beside it), else checkpoint. ipc from one trainer GPU in "
-        "the kernel format on vLLM 0.28+: each engine maps the trainer's parameters once and a sync is one "
-        "device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
+        "kernel where it applies and was validated on GPUs (vLLM 0.33: tensorParallelSize 1 engines over nccl or "
+        "over ipc from one trainer GPU, and ipc from several trainer GPUs, e.g. FSDP2 with DP, expert-parallel "
+        "or tensor-parallel engines, each trainer GPU sending the shard of the engine worker beside it), else "
+        "checkpoint. ipc from one trainer GPU in the kernel format: each engine maps the trainer's parameters "
+        "once and a sync is one device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
     )
 
 
@@ -869,9 +868,6 @@ class RLHFJobSpec(Model):
         """trainer.gpusPerReplica 0: no pod asks for a GPU; the engines run on vLLM's CPU backend."""
         return self.trainer.gpus_per_replica == 0
 
-    def trainer_gpus(self) -> int:
-        return self.trainer.replicas * self.trainer.gpus_per_replica
-
     def critic_settings(self) -> Critic | None:
         """The critic of a PPO job (spec.critic or its defaults); None for the critic-free algorithms."""
         return (self.critic or Critic()) if self.algorithm.name == "ppo" else None
@@ -879,31 +875,15 @@ class RLHFJobSpec(Model):
     def reference_active(self) -> bool:
         return self.algorithm.kl_coef > 0
 
-    def separate_roles(self) -> dict[str, RolePlacement]:
-        """The roles with worker groups of their own (name -> settings): reward model, critic, reference."""
-        roles: dict[str, RolePlacement] = {}
-        if self.reward.model is not None and self.reward.model.placement == "separate":
-            roles["reward"] = self.reward.model
-        critic = self.critic_settings()
-        if critic is not None and critic.placement == "separate":
-            roles["critic"] = critic
-        if self.reference_active() and self.reference.placement == "separate":
-            roles["reference"] = self.reference
-        return roles
-
     def role_gpus(self, role: RolePlacement) -> int:
         """GPUs per pod of a separate role (0 for a CPU-only job)."""
         return 0 if self.cpu_only() else role.gpus_per_replica
 
-    def engine_gpus(self) -> int:
-        """GPUs of the engines (0 for a CPU-only job)."""
-        return 0 if self.cpu_only() else self.rollout.engines * self.rollout.tensor_parallel_size
-
     def total_gpus(self) -> int:
-        roles = sum(r.replicas * self.role_gpus(r) for r in self.separate_roles().values())
-        if self.placement.mode == "colocated":
-            return self.trainer_gpus() + roles
-        return self.trainer_gpus() + self.engine_gpus() + roles
+        """GPUs of all the job's worker pods (``rlhf_api.groups.worker_groups``)."""
+        from rlhf_api.groups import worker_groups  # that module imports this one
+
+        return sum(g.replicas * g.gpus for g in worker_groups(self))
 
 
 # ---------------------------------------------------------------------------------------------- status

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,6 +221,3 @@ class Caches:
         """Objects of a many-per-job index, each with our remembered write over it (a deleted one left out)."""
         newest = (self._newest(kind, (ns, o["metadata"]["name"]), o) for o in indexed)
         return [o for o in newest if o is not None]
-
-    def job_keys(self) -> Iterable[tuple[str, str]]:
-        return list((self.indexes.get("rlhf_jobs") or {}).keys())

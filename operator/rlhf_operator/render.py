@@ -10,22 +10,17 @@ Layout (GPUs per pod = ``nvidia.com/gpu`` request = Ray ``num-gpus``):
 * head: no GPUs, ``num-cpus: 0`` so no actor lands on it; the driver runs there. Sized by ``spec.head.resources``.
 * submitter: KubeRay's pod that runs ``ray job submit`` (``submitterPodTemplate``), sized by
   ``spec.head.submitter`` (KubeRay's own default asks 500m CPU, more than a small node spares).
-* ``separate``: group ``trainer`` (``trainer.replicas`` pods x ``gpusPerReplica``) and group ``rollout``
-  (``rollout.engines`` pods x ``tensorParallelSize``: one pod per engine keeps a TP group on one node; no GPU
-  when the job is CPU-only, ``trainer.gpusPerReplica: 0``).
-* ``colocated``: one group ``colocated`` (``trainer.replicas`` pods x ``gpusPerReplica``); each GPU holds a
-  trainer worker and an engine shard, Ray shares it with fractional GPUs.
-* roles with a model of their own and ``placement: separate`` (``spec.separate_roles()``: the reward model,
-  PPO's critic, the reference policy when ``algorithm.klCoef > 0``), in either mode: one group each, named
-  ``reward`` / ``critic`` / ``reference`` (the role's ``replicas`` pods x ``gpusPerReplica``, no GPU when the
-  job is CPU-only; the role's ``resources``). A colocated role needs no group: its actors share the trainer
-  workers' GPUs (``rlhf_runtime.infra.placement``).
+* worker groups, from ``rlhf_api.groups.worker_groups`` (the one model of them the runtime's placement shares):
+  ``separate``: ``trainer`` and ``rollout`` (one pod per engine keeps a TP group on one node); ``colocated``:
+  one group ``colocated``, each GPU holding a trainer worker and an engine shard (Ray shares it with fractional
+  GPUs); and one group per role with a model of its own and ``placement: separate`` (``reward`` / ``critic`` /
+  ``reference``). A colocated role needs no group: its actors share the trainer workers' GPUs
+  (``rlhf_runtime.infra.placement``).
 
-Each worker advertises a Ray custom resource (``rlhf_trainer`` / ``rlhf_rollout`` / ``rlhf_colocated`` /
-``rlhf_reward`` / ``rlhf_critic`` / ``rlhf_reference``, ``rlhf_<group name>``) equal to its GPU count (1 on a
-pod without GPUs), so the runtime's placement groups land on the pods meant for them. The runtime's bundles ask
-for that resource (and GPUs), never for Ray CPUs, so the pods' CPU requests (from which KubeRay derives
-``num-cpus``) only size the containers.
+Each worker advertises its group's Ray custom resource (``rlhf_api.groups.resource``: ``rlhf_<group name>``)
+equal to its GPU count (1 on a pod without GPUs), so the runtime's placement groups land on the pods meant for
+them. The runtime's bundles ask for that resource (and GPUs), never for Ray CPUs, so the pods' CPU requests (from
+which KubeRay derives ``num-cpus``) only size the containers.
 Packing: every worker pod prefers the node of its own group's pods (weight 100) and then of its job's pods
 (weight 50), a preferred pod affinity on ``kubernetes.io/hostname``. The default scheduler scores GPUs not at
 all (its resource scoring looks at CPU and memory), so without it a job's engine pods spread over every node
@@ -51,6 +46,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_api.groups import WorkerGroup, resource, worker_groups
 from rlhf_api.models import GROUP, PLURAL, RLHFJobSpec, RuntimeConfig
 from rlhf_operator import naming
 
@@ -81,31 +77,6 @@ class Job:
     namespace: str
     uid: str
     spec: RLHFJobSpec
-
-
-@dataclass(frozen=True)
-class Group:
-    name: str
-    replicas: int
-    gpus: int
-    cpu: str
-    memory: str
-
-
-def worker_groups(spec: RLHFJobSpec) -> list[Group]:
-    """The Ray worker groups for a spec's placement (see module docstring)."""
-    t, r = spec.trainer, spec.rollout
-    if spec.placement.mode == "colocated":
-        groups = [Group("colocated", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory)]
-    else:
-        engine_gpus = 0 if spec.cpu_only() else r.tensor_parallel_size  # CPU-only jobs: CPU engine pods too
-        groups = [
-            Group("trainer", t.replicas, t.gpus_per_replica, t.resources.cpu, t.resources.memory),
-            Group("rollout", r.engines, engine_gpus, r.resources.cpu, r.resources.memory),
-        ]
-    for name, role in spec.separate_roles().items():  # reward, critic, reference (those placed separately)
-        groups.append(Group(name, role.replicas, spec.role_gpus(role), role.resources.cpu, role.resources.memory))
-    return groups
 
 
 def runtime_config(job: Job) -> RuntimeConfig:
@@ -211,7 +182,7 @@ def _add_scheduling(pod: dict[str, Any], spec: RLHFJobSpec, gpus: int) -> None:
         pod["priorityClassName"] = spec.scheduling.priority_class_name
 
 
-def ray_resources(group: Group) -> str:
+def ray_resources(group: WorkerGroup) -> str:
     """``rayStartParams.resources`` of a worker group: its custom resource as single-quoted compact JSON,
     ``'{"rlhf_trainer":8}'``.
 
@@ -221,7 +192,7 @@ def ray_resources(group: Group) -> str:
     `` --resources=<value> ``), so the shell's single quotes hand Ray the bare JSON. This is the exact form
     KubeRay itself writes from a group's top-level ``resources`` field (``fmt.Sprintf("'%s'", json.Marshal(m))``);
     we keep rayStartParams because that field is new in KubeRay 1.5 (absent in 1.4.2) and older CRDs prune it."""
-    return "'" + json.dumps({f"rlhf_{group.name}": group.gpus or 1}, separators=(",", ":"), sort_keys=True) + "'"
+    return "'" + json.dumps({resource(group.name): group.gpus or 1}, separators=(",", ":"), sort_keys=True) + "'"
 
 
 def _submitter_template(job: Job) -> dict[str, Any]:

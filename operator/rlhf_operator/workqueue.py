@@ -80,9 +80,6 @@ class WorkQueue:
         if h is not None:
             h.cancel()
 
-    def depth(self) -> int:
-        return len(self._queued)
-
     def idle(self) -> bool:
         return not self._queued and not self._running
 

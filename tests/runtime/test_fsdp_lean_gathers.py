@@ -37,55 +37,83 @@ build_tokenizer(sys.argv[1], 64)
 # One trainer rank: the kernel plan for the TP=2 engine worker ``worker`` (vLLM's per-rank Qwen2 layout: fused
 # qkv and gate_up split by rows per part, o and down by columns, vocabulary rows halved, norms whole, the tied
 # head not a parameter of its own), its tensors gathered, then with the agreed gathers only.
+#
+# How it ends matters. Its gloo process group runs collectives on C++ worker threads (``pt_gloo_runloop``); a
+# finished work is released on that thread, and with it the last reference to a tensor Python let go of, which
+# takes the GIL. Should that happen once the interpreter is finalizing (a loaded machine leaves the thread behind
+# the main one), CPython ends the thread with pthread_exit, whose unwinding through the noexcept
+# ``~AsyncWork`` calls std::terminate: "terminate called without an active exception", return code -6. Only the
+# group's destructor joins those threads, and in torch 2.13 it never runs once FSDP2 has used the group
+# (``destroy_process_group`` leaves it referenced; the backend's ``shutdown``/``abort`` join nothing). So each rank
+# waits for the other at a barrier (no collective of either is still running), tears the group down, and leaves
+# with ``os._exit`` after flushing its output: the interpreter is never finalized under live gloo threads.
 WORKER = r"""
-import json, sys
+import json, os, sys, traceback
 import torch
+import torch.distributed as dist
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.producers import ParamSource
 from rlhf_runtime.weight_sync.senders import agreed_gathers
 
-cfg, rank, port, worker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
-source = ParamSource(t.model, torch.float32)
-hf = dict(source.wire_shapes())
-params, dims = [], {}
-for name, shape in hf.items():
-    rows, rest = shape[0], list(shape[1:])
-    if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name or name == "lm_head.weight":
-        continue  # fused into the q_proj / gate_proj entry; the tied head
-    if ".q_proj." in name:
-        fused = name.replace("q_proj", "qkv_proj")
-        parts = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-        params.append((fused, [sum(hf[p][0] for p in parts) // 2, *rest]))
-    elif ".gate_proj." in name:
-        fused = name.replace("gate_proj", "gate_up_proj")
-        params.append((fused, [(hf[name][0] + hf[name.replace("gate_proj", "up_proj")][0]) // 2, *rest]))
-    elif ".o_proj." in name or ".down_proj." in name:
-        fused = name
-        params.append((name, [rows, rest[0] // 2]))
-    elif "norm" in name:
-        params.append((name, list(shape)))
-        continue
-    else:  # embed_tokens
-        fused = name
-        params.append((name, [rows // 2, *rest]))
-    dims[fused] = [0, 1]
-layout = {"params": params, "world_size": 2, "shard_dims": dims,
-          "packed_modules_mapping": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}}
-plan = KernelPlan.build(source, layout, tp_rank=worker)
-assert plan.ok, plan.reason
-local_ok, unused = agreed_gathers(plan, source)  # a collective: both ranks call it here
-gathered = {n: x.clone() for n, x in plan.iterate(source)}
-full_gathers = source.gathers
-source.local, source.drop = set(local_ok), set(unused)
-local = {n: x.clone() for n, x in plan.iterate(source)}
-print(json.dumps({
-    "rank": rank, "worker": worker, "local": sorted(local_ok), "unused": sorted(unused), "names": len(hf),
-    "gathers": [full_gathers, source.gathers],
-    "differ": sorted(n for n in gathered if n not in local or not torch.equal(gathered[n], local[n])),
-    "shapes_ok": all(list(local[n].shape) == s for n, s in params),
-}))
+
+def main(cfg, rank, port, worker):
+    t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
+    source = ParamSource(t.model, torch.float32)
+    hf = dict(source.wire_shapes())
+    params, dims = [], {}
+    for name, shape in hf.items():
+        rows, rest = shape[0], list(shape[1:])
+        if ".k_proj." in name or ".v_proj." in name or ".up_proj." in name or name == "lm_head.weight":
+            continue  # fused into the q_proj / gate_proj entry; the tied head
+        if ".q_proj." in name:
+            fused = name.replace("q_proj", "qkv_proj")
+            parts = [name.replace("q_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
+            params.append((fused, [sum(hf[p][0] for p in parts) // 2, *rest]))
+        elif ".gate_proj." in name:
+            fused = name.replace("gate_proj", "gate_up_proj")
+            params.append((fused, [(hf[name][0] + hf[name.replace("gate_proj", "up_proj")][0]) // 2, *rest]))
+        elif ".o_proj." in name or ".down_proj." in name:
+            fused = name
+            params.append((name, [rows, rest[0] // 2]))
+        elif "norm" in name:
+            params.append((name, list(shape)))
+            continue
+        else:  # embed_tokens
+            fused = name
+            params.append((name, [rows // 2, *rest]))
+        dims[fused] = [0, 1]
+    layout = {"params": params, "world_size": 2, "shard_dims": dims,
+              "packed_modules_mapping": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}}
+    plan = KernelPlan.build(source, layout, tp_rank=worker)
+    assert plan.ok, plan.reason
+    local_ok, unused = agreed_gathers(plan, source)  # a collective: both ranks call it here
+    gathered = {n: x.clone() for n, x in plan.iterate(source)}
+    full_gathers = source.gathers
+    source.local, source.drop = set(local_ok), set(unused)
+    local = {n: x.clone() for n, x in plan.iterate(source)}
+    return {
+        "rank": rank, "worker": worker, "local": sorted(local_ok), "unused": sorted(unused), "names": len(hf),
+        "gathers": [full_gathers, source.gathers],
+        "differ": sorted(n for n in gathered if n not in local or not torch.equal(gathered[n], local[n])),
+        "shapes_ok": all(list(local[n].shape) == s for n, s in params),
+    }
+
+
+code = 1
+try:
+    result = main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    dist.barrier()  # both ranks are past every collective before either goes
+    print(json.dumps(result))
+    code = 0
+except BaseException:
+    traceback.print_exc()
+finally:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter finalization under the group's threads (see above)
 """
 
 

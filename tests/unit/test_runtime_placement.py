@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from rlhf_api.groups import resource, separate_roles, worker_groups
 from rlhf_api.models import RLHFJobSpec
 from rlhf_runtime.infra.config import engine_kwargs
 from rlhf_runtime.infra.placement import (
@@ -231,7 +232,7 @@ def test_separate_roles_get_placement_groups_of_their_own() -> None:
             reference={"placement": "separate", "replicas": 3, "gpusPerReplica": 1})
     lay = compute_layout(s)
     assert [g.name for g in lay.groups] == ["trainer", "engine-0", "reward", "critic", "reference"]
-    assert list(lay.roles) == ["reward", "critic", "reference"] == list(s.separate_roles())
+    assert list(lay.roles) == ["reward", "critic", "reference"] == list(separate_roles(s))
     for name, n in {"reward": 4, "critic": 4, "reference": 3}.items():
         gi = [g.name for g in lay.groups].index(name)
         assert lay.groups[gi].bundles == [{f"rlhf_{name}": 1, "GPU": 1}] * n
@@ -362,7 +363,11 @@ def test_gpu_shares_never_exceed_a_bundle(mode: str, combo: str) -> None:
             assert used + VALIDATION_SHARE <= 1 + 1e-9
     for acts in lay.roles.values():
         assert all(a.num_cpus == 0 and round(a.num_gpus, 4) == a.num_gpus for a in acts)
-    assert sum(b.get("GPU", 0) for b in bundles.values()) == ppo(**{**MODES[mode], **ROLE_COMBOS[combo]}).total_gpus()
+    # the bundles take exactly what the worker groups the operator renders offer: GPUs and custom resources
+    groups = worker_groups(ppo(**{**MODES[mode], **ROLE_COMBOS[combo]}))
+    assert sum(b.get("GPU", 0) for b in bundles.values()) == sum(g.replicas * g.gpus for g in groups)
+    assert {k: v for k, v in lay.totals().items() if k != "GPU"} == {
+        resource(g.name): g.replicas * (g.gpus or 1) for g in groups}
 
 
 @pytest.mark.parametrize(("quantity", "threads"), [("8", 8), ("1", 1), ("1.5", 2), ("500m", 1), ("2500m", 3),

@@ -4,7 +4,7 @@ Nothing here imports Ray: the driver turns a ``Layout`` into placement groups an
 same layout (unit-tested).
 
 Bundles ask for the Ray custom resource of the worker group meant to host them (``rlhf_trainer``,
-``rlhf_rollout``, ``rlhf_colocated``; see ``rlhf_operator.render``: each worker advertises one unit per GPU,
+``rlhf_rollout``, ``rlhf_colocated``, ``rlhf_<role>``; ``rlhf_api.groups``: each worker advertises one unit per GPU,
 or one per pod when it has no GPU), so a bundle can only land on its own group's pods, and for its GPU. They
 ask for no Ray CPUs, and actors take ``num_cpus=0``: KubeRay derives a pod's Ray ``num-cpus`` from its container's
 CPU request (rounded up, e.g. 250m -> 1), which need not cover one CPU per bundle (colocated bundles hosted two
@@ -21,9 +21,9 @@ computes and ``threads`` stays 0, Ray's default.)
 * ``colocated``: one placement group per engine; trainer worker ``w`` shares engine ``w // TP``'s bundle
   ``w % TP`` (one GPU) with that engine's shard, each with a fractional GPU share.
 * CPU (``trainer.gpusPerReplica == 0``): the same shapes without GPUs, one bundle per pod.
-* roles with a model of their own (``Layout.roles``: ``reward`` when ``spec.reward.model`` is set, ``critic``
-  for PPO, ``reference`` when ``algorithm.klCoef > 0`` and ``spec.reference.placement`` is not ``trainer``),
-  in either mode:
+* roles with a model of their own (``Layout.roles``, ``rlhf_api.groups.active_roles``: ``reward`` when
+  ``spec.reward.model`` is set, ``critic`` for PPO, ``reference`` when ``algorithm.klCoef > 0`` and
+  ``spec.reference.placement`` is not ``trainer``), in either mode:
 
   - ``placement: separate``: a placement group named after the role, after the trainer and engine groups (in
     the order reward, critic, reference), ``PACK``, on the role's worker group (custom resource
@@ -54,7 +54,8 @@ from dataclasses import dataclass, field, replace
 from decimal import ROUND_DOWN, Decimal
 from typing import Any
 
-from rlhf_api.models import RLHFJobSpec, RolePlacement
+from rlhf_api.groups import COLOCATED, ROLLOUT, TRAINER, active_roles, resource
+from rlhf_api.models import RLHFJobSpec
 
 #: Fractional GPU shares (Ray scheduling tokens; memory is set by gpuMemoryUtilization). Each bundle keeps
 #: VALIDATION_SHARE free for the fresh engine (or its TP workers) of the validation mode.
@@ -62,8 +63,6 @@ VALIDATION_SHARE = 0.1
 COLOCATED_TRAINER_SHARE = 0.45
 COLOCATED_ENGINE_SHARE = 0.45
 SEPARATE_TP_WORKER_SHARE = 0.9
-#: The roles that may run a model of their own, in the order of their placement groups.
-ROLES = ("reward", "critic", "reference")
 
 
 @dataclass(frozen=True)
@@ -116,25 +115,11 @@ class PlacementError(ValueError):
     """The spec cannot be laid out (e.g. FSDP2 or TP>1 without GPUs)."""
 
 
-def _bundle(resource: str, gpu: bool) -> dict[str, float]:
-    b: dict[str, float] = {resource: 1}
+def _bundle(group: str, gpu: bool) -> dict[str, float]:
+    b: dict[str, float] = {resource(group): 1}
     if gpu:
         b["GPU"] = 1
     return b
-
-
-def active_roles(spec: RLHFJobSpec) -> dict[str, RolePlacement]:
-    """The roles that run a model of their own (name -> settings, in ``ROLES`` order): the reward model when
-    set, PPO's critic, the reference when the KL penalty is on and it does not run inside the trainer."""
-    roles: dict[str, RolePlacement] = {}
-    if spec.reward.model is not None:
-        roles["reward"] = spec.reward.model
-    critic = spec.critic_settings()
-    if critic is not None:
-        roles["critic"] = critic
-    if spec.reference_active() and spec.reference.placement != "trainer":
-        roles["reference"] = spec.reference
-    return roles
 
 
 def split_share(share: float, ways: int) -> float:
@@ -164,7 +149,7 @@ def _with_roles(spec: RLHFJobSpec, layout: Layout, trainer_share: float) -> Layo
             continue
         role_gpus = spec.role_gpus(role)
         n = role.replicas * role_gpus if role_gpus else role.replicas
-        groups.append(PlacementGroupSpec(name, [_bundle(f"rlhf_{name}", role_gpus > 0) for _ in range(n)], "PACK"))
+        groups.append(PlacementGroupSpec(name, [_bundle(name, role_gpus > 0) for _ in range(n)], "PACK"))
         placed[name] = [ActorPlacement(len(groups) - 1, b, 0, 1 if role_gpus else 0) for b in range(n)]
     return replace(layout, groups=groups, trainers=trainers, roles=placed)
 
@@ -196,7 +181,7 @@ def _groups_and_actors(spec: RLHFJobSpec) -> Layout:
         if not gpu and r.engines != 1:
             raise PlacementError("colocated CPU jobs need exactly one engine")
         groups = [
-            PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_colocated", gpu) for _ in range(tp)], "STRICT_PACK")
+            PlacementGroupSpec(f"engine-{e}", [_bundle(COLOCATED, gpu) for _ in range(tp)], "STRICT_PACK")
             for e in range(r.engines)
         ]
         trainers = [
@@ -211,9 +196,9 @@ def _groups_and_actors(spec: RLHFJobSpec) -> Layout:
                 engines.append(EnginePlacement(e, 0, 0, 0, env, executor="ray"))
         return _with_roles(spec, Layout(groups, trainers, engines, gpu, dp_group), COLOCATED_TRAINER_SHARE)
 
-    groups = [PlacementGroupSpec("trainer", [_bundle("rlhf_trainer", gpu) for _ in range(workers)], "PACK")]
+    groups = [PlacementGroupSpec("trainer", [_bundle(TRAINER, gpu) for _ in range(workers)], "PACK")]
     groups += [
-        PlacementGroupSpec(f"engine-{e}", [_bundle("rlhf_rollout", gpu) for _ in range(tp)], "STRICT_PACK")
+        PlacementGroupSpec(f"engine-{e}", [_bundle(ROLLOUT, gpu) for _ in range(tp)], "STRICT_PACK")
         for e in range(r.engines)
     ]
     trainers = [ActorPlacement(0, w, 0, 1 if gpu else 0) for w in range(workers)]
