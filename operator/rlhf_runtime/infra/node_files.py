@@ -1,6 +1,6 @@
 """Directories copied from one Ray node to another through Ray's object store: pods share no filesystem.
 
-The validation mode (``driver.Runtime.validate``) needs the trainer's weights as files on the node of every
+The validation mode (``controller.validation.Validator``) needs the trainer's weights as files on the node of every
 validation engine, which in a KubeRay cluster is another pod than the trainer's. The trainer's rank 0 stages
 them in a temporary directory on its own node (``Trainer.stage_weights``) and hands out one file at a time
 (``Trainer.read_staged``, an object reference); ``copy_to`` writes them into a fresh temporary directory on the

@@ -14,7 +14,9 @@ Shared conventions:
   rank, each with its own slice of the batch where there is one; rank 0 alone writes files and returns paths.
 * ``info`` is called once after the actor starts: a JSON-able dict (``pid`` and ``device`` always; the policy's
   ``step``, ``resumed_from`` and ``param_bytes``; the critic's ``rank``, ``world`` and ``resumed_from``).
-* ``close`` (policy, critic) destroys the worker's torch.distributed group, before the driver kills the actors.
+* ``close`` (policy, critic) destroys the worker's torch.distributed group, for code that ends a worker in its own
+  process. The driver does not call it: it kills its actors (``ray.kill``), so their interpreters never finalize
+  under live gloo threads (the exit-time abort that ``tests/runtime/test_fsdp_lean_gathers.py`` explains).
 """
 
 from __future__ import annotations
