@@ -124,8 +124,7 @@ WORKER = r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from rlhf_runtime.roles.batches import token_logprobs
-from rlhf_runtime.roles.batches import pad
+from rlhf_runtime.roles.batches import pack, token_logprobs
 from rlhf_runtime.roles.policy import Trainer
 
 cfg, base = open(sys.argv[1]).read(), sys.argv[2]
@@ -138,10 +137,10 @@ t.save_checkpoint()
 adapter = {k: v.clone() for k, v in t.model.state_dict().items() if ".lora_" in k}
 moments = [st["exp_avg"].clone() for st in t.opt.state.values()]
 out = t.logprobs(batch)
-ids, attn, _ = pad(batch["prompts"], batch["completions"], "cpu")
+micro = pack(batch["prompts"], batch["completions"], [0], "cpu")
 plain = AutoModelForCausalLM.from_pretrained(base).eval()
 with torch.no_grad():
-    base_lp = token_logprobs(plain, ids, attn)
+    base_lp = token_logprobs(plain, micro)[0]
 ref_is_base = torch.allclose(torch.tensor(out["ref"][0]), base_lp[0, 3:6], atol=1e-5)
 r = Trainer(cfg)
 same_adapter = all(torch.equal(v, r.model.state_dict()[k]) for k, v in adapter.items())

@@ -45,8 +45,9 @@ Aggregation (``aggregate``) of a per-token quantity ``x`` over the mask ``m``:
 
 * ``token``: ``sum(x * m) / sum(m)`` over the whole batch: every completion token weighs the same (GRPO's
   loss: ``policy_loss`` with ``clip_low == clip_high`` and token aggregation; DAPO's token-level loss).
-* ``sequence``: ``mean_b( sum_t(x * m)[b] / sum_t(m)[b] )`` over the rows with at least one completion token:
-  every sequence weighs the same, whatever its length.
+* ``sequence``: ``mean_b( sum_t(x * m)[b] / sum_t(m)[b] )`` over the sequences with at least one completion
+  token: every sequence weighs the same, whatever its length. A sequence is a row, or, in a packed micro-batch
+  (several sequences end to end in one row, ``roles.batches.pack``), the tokens sharing a value of ``seq``.
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ def sequence_advantages(name: str, rewards: list[float], group_size: int, eps: f
     return [0.0 if std < eps else (r - mean) / (std + eps) for r in rewards]
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """Scalar aggregate of a [B, T] per-token quantity over the mask: ``token`` or ``sequence`` mean."""
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
+              seq: torch.Tensor | None = None) -> torch.Tensor:
+    """Scalar aggregate of a [B, T] per-token quantity over the mask: ``token`` or ``sequence`` mean (sequences:
+    the rows, or the runs of equal ``seq`` ids, [B, T] long, of a packed micro-batch)."""
     import torch
 
     if aggregation not in AGGREGATIONS:
@@ -119,8 +122,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> 
     x = torch.where(m > 0, per_token, torch.zeros_like(per_token))
     if aggregation == "token":
         return (x * m).sum() / m.sum().clamp(min=1)
-    counts = m.sum(-1)
-    per_seq = (x * m).sum(-1) / counts.clamp(min=1)
+    if seq is not None:
+        ids = seq.reshape(-1)
+        n = int(ids.max()) + 1 if ids.numel() else 0
+        counts = torch.zeros(n, dtype=m.dtype, device=m.device).index_add(0, ids, m.reshape(-1))
+        sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, ids, (x * m).reshape(-1))
+    else:
+        counts, sums = m.sum(-1), (x * m).sum(-1)
+    per_seq = sums / counts.clamp(min=1)
     present = (counts > 0).to(per_token.dtype)
     return (per_seq * present).sum() / present.sum().clamp(min=1)
 
@@ -221,8 +230,10 @@ def policy_loss(
     aggregation: str = "token",
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate (+ k3 KL) loss; ``advantages`` [B] or [B, T]. Returns (loss, {loss, kl, clip_fraction})."""
+    """Clipped surrogate (+ k3 KL) loss; ``advantages`` [B] or [B, T]; ``seq``: a packed micro-batch's sequence
+    ids (``aggregate``). Returns (loss, {loss, kl, clip_fraction})."""
     import torch
 
     if aggregation not in AGGREGATIONS:
@@ -242,8 +253,8 @@ def policy_loss(
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
         per_token = per_token + kl_coef * kl
-        kl_value = float(aggregate(kl.detach(), m, aggregation))
-    loss = aggregate(per_token, m, aggregation)
+        kl_value = float(aggregate(kl.detach(), m, aggregation, seq))
+    loss = aggregate(per_token, m, aggregation, seq)
     outside = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).to(m.dtype)
     clip_frac = float((outside * m).sum() / m.sum().clamp(min=1))
     return loss, {"loss": float(loss.detach()), "kl": kl_value, "clip_fraction": clip_frac}
@@ -256,8 +267,9 @@ def value_loss(
     mask: torch.Tensor,
     clip: float,
     aggregation: str = "token",
+    seq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped value loss. Returns (loss, {value_loss, value_clip_fraction})."""
+    """PPO clipped value loss (``seq``: ``aggregate``'s). Returns (loss, {value_loss, value_clip_fraction})."""
     import torch
 
     if aggregation not in AGGREGATIONS:
@@ -274,5 +286,5 @@ def value_loss(
     else:
         per_token = 0.5 * unclipped
         clip_frac = 0.0
-    loss = aggregate(per_token, m, aggregation)
+    loss = aggregate(per_token, m, aggregation, seq)
     return loss, {"value_loss": float(loss.detach()), "value_clip_fraction": clip_frac}

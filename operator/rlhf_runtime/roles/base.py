@@ -7,23 +7,32 @@
 * Process group: with several workers, a torch.distributed group of all of them (NCCL on GPU, gloo on CPU,
   rank 0's address handed out by the driver). Rendezvous and every collective (FSDP gathers, the checkpoint
   broadcast) are bounded by ``weightSync.timeoutSeconds``: a rank that never joins or hangs fails the others
-  instead of blocking them. ``close`` destroys the group (idempotent; the driver calls it before killing actors).
-* Sharding (``shard``): FSDP2's ``fully_shard`` of every decoder layer, then of the whole model; nothing with one
-  worker.
+  instead of blocking them. ``close`` destroys the group (idempotent).
+* Precision (``roles.precision``, ``trainer.masterWeights``): float32 master weights, gradients and optimiser
+  state, compute in ``model.dtype``. Under FSDP2 the model is loaded in float32 (``train_dtype``) and sharded
+  with a mixed-precision policy; one worker keeps the model in its dtype beside ``MasterWeights``.
+* Sharding (``shard``): FSDP2's ``fully_shard`` of every decoder layer, then of ``fsdp_root`` (the model, or a
+  module around it whose forward must gather the parameters outside the layers); nothing with one worker.
 * Optimiser (``make_optimizer``): AdamW at the role's learning rate with ``trainer.optimizer``'s betas and weight
-  decay, its state optionally restored from a checkpoint (``load_optimizer_state``).
-* Training step (``optimise``): the batch in micro-batches of ``batches.MICRO_BATCH`` samples, prepared once
-  without gradients (``micro_inputs``), then ``epochsPerStep`` passes: gradients zeroed, each micro-batch's loss
-  (``micro_loss``) times its share of the batch (``batches.micro_share``, per ``lossAggregation``) backward, the
-  role's loss statistics accumulated the same way, gradient clipping at ``maxGradNorm`` (0 disables it; the norm
-  is reported as ``grad_norm_stat``, the last pass's), an optimiser step. Afterwards the gradients are freed
-  (``set_to_none``), the model is back in eval mode and, colocated on a GPU, the cached memory is released
-  (``release_cached_gpu_memory``) for the engines to wake into.
+  decay over ``trainable`` (the masters, with one worker and master weights), its state optionally restored
+  from a checkpoint (``load_optimizer_state``).
+* Micro-batches (``micro_batches``): packed by tokens (``roles.batches.plan``/``pack``, at most
+  ``trainer.maxTokensPerMicroBatch`` tokens each, no padding); under FSDP every rank runs the same number of them
+  (the largest count of any rank; the others are filled with empty ones), since each forward is a collective.
+* Training step (``optimise``): the micro-batches prepared once without gradients (``micro_inputs``), then
+  ``epochsPerStep`` passes: gradients zeroed, each micro-batch's loss (``micro_loss``) times its share of the
+  batch (``batches.micro_share``, per ``lossAggregation``) backward, the role's loss statistics accumulated the
+  same way, gradient clipping at ``maxGradNorm`` (0 disables it; the norm is reported as ``grad_norm_stat``, the
+  last pass's), an optimiser step. Under FSDP the shares are of the *whole* batch (its tokens or sequences summed
+  over the ranks, times the world size, since FSDP averages the ranks' gradients), so the update is the exact
+  token (or sequence) mean whatever each rank holds, and the statistics are summed over the ranks. Afterwards
+  the gradients are freed (``set_to_none``), the model is back in eval mode and, colocated on a GPU, the cached
+  memory is released (``release_cached_gpu_memory``) for the engines to wake into.
 * Checkpoints (``save_step``, ``rlhf_runtime.infra.checkpoint``): a collective under FSDP (every rank gathers the
   full model and optimiser state, ``full_model_state``/``full_optimizer_state``); rank 0 writes the model
-  (``write_model``: ``model/`` in ``save_pretrained`` form) and ``optimizer.pt`` into a temporary directory,
-  commits it atomically as ``step-<N>`` with its ``state.json``, and keeps the newest two. A failed write leaves
-  no partial copy (the newest complete one stays).
+  (``write_model``: ``model/`` in ``save_pretrained`` form) and ``optimizer.pt`` (with one worker's master
+  weights) into a temporary directory, commits it atomically as ``step-<N>`` with its ``state.json``, and keeps
+  the newest two. A failed write leaves no partial copy (the newest complete one stays).
 
 Subclasses load ``self.model`` and supply the loss of one micro-batch and what is prepared for it.
 """
@@ -42,7 +51,8 @@ import torch
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
 from rlhf_runtime.infra import checkpoint as ckpt
-from rlhf_runtime.roles.batches import chunks, micro_share, pad
+from rlhf_runtime.roles import precision
+from rlhf_runtime.roles.batches import Packed, micro_share, pack, plan
 
 
 def worker_device(spec: RLHFJobSpec) -> torch.device:
@@ -115,10 +125,10 @@ def read_optimizer_state(step_dir: Path) -> dict[str, Any]:
     return torch.load(step_dir / "optimizer.pt", map_location="cpu", weights_only=False)
 
 
-def load_kwargs(spec: RLHFJobSpec, revision: bool = True) -> dict[str, Any]:
-    """``from_pretrained`` arguments for ``spec.model``: its dtype, ``trustRemoteCode`` and (with ``revision``) its
-    revision, when set."""
-    kw: dict[str, Any] = {"dtype": getattr(torch, spec.model.dtype),
+def load_kwargs(spec: RLHFJobSpec, revision: bool = True, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``from_pretrained`` arguments for ``spec.model``: its dtype (or ``dtype``), ``trustRemoteCode`` and (with
+    ``revision``) its revision, when set."""
+    kw: dict[str, Any] = {"dtype": dtype or getattr(torch, spec.model.dtype),
                           "trust_remote_code": spec.model.trust_remote_code}
     if revision and spec.model.revision:
         kw["revision"] = spec.model.revision
@@ -127,17 +137,20 @@ def load_kwargs(spec: RLHFJobSpec, revision: bool = True) -> dict[str, Any]:
 
 @dataclass
 class MicroBatch:
-    """One micro-batch on the worker's device: ``batches.pad``'s ``[B, T]`` tensors and the role's own inputs."""
+    """One micro-batch on the worker's device: the packed sequences (``batches.Packed``) and the role's inputs."""
 
-    ids: torch.Tensor
-    attn: torch.Tensor
-    mask: torch.Tensor
+    packed: Packed
     inputs: dict[str, Any]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.packed.mask
 
 
 class FSDPWorker:
-    """The base of the FSDP2 roles (module docstring). Subclasses set ``self.model`` and call ``shard`` and
-    ``make_optimizer`` in their ``__init__``, and define ``micro_inputs`` and ``micro_loss``."""
+    """The base of the FSDP2 roles (module docstring). Subclasses set ``self.model`` (loaded in ``train_dtype``)
+    and call ``shard`` and ``make_optimizer`` in their ``__init__``, and define ``micro_inputs`` and
+    ``micro_loss``."""
 
     #: Added to ``algorithm.seed`` for this role's torch seed.
     seed_offset = 0
@@ -156,6 +169,9 @@ class FSDPWorker:
         self.check_spec()
         self.device = worker_device(self.spec)
         torch.manual_seed(self.spec.algorithm.seed + self.seed_offset)
+        self.compute_dtype = getattr(torch, self.spec.model.dtype)
+        self.masters = precision.wants_masters(self.spec.trainer.master_weights, self.compute_dtype)
+        self.master: precision.MasterWeights | None = None
         self.owns_group = False
         if world_size > 1:
             init_process_group(self.spec, self.device, rank, world_size, dist_addr, dist_port)
@@ -176,57 +192,90 @@ class FSDPWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------------------------------- model
+    @property
+    def train_dtype(self) -> torch.dtype:
+        """The dtype the trained model is loaded in: float32 under FSDP2 with master weights (the shards are
+        the masters), else ``model.dtype``."""
+        return torch.float32 if self.masters and self.world_size > 1 else self.compute_dtype
+
     def decoder_layers(self) -> Iterable[Any]:
         """The blocks ``shard`` wraps one by one: the ``layers`` of the model's base (``base_model_prefix``)."""
         base = getattr(self.model, self.model.base_model_prefix, self.model)
         return getattr(base, "layers", [])
 
+    def fsdp_root(self) -> Any:
+        """The module ``shard`` wraps last, whose forward gathers the parameters outside the decoder layers."""
+        return self.model
+
     def shard(self) -> None:
-        """FSDP2 over several workers: ``fully_shard`` of each decoder layer, then of the whole model."""
+        """FSDP2 over several workers: ``fully_shard`` of each decoder layer, then of ``fsdp_root``; with master
+        weights, computing in ``model.dtype`` over float32 shards (``precision.fsdp_policy``)."""
         if self.world_size == 1:
             return
         from torch.distributed.fsdp import fully_shard
 
+        kw = {"mp_policy": precision.fsdp_policy(self.compute_dtype)} if self.masters else {}
         for layer in self.decoder_layers():
-            fully_shard(layer)
-        fully_shard(self.model)
+            fully_shard(layer, **kw)
+        fully_shard(self.fsdp_root(), **kw)
 
     def make_optimizer(self, params: Iterable[Any], lr: float, state: dict[str, Any] | None) -> None:
-        """``self.opt``: AdamW over ``params`` at ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's."""
+        """``self.opt``: AdamW over ``params`` (one worker with master weights: over their float32 masters) at
+        ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's."""
         o = self.spec.trainer.optimizer
+        params = list(params)
+        if self.masters and self.world_size == 1:
+            self.master = precision.MasterWeights(params)
+            params = self.master.params
+        self.trainable = params
         self.opt = torch.optim.AdamW(params, lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         if state is not None:
+            masters = state.pop("master_weights", None)
             load_optimizer_state(self.model, self.opt, state, self.world_size)
+            if self.master is not None and masters is not None:
+                self.master.load_state_dict(masters)
 
     # ---------------------------------------------------------------------------------------- training
-    def micro_inputs(self, batch: dict[str, Any], idx: list[int], prompts: list[list[int]], ids: torch.Tensor,
-                     attn: torch.Tensor) -> dict[str, Any]:
-        """What ``micro_loss`` needs besides the tokens, for the samples ``idx`` of ``batch`` (``prompts``: theirs;
-        ``ids``/``attn``: padded). Runs once per step, before the passes, without gradients, in eval mode."""
+    def micro_batches(self, prompts: list[list[int]], completions: list[list[int]]) -> list[Packed]:
+        """This rank's samples packed into micro-batches of at most ``trainer.maxTokensPerMicroBatch`` tokens;
+        under FSDP as many as the rank with the most has (empty ones fill up), since every forward is a
+        collective."""
+        bins = plan([len(p) + len(c) for p, c in zip(prompts, completions)],
+                    self.spec.trainer.max_tokens_per_micro_batch)
+        if self.world_size > 1:
+            bins += [[]] * (int(self.all_reduce([len(bins)], "max")[0]) - len(bins))
+        return [pack(prompts, completions, b, self.device) for b in bins]
+
+    def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """``values`` reduced over the workers (sum or max), a collective; themselves with one worker."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def micro_inputs(self, batch: dict[str, Any], micro: Packed) -> dict[str, Any]:
+        """What ``micro_loss`` needs besides the tokens, for the samples of ``micro`` (``micro.idx``, indices into
+        ``batch``). Runs once per step, before the passes, without gradients, in eval mode."""
         raise NotImplementedError
 
     def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss of one micro-batch (aggregated over it per ``lossAggregation``) and its ``loss_stats``."""
         raise NotImplementedError
 
-    def prepare(self, batch: dict[str, Any]) -> tuple[list[MicroBatch], float]:
-        """The batch's micro-batches on the device (``micro_inputs`` included) and its completion tokens."""
-        p, c = batch["prompts"], batch["completions"]
-        prepared: list[MicroBatch] = []
-        total_tokens = 0.0
+    def prepare(self, batch: dict[str, Any]) -> list[MicroBatch]:
+        """The batch's micro-batches on the device (``micro_inputs`` included)."""
         self.model.eval()
         with torch.no_grad():
-            for idx in chunks(len(p)):
-                pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-                ids, attn, mask = pad(pp, cc, self.device)
-                prepared.append(MicroBatch(ids, attn, mask, self.micro_inputs(batch, idx, pp, ids, attn)))
-                total_tokens += float(mask.sum())
-        return prepared, total_tokens
+            return [MicroBatch(m, self.micro_inputs(batch, m))
+                    for m in self.micro_batches(batch["prompts"], batch["completions"])]
 
     def optimise(self, batch: dict[str, Any]) -> dict[str, float]:
         """One training step on ``batch`` (module docstring); returns the loss statistics and the grad norm."""
-        prepared, total_tokens = self.prepare(batch)
-        stats = self.run_passes(prepared, total_tokens, len(batch["prompts"]))
+        prepared = self.prepare(batch)
+        stats = self.run_passes(prepared)
         del prepared
         self.opt.zero_grad(set_to_none=True)  # free the gradients until the next backward (every pass starts
         # from zero): colocated engines wake into that memory
@@ -236,25 +285,32 @@ class FSDPWorker:
         release_cached_gpu_memory(self.spec, self.device)  # colocated: the engines wake into this memory next
         return stats
 
-    def run_passes(self, prepared: list[MicroBatch], total_tokens: float, rows: int) -> dict[str, float]:
+    def run_passes(self, prepared: list[MicroBatch]) -> dict[str, float]:
         """``epochsPerStep`` optimiser passes over the micro-batches (gradient accumulation, clipping, a step
-        each); ``rows``: the batch's samples."""
+        each), each micro-batch weighted by its share of the whole batch (over every rank)."""
         a = self.spec.algorithm
+        tokens, rows = self.all_reduce([float(sum(m.packed.tokens for m in prepared)),
+                                        float(sum(len(m.packed.idx) for m in prepared))])
+        scale = float(self.world_size)  # FSDP averages the ranks' gradients: each rank's shares add up to its part
         stats = dict.fromkeys(self.loss_stats, 0.0)
         self.model.train()
         for _ in range(a.epochs_per_step):
             self.opt.zero_grad(set_to_none=True)
             for micro in prepared:
                 loss, st = self.micro_loss(micro)
-                share = micro_share(micro.mask, total_tokens, rows, a.loss_aggregation)
-                (loss * share).backward()
+                share = micro_share(micro.packed, tokens, int(rows), a.loss_aggregation)
+                (loss * share * scale).backward()
                 for k in self.loss_stats:  # not the grad norm, set per pass below
                     stats[k] += st[k] * share / a.epochs_per_step
             max_norm = self.spec.trainer.optimizer.max_grad_norm
             if max_norm > 0:
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+                norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
                 stats[self.grad_norm_stat] = float(norm)
             self.opt.step()
+            if self.master is not None:
+                self.master.copy_to_model()
+        summed = self.all_reduce([stats[k] for k in self.loss_stats])  # each rank holds its part of the mean
+        stats.update(zip(self.loss_stats, summed))
         return stats
 
     # ------------------------------------------------------------------------------------- checkpoints
@@ -268,6 +324,8 @@ class FSDPWorker:
         a collective under FSDP: every rank calls it, rank 0 writes and returns the step's directory."""
         state = full_model_state(self.model, self.world_size)  # collectives under FSDP: every rank takes part
         optim = full_optimizer_state(self.model, self.opt, self.world_size)
+        if self.master is not None:
+            optim["master_weights"] = self.master.state_dict()
         if self.rank != 0:
             return None
         Path(root).mkdir(parents=True, exist_ok=True)

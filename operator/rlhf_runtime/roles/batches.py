@@ -1,72 +1,260 @@
-"""The roles' batches: token ids per sample in, padded ``[B, T]`` tensors for the model, lists per token out.
+"""The roles' batches: token ids per sample in, packed micro-batches for the model, lists per token out.
 
-A batch is the driver's: ``prompts`` and ``completions`` as token ids per sample. ``pad`` lays them out
-right-padded, one row per sample, with the completion of sample ``i`` at positions ``len(prompt_i) ..
-len(seq_i) - 1``; per-token results go back to the driver as lists over each sample's *completion* tokens only
-(``to_lists``; ``from_lists`` is its inverse, for per-token inputs such as advantages, old log-probabilities,
-returns). Every role runs its forward passes in micro-batches of ``MICRO_BATCH`` samples (``chunks``); a training
-step weighs each micro-batch's loss by ``micro_share`` so that the accumulated gradient is the whole batch's.
+A batch is the driver's: ``prompts`` and ``completions`` as token ids per sample. Every role runs its forward
+(and backward) passes on micro-batches chosen by tokens, not by samples:
+
+* ``plan``: the samples in micro-batches of at most ``budget`` tokens (prompt + completion), first-fit
+  decreasing; a sample longer than the budget is a micro-batch of its own. Under FSDP every rank must run the
+  same number of forward passes (each is a collective): ``FSDPWorker.micro_batches`` agrees on the largest count
+  and the others are filled with empty micro-batches (``pack([])``: one padding token whose loss weighs 0).
+* ``pack``: one micro-batch laid out without padding, its sequences end to end in one row ``[1, L]``, with
+  position ids that restart at 0 in every sequence. Hugging Face models read restarting position ids (with no
+  attention mask and no KV cache: ``use_cache=False``) as packed sequences and keep attention inside each one
+  (varlen FlashAttention where the model runs it, a block-diagonal mask with SDPA). ``mask`` is 1 on completion tokens, ``seq`` says which
+  sequence of the micro-batch a token belongs to (sequence-level loss aggregation).
+* ``to_lists`` / ``from_lists`` / ``per_token``: per-token values of a micro-batch back to lists over each
+  sample's *completion* tokens, and the inverse (advantages, old log-probabilities, returns).
 
 ``token_logprobs`` is the one definition of a token's log-probability that the trainer, its reference and the
-reference actors share: the model's next-token distribution, at the rollout's sampling temperature.
+reference actors share: the model's next-token distribution at the rollout's sampling temperature, for the
+completion tokens only. It never materialises the ``[L, vocab]`` float32 logits: the final hidden states of the
+completion positions go through the output layer ``LOGIT_CHUNK_ELEMENTS / vocab`` tokens at a time, each chunk
+recomputed in the backward pass (activation checkpointing) instead of kept, so peak memory grows with the chunk,
+not with the sequence. It can also give each token's entropy (no gradient; a metric).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
-#: Samples per micro-batch of every role's forward and backward passes.
-MICRO_BATCH = 64
-
-
-def pad(prompts: list[list[int]], completions: list[list[int]], device: Any) -> tuple[torch.Tensor, ...]:
-    """``(input_ids, attention_mask, completion_mask)``, each ``[B, T]``, right-padded."""
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attn = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width)
-    for i, (s, p) in enumerate(zip(seqs, prompts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        mask[i, len(p) : len(s)] = 1
-    return ids.to(device), attn.to(device), mask.to(device)
+#: Float32 logits (tokens x vocabulary) computed at once by ``token_logprobs``: 2^27 elements = 512 MiB, e.g.
+#: 883 tokens of a 152k vocabulary (Qwen3).
+LOGIT_CHUNK_ELEMENTS = 1 << 27
+#: ``from_pretrained`` config attributes that scale a model's logits in ways ``OutputHead`` does not apply
+#: itself: such models score through their own (full) logits.
+UNHANDLED_LOGIT_SCALING = ("logit_scale", "logits_scaling", "output_multiplier_scale", "mup_width_scale")
 
 
-def to_lists(x: torch.Tensor, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
-    """The completion positions of each row of ``x`` ([B, T]) as plain lists."""
-    rows = x.detach().float().cpu()
-    return [rows[i, len(p) : len(p) + len(c)].tolist() for i, (p, c) in enumerate(zip(prompts, completions))]
+@dataclass
+class Packed:
+    """One micro-batch (module docstring): the samples ``idx`` of the batch end to end in one row."""
+
+    idx: list[int]
+    ids: torch.Tensor  # [1, L] token ids
+    pos: torch.Tensor  # [1, L] position ids, from 0 in every sequence
+    mask: torch.Tensor  # [1, L] float, 1 on completion tokens
+    seq: torch.Tensor  # [1, L] long, the index in ``idx`` of each token's sample
+    starts: list[int]  # where each sample's completion starts in the row
+    lengths: list[int]  # each sample's completion length
+    where: torch.Tensor  # [N] long, the positions scored: the completion tokens (or one padding token, see pack)
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens (what a token-mean loss averages over)."""
+        return sum(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return int(self.ids.shape[1])
 
 
-def from_lists(values: list[list[float]], prompts: list[list[int]], width: int, device: Any) -> torch.Tensor:
-    """Inverse of ``to_lists``: a ``[B, width]`` tensor, zeros outside the completions."""
-    out = torch.zeros(len(values), width)
-    for i, (v, p) in enumerate(zip(values, prompts)):
-        if v:
-            out[i, len(p) : len(p) + len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out.to(device)
+def plan(lengths: list[int], budget: int) -> list[list[int]]:
+    """Sample indices in micro-batches of at most ``budget`` tokens each (``lengths``: prompt + completion per
+    sample): first-fit decreasing, deterministic; a sample over the budget goes alone."""
+    if budget < 1:
+        raise ValueError(f"token budget {budget} < 1")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
 
 
-def micro_share(mask: torch.Tensor, total_tokens: float, rows: int, aggregation: str) -> float:
-    """The weight of one micro-batch's loss (``mask``: its completion tokens) in the whole batch's: its share of
-    the batch's ``total_tokens`` (token aggregation) or of its ``rows`` sequences (sequence aggregation)."""
+def pack(prompts: list[list[int]], completions: list[list[int]], idx: list[int], device: Any) -> Packed:
+    """The samples ``idx`` as one packed row (module docstring). A completion token at a sequence's first
+    position has no previous token to be predicted from: every prompt must be non-empty.
+
+    Without any completion token (``idx`` empty: a micro-batch that only keeps the FSDP ranks' passes in step)
+    a padding token is appended and scored (``where``) with mask 0: the forward and backward still run through
+    every parameter, so every rank reduces the same gradients, and the loss weighs nothing."""
+    ids: list[int] = []
+    pos: list[int] = []
+    seq: list[int] = []
+    starts: list[int] = []
+    lengths: list[int] = []
+    for k, i in enumerate(idx):
+        p, c = prompts[i], completions[i]
+        if not p:
+            raise ValueError(f"sample {i} has an empty prompt: its first token cannot be scored")
+        starts.append(len(ids) + len(p))
+        lengths.append(len(c))
+        ids += list(p) + list(c)
+        pos += range(len(p) + len(c))
+        seq += [k] * (len(p) + len(c))
+    scored = [t for s, n in zip(starts, lengths) for t in range(s, s + n)]
+    if not scored:
+        ids, pos, seq = ids + [0, 0], pos + [0, 1], seq + [len(idx)] * 2
+        scored = [len(ids) - 1]
+    mask = torch.zeros(len(ids))
+    for s, n in zip(starts, lengths):
+        mask[s : s + n] = 1
+    row = lambda v: torch.tensor([v], dtype=torch.long, device=device)
+    return Packed(list(idx), row(ids), row(pos), mask[None].to(device), row(seq), starts, lengths,
+                  torch.tensor(scored, dtype=torch.long, device=device))
+
+
+def to_lists(x: torch.Tensor, packed: Packed) -> list[list[float]]:
+    """The completion positions of ``x`` (``[1, L]``) as one list per sample, in ``packed.idx`` order."""
+    row = x.detach().float().reshape(-1).cpu()
+    return [row[s : s + n].tolist() for s, n in zip(packed.starts, packed.lengths)]
+
+
+def from_lists(values: list[list[float]], packed: Packed) -> torch.Tensor:
+    """Inverse of ``to_lists`` (``values``: the batch's lists, indexed by sample): ``[1, L]``, 0 elsewhere."""
+    out = torch.zeros(packed.width)
+    for i, s, n in zip(packed.idx, packed.starts, packed.lengths):
+        v = values[i]
+        if len(v) != n:
+            raise ValueError(f"sample {i}: {len(v)} per-token values for {n} completion tokens")
+        if n:
+            out[s : s + n] = torch.tensor(v, dtype=torch.float32)
+    return out[None].to(packed.ids.device)
+
+
+def per_token(values: list[float], packed: Packed) -> torch.Tensor:
+    """One value per sample (``values``, indexed by sample) on each of its completion tokens: ``[1, L]``."""
+    out = torch.zeros(packed.width)
+    for i, s, n in zip(packed.idx, packed.starts, packed.lengths):
+        out[s : s + n] = float(values[i])
+    return out[None].to(packed.ids.device)
+
+
+def micro_share(micro: Packed, total_tokens: float, rows: int, aggregation: str) -> float:
+    """The weight of one micro-batch's loss in the whole batch's: its share of the batch's ``total_tokens``
+    (token aggregation) or of its ``rows`` sequences (sequence aggregation)."""
     if aggregation == "token":
-        return float(mask.sum()) / max(total_tokens, 1.0)
-    return len(mask) / rows
+        return micro.tokens / max(total_tokens, 1.0)
+    return len(micro.idx) / max(rows, 1)
 
 
-def chunks(n: int) -> list[list[int]]:
-    """The sample indices ``0 .. n - 1`` in micro-batches of at most ``MICRO_BATCH``, in order."""
-    return [list(range(i, min(i + MICRO_BATCH, n))) for i in range(0, n, MICRO_BATCH)]
+# ----------------------------------------------------------------------------------------- log-probs
+class OutputHead:
+    """How a causal LM turns final hidden states into logits, when ``token_logprobs`` can apply it itself: the
+    output embedding's weight and bias and Gemma-2's final logit soft-capping; ``of`` is None for a model that
+    scales its logits some other way (``UNHANDLED_LOGIT_SCALING``) or has no output embedding."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None) -> None:
+        self.weight, self.bias, self.softcap = weight, bias, softcap
+
+    @staticmethod
+    def of(lm: Any) -> OutputHead | None:
+        cfg = getattr(lm, "config", None)
+        if any(getattr(cfg, a, None) not in (None, 1, 1.0) for a in UNHANDLED_LOGIT_SCALING):
+            return None
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        if head is None or not hasattr(head, "weight"):
+            return None
+        return OutputHead(head.weight, getattr(head, "bias", None), getattr(cfg, "final_logit_softcapping", None))
+
+    def logits(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
+        x = torch.nn.functional.linear(h, self.weight, self.bias).float()
+        if self.softcap:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x / temperature if temperature > 0 and temperature != 1.0 else x
 
 
-def token_logprobs(model: Any, input_ids: Any, attention_mask: Any, temperature: float = 1.0) -> Any:
-    """Log-probability of each next token: [B, T] where position t scores ``input_ids[:, t]`` (t=0 is 0)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+def _chunk_scores(head: OutputHead, h: torch.Tensor, targets: torch.Tensor, temperature: float,
+                  entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head.logits(h, temperature)
+    lse = torch.logsumexp(logits, -1)
+    lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not entropy:
+        return lp, lp.new_zeros(())
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return lp, ent
+
+
+def causal_lm(model: Any) -> Any:
+    """The Hugging Face causal LM inside ``model`` (a PEFT model's base, with its adapter layers)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def scores_from_hidden(head: OutputHead, hidden: torch.Tensor, packed: Packed, temperature: float,
+                       entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` from the final hidden states ``hidden`` ([L, H]) of ``packed``'s row."""
+    where = packed.where
+    targets = packed.ids[0, where]
+    h = hidden[where - 1]
+    step = max(1, LOGIT_CHUNK_ELEMENTS // max(1, int(head.weight.shape[0])))
+    lps, ents = [], []
+    for i in range(0, len(where), step):
+        args = (head, h[i : i + step], targets[i : i + step], temperature, entropy)
+        if torch.is_grad_enabled():
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_scores(*args)
+        lps.append(lp)
+        ents.append(ent)
+    flat = torch.cat(lps)
+    logp = flat.new_zeros(1, packed.width).scatter(1, where[None], flat[None]) * packed.mask
+    if not entropy:
+        return logp, None
+    e = torch.cat(ents)
+    return logp, e.new_zeros(1, packed.width).scatter(1, where[None], e[None]) * packed.mask
+
+
+def scores_from_logits(logits: torch.Tensor, packed: Packed, temperature: float,
+                       entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` from a model's own full logits (``[1, L, V]``; models ``OutputHead`` cannot apply)."""
+    x = logits[0, :-1].float()
     if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        x = x / temperature
+    lsm = torch.log_softmax(x, -1)
+    lp = torch.cat([lsm.new_zeros(1), lsm.gather(-1, packed.ids[0, 1:, None]).squeeze(-1)])
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            ent = torch.cat([lsm.new_zeros(1), -(lsm.exp() * lsm).sum(-1)])[None] * packed.mask
+    return lp[None] * packed.mask, ent
+
+
+class TokenScorer(torch.nn.Module):
+    """``token_logprobs`` as a module around the policy: under FSDP2 it is the root that ``fully_shard`` wraps
+    (``Trainer.fsdp_root``), so the parameters outside the decoder layers (embeddings, final norm, output layer)
+    are gathered for the whole of its forward, the chunked output layer included."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, packed: Packed, temperature: float = 1.0,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lm = causal_lm(self.model)
+        head = OutputHead.of(lm)
+        if head is None:
+            out = self.model(input_ids=packed.ids, position_ids=packed.pos, use_cache=False)
+            return scores_from_logits(out.logits, packed, temperature, entropy)
+        base = getattr(lm, lm.base_model_prefix)
+        hidden = base(input_ids=packed.ids, position_ids=packed.pos, use_cache=False).last_hidden_state[0]
+        return scores_from_hidden(head, hidden, packed, temperature, entropy)
+
+
+def token_logprobs(model: Any, packed: Packed, temperature: float = 1.0,
+                   entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each completion token of ``packed`` under ``model`` (a ``TokenScorer`` or a causal LM)
+    at ``temperature``, ``[1, L]`` (0 off the completion tokens), and with ``entropy`` the entropy of each of
+    those tokens' distributions (no gradient), else None."""
+    scorer = model if isinstance(model, TokenScorer) else TokenScorer(model)
+    return scorer(packed, temperature, entropy)

@@ -36,7 +36,7 @@ from rlhf_runtime.roles.base import (
     read_optimizer_state,
     release_cached_gpu_memory,
 )
-from rlhf_runtime.roles.batches import chunks, from_lists, pad, to_lists
+from rlhf_runtime.roles.batches import Packed, from_lists, to_lists
 
 log = logging.getLogger("rlhf_runtime")
 
@@ -58,7 +58,7 @@ class CriticModel(FSDPWorker):
         source, opt_state = self._resume(critic.model or spec.model.name, resume_step)
         self.model = self._load(source, critic)
         if spec.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shard()
         lr = spec.algorithm.ppo_settings().critic_learning_rate
         self.make_optimizer(self.model.parameters(), lr, opt_state)
@@ -87,8 +87,10 @@ class CriticModel(FSDPWorker):
         from transformers import AutoModelForTokenClassification
 
         try:
-            return AutoModelForTokenClassification.from_pretrained(
-                source, num_labels=1, **load_kwargs(self.spec, revision=critic.model is None)).to(self.device)
+            kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
+            model = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw).to(self.device)
+            model.config.dtype = self.compute_dtype  # float32 masters under FSDP2; checkpoints say model.dtype
+            return model
         except (OSError, ValueError) as e:
             field = "spec.critic.model" if critic.model else "spec.model.name"
             raise ValueError(f"cannot load the critic from {field} {source!r} as a token-classification model "
@@ -104,21 +106,20 @@ class CriticModel(FSDPWorker):
             return None
         return self.save_step(self.root, step, {"role": "critic"})
 
-    def _values(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        v = self.model(input_ids=ids, attention_mask=attn).logits[..., 0].float()[:, :-1]
-        return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+    def _values(self, micro: Packed) -> torch.Tensor:
+        """``[1, L]``: the value of each completion token's state (the head's output one position earlier)."""
+        v = self.model(input_ids=micro.ids, position_ids=micro.pos, use_cache=False).logits[0, :, 0].float()
+        return v.new_zeros(1, micro.width).scatter(1, micro.where[None], v[micro.where - 1][None]) * micro.mask
 
     @torch.no_grad()
     def values(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``{"values": per completion token, "seconds": compute time}``."""
         t0 = time.perf_counter()
         self.model.eval()
-        p, c = batch["prompts"], batch["completions"]
-        out: list[list[float]] = []
-        for idx in chunks(len(p)):
-            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-            ids, attn, _ = pad(pp, cc, self.device)
-            out += to_lists(self._values(ids, attn), pp, cc)
+        out: list[list[float]] = [[] for _ in batch["prompts"]]
+        for micro in self.micro_batches(batch["prompts"], batch["completions"]):
+            for i, v in zip(micro.idx, to_lists(self._values(micro), micro)):
+                out[i] = v
         release_cached_gpu_memory(self.spec, self.device)
         return {"values": out, "seconds": time.perf_counter() - t0}
 
@@ -131,14 +132,11 @@ class CriticModel(FSDPWorker):
         stats["critic_train_s"] = time.perf_counter() - t0
         return stats
 
-    def micro_inputs(self, batch: dict[str, Any], idx: list[int], prompts: list[list[int]], ids: torch.Tensor,
-                     attn: torch.Tensor) -> dict[str, Any]:
-        """The returns and the old values of the micro-batch's samples, ``[B, T]``."""
-        w = ids.shape[1]
-        return {"returns": from_lists([batch["returns"][i] for i in idx], prompts, w, self.device),
-                "old": from_lists([batch["values"][i] for i in idx], prompts, w, self.device)}
+    def micro_inputs(self, batch: dict[str, Any], micro: Packed) -> dict[str, Any]:
+        """The returns and the old values of the micro-batch's samples, ``[1, L]``."""
+        return {"returns": from_lists(batch["returns"], micro), "old": from_lists(batch["values"], micro)}
 
     def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.spec.algorithm
-        return value_loss(self._values(micro.ids, micro.attn), micro.inputs["old"], micro.inputs["returns"],
-                          micro.mask, a.ppo_settings().value_clip, a.loss_aggregation)
+        return value_loss(self._values(micro.packed), micro.inputs["old"], micro.inputs["returns"], micro.mask,
+                          a.ppo_settings().value_clip, a.loss_aggregation, seq=micro.packed.seq)

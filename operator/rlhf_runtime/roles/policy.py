@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rlhf_runtime.algo.objectives import policy_loss
+from rlhf_runtime.algo.objectives import aggregate, policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import lora as lora_mod
 from rlhf_runtime.infra import node_files
@@ -54,7 +54,7 @@ from rlhf_runtime.roles.base import (
     read_optimizer_state,
     release_cached_gpu_memory,
 )
-from rlhf_runtime.roles.batches import chunks, from_lists, pad, to_lists, token_logprobs
+from rlhf_runtime.roles.batches import Packed, TokenScorer, from_lists, per_token, to_lists, token_logprobs
 from rlhf_runtime.vllm import compat as vllm_compat
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -78,7 +78,7 @@ def match_engine_nccl_settings() -> bool:
 class Trainer(FSDPWorker):
     """The policy trainer (module docstring); one actor per trainer worker."""
 
-    loss_stats = ("loss", "kl", "clip_fraction")
+    loss_stats = ("loss", "kl", "clip_fraction", "entropy")
     grad_norm_stat = "grad_norm"
 
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
@@ -95,6 +95,7 @@ class Trainer(FSDPWorker):
         opt_state = self._resume(*found) if found else None
         kw = load_kwargs(spec, revision=not found or bool(self.lora))
         self.model = self._load_policy(found[1] if found else None, kw)
+        self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
         self._load_reference(kw)
         self.shard()
         params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
@@ -125,13 +126,15 @@ class Trainer(FSDPWorker):
         checkpointing = self.spec.trainer.gradient_checkpointing
         if not self.lora:
             source = str(saved / "model") if saved else self.spec.model.name
-            model = AutoModelForCausalLM.from_pretrained(source, **kw).to(self.device)
+            model = AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
+            model = model.to(self.device)
+            model.config.dtype = self.dtype  # float32 masters under FSDP2; exports and checkpoints say model.dtype
             if checkpointing:
-                model.gradient_checkpointing_enable()
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model
         model = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device)
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
         model = lora_mod.wrap(model, self.lora)
         if saved:
@@ -234,6 +237,9 @@ class Trainer(FSDPWorker):
                 "serialize_s": time.perf_counter() - t}
 
     # -------------------------------------------------------------------------------------- training
+    def fsdp_root(self) -> Any:
+        return self.scorer
+
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Per completion token (``batches.to_lists``): log-probabilities under the current policy (``logp``) and,
@@ -241,24 +247,24 @@ class Trainer(FSDPWorker):
         Under FSDP every rank calls it with its own slice."""
         t0 = time.perf_counter()
         temp = self.spec.rollout.sampling.temperature or 1.0
-        p, c = batch["prompts"], batch["completions"]
-        logp: list[list[float]] = []
-        ref: list[list[float]] | None = [] if self.own_ref else None
+        n = len(batch["prompts"])
+        logp: list[list[float]] = [[] for _ in range(n)]
+        ref: list[list[float]] | None = [[] for _ in range(n)] if self.own_ref else None
         self.model.eval()
-        for idx in chunks(len(p)):
-            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-            ids, attn, _ = pad(pp, cc, self.device)
-            logp += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
+        for micro in self.micro_batches(batch["prompts"], batch["completions"]):
+            for i, v in zip(micro.idx, to_lists(token_logprobs(self.scorer, micro, temp)[0], micro)):
+                logp[i] = v
             if ref is not None:
-                ref += to_lists(self._ref_logprobs(ids, attn, temp), pp, cc)
+                for i, v in zip(micro.idx, to_lists(self._ref_logprobs(micro, temp), micro)):
+                    ref[i] = v
         return {"logp": logp, "ref": ref, "seconds": time.perf_counter() - t0}
 
-    def _ref_logprobs(self, ids: torch.Tensor, attn: torch.Tensor, temp: float) -> torch.Tensor:
+    def _ref_logprobs(self, micro: Packed, temp: float) -> torch.Tensor:
         """The in-trainer reference's token log-probabilities (LoRA: the base model, adapter disabled)."""
         if self.ref is not None:
-            return token_logprobs(self.ref, ids, attn, temp)
+            return token_logprobs(self.ref, micro, temp)[0]
         with self.model.disable_adapter():
-            return token_logprobs(self.model, ids, attn, temp)
+            return token_logprobs(self.scorer, micro, temp)[0]
 
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
         """``batch``: ``prompts`` and ``completions`` (token ids per sample) and ``advantages``: one float per
@@ -266,7 +272,8 @@ class Trainer(FSDPWorker):
         before this step, from ``logprobs``; when absent, computed here for epochsPerStep > 1 and taken from the
         loss pass itself for one pass) and ``ref_logprobs`` (from a reference actor; else the trainer's own
         reference, if any). The KL penalty enters the loss only with ``algorithm.klMode`` loss. Returns loss
-        statistics (``FSDPWorker.optimise``), the step counter and ``train_s``."""
+        statistics (``FSDPWorker.optimise``: loss, kl, clip_fraction, entropy, grad_norm), the step counter and
+        ``train_s``."""
         t0 = time.perf_counter()
         stats = self.optimise(batch)
         self.step += 1
@@ -278,41 +285,40 @@ class Trainer(FSDPWorker):
         a = self.spec.algorithm
         return a.kl_coef > 0 and a.kl_mode == "loss"
 
-    def micro_inputs(self, batch: dict[str, Any], idx: list[int], prompts: list[list[int]], ids: torch.Tensor,
-                     attn: torch.Tensor) -> dict[str, Any]:
-        """The micro-batch's advantages (``[B]`` or ``[B, T]``), old log-probabilities and, with the KL penalty in
+    def micro_inputs(self, batch: dict[str, Any], micro: Packed) -> dict[str, Any]:
+        """The micro-batch's advantages (per token, ``[1, L]``), old log-probabilities and, with the KL penalty in
         the loss, the reference's. With one optimiser pass and no ``old_logprobs`` the old ones are None: the
         weights do not change before its backward passes, so the "old" policy is the current one and the loss
         pass's log-probabilities (detached) are its values; a separate forward pass would compute the same
         numbers (up to dropout) at a third of the step's compute."""
         temp = self.spec.rollout.sampling.temperature or 1.0
-        w = ids.shape[1]
-        adv_in = [batch["advantages"][i] for i in idx]
-        if isinstance(adv_in[0], list):
-            adv = from_lists(adv_in, prompts, w, self.device)
-        else:
-            adv = torch.tensor(adv_in, dtype=torch.float32, device=self.device)
+        adv_in = batch["advantages"]
+        adv = from_lists(adv_in, micro) if adv_in and isinstance(adv_in[0], list) else per_token(adv_in, micro)
         if batch.get("old_logprobs") is not None:
-            old = from_lists([batch["old_logprobs"][i] for i in idx], prompts, w, self.device)
+            old = from_lists(batch["old_logprobs"], micro)
         elif self.spec.algorithm.epochs_per_step == 1:
             old = None  # the loss pass's own log-probabilities, detached: the same weights
         else:
-            old = token_logprobs(self.model, ids, attn, temp)
+            old = token_logprobs(self.scorer, micro, temp)[0]
         ref = None
         if self._kl_in_loss() and batch.get("ref_logprobs") is not None:
-            ref = from_lists([batch["ref_logprobs"][i] for i in idx], prompts, w, self.device)
+            ref = from_lists(batch["ref_logprobs"], micro)
         elif self._kl_in_loss() and self.own_ref:
-            ref = self._ref_logprobs(ids, attn, temp)
+            ref = self._ref_logprobs(micro, temp)
         return {"advantages": adv, "old": old, "ref": ref}
 
     def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """``objectives.policy_loss`` of the micro-batch under the current weights."""
+        """``objectives.policy_loss`` of the micro-batch under the current weights, and the mean entropy of its
+        tokens' distributions (aggregated like the loss)."""
         a = self.spec.algorithm
-        logp = token_logprobs(self.model, micro.ids, micro.attn, self.spec.rollout.sampling.temperature or 1.0)
+        p = micro.packed
+        logp, ent = token_logprobs(self.scorer, p, self.spec.rollout.sampling.temperature or 1.0, entropy=True)
         old = micro.inputs["old"]
-        return policy_loss(logp, logp.detach() if old is None else old, micro.inputs["advantages"], micro.mask,
-                           a.clip_ratio, a.clip_high(), a.loss_aggregation, micro.inputs["ref"],
-                           a.kl_coef if self._kl_in_loss() else 0.0)
+        loss, stats = policy_loss(logp, logp.detach() if old is None else old, micro.inputs["advantages"], p.mask,
+                                  a.clip_ratio, a.clip_high(), a.loss_aggregation, micro.inputs["ref"],
+                                  a.kl_coef if self._kl_in_loss() else 0.0, seq=p.seq)
+        stats["entropy"] = float(aggregate(ent, p.mask, a.loss_aggregation, p.seq)) if ent is not None else 0.0
+        return loss, stats
 
     # ----------------------------------------------------------------------------------- persistence
     def save_checkpoint(self) -> str | None:
@@ -339,6 +345,8 @@ class Trainer(FSDPWorker):
         state = full_model_state(self.model, self.world_size)  # a collective under FSDP: the driver calls every rank
         if self.rank != 0:
             return str(out)
+        if state is not None:  # FSDP2 with master weights gathers float32: the model is served in its dtype
+            state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         if self.lora:
             self.model.get_base_model().save_pretrained(str(out), state_dict=lora_mod.merged_state(self.model,
                                                                                                  self.lora))

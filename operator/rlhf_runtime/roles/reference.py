@@ -5,8 +5,9 @@ worker) or in a worker group of their own. (With placement ``trainer`` the refer
 worker instead, ``roles.policy``.)
 
 ``ReferenceModel.logprobs``: log-probabilities of each completion token under the initial policy (the base model,
-``spec.model``), with the same alignment and temperature as the trainer's (``batches.token_logprobs``), as lists
-over each sample's completion tokens (``batches.to_lists``). No gradients, no optimiser, no checkpoint.
+``spec.model``), with the same alignment and temperature as the trainer's (``batches.token_logprobs``, in packed
+micro-batches of ``trainer.maxTokensPerMicroBatch`` tokens), as lists over each sample's completion tokens
+(``batches.to_lists``). No gradients, no optimiser, no checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.roles.base import load_kwargs, release_cached_gpu_memory, worker_device
-from rlhf_runtime.roles.batches import chunks, pad, to_lists, token_logprobs
+from rlhf_runtime.roles.batches import pack, plan, to_lists, token_logprobs
 
 
 class ReferenceModel:
@@ -43,10 +44,10 @@ class ReferenceModel:
         t0 = time.perf_counter()
         temp = self.spec.rollout.sampling.temperature or 1.0
         p, c = batch["prompts"], batch["completions"]
-        out: list[list[float]] = []
-        for idx in chunks(len(p)):
-            pp, cc = [p[i] for i in idx], [c[i] for i in idx]
-            ids, attn, _ = pad(pp, cc, self.device)
-            out += to_lists(token_logprobs(self.model, ids, attn, temp), pp, cc)
+        out: list[list[float]] = [[] for _ in p]
+        for idx in plan([len(a) + len(b) for a, b in zip(p, c)], self.spec.trainer.max_tokens_per_micro_batch):
+            micro = pack(p, c, idx, self.device)
+            for i, v in zip(idx, to_lists(token_logprobs(self.model, micro, temp)[0], micro)):
+                out[i] = v
         release_cached_gpu_memory(self.spec, self.device)
         return {"logp": out, "seconds": time.perf_counter() - t0}
