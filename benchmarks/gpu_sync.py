@@ -40,7 +40,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 
-#: Real architecture configs (Qwen2.5-0.5B, Qwen3-1.7B, as published), random-initialised here.
+#: Real architecture configs (Qwen2.5-0.5B, Qwen3-0.6B, -1.7B, -8B, as published), random-initialised here.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-0.5b": ("Qwen2", {
         "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
@@ -50,6 +50,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
         "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "qwen3-0.6b": ("Qwen3", {
+        "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "qwen3-8b": ("Qwen3", {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
     # Qwen3-30B-A3B's published layer shapes (128 experts of 768, top-8, untied embeddings), 4 of its 48 layers.
     "qwen3-moe-a3b-4l": ("Qwen3Moe", {
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,

@@ -180,3 +180,35 @@ def test_master_weights_keep_the_updates_bfloat16_loses() -> None:
     assert float((kept - ref).norm() / ref.norm()) < 0.01  # within 1% of the float32 update
     assert float((lost != 0).float().mean()) < 0.1  # without masters, <10% of the bfloat16 weights moved at all
     assert float(lost.abs().mean() / ref.abs().mean()) < 0.2
+
+
+def test_varlen_attention_gets_each_sequences_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``roles.attention``'s function through a Hugging Face model: the kernel (CUDA-only, replaced here by causal
+    SDPA over each segment, with the kernel's signature) receives the packed row's boundaries and the causal
+    window, and the log-probabilities equal SDPA's with its block-diagonal mask."""
+    from rlhf_runtime.roles import attention
+
+    calls = []
+
+    def segmentwise(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        calls.append((cu_q.tolist(), max_q, window_size, enable_gqa))
+        out = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                                 enable_gqa=enable_gqa)
+            out.append(o.transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(attention, "_kernel", lambda: segmentwise)
+    model = tiny_lm()
+    prompts, completions = samples(4)
+    m = pack(prompts, completions, [0, 1, 2, 3], "cpu")
+    with torch.no_grad():
+        want = token_logprobs(model, m)[0]
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+        got = token_logprobs(model, m)[0]
+    lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    assert calls and calls[0] == ([0, *torch.tensor(lens).cumsum(0).tolist()], max(lens), (-1, 0), True)
+    assert torch.allclose(got, want, atol=2e-5)

@@ -10,7 +10,8 @@ A batch is the driver's: ``prompts`` and ``completions`` as token ids per sample
 * ``pack``: one micro-batch laid out without padding, its sequences end to end in one row ``[1, L]``, with
   position ids that restart at 0 in every sequence. Hugging Face models read restarting position ids (with no
   attention mask and no KV cache: ``use_cache=False``) as packed sequences and keep attention inside each one
-  (varlen FlashAttention where the model runs it, a block-diagonal mask with SDPA). ``mask`` is 1 on completion tokens, ``seq`` says which
+  (a block-diagonal mask with SDPA; on GPUs ``roles.attention``'s variable-length FlashAttention over the
+  boundaries ``cu``, which costs the sum of the sequences' squares instead of the row's). ``mask`` is 1 on completion tokens, ``seq`` says which
   sequence of the micro-batch a token belongs to (sequence-level loss aggregation).
 * ``to_lists`` / ``from_lists`` / ``per_token``: per-token values of a micro-batch back to lists over each
   sample's *completion* tokens, and the inverse (advantages, old log-probabilities, returns).
@@ -51,6 +52,7 @@ class Packed:
     starts: list[int]  # where each sample's completion starts in the row
     lengths: list[int]  # each sample's completion length
     where: torch.Tensor  # [N] long, the positions scored: the completion tokens (or one padding token, see pack)
+    cu: torch.Tensor  # [n + 1] int32, where each sequence of the row starts, and its end (varlen attention)
 
     @property
     def tokens(self) -> int:
@@ -60,6 +62,12 @@ class Packed:
     @property
     def width(self) -> int:
         return int(self.ids.shape[1])
+
+    def attn_kwargs(self) -> dict[str, Any]:
+        """The sequence boundaries, as Hugging Face's attention functions take them (``roles.attention``'s
+        variable-length attention; FlashAttention-2 too): no mask is needed with them."""
+        longest = int((self.cu[1:] - self.cu[:-1]).max())
+        return {"cu_seq_lens_q": self.cu, "cu_seq_lens_k": self.cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def plan(lengths: list[int], budget: int) -> list[list[int]]:
@@ -103,15 +111,18 @@ def pack(prompts: list[list[int]], completions: list[list[int]], idx: list[int],
         pos += range(len(p) + len(c))
         seq += [k] * (len(p) + len(c))
     scored = [t for s, n in zip(starts, lengths) for t in range(s, s + n)]
+    bounds = [0] + [len(prompts[i]) + len(completions[i]) for i in idx]
     if not scored:
         ids, pos, seq = ids + [0, 0], pos + [0, 1], seq + [len(idx)] * 2
         scored = [len(ids) - 1]
+        bounds.append(2)
+    cu = torch.tensor(bounds, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     mask = torch.zeros(len(ids))
     for s, n in zip(starts, lengths):
         mask[s : s + n] = 1
     row = lambda v: torch.tensor([v], dtype=torch.long, device=device)
     return Packed(list(idx), row(ids), row(pos), mask[None].to(device), row(seq), starts, lengths,
-                  torch.tensor(scored, dtype=torch.long, device=device))
+                  torch.tensor(scored, dtype=torch.long, device=device), cu.to(device))
 
 
 def to_lists(x: torch.Tensor, packed: Packed) -> list[list[float]]:
@@ -244,10 +255,11 @@ class TokenScorer(torch.nn.Module):
         lm = causal_lm(self.model)
         head = OutputHead.of(lm)
         if head is None:
-            out = self.model(input_ids=packed.ids, position_ids=packed.pos, use_cache=False)
+            out = self.model(input_ids=packed.ids, position_ids=packed.pos, use_cache=False, **packed.attn_kwargs())
             return scores_from_logits(out.logits, packed, temperature, entropy)
         base = getattr(lm, lm.base_model_prefix)
-        hidden = base(input_ids=packed.ids, position_ids=packed.pos, use_cache=False).last_hidden_state[0]
+        hidden = base(input_ids=packed.ids, position_ids=packed.pos, use_cache=False,
+                      **packed.attn_kwargs()).last_hidden_state[0]
         return scores_from_hidden(head, hidden, packed, temperature, entropy)
 
 

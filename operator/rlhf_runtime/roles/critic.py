@@ -29,6 +29,7 @@ import torch
 from rlhf_api.models import Critic
 from rlhf_runtime.algo.objectives import value_loss
 from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import (
     FSDPWorker,
     MicroBatch,
@@ -90,6 +91,7 @@ class CriticModel(FSDPWorker):
             kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
             model = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw).to(self.device)
             model.config.dtype = self.compute_dtype  # float32 masters under FSDP2; checkpoints say model.dtype
+            attention.use_varlen(model, self.device, self.compute_dtype)
             return model
         except (OSError, ValueError) as e:
             field = "spec.critic.model" if critic.model else "spec.model.name"
@@ -108,7 +110,8 @@ class CriticModel(FSDPWorker):
 
     def _values(self, micro: Packed) -> torch.Tensor:
         """``[1, L]``: the value of each completion token's state (the head's output one position earlier)."""
-        v = self.model(input_ids=micro.ids, position_ids=micro.pos, use_cache=False).logits[0, :, 0].float()
+        v = self.model(input_ids=micro.ids, position_ids=micro.pos, use_cache=False,
+                       **micro.attn_kwargs()).logits[0, :, 0].float()
         return v.new_zeros(1, micro.width).scatter(1, micro.where[None], v[micro.where - 1][None]) * micro.mask
 
     @torch.no_grad()

@@ -46,6 +46,7 @@ from rlhf_runtime.algo.objectives import aggregate, policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import lora as lora_mod
 from rlhf_runtime.infra import node_files
+from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import (
     FSDPWorker,
     MicroBatch,
@@ -129,10 +130,12 @@ class Trainer(FSDPWorker):
             model = AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
             model = model.to(self.device)
             model.config.dtype = self.dtype  # float32 masters under FSDP2; exports and checkpoints say model.dtype
+            attention.use_varlen(model, self.device, self.dtype)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model
         model = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device)
+        attention.use_varlen(model, self.device, self.dtype)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
@@ -153,6 +156,7 @@ class Trainer(FSDPWorker):
         if self.own_ref and not self.lora:
             self.ref = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device).eval()
             self.ref.requires_grad_(False)
+            attention.use_varlen(self.ref, self.device, self.dtype)
 
     def _load_weight_transfer(self) -> None:
         """vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not

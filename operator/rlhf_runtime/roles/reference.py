@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlhf_api.models import RuntimeConfig
+from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import load_kwargs, release_cached_gpu_memory, worker_device
 from rlhf_runtime.roles.batches import pack, plan, to_lists, token_logprobs
 
@@ -33,6 +34,7 @@ class ReferenceModel:
         self.device = worker_device(spec)
         self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **load_kwargs(spec)).to(self.device)
         self.model.eval().requires_grad_(False)
+        attention.use_varlen(self.model, self.device, getattr(torch, spec.model.dtype))
 
     def info(self) -> dict[str, Any]:
         return {"device": str(self.device), "pid": os.getpid(),
