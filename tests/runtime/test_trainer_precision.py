@@ -28,39 +28,43 @@ import json, sys
 import torch
 from rlhf_runtime.roles.policy import Trainer
 
-cfg, rank, world, port, out, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], int(sys.argv[6])
+rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+runs = json.loads(sys.argv[5])  # [[name, config path, steps], ...], in order (one process group at a time)
 g = torch.Generator().manual_seed(0)
 n = 8
 prompts = [torch.randint(5, 60, (int(k),), generator=g).tolist() for k in torch.randint(2, 7, (n,), generator=g)]
 completions = [torch.randint(5, 60, (int(k),), generator=g).tolist() for k in torch.randint(1, 9, (n,), generator=g)]
-advantages = torch.randn(n, generator=g).tolist()
-batch = {"prompts": prompts, "completions": completions, "advantages": advantages}
+batch = {"prompts": prompts, "completions": completions, "advantages": torch.randn(n, generator=g).tolist()}
 if world == 2:  # unequal shares: rank 0 the first 6 samples, rank 1 the last 2
     part = slice(0, 6) if rank == 0 else slice(6, n)
     batch = {k: v[part] for k, v in batch.items()}
-t = Trainer(open(cfg).read(), rank, world, "127.0.0.1", port)
 full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-def weights():
-    if t.master is not None:
-        return {n: m.detach().clone() for (n, _), (_, m) in zip(t.model.named_parameters(), t.master.pairs)}
-    return {n: full(p) for n, p in t.model.named_parameters()}
-before = weights()
-micro = len(t.micro_batches(batch["prompts"], batch["completions"]))
-for _ in range(steps):
-    stats = t.train(batch)
-after = weights()
-dtypes = sorted({str(p.dtype) for p in t.model.parameters()})
-export = None
-if world == 2:
-    t.export(out + ".export")
-if rank == 0:
-    torch.save(torch.cat([(after[k] - before[k]).flatten() for k in before]), out)
+results = {}
+for i, (name, cfg, steps) in enumerate(runs):
+    t = Trainer(open(cfg).read(), rank, world, "127.0.0.1", port + i)
+    def weights():
+        if t.master is not None:
+            return {k: m.detach().clone() for (k, _), (_, m) in zip(t.model.named_parameters(), t.master.pairs)}
+        return {k: full(p) for k, p in t.model.named_parameters()}
+    before = weights()
+    micro = len(t.micro_batches(batch["prompts"], batch["completions"]))
+    for _ in range(steps):
+        t.train(batch)
+    after = weights()
+    export = None
     if world == 2:
-        from safetensors import safe_open
-        with safe_open(out + ".export/model.safetensors", "pt") as f:
-            export = sorted({str(f.get_tensor(k).dtype) for k in f.keys()})
-print(json.dumps({"rank": rank, "micro": micro, "dtypes": dtypes, "export": export, "loss": stats["loss"],
-                  "entropy": stats["entropy"]}))
+        t.export(f"{out}/{name}.export")
+    if rank == 0:
+        torch.save(torch.cat([(after[k] - before[k]).flatten() for k in before]), f"{out}/{name}.pt")
+        if world == 2:
+            from safetensors import safe_open
+            with safe_open(f"{out}/{name}.export/model.safetensors", "pt") as f:
+                export = sorted({str(f.get_tensor(k).dtype) for k in f.keys()})
+    results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
+                     "export": export}
+    t.close()
+    del t
+print(json.dumps(results))
 """
 
 
@@ -70,38 +74,51 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _train(tmp: Path, name: str, spec: dict, world: int = 1, steps: int = 10) -> tuple[list[dict], Path]:
-    cfg = write_config(tmp / f"{name}.json", spec)
-    out, port = tmp / f"{name}.pt", _port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(cfg), str(r), str(world), str(port), str(out),
-                               str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
+def _train(tmp: Path, runs: list[tuple[str, dict, int]], world: int = 1) -> list[dict]:
+    """The trainings ``runs`` (name, spec, steps) one after another in ``world`` rank processes; each update
+    (rank 0's gathered weights after minus before) lands in ``tmp/<name>.pt``."""
+    args = json.dumps([[name, str(write_config(tmp / f"{name}.json", spec)), steps] for name, spec, steps in runs])
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(tmp), args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     done = [p.communicate(timeout=600) for p in procs]
     failed = [f"rank {r}: {e[-2500:]}" for r, (p, (_, e)) in enumerate(zip(procs, done)) if p.returncode]
     assert not failed, "\n".join(failed)
-    return [json.loads(o.strip().splitlines()[-1]) for o, _ in done], out
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in done]
 
 
-def _update(path: Path):
-    import torch
-
-    return torch.load(path)
-
-
-def _spec(model: Path, dtype: str, **trainer: object) -> dict:
+def _spec(model: Path, dtype: str, lr: float = 1e-6, **trainer: object) -> dict:
     spec = job_config(model, trainer={"replicas": 1, "gpusPerReplica": 0, **trainer},
-                      algorithm={"learningRate": 1e-6, "epochsPerStep": 1, "klCoef": 0.0})
+                      algorithm={"learningRate": lr, "epochsPerStep": 1, "klCoef": 0.0})
     spec["model"] = {**spec["model"], "dtype": dtype}
     return spec
 
 
-def test_bfloat16_with_master_weights_updates_like_float32(tiny_model: Path, tmp_path: Path) -> None:
+def _fsdp(spec: dict) -> dict:
+    return {**spec, "trainer": {**spec["trainer"], "gpusPerReplica": 2, "strategy": "fsdp2"}}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every training of this module, in one single-worker process and one pair of FSDP2 ranks."""
     import torch
 
-    _train(tmp_path, "fp32", _spec(tiny_model, "float32"))
-    _train(tmp_path, "bf16", _spec(tiny_model, "bfloat16"))
-    _train(tmp_path, "bf16-none", _spec(tiny_model, "bfloat16", masterWeights="none"))
-    ref, kept, lost = (_update(tmp_path / f"{n}.pt") for n in ("fp32", "bf16", "bf16-none"))
+    tmp = tmp_path_factory.mktemp("precision")
+    small_budget = _spec(tiny_model, "float32", lr=1e-3, maxTokensPerMicroBatch=16)
+    single = _train(tmp, [("fp32", _spec(tiny_model, "float32"), 10), ("bf16", _spec(tiny_model, "bfloat16"), 10),
+                          ("bf16-none", _spec(tiny_model, "bfloat16", masterWeights="none"), 10),
+                          ("one", small_budget, 2)])[0]
+    ranks = _train(tmp, [("two", _fsdp(small_budget), 2), ("two-bf16", _fsdp(_spec(tiny_model, "bfloat16")), 10)],
+                   world=2)
+    updates = {p.stem: torch.load(p) for p in tmp.glob("*.pt")}
+    return {"single": single, "ranks": ranks, "updates": updates}
+
+
+def test_bfloat16_with_master_weights_updates_like_float32(trained: dict) -> None:
+    import torch
+
+    u = trained["updates"]
+    ref, kept, lost = u["fp32"], u["bf16"], u["bf16-none"]
     assert float(ref.abs().mean()) > 5e-6  # 10 steps at lr 1e-6 moved the float32 weights
     # the size of the update within 1% of float32's, its direction within bfloat16 compute's noise
     assert abs(float(kept.abs().mean() / ref.abs().mean()) - 1) < 0.01
@@ -111,29 +128,22 @@ def test_bfloat16_with_master_weights_updates_like_float32(tiny_model: Path, tmp
     assert float(lost.abs().mean() / ref.abs().mean()) < 0.1
 
 
-def test_fsdp2_ranks_with_unequal_shares_update_like_one_worker(tiny_model: Path, tmp_path: Path) -> None:
-
-    spec = _spec(tiny_model, "float32", maxTokensPerMicroBatch=16)
-    spec["algorithm"]["learningRate"] = 1e-3
-    _train(tmp_path, "one", spec, steps=2)
-    fsdp = {**spec, "trainer": {**spec["trainer"], "gpusPerReplica": 2, "strategy": "fsdp2"}}
-    ranks, _ = _train(tmp_path, "two", fsdp, world=2, steps=2)
-    assert ranks[0]["micro"] == ranks[1]["micro"] > 1  # the rank with 2 samples runs empty micro-batches too
-    one, two = _update(tmp_path / "one.pt"), _update(tmp_path / "two.pt")
+def test_fsdp2_ranks_with_unequal_shares_update_like_one_worker(trained: dict) -> None:
+    ranks = trained["ranks"]
+    assert ranks[0]["two"]["micro"] == ranks[1]["two"]["micro"] > 1  # the rank with 2 samples runs empty ones too
+    one, two = trained["updates"]["one"], trained["updates"]["two"]
     assert float(one.abs().max()) > 1e-4
     # equal up to float summation order (each rank's own token mean, averaged over the ranks, was 48% off here)
     rel = float((one - two).norm() / one.norm())
     assert rel < 1e-3, rel
 
 
-def test_fsdp2_mixed_precision_updates_like_one_bfloat16_worker(tiny_model: Path, tmp_path: Path) -> None:
+def test_fsdp2_mixed_precision_updates_like_one_bfloat16_worker(trained: dict) -> None:
     import torch
 
-    _train(tmp_path, "one-bf16", _spec(tiny_model, "bfloat16"))
-    fsdp = _spec(tiny_model, "bfloat16", gpusPerReplica=2, strategy="fsdp2")
-    ranks, _ = _train(tmp_path, "two-bf16", fsdp, world=2)
-    assert all(r["dtypes"] == ["torch.float32"] for r in ranks)  # the shards are the float32 masters
-    assert ranks[0]["export"] == ["torch.bfloat16"]  # the served model is bfloat16
-    one, two = _update(tmp_path / "one-bf16.pt"), _update(tmp_path / "two-bf16.pt")
+    ranks = trained["ranks"]
+    assert all(r["two-bf16"]["dtypes"] == ["torch.float32"] for r in ranks)  # the shards are the float32 masters
+    assert ranks[0]["two-bf16"]["export"] == ["torch.bfloat16"]  # the served model is bfloat16
+    one, two = trained["updates"]["bf16"], trained["updates"]["two-bf16"]
     assert abs(float(two.abs().mean() / one.abs().mean()) - 1) < 0.01
     assert float(torch.nn.functional.cosine_similarity(one, two, dim=0)) > 0.99
