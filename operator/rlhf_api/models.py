@@ -386,6 +386,23 @@ class PPO(Model):
 ALGORITHM_NAMES = ("grpo", "ppo", "rloo", "reinforce++")
 
 
+class RolloutCorrection(Model):
+    mode: Literal["none", "tis", "mis"] = Field(
+        "tis",
+        description="Importance weights for the gap between the engines' sampling and the trainer's log-"
+        "probabilities of the same weights (different kernels, bfloat16, a sync in flight): w = pi_trainer / "
+        "pi_engine per token (level token) or its product over a completion (level sequence), from the "
+        "log-probabilities vLLM reports for each sampled token after temperature and top-p. tis: each token's "
+        "policy-gradient term times min(w, cap) (truncated importance sampling). mis: times w where 1/cap <= w "
+        "<= cap, else 0 (masked). none: no weights. Every step reports the mismatch either way "
+        "(mismatch_kl: the mean of w - log w - 1).",
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: a weight per token. sequence: one weight per completion (the product)."
+    )
+    cap: float = Field(2.0, gt=1, le=1000, description="The truncation (tis) or mask (mis) bound of the weight.")
+
+
 class Algorithm(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("self.name == 'ppo' || !has(self.ppo)",
@@ -427,6 +444,10 @@ class Algorithm(Model):
         "more). sequence: the mean over each completion's tokens, then over completions.",
     )
     epochs_per_step: int = Field(1, ge=1, le=64, description="Optimiser passes over each rollout batch.")
+    rollout_correction: RolloutCorrection = sub(
+        RolloutCorrection, "Correction for the training-inference mismatch (importance weights of the trainer's "
+        "over the engines' sampling probabilities)."
+    )
     seed: int = Field(0, ge=0, le=INT32_MAX, description="Seed for data order, sampling and init.")
     ppo: PPO | None = Field(None, description="PPO settings (algorithm.name 'ppo'); unset: their defaults.")
 
@@ -1020,6 +1041,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("weightSync", "format"), "auto"),
     (("rollout", "asyncEngine"), "asyncllm"),
     (("trainer", "masterWeights"), "float32"),
+    (("algorithm", "rolloutCorrection"), RolloutCorrection().wire()),
     (("trainer", "maxTokensPerMicroBatch"), 16384),
 )
 

@@ -37,6 +37,10 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
         # the status rounds to 4 significant digits (report.status_patch)
         assert r["throughput"]["weightSyncGbps"] == pytest.approx(sync["bytes"] / sync["total_s"] / 1e9, rel=1e-3)
         assert r["throughput"]["rolloutTokensPerSecond"] > 0
+        # the engines report each sampled token's log-probability and the trainer scores the same weights
+        # (float32 on CPU both): the rollout correction's mismatch is near zero, the entropy positive
+        assert -1e-6 < r["train"]["mismatch_kl"] < 1e-3 and abs(r["train"]["mismatch_log_ratio"]) < 1e-2, r["train"]
+        assert r["train"]["entropy"] > 0, r["train"]
     # vLLM's trainer engine drives start -> update -> finish: the client makes them one call per engine from the
     # group's second sync on; the first (before step 1, which reports it) makes three, so a failing start raises
     calls = [r["sync"]["engine_calls"] for r in steps]

@@ -67,3 +67,43 @@ def test_kl_term_is_zero_at_the_reference_and_positive_away_from_it() -> None:
 def test_advantages_refuse_a_reward_that_is_not_a_finite_number(bad: object) -> None:
     with pytest.raises(ValueError, match=r"reward 5 \(group 1\) is .*: rewards must be finite numbers"):
         group_advantages([0.0, 1.0, 0.0, 1.0, 0.0, bad, 1.0, 0.0], group_size=4)  # type: ignore[list-item]
+
+
+def test_rollout_correction_weights_are_hand_computed() -> None:
+    from rlhf_runtime.algo.objectives import correction_weights
+
+    # two completions in rows: log w per token = old - rollout
+    old = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -0.5, -0.5, -3.0]])
+    rollout = torch.tensor([[0.0, -2.0, -1.0, 0.0], [0.0, -0.6, -0.1, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0]])  # the last column is padding
+    log_w = [1.0, -1.0, 0.1, -0.4]
+    w = [math.exp(x) for x in log_w]  # e, 1/e, 1.105, 0.670
+    tis, st = correction_weights(old, rollout, mask, "tis", "token", 2.0)
+    assert tis[mask > 0].tolist() == pytest.approx([2.0, w[1], w[2], w[3]], rel=1e-6)
+    assert tis[mask == 0].abs().sum() == 0
+    assert st["mismatch_log_ratio"] == pytest.approx(sum(log_w) / 4, rel=1e-6)
+    assert st["mismatch_kl"] == pytest.approx(sum(a - b - 1 for a, b in zip(w, log_w)) / 4, rel=1e-5)
+    assert st["correction_fraction"] == pytest.approx(0.25)
+    mis, st = correction_weights(old, rollout, mask, "mis", "token", 2.0)
+    assert mis[mask > 0].tolist() == pytest.approx([0.0, 0.0, w[2], w[3]], rel=1e-6)  # e and 1/e outside [1/2, 2]
+    assert st["correction_fraction"] == pytest.approx(0.5)
+    seq, _ = correction_weights(old, rollout, mask, "tis", "sequence", 2.0)
+    assert seq[0, 1:3].tolist() == pytest.approx([1.0, 1.0])  # exp(1 - 1)
+    assert seq[1, 1:3].tolist() == pytest.approx([math.exp(-0.3)] * 2, rel=1e-6)
+    none, st = correction_weights(old, rollout, mask, "none", "token", 2.0)
+    assert none.tolist() == mask.tolist() and st["correction_fraction"] == 0.0
+    with pytest.raises(ValueError, match="rollout correction"):
+        correction_weights(old, rollout, mask, "clip", "token", 2.0)
+
+
+def test_rollout_correction_weights_scale_each_tokens_policy_gradient() -> None:
+    from rlhf_runtime.algo.objectives import correction_weights
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    mask = torch.ones(1, 3)
+    w, _ = correction_weights(logp.detach(), logp.detach() + torch.tensor([[0.0, -1.0, 1.0]]), mask, "tis", "token",
+                              2.0)
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, 0.2, 0.2, "token", weights=w)
+    loss.backward()
+    # on policy the gradient of -ratio * A per token is -A / 3 (token mean), times each token's weight
+    assert logp.grad.tolist()[0] == pytest.approx([-1 / 3, -2 / 3, -math.exp(-1) / 3], rel=1e-5)

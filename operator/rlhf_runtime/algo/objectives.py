@@ -36,6 +36,16 @@ or per token ([B, T]). With ``ref_logp`` and ``kl_coef > 0`` the k3 estimator
 ``exp(ref - logp) - (ref - logp) - 1`` times ``kl_coef`` is added per token (KL in the loss, as GRPO).
 ``clip_fraction`` is the fraction of completion tokens whose ratio lies outside its bounds.
 
+Rollout correction (``correction_weights``): the engines sample from ``mu`` (their log-probabilities of each
+sampled token, after temperature and top-p), the trainer scores the same tokens under the same weights as
+``pi_old`` (different kernels and precision: they differ). Per completion token ``log w = old_logp -
+rollout_logp``; at ``sequence`` level ``log w`` is summed over each completion and the sum is every one of its
+tokens' weight. ``tis``: ``min(w, cap)``; ``mis``: ``w`` where ``1/cap <= w <= cap``, else 0; ``none``: 1. The
+weights multiply each token's policy-gradient term (``policy_loss``'s ``weights``; no gradient through them).
+Statistics (token means): ``mismatch_kl = mean(w - log w - 1)`` (k3, an estimate of KL(mu || pi_old) from mu's
+samples, always computed at token level), ``mismatch_log_ratio = mean(log w)`` and ``correction_fraction``, the
+share of tokens whose weight the bound changed.
+
 Value loss (``value_loss``): per completion token
 ``0.5 * max((v - R)^2, (old_v + clip(v - old_v, -c, c) - R)^2)`` (PPO value clipping; ``c <= 0`` is the plain
 ``0.5 * (v - R)^2``). ``value_clip_fraction`` is the fraction of completion tokens where the clipped term is the
@@ -220,6 +230,54 @@ def gae(
     return adv, returns
 
 
+CORRECTIONS = ("none", "tis", "mis")
+
+
+def correction_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    level: str,
+    cap: float,
+    seq: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rollout-correction weights [B, T] (module docstring; 0 off the mask, no gradient) and the mismatch
+    statistics; sequences are rows, or ``seq``'s runs in a packed row."""
+    import torch
+
+    if mode not in CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}: expected one of {', '.join(CORRECTIONS)}")
+    with torch.no_grad():
+        m = mask.to(old_logp.dtype)
+        log_w = torch.where(m > 0, old_logp - rollout_logp, torch.zeros_like(old_logp))
+        if level == "sequence":
+            ids = seq if seq is not None else torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
+            flat = ids.reshape(-1)
+            sums = torch.zeros(int(flat.max()) + 1, dtype=log_w.dtype, device=m.device).index_add(
+                0, flat, log_w.reshape(-1))
+            log_w_used = sums[flat].reshape(m.shape) * m
+        elif level == "token":
+            log_w_used = log_w
+        else:
+            raise ValueError(f"unknown rollout-correction level {level!r}: expected token or sequence")
+        w = torch.exp(log_w_used.clamp(max=80.0))
+        if mode == "tis":
+            out = torch.minimum(w, torch.full_like(w, cap))
+        elif mode == "mis":
+            out = torch.where((w >= 1.0 / cap) & (w <= cap), w, torch.zeros_like(w))
+        else:
+            out = torch.ones_like(w)
+        out = out * m
+        n = m.sum().clamp(min=1)
+        token_w = torch.exp(log_w)
+        stats = {"mismatch_kl": float(((token_w - log_w - 1) * m).sum() / n),
+                 "mismatch_log_ratio": float((log_w * m).sum() / n),
+                 "correction_fraction": 0.0 if mode == "none" else
+                 float((((out != w) & (m > 0)).to(m.dtype)).sum() / n)}
+    return out, stats
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -231,9 +289,11 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     seq: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate (+ k3 KL) loss; ``advantages`` [B] or [B, T]; ``seq``: a packed micro-batch's sequence
-    ids (``aggregate``). Returns (loss, {loss, kl, clip_fraction})."""
+    ids (``aggregate``); ``weights``: rollout-correction weights of each token's policy-gradient term
+    (``correction_weights``). Returns (loss, {loss, kl, clip_fraction})."""
     import torch
 
     if aggregation not in AGGREGATIONS:
@@ -248,6 +308,8 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights.detach().to(per_token.dtype)
     kl_value = 0.0
     if kl_coef > 0 and ref_logp is not None:
         d = ref_logp - logp

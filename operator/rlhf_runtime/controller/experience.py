@@ -52,6 +52,9 @@ class Samples:
     items: list[tuple[Any, str]] = field(default_factory=list)  # (prompt sample, completion text)
     prompts: list[list[int]] = field(default_factory=list)
     completions: list[list[int]] = field(default_factory=list)
+    #: the engines' log-probability of each completion token (``rollout.api.Engine.generate``), when every
+    #: sample has them
+    logprobs: list[list[float]] | None = field(default_factory=list)
     tokens: int = 0
     swap: dict[str, int] = field(default_factory=lambda: {"mixed_samples": 0, "tokens_before_swap": 0,
                                                           "tokens_after_swap": 0})
@@ -67,10 +70,15 @@ def samples(ro: Rollout, outs: list[dict[str, Any]], tokenizer: Any, n: int) -> 
     """Every sample of a collected rollout (``outs``: one engine result per prompt)."""
     out = Samples()
     for s, pids, o in zip(ro.batch, ro.prompt_ids, outs):
+        lps = o.get("logprobs") or [None] * len(o["samples"])
         for k, comp in enumerate(o["samples"]):
             out.items.append((s, tokenizer.decode(comp, skip_special_tokens=True)))
             out.prompts.append(pids)
             out.completions.append(comp)
+            if out.logprobs is not None and lps[k] is not None and len(lps[k]) == len(comp):
+                out.logprobs.append(lps[k])
+            else:
+                out.logprobs = None
             out.tokens += len(comp)
             si = o.get("swap_index", [-1] * n)[k]
             if si >= 0:

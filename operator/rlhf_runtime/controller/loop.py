@@ -237,6 +237,8 @@ class Runtime:
         for key in ("old_logprobs", "ref_logprobs"):
             if plan.get(key) is not None:
                 train_batch[key] = plan[key]
+        if batch.logprobs is not None:
+            train_batch["rollout_logprobs"] = batch.logprobs
         critic_refs = critic.submit_shards("train", {**seqs, "returns": plan["returns"], "values": plan["values"]}
                                            ) if len(critic) else []
         stats = self.deadlines.get_step(trainers.submit_shards("train", train_batch),

@@ -146,6 +146,8 @@ def engine_kwargs(
         "gpu_memory_utilization": r.gpu_memory_utilization,
         "seed": seed,
         "weight_transfer_backend": backend,
+        # the sampled tokens' log-probabilities after temperature / top-p: the rollout correction's behaviour policy
+        "logprobs_mode": "processed_logprobs",
     }
     if spec.model.revision:
         kw["revision"] = spec.model.revision
@@ -189,6 +191,7 @@ def sampling_kwargs(spec: RLHFJobSpec) -> dict[str, Any]:
         "temperature": s.temperature,
         "top_p": s.top_p,
         "max_tokens": s.max_tokens,
+        "logprobs": 0,  # the sampled token's own log-probability (rollout correction, mismatch)
     }
 
 

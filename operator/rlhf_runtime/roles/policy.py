@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rlhf_runtime.algo.objectives import aggregate, policy_loss
+from rlhf_runtime.algo.objectives import aggregate, correction_weights, policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import lora as lora_mod
 from rlhf_runtime.infra import node_files
@@ -79,7 +79,7 @@ def match_engine_nccl_settings() -> bool:
 class Trainer(FSDPWorker):
     """The policy trainer (module docstring); one actor per trainer worker."""
 
-    loss_stats = ("loss", "kl", "clip_fraction", "entropy")
+    loss_stats = ("loss", "kl", "clip_fraction", "entropy", "mismatch_kl", "mismatch_log_ratio", "correction_fraction")
     grad_norm_stat = "grad_norm"
 
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
@@ -274,10 +274,11 @@ class Trainer(FSDPWorker):
         """``batch``: ``prompts`` and ``completions`` (token ids per sample) and ``advantages``: one float per
         sample, or one per completion token (lists). Optional per-token lists: ``old_logprobs`` (the policy's
         before this step, from ``logprobs``; when absent, computed here for epochsPerStep > 1 and taken from the
-        loss pass itself for one pass) and ``ref_logprobs`` (from a reference actor; else the trainer's own
-        reference, if any). The KL penalty enters the loss only with ``algorithm.klMode`` loss. Returns loss
-        statistics (``FSDPWorker.optimise``: loss, kl, clip_fraction, entropy, grad_norm), the step counter and
-        ``train_s``."""
+        loss pass itself for one pass), ``ref_logprobs`` (from a reference actor; else the trainer's own
+        reference, if any) and ``rollout_logprobs`` (the engines', for the rollout correction). The KL penalty
+        enters the loss only with ``algorithm.klMode`` loss. Returns loss statistics (``FSDPWorker.optimise``: loss,
+        kl, clip_fraction, entropy, mismatch_kl, mismatch_log_ratio, correction_fraction, grad_norm), the step
+        counter and ``train_s``."""
         t0 = time.perf_counter()
         stats = self.optimise(batch)
         self.step += 1
@@ -309,18 +310,28 @@ class Trainer(FSDPWorker):
             ref = from_lists(batch["ref_logprobs"], micro)
         elif self._kl_in_loss() and self.own_ref:
             ref = self._ref_logprobs(micro, temp)
-        return {"advantages": adv, "old": old, "ref": ref}
+        rollout = batch.get("rollout_logprobs")
+        return {"advantages": adv, "old": old, "ref": ref,
+                "rollout": from_lists(rollout, micro) if rollout is not None else None}
 
     def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """``objectives.policy_loss`` of the micro-batch under the current weights, and the mean entropy of its
-        tokens' distributions (aggregated like the loss)."""
+        """``objectives.policy_loss`` of the micro-batch under the current weights, with the rollout-correction
+        weights (``algorithm.rolloutCorrection``, ``objectives.correction_weights``) when the batch carries the
+        engines' log-probabilities, their mismatch statistics, and the mean entropy of its tokens'
+        distributions (aggregated like the loss)."""
         a = self.spec.algorithm
         p = micro.packed
         logp, ent = token_logprobs(self.scorer, p, self.spec.rollout.sampling.temperature or 1.0, entropy=True)
-        old = micro.inputs["old"]
-        loss, stats = policy_loss(logp, logp.detach() if old is None else old, micro.inputs["advantages"], p.mask,
-                                  a.clip_ratio, a.clip_high(), a.loss_aggregation, micro.inputs["ref"],
-                                  a.kl_coef if self._kl_in_loss() else 0.0, seq=p.seq)
+        old = logp.detach() if micro.inputs["old"] is None else micro.inputs["old"]
+        weights, mismatch = None, dict.fromkeys(("mismatch_kl", "mismatch_log_ratio", "correction_fraction"), 0.0)
+        if micro.inputs["rollout"] is not None:  # the engines' log-probabilities of the sampled tokens
+            c = a.rollout_correction
+            weights, mismatch = correction_weights(old, micro.inputs["rollout"], p.mask, c.mode, c.level, c.cap,
+                                                   p.seq)
+        loss, stats = policy_loss(logp, old, micro.inputs["advantages"], p.mask, a.clip_ratio, a.clip_high(),
+                                  a.loss_aggregation, micro.inputs["ref"], a.kl_coef if self._kl_in_loss() else 0.0,
+                                  seq=p.seq, weights=weights)
+        stats.update(mismatch)
         stats["entropy"] = float(aggregate(ent, p.mask, a.loss_aggregation, p.seq)) if ent is not None else 0.0
         return loss, stats
 

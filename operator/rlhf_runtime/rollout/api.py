@@ -42,7 +42,9 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[dict[str, Any]]:
-        """Per prompt: ``prompt_token_ids``, ``samples`` (token ids per sample), ``finish_reasons`` and, on
+        """Per prompt: ``prompt_token_ids``, ``samples`` (token ids per sample), ``logprobs`` (per sample the
+        engine's log-probability of each sampled token, after temperature and top-p, when the sampling asked for
+        them, ``logprobs=0``; else None), ``finish_reasons`` and, on
         pausable engines, ``swap_index``. Never serves prefix-cache KV computed with replaced weights."""
         ...
 

@@ -56,6 +56,16 @@ def llm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def sampled_logprobs(completion: Any) -> list[float] | None:
+    """The log-probability vLLM reported for each sampled token of ``completion`` (a ``CompletionOutput`` of a
+    request with ``logprobs=0``; processed, i.e. after temperature and top-p, with the engine's
+    ``logprobs_mode`` ``processed_logprobs``), or None when it reported none."""
+    lps = getattr(completion, "logprobs", None)
+    if lps is None:
+        return None
+    return [float(d[t].logprob) for t, d in zip(completion.token_ids, lps)]
+
+
 class EngineBase:
     """The start-up, state and queries every engine actor shares (see the module's docstring). A subclass calls
     ``EngineBase.__init__`` first, then builds its vLLM engine (with ``llm_args(kwargs)``) and sets

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlhf_runtime.rollout import workers
-from rlhf_runtime.rollout.base import AsyncEngineBase, EngineBase, llm_args
+from rlhf_runtime.rollout.base import AsyncEngineBase, EngineBase, llm_args, sampled_logprobs
 
 
 def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
@@ -43,6 +43,7 @@ def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
         {
             "prompt_token_ids": list(o.prompt_token_ids),
             "samples": [list(c.token_ids) for c in o.outputs],
+            "logprobs": [sampled_logprobs(c) for c in o.outputs],
             "finish_reasons": [c.finish_reason for c in o.outputs],
         }
         for o in outputs
@@ -188,6 +189,7 @@ class AsyncEngine(AsyncEngineBase):
         return {
             "prompt_token_ids": prompt_ids,
             "samples": [list(c.token_ids) for c in outs],
+            "logprobs": [sampled_logprobs(c) for c in outs],
             "finish_reasons": [c.finish_reason for c in outs],
             "swap_index": swap,
         }

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from rlhf_runtime.rollout.base import AsyncEngineBase, llm_args
+from rlhf_runtime.rollout.base import AsyncEngineBase, llm_args, sampled_logprobs
 from rlhf_runtime.vllm import compat as vllm_compat
 
 
@@ -57,6 +57,7 @@ class _Request:
         return {
             "prompt_token_ids": list(self.prompt),
             "samples": [list(c.token_ids) if c is not None else [] for c in outs],
+            "logprobs": [sampled_logprobs(c) if c is not None else [] for c in outs],
             "finish_reasons": [
                 c.finish_reason
                 if c is not None and c.finish_reason is not None
