@@ -967,6 +967,19 @@ class Throughput(Model):
     reward_seconds: float | None = Field(None, description="Scoring time of the last step (all reward sources).")
     reference_seconds: float | None = Field(None, description="Reference log-probability time of the last step.")
     critic_seconds: float | None = Field(None, description="Critic time of the last step (values and its update).")
+    train_tokens_per_second_per_gpu: float | None = Field(
+        None, description="Training tokens (prompt and completion) per second per trainer GPU (last step)."
+    )
+    mfu: float | None = Field(
+        None,
+        description="Model FLOPs utilisation of the last training step: 6 x parameters x tokens plus causal "
+        "attention, over the trainer GPUs' dense bfloat16 peak (GPUs of known peak only).",
+    )
+    mismatch_kl: float | None = Field(
+        None,
+        description="Training-inference mismatch of the last step: mean over completion tokens of w - log w - 1, "
+        "w the trainer's over the engine's probability of the sampled token (0: identical).",
+    )
 
 
 class OutputStatus(Model):

@@ -41,6 +41,9 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
         # (float32 on CPU both): the rollout correction's mismatch is near zero, the entropy positive
         assert -1e-6 < r["train"]["mismatch_kl"] < 1e-3 and abs(r["train"]["mismatch_log_ratio"]) < 1e-2, r["train"]
         assert r["train"]["entropy"] > 0, r["train"]
+        # training tokens/s per trainer worker on the status; no MFU on a CPU (no known peak)
+        assert r["throughput"]["trainTokensPerSecondPerGpu"] > 0 and "mfu" not in r["throughput"], r["throughput"]
+        assert 0 < r["train"]["response_length_mean"] <= r["train"]["response_length_max"] <= 4, r["train"]
     # vLLM's trainer engine drives start -> update -> finish: the client makes them one call per engine from the
     # group's second sync on; the first (before step 1, which reports it) makes three, so a failing start raises
     calls = [r["sync"]["engine_calls"] for r in steps]

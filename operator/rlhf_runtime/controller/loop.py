@@ -215,6 +215,11 @@ class Runtime:
         tp = throughput(time.perf_counter() - t_step, rollout_s, train_s, batch.tokens, len(rewards),
                         self.weights.last, sum(rewards) / len(rewards))
         tp.update(reward_seconds=reward_s, **role_s)
+        tp.update({k: stats[k] for k in ("train_tokens_per_second_per_gpu", "mfu", "mismatch_kl") if k in stats})
+        lengths = batch.lengths()
+        stats.update(response_length_mean=sum(lengths) / len(lengths), response_length_max=max(lengths),
+                     response_clipped_fraction=sum(n >= self.spec.rollout.sampling.max_tokens for n in lengths)
+                     / len(lengths))
         self.report_step(tp, stats, batch)
         return tp
 

@@ -52,7 +52,10 @@ Prometheus
 ----------
 ``Metrics.serve(port)`` exports gauges ``rlhf_step``, ``rlhf_rollout_tokens_per_second``,
 ``rlhf_samples_per_second``, ``rlhf_step_seconds``, ``rlhf_rollout_seconds``, ``rlhf_train_seconds``,
-``rlhf_weight_sync_seconds``, ``rlhf_weight_sync_gbps``, ``rlhf_reward_mean`` (labels ``job``,
+``rlhf_weight_sync_seconds``, ``rlhf_weight_sync_gbps``, ``rlhf_reward_mean``,
+``rlhf_train_tokens_per_second_per_gpu``, ``rlhf_mfu``, ``rlhf_mismatch_kl`` (``METRICS``) and the trainer's
+statistics of the last step as ``rlhf_train_<name>`` (``TRAIN_METRICS``: loss, kl, entropy, clip_fraction,
+grad_norm, correction_fraction, response_length_mean/max, response_clipped_fraction) (labels ``job``,
 ``namespace``), on their own registry.
 """
 
@@ -82,6 +85,21 @@ METRICS = {
     "weight_sync_seconds": "Wall time of the last weight sync",
     "weight_sync_gbps": "Effective GB/s of the last weight sync",
     "reward_mean": "Mean reward of the last step",
+    "train_tokens_per_second_per_gpu": "Training tokens per second per trainer GPU (last step)",
+    "mfu": "Model FLOPs utilisation of the last training step",
+    "mismatch_kl": "Training-inference mismatch (k3 KL estimate) of the last step",
+}
+#: Gauges of the trainer's statistics of the last step (progress file key ``train``), ``rlhf_train_<name>``.
+TRAIN_METRICS = {
+    "loss": "Policy loss",
+    "kl": "KL to the reference (in the loss)",
+    "entropy": "Mean entropy of the sampled tokens' distributions",
+    "clip_fraction": "Share of completion tokens whose ratio was clipped",
+    "grad_norm": "Gradient norm before clipping",
+    "correction_fraction": "Share of tokens whose rollout-correction weight was truncated or masked",
+    "response_length_mean": "Mean completion length in tokens",
+    "response_length_max": "Longest completion in tokens",
+    "response_clipped_fraction": "Share of completions cut at rollout.sampling.maxTokens",
 }
 
 
@@ -193,6 +211,8 @@ class Metrics:
         labels = ["job", "namespace"]
         self.step = Gauge("rlhf_step", "Completed training steps", labels, registry=self.registry)
         self.gauges = {k: Gauge(f"rlhf_{k}", doc, labels, registry=self.registry) for k, doc in METRICS.items()}
+        self.train_gauges = {k: Gauge(f"rlhf_train_{k}", doc, labels, registry=self.registry)
+                             for k, doc in TRAIN_METRICS.items()}
         self.labels = {"job": job, "namespace": namespace}
 
     def serve(self, port: int) -> None:
@@ -200,11 +220,14 @@ class Metrics:
 
         start_http_server(port, registry=self.registry)
 
-    def update(self, step: int, throughput: dict[str, float]) -> None:
+    def update(self, step: int, throughput: dict[str, float], train: dict[str, Any] | None = None) -> None:
         self.step.labels(**self.labels).set(step)
         for k, v in throughput.items():
             if k in self.gauges and v is not None:
                 self.gauges[k].labels(**self.labels).set(v)
+        for k, v in (train or {}).items():
+            if k in self.train_gauges and isinstance(v, (int, float)):
+                self.train_gauges[k].labels(**self.labels).set(v)
 
 
 class Reporter:
@@ -290,7 +313,7 @@ class Reporter:
             self.state = state
             self._patch(body)
             if self.metrics and step is not None:
-                self.metrics.update(step, throughput or {})
+                self.metrics.update(step, throughput or {}, (extra or {}).get("train"))
             self.write_progress({"time": time.time(), **body["status"], **(extra or {})})
 
     def start_heartbeat(self, on_beat: Any = None) -> None:

@@ -44,8 +44,8 @@ import torch
 
 from rlhf_runtime.algo.objectives import aggregate, correction_weights, policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import flops, node_files
 from rlhf_runtime.infra import lora as lora_mod
-from rlhf_runtime.infra import node_files
 from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import (
     FSDPWorker,
@@ -55,7 +55,15 @@ from rlhf_runtime.roles.base import (
     read_optimizer_state,
     release_cached_gpu_memory,
 )
-from rlhf_runtime.roles.batches import Packed, TokenScorer, from_lists, per_token, to_lists, token_logprobs
+from rlhf_runtime.roles.batches import (
+    Packed,
+    TokenScorer,
+    causal_lm,
+    from_lists,
+    per_token,
+    to_lists,
+    token_logprobs,
+)
 from rlhf_runtime.vllm import compat as vllm_compat
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -107,6 +115,7 @@ class Trainer(FSDPWorker):
         # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
                                if ".lora_" not in n)
+        self.param_count = sum(p.numel() for n, p in self.model.named_parameters() if ".lora_" not in n)
 
     def _resume(self, step: int, path: Path) -> dict[str, Any]:
         """Continue at checkpoint ``step`` (at ``path``): the step counter, and its optimiser state (returned).
@@ -284,7 +293,24 @@ class Trainer(FSDPWorker):
         self.step += 1
         stats["step"] = self.step
         stats["train_s"] = time.perf_counter() - t0
+        stats.update(self.efficiency(batch, stats["train_s"]))
         return stats
+
+    def efficiency(self, batch: dict[str, Any], seconds: float) -> dict[str, float]:
+        """The step's training tokens (prompt and completion, every rank's), tokens/s per trainer GPU (or worker)
+        and, on a GPU of known peak, MFU (``infra.flops``: model FLOPs of ``epochsPerStep`` passes). A collective
+        under FSDP."""
+        lens = [len(p) + len(c) for p, c in zip(batch["prompts"], batch["completions"])]
+        tokens, scored, squares = self.all_reduce([float(sum(lens)), float(sum(len(c) for c in batch["completions"])),
+                                                   float(sum(n * n for n in lens))])
+        out = {"train_tokens": tokens, "train_tokens_per_second_per_gpu": tokens / seconds / self.world_size}
+        peak = flops.peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        if peak:
+            lm = causal_lm(self.model)
+            n = self.spec.algorithm.epochs_per_step * flops.train_flops(lm.config, self.param_count, int(tokens),
+                                                                      int(scored), int(squares))
+            out["mfu"] = n / seconds / (self.world_size * peak)
+        return out
 
     def _kl_in_loss(self) -> bool:
         a = self.spec.algorithm

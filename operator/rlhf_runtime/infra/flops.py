@@ -1,0 +1,38 @@
+"""Training FLOPs and the GPU's peak: what ``Trainer`` reports as training tokens/s per GPU and MFU.
+
+Model FLOPs of one optimiser pass over a batch (the recomputation of gradient checkpointing is not counted):
+
+    6 * (N - V*H) * T  +  6 * V*H * S  +  6 * layers * heads * head_dim * sum_i(len_i^2)
+
+``N`` the model's parameters, ``V*H`` its output layer (and its input embedding too when the two are untied:
+a lookup, not a matmul), ``T`` every token of the batch, ``S`` the scored (completion) tokens (the output layer
+runs on those only, ``roles.batches.token_logprobs``), and the last term causal attention: ``QK^T`` and ``AV``
+over half the square of each sequence, forward and backward (3x forward). MFU divides the FLOPs per second by
+the GPUs' dense bfloat16 peak (``PEAK_BF16``, from the vendors' data sheets; a GPU not listed has no MFU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Dense (not 2:4 sparse) bfloat16 tensor-core peak FLOP/s by device-name fragment, most specific first.
+PEAK_BF16: tuple[tuple[str, float], ...] = (
+    ("GB200", 2.5e15), ("B200", 2.25e15), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+    ("H800", 989e12), ("H20", 148e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12),
+    ("A10G", 70e12),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bfloat16 peak of the GPU called ``device_name`` (``torch.cuda.get_device_name``), or None."""
+    return next((v for k, v in PEAK_BF16 if k in device_name), None)
+
+
+def train_flops(config: Any, params: int, tokens: int, scored: int, square_sum: int) -> float:
+    """Model FLOPs of one training pass (module docstring); ``config`` a Hugging Face model config."""
+    vocab, hidden = int(config.vocab_size), int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    head = vocab * hidden
+    body = params - head * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return 6.0 * body * tokens + 6.0 * head * scored + 6.0 * config.num_hidden_layers * heads * head_dim * square_sum
