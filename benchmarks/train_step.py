@@ -51,9 +51,11 @@ PROMPT = 128  # prompt tokens per sample (CPU smoke: 16)
 
 
 def spec(model: Path, gpu: bool, budget: int, lr: float, dtype: str, master: str | None,
-         checkpointing: bool) -> dict[str, Any]:
-    trainer: dict[str, Any] = {"replicas": 1, "gpusPerReplica": 1 if gpu else 0,
+         checkpointing: bool, world: int = 1) -> dict[str, Any]:
+    trainer: dict[str, Any] = {"replicas": 1, "gpusPerReplica": world if gpu or world > 1 else 0,
                                "gradientCheckpointing": checkpointing}
+    if world > 1:
+        trainer["strategy"] = "fsdp2"
     if master is not None:  # None: a checkout without these fields (--legacy)
         trainer.update(masterWeights=master, maxTokensPerMicroBatch=budget)
     return {
@@ -64,7 +66,7 @@ def spec(model: Path, gpu: bool, budget: int, lr: float, dtype: str, master: str
     }
 
 
-def make_trainer(cfg: dict[str, Any]) -> Any:
+def make_trainer(cfg: dict[str, Any], rank: int = 0, world: int = 1, port: int = 0) -> Any:
     from rlhf_api.models import RuntimeConfig
     from rlhf_runtime.roles.policy import Trainer
 
@@ -75,7 +77,7 @@ def make_trainer(cfg: dict[str, Any]) -> Any:
             pass
 
     return StepTrainer(RuntimeConfig(name="bench", namespace="default", uid="u", spec=cfg).model_dump_json(
-        by_alias=True))
+        by_alias=True), rank, world, "127.0.0.1", port)
 
 
 def batch(lengths: list[int], vocab: int, seed: int = 0) -> dict[str, Any]:
@@ -106,9 +108,14 @@ def device_peak() -> float | None:
 
 
 def timed_steps(t: Any, b: dict[str, Any], repeats: int, flops: float) -> dict[str, Any]:
+    """``b``: the whole batch; with several ranks, this rank trains its share (every ``world``-th sample), and
+    tokens/s and MFU are per GPU."""
     import torch
 
     gpu = torch.cuda.is_available()
+    world = t.world_size
+    whole = b
+    b = {k: v[t.rank :: world] for k, v in b.items()}
     t.train(b)  # warm-up
     if gpu:
         torch.cuda.reset_peak_memory_stats()
@@ -118,10 +125,11 @@ def timed_steps(t: Any, b: dict[str, Any], repeats: int, flops: float) -> dict[s
         stats = t.train(b)
         times.append(stats["train_s"])
     med = sorted(times)[len(times) // 2]
-    tokens = sum(len(p) + len(q) for p, q in zip(b["prompts"], b["completions"]))
+    tokens = sum(len(p) + len(q) for p, q in zip(whole["prompts"], whole["completions"]))
     peak = device_peak()
-    return {"train_s": times, "median_s": med, "tokens": tokens, "tokens_per_s": tokens / med,
-            "tflops": flops / med / 1e12, "mfu": flops / med / peak if peak else None,
+    return {"train_s": times, "median_s": med, "tokens": tokens, "gpus": world,
+            "tokens_per_s_per_gpu": tokens / med / world, "tflops_per_gpu": flops / med / 1e12 / world,
+            "mfu": flops / med / world / peak if peak else None, "runtime_mfu": stats.get("mfu"),
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if gpu else None,
             "loss": stats.get("loss"), "entropy": stats.get("entropy")}
@@ -155,14 +163,15 @@ def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy
     lengths = [int(x) for x in a.lengths.split(",")]
     budget = max(a.budget, max(lengths))
     t = make_trainer(spec(model, gpu, budget, 1e-6, "bfloat16" if gpu else "float32",
-                          None if legacy else "float32", True))
+                          None if legacy else "float32", not a.no_checkpointing, a.world), a.rank, a.world, a.port)
     out: list[dict[str, Any]] = []
-    if not legacy:
+    if not legacy and a.world == 1:
         out.append({"varlen_check": varlen_check(t, info["config"]["vocab_size"])})
         print(json.dumps(out[-1]), flush=True)
     for n in lengths:
         b = batch([n] * max(1, a.step_tokens // n), info["config"]["vocab_size"])
-        row: dict[str, Any] = {"length": n, "samples": len(b["prompts"]), "budget": budget, "legacy": legacy}
+        row: dict[str, Any] = {"length": n, "samples": len(b["prompts"]), "budget": budget, "legacy": legacy,
+                               "gradient_checkpointing": not a.no_checkpointing}
         try:
             row.update(timed_steps(t, b, a.repeats, step_flops(info, b)))
         except torch.OutOfMemoryError as e:
@@ -233,6 +242,31 @@ def run_fidelity(a: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def run_ranks(a: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
+    """``--world`` FSDP2 ranks, one process and GPU each, on the same batches; rank 0's results."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(a.world):
+        cmd = [sys.executable, __file__, "--only", "rank", "--rank", str(r), "--world", str(a.world), "--port",
+               str(port), "--model-dir", str(model), "--model", a.model, "--lengths", a.lengths, "--step-tokens",
+               str(a.step_tokens), "--budget", str(a.budget), "--repeats", str(a.repeats)]
+        cmd += ["--no-checkpointing"] if a.no_checkpointing else []
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(r)}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=1200) for p in procs]
+    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError("rank 0 failed:\n" + outs[0][1][-3000:] + "\nrank 1:\n" + outs[-1][1][-2000:])
+    rows = json.loads(lines[-1][7:])
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-1.7b", help="a gpu_sync.MODELS name")
@@ -244,7 +278,11 @@ def main() -> None:
     p.add_argument("--fidelity", default="", help="a gpu_sync.MODELS name for the update-fidelity run")
     p.add_argument("--legacy", default="", help="a directory holding another checkout's operator/ (before/after)")
     p.add_argument("--legacy-lengths", default="256,512")
-    p.add_argument("--only", default="", help="internal: lengths|legacy")
+    p.add_argument("--no-checkpointing", action="store_true", help="trainer.gradientCheckpointing false")
+    p.add_argument("--world", type=int, default=1, help="FSDP2 over this many GPUs (one process each)")
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--only", default="", help="internal: lengths|legacy|rank")
     p.add_argument("--model-dir", default="")
     p.add_argument("--cpu", action="store_true", help="smoke run: the tiny model on CPU")
     p.add_argument("--out", default="")
@@ -258,6 +296,10 @@ def main() -> None:
     import torch
 
     tmp = Path(tempfile.mkdtemp(prefix="train-step-"))
+    if a.only == "rank":  # one FSDP2 rank of --world (its own GPU): the lengths only
+        info = json.loads(Path(a.model_dir, "info.json").read_text())
+        print("RESULT " + json.dumps(run_lengths(a, Path(a.model_dir), info, legacy=False)), flush=True)
+        return
     if a.only == "legacy":  # in the subprocess of --legacy: the other checkout's trainer on the same batches
         info = json.loads(Path(a.model_dir, "info.json").read_text())
         a.lengths = a.legacy_lengths
@@ -275,6 +317,10 @@ def main() -> None:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(result, indent=1))
 
+    if a.world > 1:
+        result["lengths"] = run_ranks(a, model)
+        save()
+        return
     result["lengths"] = run_lengths(a, model, info, legacy=False)
     save()
     gc.collect()
