@@ -93,7 +93,8 @@ class ParamSource:
             if name in self.local:
                 full = p.to_local()
             elif callable(getattr(p, "full_tensor", None)):
-                full = p.full_tensor()
+                # cast the shard, then gather: float32 masters travel in the sync's dtype (half the bytes)
+                full = p.detach().to(self.dtype).full_tensor()
                 self.gathers += 1
             else:
                 full = p
