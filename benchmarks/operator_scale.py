@@ -423,7 +423,7 @@ def job_shape(operator_path: Path) -> dict[str, Any]:
 
     spec = models.RLHFJobSpec.model_validate(job_body(0)["spec"])
     groups = render.worker_groups(spec)
-    return {"sample": SAMPLE, "changes": SAMPLE_CHANGES, "gpus": spec.total_gpus(),
+    return {"sample": SAMPLE, "changes": SAMPLE_CHANGES, "gpus": sum(g.replicas * g.gpus for g in groups),
             "pods": 2 + sum(g.replicas for g in groups),
             "groups": {g.name: {"replicas": g.replicas, "gpus": g.gpus} for g in groups}}
 

@@ -83,3 +83,8 @@ def worker_groups(spec: RLHFJobSpec) -> list[WorkerGroup]:
     for name, role in separate_roles(spec).items():
         groups.append(WorkerGroup(name, role.replicas, spec.role_gpus(role), role.resources.cpu, role.resources.memory))
     return groups
+
+
+def total_gpus(spec: RLHFJobSpec) -> int:
+    """GPUs of all the job's worker pods."""
+    return sum(g.replicas * g.gpus for g in worker_groups(spec))

@@ -926,12 +926,6 @@ class RLHFJobSpec(Model):
         """GPUs per pod of a separate role (0 for a CPU-only job)."""
         return 0 if self.cpu_only() else role.gpus_per_replica
 
-    def total_gpus(self) -> int:
-        """GPUs of all the job's worker pods (``rlhf_api.groups.worker_groups``)."""
-        from rlhf_api.groups import worker_groups  # that module imports this one
-
-        return sum(g.replicas * g.gpus for g in worker_groups(self))
-
 
 # ---------------------------------------------------------------------------------------------- status
 PHASES = ("Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended")

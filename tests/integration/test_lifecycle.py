@@ -9,6 +9,7 @@ import signal
 import pytest
 from kubernetes import client
 
+from rlhf_api.groups import total_gpus
 from rlhf_api import models as m
 from rlhf_operator import render
 from tests.helpers import events_until, wait_for
@@ -102,7 +103,7 @@ def test_sample_is_placed_on_gpu_nodes(cluster, api, operator, namespace, sample
     want = {g.name: g.replicas * g.gpus for g in render.worker_groups(spec)}
     assert {g: n for g, n in by_group.items() if g != "headgroup" and n} == {g: n for g, n in want.items() if n}
     assert all(n <= 8 for n in per_node.values()), per_node
-    assert sum(by_group.values()) == spec.total_gpus()
+    assert sum(by_group.values()) == total_gpus(spec)
 
     wait_for(lambda: all(p.status.phase == "Running" for p in ray_pods(api, namespace)), 120, "pods Running (KWOK)")
     wait_for(lambda: phase(api, namespace, name) == "Running", 120, "phase Running")

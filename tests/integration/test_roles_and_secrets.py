@@ -77,7 +77,7 @@ def test_separate_reward_and_reference_groups_are_scheduled_on_gpu_nodes(cluster
             assert p.metadata.labels["rlhf.dev/role"] == gname
             # KubeRay's `ray start` advertises the group's custom resource, which the runtime's bundles ask for
             assert f"""--resources='{{"rlhf_{gname}":1}}'""" in _command(p), _command(p)
-    assert sum(gpus(p) for p in placed) == spec.total_gpus() == 4
+    assert sum(gpus(p) for p in placed) == total_gpus(spec) == 4
     wait_for(lambda: phase(api, namespace, name) == "Running", 120, "phase Running")
     assert condition(get_job(api, namespace, name), "PodsScheduled")["status"] == "True"
 
