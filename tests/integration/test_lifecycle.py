@@ -9,8 +9,8 @@ import signal
 import pytest
 from kubernetes import client
 
-from rlhf_api.groups import total_gpus
 from rlhf_api import models as m
+from rlhf_api.groups import total_gpus
 from rlhf_operator import render
 from tests.helpers import events_until, wait_for
 from tests.integration.conftest import Operator, apply, load_sample, peering_namespace
