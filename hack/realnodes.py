@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -413,5 +412,11 @@ def down(dir: Path) -> None:
     state.unlink()
     if OWNER.exists() and OWNER.read_text().strip() == str(dir):
         OWNER.unlink()
-    for n in nodes:  # containerd's snapshots are large: a stopped cluster keeps none
-        shutil.rmtree(n.dir / "containerd", ignore_errors=True)
+    for n in nodes:  # containerd's snapshots are large (GBs): a stopped cluster keeps none; removed in the
+        # background (renamed first, so nothing can use them), the caller does not wait for the disk
+        snapshots = n.dir / "containerd"
+        if snapshots.exists():
+            trash = n.dir / f".containerd-removed-{os.getpid()}-{time.monotonic_ns()}"
+            snapshots.rename(trash)
+            subprocess.Popen(["rm", "-rf", str(trash)], start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)

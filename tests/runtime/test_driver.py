@@ -79,7 +79,7 @@ def test_killed_driver_resumes_from_newest_checkpoint(tiny_model: Path, tmp_path
     ckpt_dir = tmp_path / "ckpt"
     spec = job_config(
         tiny_model,
-        algorithm={"steps": 30, "promptsPerStep": 32},
+        algorithm={"steps": 14, "promptsPerStep": 16},
         rollout={"sampling": {"temperature": 1.0, "maxTokens": 16, "samplesPerPrompt": 8}},
         checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
         volumes=[{"name": "ckpt", "emptyDir": {}}],
@@ -93,7 +93,7 @@ def test_killed_driver_resumes_from_newest_checkpoint(tiny_model: Path, tmp_path
     finally:
         first.kill_group()
     killed_at = first.steps()[-1]["step"]
-    assert killed_at < 30, "the run finished before it could be killed"
+    assert killed_at < 14, "the run finished before it could be killed"
     newest = ckpt.latest(ckpt_dir)
     assert newest is not None and newest[0] >= 4, newest
     resumed = newest[0]
@@ -104,9 +104,9 @@ def test_killed_driver_resumes_from_newest_checkpoint(tiny_model: Path, tmp_path
     assert records[0]["runtime"]["state"] == "Starting"
     assert any(r["runtime"].get("resumedFromStep") == resumed for r in records)
     steps = [r["step"] for r in second.steps()]
-    assert steps == list(range(resumed + 1, 31)), steps  # the counter continues, nothing is repeated
+    assert steps == list(range(resumed + 1, 15)), steps  # the counter continues, nothing is repeated
     assert records[-1]["runtime"]["state"] == "Succeeded"
-    assert ckpt.latest(ckpt_dir)[0] == 30
+    assert ckpt.latest(ckpt_dir)[0] == 14
 
 
 # asyncllm: engines.AsyncEngine (AsyncLLM, engine core in a subprocess); stepped: stepped_engine.SteppedEngine
