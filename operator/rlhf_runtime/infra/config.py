@@ -28,8 +28,11 @@ ACTOR_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-#: Extra environment on CPU-only jobs (the KV cache on CPU is RAM, in GiB).
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: Extra environment on CPU-only jobs (the KV cache on CPU is RAM, in GiB). ``TORCHDYNAMO_DISABLE``: vLLM compiles
+#: its sampler's log-probability gather with ``torch.compile``, which on a CPU needs a C++ compiler the runtime
+#: image has none of (``InductorError: InvalidCxxCompiler: No working C++ compiler found``, the first rollout
+#: that asks for log-probabilities); CPU engines run eagerly anyway (``enforce_eager``).
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TORCHDYNAMO_DISABLE": "1"}
 
 
 def config_path(path: str | os.PathLike[str] | None = None) -> str:
