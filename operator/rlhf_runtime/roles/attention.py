@@ -15,6 +15,7 @@ SDPA and its mask); CPU runs keep SDPA.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -75,11 +76,17 @@ def no_mask(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+@functools.cache
+def _params(kernel: Any) -> frozenset[str]:
+    """The kernel's keyword names, read once (every attention call of every layer asks)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _call(kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
           scale: float | None) -> torch.Tensor:
     """The kernel, causal, over torch releases whose signatures differ (``is_causal`` in torch 2.10-2.11, a
     ``window_size`` later; ``enable_gqa`` or not)."""
-    params = inspect.signature(kernel).parameters
+    params = _params(kernel)
     kw: dict[str, Any] = {"scale": scale}
     if "window_size" in params:
         kw["window_size"] = (-1, 0)
