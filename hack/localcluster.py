@@ -23,7 +23,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -124,29 +123,8 @@ class Cluster:
         (self.dir / f"{name}.pid").write_text(str(proc.pid))
 
     def stop(self) -> None:
-        # kubelets first, so that nothing restarts the containers the rest of the teardown removes
-        self._stop(sorted(self.dir.glob("kubelet-*.pid")))
-        self._stop(sorted(self.dir.glob("*.pid")))
+        realnodes.stop_processes(self.dir)
         realnodes.down(self.dir)
-
-    def _stop(self, pidfiles: list[Path]) -> None:
-        """SIGKILL the process groups (a stopped cluster's state is thrown away: nothing needs a graceful exit,
-        and SIGTERM cost up to 20 s of waiting per call), then wait until they are gone (ports and files free)."""
-        for pidfile in pidfiles:
-            try:
-                os.killpg(int(pidfile.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError, PermissionError):
-                pass
-        deadline = time.time() + 20
-        for pidfile in pidfiles:
-            pid = int(pidfile.read_text() or 0)
-            while pid and time.time() < deadline:
-                try:
-                    os.killpg(pid, 0)
-                except (ProcessLookupError, PermissionError):
-                    break
-                time.sleep(0.05)
-            pidfile.unlink(missing_ok=True)
 
     def _wait(self, what: str, ok, timeout: float = 120) -> None:
         deadline = time.time() + timeout

@@ -362,16 +362,28 @@ def _kill(pids) -> None:
             pass
 
 
-def stop_processes(dir: Path) -> None:
-    """Kill the processes a cluster in ``dir`` started (by their pid files, kubelets first, so that nothing
-    recreates the containers ``down`` then removes)."""
+def stop_processes(dir: Path, wait: float = 20.0) -> None:
+    """SIGKILL the process groups a cluster in ``dir`` started (by their pid files, kubelets first, so that
+    nothing recreates the containers ``down`` then removes; a stopped cluster's state is thrown away, nothing
+    needs a graceful exit), then wait up to ``wait`` seconds until they are gone (ports and files free)."""
+    pids: list[int] = []
     for pattern in ("kubelet-*.pid", "*.pid"):
         for pidfile in sorted(dir.glob(pattern)):
             try:
-                os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+                pid = int(pidfile.read_text())
+                os.killpg(pid, signal.SIGKILL)
+                pids.append(pid)
             except (ProcessLookupError, ValueError, PermissionError):
                 pass
             pidfile.unlink(missing_ok=True)
+    deadline = time.time() + wait
+    for pid in pids:
+        while time.time() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
 
 
 def down(dir: Path) -> None:
