@@ -485,7 +485,7 @@ class Cluster:
             "integrations": {"frameworks": ["ray.io/rayjob"]},
         }))
         kubeconfig = self.token_kubeconfig(ns, KUEUE_SERVICE_ACCOUNT, self.dir / "kueue.kubeconfig", duration="24h")
-        self._stop([pidfile] if pidfile.exists() else [])
+        realnodes.stop_processes(self.dir, patterns=(pidfile.name,))
         self._start("kueue", [str(self.bin / "kueue"), f"--config={self.dir / 'kueue-config.json'}"],
                     env={"KUBECONFIG": str(kubeconfig)})
         self._wait("Kueue's webhook certificate", lambda: self._mount_kueue_certs(certs), timeout=120)

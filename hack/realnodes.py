@@ -362,12 +362,13 @@ def _kill(pids) -> None:
             pass
 
 
-def stop_processes(dir: Path, wait: float = 20.0) -> None:
-    """SIGKILL the process groups a cluster in ``dir`` started (by their pid files, kubelets first, so that
-    nothing recreates the containers ``down`` then removes; a stopped cluster's state is thrown away, nothing
-    needs a graceful exit), then wait up to ``wait`` seconds until they are gone (ports and files free)."""
+def stop_processes(dir: Path, wait: float = 20.0, patterns: tuple[str, ...] = ("kubelet-*.pid", "*.pid")) -> None:
+    """SIGKILL the process groups a cluster in ``dir`` started (by their pid files matching ``patterns``, by
+    default kubelets first, so that nothing recreates the containers ``down`` then removes; a stopped cluster's
+    state is thrown away, nothing needs a graceful exit), then wait up to ``wait`` seconds until they are gone
+    (ports and files free)."""
     pids: list[int] = []
-    for pattern in ("kubelet-*.pid", "*.pid"):
+    for pattern in patterns:
         for pidfile in sorted(dir.glob(pattern)):
             try:
                 pid = int(pidfile.read_text())
