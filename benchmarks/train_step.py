@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
@@ -46,7 +48,18 @@ sys.path.insert(0, os.environ.get("TRAIN_STEP_OPERATOR", str(ROOT.parent / "oper
 
 import gpu_sync
 
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+
+def _flops_module() -> Any:
+    """This checkout's ``rlhf_runtime/infra/flops.py`` (what the trainer reports), loaded by path: a ``--legacy``
+    checkout has none, and its subprocess imports the runtime from that checkout."""
+    where = ROOT.parent / "operator" / "rlhf_runtime" / "infra" / "flops.py"
+    spec = importlib.util.spec_from_file_location("bench_flops", where)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FLOPS = _flops_module()
 PROMPT = 128  # prompt tokens per sample (CPU smoke: 16)
 
 
@@ -89,13 +102,9 @@ def batch(lengths: list[int], vocab: int, seed: int = 0) -> dict[str, Any]:
 
 
 def step_flops(info: dict[str, Any], b: dict[str, Any]) -> float:
-    c = info["config"]
-    head = c["vocab_size"] * c["hidden_size"]
-    body = info["params"] - head * (1 if c.get("tie_word_embeddings") else 2)
     lens = [len(p) + len(q) for p, q in zip(b["prompts"], b["completions"])]
-    scored = sum(len(q) for q in b["completions"])
-    d = c["num_attention_heads"] * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    return 6 * body * sum(lens) + 6 * head * scored + 6 * c["num_hidden_layers"] * d * sum(n * n for n in lens)
+    return FLOPS.train_flops(SimpleNamespace(**info["config"]), info["params"], sum(lens),
+                             sum(len(q) for q in b["completions"]), sum(n * n for n in lens))
 
 
 def device_peak() -> float | None:
@@ -103,8 +112,7 @@ def device_peak() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(0)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+    return FLOPS.peak_flops(torch.cuda.get_device_name(0))
 
 
 def timed_steps(t: Any, b: dict[str, Any], repeats: int, flops: float) -> dict[str, Any]:

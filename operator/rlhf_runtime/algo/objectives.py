@@ -120,6 +120,17 @@ def sequence_advantages(name: str, rewards: list[float], group_size: int, eps: f
     return [0.0 if std < eps else (r - mean) / (std + eps) for r in rewards]
 
 
+def sequence_sums(x: torch.Tensor, seq: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of a [B, T] quantity, and each entry's sequence id (flat): sequences are the rows, or
+    the runs of equal ``seq`` ids ([B, T] long) of a packed micro-batch."""
+    import torch
+
+    ids = seq if seq is not None else torch.arange(x.shape[0], device=x.device)[:, None].expand_as(x)
+    flat = ids.reshape(-1)
+    n = int(flat.max()) + 1 if flat.numel() else 0
+    return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, flat, x.reshape(-1)), flat
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
               seq: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar aggregate of a [B, T] per-token quantity over the mask: ``token`` or ``sequence`` mean (sequences:
@@ -132,13 +143,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
     x = torch.where(m > 0, per_token, torch.zeros_like(per_token))
     if aggregation == "token":
         return (x * m).sum() / m.sum().clamp(min=1)
-    if seq is not None:
-        ids = seq.reshape(-1)
-        n = int(ids.max()) + 1 if ids.numel() else 0
-        counts = torch.zeros(n, dtype=m.dtype, device=m.device).index_add(0, ids, m.reshape(-1))
-        sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, ids, (x * m).reshape(-1))
-    else:
-        counts, sums = m.sum(-1), (x * m).sum(-1)
+    counts, sums = sequence_sums(m, seq)[0], sequence_sums(x * m, seq)[0]
     per_seq = sums / counts.clamp(min=1)
     present = (counts > 0).to(per_token.dtype)
     return (per_seq * present).sum() / present.sum().clamp(min=1)
@@ -252,10 +257,7 @@ def correction_weights(
         m = mask.to(old_logp.dtype)
         log_w = torch.where(m > 0, old_logp - rollout_logp, torch.zeros_like(old_logp))
         if level == "sequence":
-            ids = seq if seq is not None else torch.arange(m.shape[0], device=m.device)[:, None].expand_as(m)
-            flat = ids.reshape(-1)
-            sums = torch.zeros(int(flat.max()) + 1, dtype=log_w.dtype, device=m.device).index_add(
-                0, flat, log_w.reshape(-1))
+            sums, flat = sequence_sums(log_w, seq)
             log_w_used = sums[flat].reshape(m.shape) * m
         elif level == "token":
             log_w_used = log_w

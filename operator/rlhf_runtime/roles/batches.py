@@ -13,7 +13,7 @@ A batch is the driver's: ``prompts`` and ``completions`` as token ids per sample
   (a block-diagonal mask with SDPA; on GPUs ``roles.attention``'s variable-length FlashAttention over the
   boundaries ``cu``, which costs the sum of the sequences' squares instead of the row's). ``mask`` is 1 on completion tokens, ``seq`` says which
   sequence of the micro-batch a token belongs to (sequence-level loss aggregation).
-* ``to_lists`` / ``from_lists`` / ``per_token``: per-token values of a micro-batch back to lists over each
+* ``to_lists`` (``put``) / ``from_lists`` / ``per_token``: per-token values of a micro-batch back to lists over each
   sample's *completion* tokens, and the inverse (advantages, old log-probabilities, returns).
 
 ``token_logprobs`` is the one definition of a token's log-probability that the trainer, its reference and the
@@ -129,6 +129,12 @@ def to_lists(x: torch.Tensor, packed: Packed) -> list[list[float]]:
     """The completion positions of ``x`` (``[1, L]``) as one list per sample, in ``packed.idx`` order."""
     row = x.detach().float().reshape(-1).cpu()
     return [row[s : s + n].tolist() for s, n in zip(packed.starts, packed.lengths)]
+
+
+def put(out: list[list[float]], x: torch.Tensor, packed: Packed) -> None:
+    """``to_lists`` written into the batch's lists ``out`` at the micro-batch's sample indices."""
+    for i, v in zip(packed.idx, to_lists(x, packed)):
+        out[i] = v
 
 
 def from_lists(values: list[list[float]], packed: Packed) -> torch.Tensor:

@@ -37,7 +37,7 @@ from rlhf_runtime.roles.base import (
     read_optimizer_state,
     release_cached_gpu_memory,
 )
-from rlhf_runtime.roles.batches import Packed, from_lists, to_lists
+from rlhf_runtime.roles.batches import Packed, from_lists, put
 
 log = logging.getLogger("rlhf_runtime")
 
@@ -121,8 +121,7 @@ class CriticModel(FSDPWorker):
         self.model.eval()
         out: list[list[float]] = [[] for _ in batch["prompts"]]
         for micro in self.micro_batches(batch["prompts"], batch["completions"]):
-            for i, v in zip(micro.idx, to_lists(self._values(micro), micro)):
-                out[i] = v
+            put(out, self._values(micro), micro)
         release_cached_gpu_memory(self.spec, self.device)
         return {"values": out, "seconds": time.perf_counter() - t0}
 

@@ -61,7 +61,7 @@ from rlhf_runtime.roles.batches import (
     causal_lm,
     from_lists,
     per_token,
-    to_lists,
+    put,
     token_logprobs,
 )
 from rlhf_runtime.vllm import compat as vllm_compat
@@ -265,11 +265,9 @@ class Trainer(FSDPWorker):
         ref: list[list[float]] | None = [[] for _ in range(n)] if self.own_ref else None
         self.model.eval()
         for micro in self.micro_batches(batch["prompts"], batch["completions"]):
-            for i, v in zip(micro.idx, to_lists(token_logprobs(self.scorer, micro, temp)[0], micro)):
-                logp[i] = v
+            put(logp, token_logprobs(self.scorer, micro, temp)[0], micro)
             if ref is not None:
-                for i, v in zip(micro.idx, to_lists(self._ref_logprobs(micro, temp), micro)):
-                    ref[i] = v
+                put(ref, self._ref_logprobs(micro, temp), micro)
         return {"logp": logp, "ref": ref, "seconds": time.perf_counter() - t0}
 
     def _ref_logprobs(self, micro: Packed, temp: float) -> torch.Tensor:

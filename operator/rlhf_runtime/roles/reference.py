@@ -21,7 +21,7 @@ import torch
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import load_kwargs, release_cached_gpu_memory, worker_device
-from rlhf_runtime.roles.batches import pack, plan, to_lists, token_logprobs
+from rlhf_runtime.roles.batches import pack, plan, put, token_logprobs
 
 
 class ReferenceModel:
@@ -49,7 +49,6 @@ class ReferenceModel:
         out: list[list[float]] = [[] for _ in p]
         for idx in plan([len(a) + len(b) for a, b in zip(p, c)], self.spec.trainer.max_tokens_per_micro_batch):
             micro = pack(p, c, idx, self.device)
-            for i, v in zip(idx, to_lists(token_logprobs(self.model, micro, temp)[0], micro)):
-                out[i] = v
+            put(out, token_logprobs(self.model, micro, temp)[0], micro)
         release_cached_gpu_memory(self.spec, self.device)
         return {"logp": out, "seconds": time.perf_counter() - t0}

@@ -1,0 +1,316 @@
+"""Learning, shown: a small decoder is taught multi-digit addition, then GRPO improves it through the runtime.
+
+No hub download. The benchmark
+
+1. builds a small Qwen3-shaped decoder (random init, ``--hidden``/``--layers``) with the character tokenizer
+   of ``rlhf_testing.tiny`` and trains it supervised on ``"042+517="`` -> ``"559"`` + EOS (loss on the answer
+   only; float32 weights, bfloat16 autocast on a GPU) until its greedy exact-match on held-out problems reaches
+   ``--sft-target`` (clearly above 0, far below 100 %: a model worth improving), then saves it in the job's
+   dtype;
+2. writes GRPO data from problems the supervised phase never saw: a training file and a held-out eval file
+   (JSON lines with ``prompt`` and ``answer``), disjoint from each other;
+3. runs the runtime's own driver on it, once per variant and seed (``python -m rlhf_runtime.driver --local``:
+   local Ray, a vLLM engine, the trainer, the job's weight sync; reward ``exactMatch``; ``spec.data.eval``
+   scored greedily every ``--eval-every`` steps), and reads accuracy and wall-clock per step from the
+   driver's progress file.
+
+Variants share the checkpoint, data, seeds, hyperparameters and steps and differ in one field:
+``trainer.masterWeights`` ``float32`` (float32 master weights, the default since 2026-11-26) vs ``none``
+(AdamW updates the bfloat16 weights in place: the trainer before). Runs are interleaved (seed by seed).
+
+Writes ``<out>/learning_<device>.json`` (command, device, date, the supervised history, every run's
+per-step records) and prints a table.
+
+    . benchmarks/gpu_env.sh && python3 benchmarks/gpu_learning.py --out $OUT      # one GPU, colocated
+    python3 benchmarks/gpu_learning.py --cpu --out /tmp/learning                  # smoke test on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "operator"))
+
+VOCAB = 64  # the character tokenizer's size (rlhf_testing.tiny.build_tokenizer)
+EOS, PAD = 3, 0
+
+
+# ------------------------------------------------------------------------------------------------ the task
+def problems(digits: int, seed: int, n: int, exclude: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """``n`` distinct addition problems ``("042+517=", "559")`` not in ``exclude`` (zero-padded operands, so every
+    prompt has the same length; the answer is not padded)."""
+    rng, seen, out = random.Random(seed), set(exclude), []
+    top = 10 ** digits
+    if n > top * top - len(seen):
+        raise ValueError(f"{n} problems of {digits} digits do not exist")
+    while len(out) < n:
+        a, b = rng.randrange(top), rng.randrange(top)
+        prompt = f"{a:0{digits}d}+{b:0{digits}d}="
+        if prompt not in seen:
+            seen.add(prompt)
+            out.append((prompt, str(a + b)))
+    return out
+
+
+def write_jsonl(path: Path, rows: list[tuple[str, str]]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ supervised
+def build(path: Path, hidden: int, layers: int, seed: int) -> Any:
+    import torch
+    from rlhf_testing.tiny import build_tokenizer
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
+                      max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False,
+                      bos_token_id=2, eos_token_id=EOS, pad_token_id=PAD)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg)
+    build_tokenizer(path, VOCAB)
+    return model, AutoTokenizer.from_pretrained(str(path))
+
+
+def encode(tok: Any, rows: list[tuple[str, str]], device: Any) -> tuple[Any, Any]:
+    """Right-padded ``prompt + answer + EOS`` ids and a mask of the positions whose next token is scored (the
+    answer and EOS)."""
+    import torch
+
+    seqs, masks = [], []
+    for prompt, answer in rows:
+        p, a = tok.encode(prompt, add_special_tokens=False), tok.encode(answer, add_special_tokens=False) + [EOS]
+        seqs.append(p + a)
+        masks.append([0] * (len(p) - 1) + [1] * len(a))
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [PAD] * (width - len(s)) for s in seqs], device=device)
+    mask = torch.tensor([m + [0] * (width - 1 - len(m)) for m in masks], device=device, dtype=torch.float32)
+    return ids, mask
+
+
+def greedy_accuracy(model: Any, tok: Any, rows: list[tuple[str, str]], device: Any, max_new: int) -> float:
+    """Exact match of greedy answers (every prompt has the same length, so one batch without padding)."""
+    import torch
+
+    correct = 0
+    with torch.no_grad(), torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        for i in range(0, len(rows), 512):
+            chunk = rows[i:i + 512]
+            ids = torch.tensor([tok.encode(p, add_special_tokens=False) for p, _ in chunk], device=device)
+            done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+            out = []
+            for _ in range(max_new):
+                nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1)
+                nxt = torch.where(done, torch.full_like(nxt, EOS), nxt)
+                done |= nxt == EOS
+                out.append(nxt)
+                ids = torch.cat([ids, nxt[:, None]], 1)
+                if bool(done.all()):
+                    break
+            gen = torch.stack(out, 1).tolist()
+            for (_, answer), g in zip(chunk, gen):
+                g = g[:g.index(EOS)] if EOS in g else g
+                correct += tok.decode(g, skip_special_tokens=True).strip() == answer
+    return correct / len(rows)
+
+
+def supervised(a: argparse.Namespace, path: Path, train: list[tuple[str, str]], held: list[tuple[str, str]],
+               grpo_eval: list[tuple[str, str]]) -> dict[str, Any]:
+    """Train until the held-out greedy exact-match reaches ``--sft-target`` (or ``--sft-max-steps``); save the
+    model in the job's dtype, and score the saved weights on the GRPO eval set (the runs' step 0). Returns the
+    history."""
+    import torch
+
+    device = torch.device("cpu" if a.cpu else "cuda")
+    model, tok = build(path, a.hidden, a.layers, a.seed)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.sft_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    rng = random.Random(a.seed)
+    history, t0, step, acc = [], time.perf_counter(), 0, 0.0
+    max_new = a.digits + 2
+    while step < a.sft_max_steps:
+        step += 1
+        for g in opt.param_groups:
+            g["lr"] = a.sft_lr * min(1.0, step / 100)
+        ids, mask = encode(tok, rng.sample(train, a.sft_batch), device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=not a.cpu):
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
+        loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask).sum() \
+            / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % a.sft_eval_every == 0:
+            model.eval()
+            acc = greedy_accuracy(model, tok, held, device, max_new)
+            model.train()
+            history.append({"step": step, "loss": round(loss.item(), 4), "held_out_exact_match": acc,
+                            "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"sft step {step}: loss {loss.item():.4f} held-out exact match {acc:.3f}", flush=True)
+            if acc >= a.sft_target:
+                break
+    dtype = torch.float32 if a.cpu else torch.bfloat16
+    model.to(dtype).save_pretrained(str(path))
+    model.generation_config.save_pretrained(str(path))
+    model.eval()
+    start = greedy_accuracy(model, tok, grpo_eval, device, max_new)
+    print(f"saved in {dtype}: exact match on the GRPO eval set {start:.3f}", flush=True)
+    params = sum(p.numel() for p in model.parameters())
+    return {"steps": step, "params": params, "final_held_out_exact_match": acc, "history": history,
+            "grpo_eval_exact_match_at_start": start,
+            "seconds": round(time.perf_counter() - t0, 1), "saved_dtype": str(dtype).split(".")[-1]}
+
+
+# ------------------------------------------------------------------------------------------------ GRPO
+def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: str, seed: int) -> dict[str, Any]:
+    gpu = not a.cpu
+    return {
+        "model": {"name": str(model), "dtype": "bfloat16" if gpu else "float32"},
+        "image": "local",
+        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "masterWeights": master},
+        "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 32, "enforceEager": True,
+                    "gpuMemoryUtilization": 0.25 if gpu else 0.05,
+                    "sampling": {"temperature": 1.0, "maxTokens": a.digits + 2, "samplesPerPrompt": a.samples}},
+        "placement": {"mode": "colocated" if gpu else "separate"},
+        **({"weightSync": {"backend": "ipc"}} if gpu else {}),
+        "algorithm": {"name": "grpo", "steps": a.grpo_steps, "promptsPerStep": a.prompts, "learningRate": a.lr,
+                      "seed": seed},
+        "data": {"path": str(train), "eval": {"path": str(evals), "maxPrompts": a.eval_prompts},
+                 "evalEveryNSteps": a.eval_every},
+        "reward": {"rule": "exactMatch"},
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
+    }
+
+
+def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path, master: str, seed: int) -> dict[str, Any]:
+    from rlhf_api.models import RuntimeConfig
+
+    name = f"grpo-{master}-seed{seed}"
+    cfg = tmp / f"{name}.json"
+    cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name,
+                                 spec=spec(a, model, train, evals, master, seed)).model_dump_json(by_alias=True))
+    progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
+    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
+           "--progress-file", str(progress)]
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        rc = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, timeout=a.run_timeout,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] if progress.exists() else []
+    start = next((r["time"] for r in records), None)
+    steps, evals_seen = [], {}
+    for r in records:
+        if "eval" in r:  # the driver's record: the status' eval with the completions (snake_case keys)
+            ev = r["eval"]
+            evals_seen[ev["step"]] = ev.get("reward_mean", ev.get("rewardMean"))
+        tp, train_stats = r.get("throughput"), r.get("train") or {}
+        if tp and (r.get("runtime") or {}).get("state") == "Running":
+            steps.append({"step": r["step"], "seconds": round(r["time"] - start, 2),
+                          "reward_mean": tp.get("rewardMean"), "step_seconds": tp.get("stepSeconds"),
+                          **{k: train_stats[k] for k in ("loss", "entropy", "mismatch_kl", "grad_norm")
+                             if k in train_stats}})
+    out = {"variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
+           "eval": [{"step": s, "exact_match": v} for s, v in sorted(evals_seen.items())], "steps": steps}
+    if rc != 0:
+        out["log_tail"] = log.read_text(errors="replace").splitlines()[-40:]
+    print(f"{name}: exit {rc} in {wall:.0f}s; eval " +
+          " ".join(f"{e['step']}:{e['exact_match']:.3f}" for e in out["eval"]), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--digits", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0, help="the supervised phase's seed")
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--sft-batch", type=int, default=256)
+    p.add_argument("--sft-target", type=float, default=0.3, help="stop supervised training at this exact match")
+    p.add_argument("--sft-max-steps", type=int, default=20000)
+    p.add_argument("--sft-eval-every", type=int, default=100)
+    p.add_argument("--grpo-steps", type=int, default=60)
+    p.add_argument("--prompts", type=int, default=64, help="algorithm.promptsPerStep")
+    p.add_argument("--samples", type=int, default=8, help="rollout.sampling.samplesPerPrompt")
+    p.add_argument("--lr", type=float, default=2e-5, help="algorithm.learningRate")
+    p.add_argument("--eval-prompts", type=int, default=512)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--variants", default="float32,none", help="trainer.masterWeights values")
+    p.add_argument("--seeds", default="0,1", help="algorithm.seed of the GRPO runs")
+    p.add_argument("--model-dir", default="", help="reuse a supervised checkpoint (and its data) from here")
+    p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--cpu", action="store_true", help="smoke run on CPU (a smaller model, fewer steps)")
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    if a.cpu:
+        a.digits, a.hidden, a.layers, a.sft_batch, a.sft_max_steps, a.sft_eval_every = 2, 128, 2, 128, 3000, 100
+        a.grpo_steps, a.prompts, a.eval_prompts, a.eval_every = min(a.grpo_steps, 10), 16, 128, 5
+    import torch
+
+    tmp = Path(tempfile.mkdtemp(prefix="learning-"))
+    model = Path(a.model_dir) if a.model_dir else tmp / "model"
+    result: dict[str, Any] = {"command": shlex.join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                              "device": "cpu" if a.cpu else torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "task": f"{a.digits}-digit addition, exact match", "args": vars(a)}
+    try:
+        import vllm
+        result["vllm"] = vllm.__version__
+    except ImportError as e:
+        result["vllm"] = f"not importable here: {e}"
+    # disjoint problem sets: supervised training, its held-out check, GRPO training prompts, GRPO eval
+    held = problems(a.digits, 1, 512)
+    grpo_eval = problems(a.digits, 2, a.eval_prompts, exclude={q for q, _ in held})
+    taken = {q for q, _ in held + grpo_eval}
+    grpo_train = problems(a.digits, 3, min(4096, (10 ** a.digits) ** 2 // 4), exclude=taken)
+    taken |= {q for q, _ in grpo_train}
+    if not a.model_dir:
+        sft_train = problems(a.digits, 4, min(200_000, (10 ** a.digits) ** 2 - len(taken)), exclude=taken)
+        model.mkdir(parents=True)
+        result["supervised"] = supervised(a, model, sft_train, held, grpo_eval)
+        (model / "supervised.json").write_text(json.dumps(result["supervised"]))
+    else:
+        result["supervised"] = json.loads((model / "supervised.json").read_text())
+    train_file, eval_file = write_jsonl(tmp / "train.jsonl", grpo_train), write_jsonl(tmp / "eval.jsonl", grpo_eval)
+    result["runs"] = []
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            dev = "cpu" if a.cpu else result["device"].lower().replace("nvidia ", "").replace(" ", "-")
+            (Path(a.out) / f"learning_{dev}.json").write_text(json.dumps(result, indent=1))
+
+    save()
+    for seed in (int(s) for s in a.seeds.split(",")):
+        for master in a.variants.split(","):
+            result["runs"].append(grpo(a, tmp, model, train_file, eval_file, master, seed))
+            save()
+    print(f"\nsupervised: {result['supervised']['steps']} steps, held-out exact match "
+          f"{result['supervised']['final_held_out_exact_match']:.3f}")
+    print(f"{'variant':10} {'seed':>4} {'first eval':>10} {'last eval':>9} {'wall s':>7}")
+    for r in result["runs"]:
+        ev = r["eval"]
+        print(f"{r['variant']:10} {r['seed']:>4} {ev[0]['exact_match'] if ev else float('nan'):>10.3f} "
+              f"{ev[-1]['exact_match'] if ev else float('nan'):>9.3f} {r['wall_seconds']:>7.0f}")
+    for master in a.variants.split(","):
+        last = [r["eval"][-1]["exact_match"] for r in result["runs"] if r["variant"] == master and r["eval"]]
+        if last:
+            print(f"{master}: last eval median {statistics.median(last):.3f} (min {min(last):.3f}, max {max(last):.3f})")
+
+
+if __name__ == "__main__":
+    main()
