@@ -252,7 +252,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--variants", default="float32,none", help="trainer.masterWeights values")
     p.add_argument("--seeds", default="0,1", help="algorithm.seed of the GRPO runs")
-    p.add_argument("--model-dir", default="", help="reuse a supervised checkpoint (and its data) from here")
+    p.add_argument("--model-dir", default="", help="the supervised checkpoint's folder: made there unless it holds "
+                   "one already (then reused; the data are the same for the same --digits)")
     p.add_argument("--run-timeout", type=float, default=900)
     p.add_argument("--cpu", action="store_true", help="smoke run on CPU (a smaller model, fewer steps)")
     p.add_argument("--out", default="")
@@ -278,9 +279,9 @@ def main() -> None:
     taken = {q for q, _ in held + grpo_eval}
     grpo_train = problems(a.digits, 3, min(4096, (10 ** a.digits) ** 2 // 4), exclude=taken)
     taken |= {q for q, _ in grpo_train}
-    if not a.model_dir:
+    if not (model / "supervised.json").exists():
         sft_train = problems(a.digits, 4, min(200_000, (10 ** a.digits) ** 2 - len(taken)), exclude=taken)
-        model.mkdir(parents=True)
+        model.mkdir(parents=True, exist_ok=True)
         result["supervised"] = supervised(a, model, sft_train, held, grpo_eval)
         (model / "supervised.json").write_text(json.dumps(result["supervised"]))
     else:
