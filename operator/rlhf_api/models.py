@@ -1005,6 +1005,11 @@ class RuntimeReport(Model):
     observed_generation: int | None = Field(
         None, description="metadata.generation of the spec the runtime has applied (a live edit of "
         "spec.algorithm.steps takes effect when the runtime reads it).")
+    warning: str | None = Field(
+        None, description="A problem the runtime sees that does not stop the run, cleared by the next step without "
+        "it: the trainer-vs-engine mismatch (status.throughput.mismatchKl) far above its running level right after a "
+        "weight sync, i.e. engines that may still sample from older weights. The operator turns it into the "
+        "EnginesInSync condition and a Warning Event.")
 
 
 class RLHFJobStatus(Model):
@@ -1013,7 +1018,8 @@ class RLHFJobStatus(Model):
     observed_generation: int | None = Field(None, description="Last metadata.generation the operator acted on.")
     conditions: list[Condition] | None = Field(
         None,
-        description="Ready, Reconciling, Stalled (kstatus), PodsScheduled, RayClusterReady, Complete, InvalidSpec.",
+        description="Ready, Reconciling, Stalled (kstatus), PodsScheduled, RayClusterReady, Complete, InvalidSpec, "
+        "DataAvailable; Admitted under Kueue; EnginesInSync once the runtime measures the trainer-vs-engine mismatch.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     children: Children | None = Field(None, description="Objects the operator owns for this job.")

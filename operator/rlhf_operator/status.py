@@ -343,6 +343,12 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
             gen,
         ),
     ]
+    runtime = obs.old_status.get("runtime") or {}
+    warning = runtime.get("warning")
+    if warning or (obs.old_status.get("throughput") or {}).get("mismatchKl") is not None:
+        # a runtime that measures the trainer-vs-engine mismatch: False while it reports a spike after a sync
+        out.append(_condition("EnginesInSync", not warning, "MismatchSpike" if warning else "Matching",
+                              warning or "", gen))
     if obs.queue_name:  # Kueue: admitted = its RayJob is not held suspended by Kueue
         held = v.reason in ("Queued", "Preempted", "Evicted")
         out.append(_condition("Admitted", not held, v.reason if held else "Admitted", v.message if held else "", gen))

@@ -212,6 +212,40 @@ def test_suspend_and_resume(cluster, api, operator, namespace) -> None:
     wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running again after resume")
 
 
+def test_runtime_mismatch_warning_is_a_condition_and_one_warning_event(cluster, api, operator, namespace) -> None:
+    """The runtime reports a trainer-vs-engine mismatch spike after a sync (status.runtime.warning, written as the
+    runtime writes it: a merge patch of the status subresource): EnginesInSync turns False with one Warning Event;
+    the next step's report without it turns it True again."""
+    job = load_sample("separate-nccl-tp2")
+    name = job["metadata"]["name"]
+    apply(cluster, job, namespace)
+    wait_for(lambda: phase(api, namespace, name) == "Running", 180, "Running")
+    warning = "step 7: the trainer-vs-engine mismatch (mismatch_kl 0.31) is 1400x its median"
+
+    def report(warning: str | None) -> None:
+        client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+            m.GROUP, m.VERSION, namespace, m.PLURAL, name,
+            {"status": {"step": 7, "throughput": {"mismatchKl": 0.31 if warning else 2e-4},
+                        "runtime": {"state": "Running", "warning": warning}}})
+
+    def engines_in_sync() -> dict:
+        return next((c for c in get_job(api, namespace, name)["status"].get("conditions") or []
+                     if c["type"] == "EnginesInSync"), {})
+
+    report(warning)
+    wait_for(lambda: engines_in_sync().get("status") == "False", 60, "EnginesInSync=False")
+    assert engines_in_sync()["reason"] == "MismatchSpike" and engines_in_sync()["message"] == warning
+    assert phase(api, namespace, name) == "Running"  # a warning, not a failure
+    events_until(api, namespace, name, lambda evs: any(e.type == "Warning" and e.reason == "MismatchSpike"
+                                                       and e.message == warning for e in evs), "a MismatchSpike Warning")
+    report(None)
+    wait_for(lambda: engines_in_sync().get("status") == "True", 60, "EnginesInSync=True once the warning is gone")
+    assert "warning" not in get_job(api, namespace, name)["status"]["runtime"]
+    spikes = [e for e in client.CoreV1Api(api).list_namespaced_event(namespace).items
+              if e.reason == "MismatchSpike" and e.involved_object.name == name]
+    assert len(spikes) == 1 and (spikes[0].count or 1) == 1, spikes
+
+
 def test_allowed_spec_change_reaches_config_and_status(cluster, api, operator, namespace) -> None:
     job = load_sample("separate-nccl-tp2")
     name = job["metadata"]["name"]

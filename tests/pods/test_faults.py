@@ -1,4 +1,4 @@
-"""Faults in real pods: a lost worker pod, a lost head pod, a killed operator pod.
+"""Faults in real pods: a lost worker pod, a frozen driver (its head pod deleted), a killed operator pod.
 
 A job with checkpoints and ``spec.backoffLimit`` resumes from its newest checkpoint on a fresh Ray cluster
 (KubeRay's RayJob retry); a job that allows no retry fails with a clear condition. Nothing hangs: every wait
@@ -58,9 +58,10 @@ def _events(api, ns: str, name: str, *wanted: str) -> list[str]:
     return text(events_until(api, ns, name, has_all, f"Events {wanted} about {name}"))
 
 
-@pytest.mark.parametrize("victim", ["ray.io/group=trainer", "ray.io/node-type=head"])
-def test_lost_pod_resumes_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir, ns,
-                                                     victim) -> None:
+def test_lost_pod_resumes_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
+    """A lost trainer pod: the run fails and KubeRay's retry resumes it on a new cluster. (A lost head pod is the
+    same retry: ``test_frozen_driver_is_ended_and_the_run_retried`` ends its run by deleting the head pod.)"""
+    victim = "ray.io/group=trainer"
     steps = 60  # a tiny step takes ~0.4 s: the fault must land while the run still has many steps to go
     job = checkpointed_job(real_cluster, shared_dir, ns, "resume", steps, retries=1)
     apply(real_cluster, job, ns)
@@ -133,10 +134,12 @@ def test_killed_operator_pod_is_replaced_and_duplicates_nothing(real_cluster, ra
 def test_frozen_driver_is_ended_and_the_run_retried(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
     """A driver that cannot act (SIGSTOP: no step, no heartbeat, its own watchdog frozen too): past
     spec.progressDeadlineSeconds the job is Stalled; past the grace the operator deletes the run's head pod and
-    KubeRay retries (backoffLimit 1), resuming from the newest checkpoint."""
+    KubeRay retries (backoffLimit 1), resuming from the newest checkpoint. This is also the lost-head-pod case
+    (the head pod deleted through the API, the job retried on a new cluster)."""
     steps = 60
     job = checkpointed_job(real_cluster, shared_dir, ns, "frozen", steps, retries=1)
-    job["spec"]["progressDeadlineSeconds"] = 60
+    # the retried run must also start its engines within it: 60 s was exceeded once on a loaded machine
+    job["spec"]["progressDeadlineSeconds"] = 90
     apply(real_cluster, job, ns)
     _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
           lambda: (status(rapi, ns, "frozen").get("step") or 0) >= 4, 900)
@@ -163,4 +166,5 @@ def test_frozen_driver_is_ended_and_the_run_retried(real_cluster, rapi, operator
           f"{time.monotonic() - t0:.0f}s; resumed from step {(st.get('runtime') or {}).get('resumedFromStep')}")
     assert st.get("phase") == "Succeeded", f"{st}\n{diagnostics(real_cluster, ns)}"
     assert st["step"] == steps and (st.get("runtime") or {}).get("resumedFromStep", 0) >= 3, st.get("runtime")
-    _events(rapi, ns, "frozen", "^EndingStuckRun: ", "^(ProgressDeadlineExceeded|RuntimeUnresponsive): ")
+    _events(rapi, ns, "frozen", "^EndingStuckRun: ", "^(ProgressDeadlineExceeded|RuntimeUnresponsive): ",
+            "resumes from checkpoint step")

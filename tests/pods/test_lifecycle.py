@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test als
 
 def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir,
                                                                  ns) -> None:
-    steps = 300  # ~0.4 s a step: the suspension must land mid-run
+    # 0.4-1 s a step: the suspension (seconds after step 4) must land mid-run, and the resumed run is all wait
+    steps = 100
     job = checkpointed_job(real_cluster, shared_dir, ns, "pause", steps, retries=0)
     apply(real_cluster, job, ns)
     phases: list[str] = []

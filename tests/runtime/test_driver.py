@@ -40,6 +40,8 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
         # the engines report each sampled token's log-probability and the trainer scores the same weights
         # (float32 on CPU both): the rollout correction's mismatch is near zero, the entropy positive
         assert -1e-6 < r["train"]["mismatch_kl"] < 1e-3 and abs(r["train"]["mismatch_log_ratio"]) < 1e-2, r["train"]
+        # every step's report clears the mismatch warning (a JSON null): no spike after any of the syncs
+        assert "warning" in r["runtime"] and r["runtime"]["warning"] is None, r["runtime"]
         assert r["train"]["entropy"] > 0, r["train"]
         # training tokens/s per trainer worker on the status; no MFU on a CPU (no known peak)
         assert r["throughput"]["trainTokensPerSecondPerGpu"] > 0 and "mfu" not in r["throughput"], r["throughput"]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf_runtime.algo.objectives import group_advantages, policy_loss
+from rlhf_runtime.algo.objectives import MISMATCH_HISTORY, group_advantages, mismatch_spike, policy_loss
 
 
 def test_advantages_are_relative_within_each_group() -> None:
@@ -107,3 +107,18 @@ def test_rollout_correction_weights_scale_each_tokens_policy_gradient() -> None:
     loss.backward()
     # on policy the gradient of -ratio * A per token is -A / 3 (token mean), times each token's weight
     assert logp.grad.tolist()[0] == pytest.approx([-1 / 3, -2 / 3, -math.exp(-1) / 3], rel=1e-5)
+
+
+def test_mismatch_spike_after_a_sync_is_a_warning_against_the_running_median() -> None:
+    level = [2e-4, 3e-4, 2.5e-4, 2e-4]
+    assert mismatch_spike(level[:2], 0.5, 3) is None  # too little history to know the running level
+    # 10x the median (2.25e-4) is 2.25e-3: below it no warning, above it one ...
+    assert mismatch_spike(level, 2.0e-3, 5) is None and mismatch_spike(level, 2.4e-3, 5) is not None
+    warning = mismatch_spike(level, 0.05, 5)
+    assert warning is not None and warning.startswith("step 5:") and "222x" in warning and "older weights" in warning
+    assert mismatch_spike([1e-5] * 4, 5e-4, 5) is None  # ... and a spike must also pass the floor (1e-3)
+    assert mismatch_spike([1e-5] * 4, 2e-3, 5) is not None
+    assert mismatch_spike(level, float("nan"), 5) is None
+    # only the newest MISMATCH_HISTORY steps set the level: an old high stretch is forgotten
+    history = [0.5] * 10 + [2e-4] * MISMATCH_HISTORY
+    assert mismatch_spike(history, 0.01, 40) is not None

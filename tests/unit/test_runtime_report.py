@@ -99,6 +99,13 @@ def test_patch_carries_progress_time_and_observed_generation() -> None:
     assert {"progressTime", "observedGeneration"}.isdisjoint(status_patch("Running")["status"]["runtime"])
 
 
+def test_patch_sets_clears_or_keeps_the_runtime_warning() -> None:
+    assert status_patch("Running", warning="mismatch spike")["status"]["runtime"]["warning"] == "mismatch spike"
+    cleared = status_patch("Running", warning=None)["status"]["runtime"]
+    assert "warning" in cleared and cleared["warning"] is None  # a JSON null: the merge patch removes it
+    assert "warning" not in status_patch("Running")["status"]["runtime"]  # heartbeats leave it as it is
+
+
 def test_heartbeats_keep_progress_time_and_the_hook_reads_the_live_job(fake_api: tuple[JobAPI, Path]) -> None:
     from tests.helpers import wait_for
 

@@ -197,6 +197,23 @@ def test_missing_data_config_map_stalls_and_says_why() -> None:
     assert fine["DataAvailable"]["status"] == "True" and fine["Stalled"]["status"] == "False"
 
 
+def test_engines_in_sync_follows_the_runtimes_mismatch_warning() -> None:
+    def conds(old: dict) -> dict:
+        out = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=old), NOW)
+        return {c["type"]: c for c in out["conditions"]}
+
+    # a runtime that does not measure the mismatch (or none yet): no such condition
+    assert "EnginesInSync" not in conds({"runtime": {"state": "Running"}, "throughput": {"rewardMean": 0.5}})
+    fine = conds({"runtime": {"state": "Running"}, "throughput": {"mismatchKl": 2e-4}})["EnginesInSync"]
+    assert (fine["status"], fine["reason"], fine["message"]) == ("True", "Matching", "")
+    warning = "step 9: the trainer-vs-engine mismatch (mismatch_kl 0.3) is 1500x its median"
+    spike = conds({"runtime": {"state": "Running", "warning": warning}, "throughput": {"mismatchKl": 0.3}})
+    assert (spike["EnginesInSync"]["status"], spike["EnginesInSync"]["reason"]) == ("False", "MismatchSpike")
+    assert spike["EnginesInSync"]["message"] == warning
+    # a warning does not stop the run: Ready and Stalled are what they were
+    assert spike["Ready"]["status"] == "True" and spike["Stalled"]["status"] == "False"
+
+
 def test_kueue_conditions_say_why_a_job_waits() -> None:
     out = st.compute(obs(queue_name="q", ray_job=KUEUE_HELD, workload=QUOTA_SHORT), NOW)
     conds = {c["type"]: c for c in out["conditions"]}

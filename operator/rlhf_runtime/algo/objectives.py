@@ -46,6 +46,12 @@ Statistics (token means): ``mismatch_kl = mean(w - log w - 1)`` (k3, an estimate
 samples, always computed at token level), ``mismatch_log_ratio = mean(log w)`` and ``correction_fraction``, the
 share of tokens whose weight the bound changed.
 
+A sync that did not reach the engines (``mismatch_spike``): right after a weight sync the engines sample from the
+trainer's new weights, so ``mismatch_kl`` stays at its running level (numerics: kernels, precision). Engines left
+on older weights sample from an older policy: the mismatch jumps. A step whose rollout followed a sync and whose
+``mismatch_kl`` is above ``MISMATCH_SPIKE_FACTOR`` times the median of the last ``MISMATCH_HISTORY`` steps (at least
+``MISMATCH_MIN_HISTORY`` of them) and above ``MISMATCH_SPIKE_FLOOR`` gives a warning.
+
 Value loss (``value_loss``): per completion token
 ``0.5 * max((v - R)^2, (old_v + clip(v - old_v, -c, c) - R)^2)`` (PPO value clipping; ``c <= 0`` is the plain
 ``0.5 * (v - R)^2``). ``value_clip_fraction`` is the fraction of completion tokens where the clipped term is the
@@ -63,6 +69,7 @@ Aggregation (``aggregate``) of a per-token quantity ``x`` over the mask ``m``:
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -278,6 +285,27 @@ def correction_weights(
                  "correction_fraction": 0.0 if mode == "none" else
                  float((((out != w) & (m > 0)).to(m.dtype)).sum() / n)}
     return out, stats
+
+
+#: A post-sync step's mismatch this many times the running median (and above the floor) is a warning.
+MISMATCH_SPIKE_FACTOR = 10.0
+MISMATCH_SPIKE_FLOOR = 1e-3
+MISMATCH_HISTORY = 20
+MISMATCH_MIN_HISTORY = 3
+
+
+def mismatch_spike(history: Sequence[float], value: float, step: int) -> str | None:
+    """The warning for step ``step``'s ``mismatch_kl`` ``value`` (its rollout right after a weight sync), given the
+    earlier steps' values ``history`` (the newest last; the last ``MISMATCH_HISTORY`` count), or None."""
+    recent = list(history)[-MISMATCH_HISTORY:]
+    if len(recent) < MISMATCH_MIN_HISTORY or not math.isfinite(value):
+        return None
+    level = statistics.median(recent)
+    if value <= MISMATCH_SPIKE_FLOOR or value <= MISMATCH_SPIKE_FACTOR * level:
+        return None
+    return (f"step {step}: the trainer-vs-engine mismatch (mismatch_kl {value:.3g}) is {value / max(level, 1e-12):.0f}x "
+            f"its median over the last {len(recent)} steps ({level:.3g}) right after a weight sync: the engines may "
+            "still sample from older weights (a sync that did not reach them)")
 
 
 def policy_loss(

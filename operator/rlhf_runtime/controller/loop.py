@@ -20,6 +20,7 @@ Live edits: at each step boundary and from the heartbeat thread the loop reads i
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.algo.data import load_eval_samples, load_samples, step_batch
+from rlhf_runtime.algo.objectives import MISMATCH_HISTORY, mismatch_spike
 from rlhf_runtime.algo.rewards import make_reward, normalize
 from rlhf_runtime.controller.actors import ActorClasses
 from rlhf_runtime.controller.deadlines import Deadlines, Watchdog
@@ -117,6 +119,7 @@ class Runtime:
         self.pending: Rollout | None = None
         self.output: dict[str, Any] | None = None  # status.output: the newest export
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
+        self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
 
     # ------------------------------------------------------------------------------------------ start
     def connect(self) -> None:
@@ -187,6 +190,7 @@ class Runtime:
         """One training step from ``self.done``, stage by stage; returns its throughput."""
         done, t_step = self.done, time.perf_counter()
         self.engines_ready(done)
+        fresh = not self.async_mode and self.weights.synced_at == done  # this rollout samples just-synced weights
         self.maybe_evaluate(job, done)
         ro = self.pending or self.launch(job, done)
         outs = self.experience.collect(ro)
@@ -220,8 +224,19 @@ class Runtime:
         stats.update(response_length_mean=sum(lengths) / len(lengths), response_length_max=max(lengths),
                      response_clipped_fraction=sum(n >= self.spec.rollout.sampling.max_tokens for n in lengths)
                      / len(lengths))
-        self.report_step(tp, stats, batch)
+        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done))
         return tp
+
+    def mismatch_warning(self, stats: dict[str, Any], fresh: bool, done: int) -> str | None:
+        """``objectives.mismatch_spike`` for a step whose rollout followed a sync; the value joins the history."""
+        value = stats.get("mismatch_kl")
+        if value is None:
+            return None
+        warning = mismatch_spike(self.mismatch_history, value, done) if fresh else None
+        self.mismatch_history.append(value)
+        if warning:
+            log.warning("%s", warning)
+        return warning
 
     # ---------------------------------------------------------------------------------------- stages
     def engines_ready(self, done: int) -> None:
@@ -275,7 +290,7 @@ class Runtime:
                 and self.weights.synced_at == done and (self.evaluation or {}).get("step") != done):
             self.evaluate(job)
 
-    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples) -> None:
+    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None) -> None:
         extra: dict[str, Any] = {"train": stats, "sync": self.weights.last, "tokens": batch.tokens,
                                  "replacements": dict(self.actors.replacements)}
         if self.async_mode:
@@ -283,7 +298,7 @@ class Runtime:
         log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,
                  tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
         self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
-                             f"{self.total}", resumed_from_step=self.resumed, extra=extra)
+                             f"{self.total}", resumed_from_step=self.resumed, extra=extra, warning=warning)
 
     # -------------------------------------------------------------------------------------- recovery
     def recover_engines(self, engines: list[int], where: str, error: BaseException) -> None:

@@ -117,6 +117,10 @@ def own_ray_cluster() -> str | None:
     return os.environ.get("RAY_CLUSTER_NAME") or None
 
 
+#: ``status_patch(warning=KEEP)``: leave ``status.runtime.warning`` as it is (heartbeats, reports between steps).
+KEEP: Any = object()
+
+
 def status_patch(
     state: str | None = None,
     *,
@@ -130,9 +134,11 @@ def status_patch(
     observed_generation: int | None = None,
     output: dict[str, Any] | None = None,
     evaluation: dict[str, Any] | None = None,
+    warning: str | None = KEEP,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``) and ``evaluation``
-    (``EvalStatus``) use snake_case field names."""
+    (``EvalStatus``) use snake_case field names. ``warning``: text sets ``status.runtime.warning``, None clears it
+    (a JSON null in the merge patch), ``KEEP`` leaves it."""
     if state is not None and state not in STATES:
         raise ValueError(f"state must be one of {STATES}")
     status: dict[str, Any] = {}
@@ -149,6 +155,8 @@ def status_patch(
     runtime["heartbeatTime"] = heartbeat or now_rfc3339()
     if progress_time:
         runtime["progressTime"] = progress_time
+    if warning is not KEEP:
+        runtime["warning"] = warning
     status["runtime"] = runtime
     if output:
         status["output"] = OutputStatus(**output).wire()
@@ -303,11 +311,12 @@ class Reporter:
         extra: dict[str, Any] | None = None,
         output: dict[str, Any] | None = None,
         evaluation: dict[str, Any] | None = None,
+        warning: str | None = KEEP,
     ) -> None:
         body = status_patch(
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
-            observed_generation=self.observed_generation, output=output, evaluation=evaluation,
+            observed_generation=self.observed_generation, output=output, evaluation=evaluation, warning=warning,
         )
         with self.lock:
             self.state = state
