@@ -8,14 +8,16 @@
 2. `helm install` of our chart with the local operator image: the operator runs as a pod.
 3. Two RLHFJobs: a tiny CPU job whose head, trainer and engine pods really run on the real nodes (KubeRay's
    submitter starts our driver; it trains a tiny Qwen2 with GRPO on Ray + vLLM and patches the status with
-   the job's own ServiceAccount token), and the `separate-nccl-tp2` GPU sample, placed on fake H100 nodes
-   where no container runs: its status says that no runtime has reported.
+   the job's own ServiceAccount token), and the `separate-nccl-tp2` GPU sample with the prompts ConfigMap it
+   names (`gsm8k-prompts`, a few GSM8K-style problems), its trainer and TP=2 engine pods placed on fake H100
+   nodes where no container runs: its status says that no runtime has reported.
 
 The cluster stays up afterwards (`export KUBECONFIG=/tmp/rlhf-demo/kubeconfig`); `make demo-down` stops it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -33,6 +35,15 @@ DIR = Path(os.environ.get("RLHF_DEMO_DIR", "/tmp/rlhf-demo"))
 NS = "demo"
 STEPS = 10
 REAL_NODES = int(os.environ.get("RLHF_REAL_NODES", "2"))
+
+
+#: The GPU sample's data (spec.data.configMap): GSM8K-style problems with their answers.
+GSM8K_STYLE = [
+    ("A baker makes 24 rolls in the morning and half as many in the afternoon. How many rolls does she make?", "36"),
+    ("Tom reads 15 pages a day. How many days does he need for a 180-page book?", "12"),
+    ("A ticket costs $8 and a drink $3. How much do 4 tickets and 2 drinks cost, in dollars?", "38"),
+    ("A tank holds 60 liters. It is a quarter full. How many liters are needed to fill it?", "45"),
+]
 
 
 def say(msg: str) -> None:
@@ -61,6 +72,11 @@ def main() -> int:
     gpu["spec"].setdefault("scheduling", {})["nodeSelector"] = {"type": "kwok"}
     gpu_manifest = DIR / "separate-nccl-tp2.yaml"
     gpu_manifest.write_text(yaml.safe_dump(gpu, sort_keys=False))
+    data = gpu["spec"]["data"]["configMap"]
+    say(f"the GPU sample's prompts: ConfigMap {data['name']} (JSON lines, key {data['key']})")
+    lines = "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in GSM8K_STYLE)
+    print(cluster.kubectl("create", "configmap", data["name"], "-n", NS, f"--from-literal={data['key']}={lines}",
+                          check=False).stdout)
     say(f"kubectl apply -f {gpu_manifest} -f {manifest}")
     print(cluster.kubectl("apply", "-n", NS, "-f", str(gpu_manifest), "-f", str(manifest)).stdout)
 
@@ -89,11 +105,13 @@ def main() -> int:
                 last = key(cur)
             time.sleep(1)
 
-    watch_until(lambda: phase("tiny-grpo") in ("Succeeded", "Failed"), 1200, "tiny-grpo finishing")
+    watch_until(lambda: phase("tiny-grpo") in ("Succeeded", "Failed") and phase(gpu["metadata"]["name"]) == "Running",
+                1200, "tiny-grpo finishing and the GPU sample placed")
     print(table())
-    say("where the pods ran (KubeRay deletes the tiny job's cluster once it finished)")
-    print(cluster.kubectl("get", "pods", "-n", NS, "-o", "wide").stdout)
-    for name in ("tiny-grpo", "qwen-separate-tp2"):
+    say("where the pods ran: the GPU sample's on the KWOK H100 nodes (KubeRay deletes the tiny job's cluster once "
+        "it finished)")
+    print(cluster.kubectl("get", "pods", "-n", NS, "-o", "wide", "-L", "ray.io/group").stdout)
+    for name in ("tiny-grpo", gpu["metadata"]["name"]):
         out = cluster.kubectl("get", "rlhfjob", name, "-n", NS, "-o",
                               "jsonpath={.status.phase}: {.status.message} {.status.throughput}", check=False)
         print(f"{name}: {out.stdout}")
