@@ -477,9 +477,9 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
         _event(body, reason, new["message"], warning=reason in WARNING_REASONS)
     if obs.data_missing and _condition_flipped(old_status, new, "DataAvailable"):
         _event(body, "DataConfigMapMissing", obs.data_missing, warning=True)
-    spike = next((c for c in new.get("conditions") or [] if c["type"] == "EnginesInSync" and c["status"] == "False"), None)
-    if spike and _condition_flipped(old_status, new, "EnginesInSync"):
-        _event(body, "MismatchSpike", spike["message"], warning=True)
+    mismatch = (old_status.get("runtime") or {}).get("warning")  # what turned EnginesInSync False
+    if mismatch and _condition_flipped(old_status, new, "EnginesInSync"):
+        _event(body, "MismatchSpike", mismatch, warning=True)
     return out
 
 
