@@ -102,14 +102,23 @@ class JobActors:
         return self.start_trainers()
 
     # ----------------------------------------------------------------------------------------- roles
-    def start_roles(self, resume_step: int | None) -> dict[str, list[dict[str, Any]]]:
-        """The actors of the roles beside the policy (``Layout.roles``); their ``info`` by role."""
+    def create_roles(self, resume_step: int | None, only: tuple[str, ...] | None = None) -> None:
+        """The actors of the roles beside the policy (``Layout.roles``, or those of them in ``only``) created,
+        unless they were: each starts loading at once; ``start_roles`` waits for them. The critic resumes at
+        the trainer's step: it is created once that is known."""
         for role, places in self.layout.roles.items():
+            if role in self.roles or (only is not None and role not in only):
+                continue
             group = ActorGroup(role, self.deadlines)
             addr, port = self._rendezvous(places) if role == "critic" else (None, None)
             for rank, a in enumerate(places):
                 group.append(self._start_role(role, a, rank, len(places), addr, port, resume_step))
             self.roles[role] = group
+
+    def start_roles(self, resume_step: int | None) -> dict[str, list[dict[str, Any]]]:
+        """The actors of the roles beside the policy (``Layout.roles``), created (``create_roles``, unless they
+        were) and started; their ``info`` by role."""
+        self.create_roles(resume_step)
         if not self.roles:
             return {}
         what = f"start of {', '.join(g.describe() for g in self.roles.values())}"
@@ -159,6 +168,14 @@ class JobActors:
             **self._options(e, env, max_concurrency=16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env)
 
     def start_engines(self) -> None:
+        """Every engine, created (``create_engines``, unless it was) and ready."""
+        if not self.engines.actors:
+            self.create_engines()
+        # a DP group starts together
+        self.engines.call_step("ready", what=f"start of {self.engines.describe()}")
+
+    def create_engines(self) -> None:
+        """Every engine actor created: each starts loading vLLM at once; ``start_engines`` waits for them."""
         dp = self.placement.address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
         self.dp_address = dp
         for i, e in enumerate(self.layout.engines):
@@ -167,8 +184,12 @@ class JobActors:
             self.engine_kwargs.append(rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor,
                                                        self.gpu, seed=seed))
             self.engines.append(self.make_engine(i))
-        # a DP group starts together
-        self.engines.call_step("ready", what=f"start of {self.engines.describe()}")
+
+    @property
+    def engines_start_early(self) -> bool:
+        """Whether engines start beside the trainers rather than after them: always, except where they share
+        GPUs with the trainers (colocated placement on GPUs), whose memory vLLM measures as it starts."""
+        return not (self.gpu and self.spec.placement.mode == "colocated")
 
     def replace_engines(self, idx: list[int]) -> None:
         """Engines ``idx`` killed and started again on their bundles; waits until they are ready."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,23 +69,29 @@ def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, sam
     return out
 
 
-def load_inputs(spec: Any) -> Inputs:
-    """Prompts, reward and tokenizer, checked before any actor starts (a bad input fails fast)."""
+def check_inputs(spec: Any) -> tuple[list[Any], list[Any], Any]:
+    """Prompts, eval prompts and the reward rule or hook, and that the model is there: checked before Ray
+    starts (a bad input fails fast)."""
+    samples, eval_samples, reward_fn = load_samples(spec.data), load_eval_samples(spec.data), make_reward(spec.reward)
+    rc.check_model_path(spec.model.name)
+    return samples, eval_samples, reward_fn
+
+
+def load_tokenizer(spec: Any) -> Any:
+    """The model's tokenizer, its config checked against the spec (``transformers``: seconds to import, so
+    ``Runtime.run`` does it while Ray starts, before any actor does)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    samples, eval_samples, reward_fn = load_samples(spec.data), load_eval_samples(spec.data), make_reward(spec.reward)
     tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
     if spec.model.revision:
         tok_kw["revision"] = spec.model.revision
-    rc.check_model_path(spec.model.name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
     except OSError as e:
         raise OSError(f"cannot load the tokenizer of spec.model.name {spec.model.name!r}: {e}") from e
     rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
     rc.check_lora(spec)
-    return Inputs(tokenizer, samples, eval_samples, reward_fn, rc.sampling_kwargs(spec),
-                  spec.rollout.sampling.samples_per_prompt)
+    return tokenizer
 
 
 class Runtime:
@@ -137,13 +144,27 @@ class Runtime:
         cpus = self.num_cpus or len(self.layout.trainers) + len(self.layout.engines) + 1
         ray.init(num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
 
+    def inputs(self) -> Inputs:
+        """What every step reads, checked (a bad input fails before any actor starts), and Ray connected: the
+        tokenizer loads while Ray starts."""
+        samples, eval_samples, reward_fn = check_inputs(self.spec)  # before Ray
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(load_tokenizer, self.spec)
+            self.refresh_spec()
+            self.reporter.report("Starting", message="starting Ray actors")
+            self.watchdog.doing("connecting to Ray and placing actors")
+            self.connect()
+            return Inputs(tokenizer.result(), samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
+                          self.spec.rollout.sampling.samples_per_prompt)
+
     def start(self, job: Inputs) -> None:
-        """Ray, placement groups, trainers (resuming from the newest checkpoint), roles, engines, the
-        weight-transfer group and the first sync (validated when asked)."""
-        self.reporter.report("Starting", message="starting Ray actors")
-        self.watchdog.doing("connecting to Ray and placing actors")
-        self.connect()
+        """Placement groups, trainers (resuming from the newest checkpoint), roles, engines, the
+        weight-transfer group and the first sync (validated when asked), on the connected Ray."""
         self.actors.placement.place()
+        # everything that needs nothing from the trainers loads while they do
+        self.actors.create_roles(None, only=("reward", "reference"))
+        if self.actors.engines_start_early:
+            self.actors.create_engines()
         info = self.actors.start_trainers()
         self.done, self.resumed = int(info["step"]), info["resumed_from"]
         msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
@@ -165,8 +186,7 @@ class Runtime:
     # ------------------------------------------------------------------------------------------- run
     def run(self) -> None:
         self.watchdog.doing("loading data, tokenizer and reward")
-        job = load_inputs(self.spec)
-        self.refresh_spec()
+        job = self.inputs()
         self.start(job)
         self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
                              resumed_from_step=self.resumed, extra={"sync": self.weights.last})
