@@ -279,10 +279,15 @@ class Cluster:
         b, nodes = self.bin, self._nodes()
         (self.dir / "realnodes.json").write_text(json.dumps(
             {"nodes": [str(n.dir) for n in nodes], "kube_proxy": str((b / "kube-proxy").resolve())}))
+        t0 = time.time()
+        cache = Path(self.images["runtime-cpu"]["archive"]).parent.parent / "node-roots"
+        seed = realnodes.seeded_root(cache, {k: self.images[k] for k in REAL_NODE_IMAGES})
         for n in nodes:
             realnodes.prepare(n, self.images["pause"]["ref"])
+            realnodes.link_root(seed, n.dir / "containerd" / "root")
             self._start(f"containerd-{n.index}", ["containerd", "--config", str(n.dir / "containerd.toml")])
-        self._import_images(nodes)
+        log(f"node images from the seeded containerd root {seed.parent.name} in {time.time() - t0:.0f}s")
+        self._import_images(nodes)  # finds them there
         for n in nodes:
             self._start(f"kubelet-{n.index}", [
                 str(b / "kubelet"), f"--config={n.dir / 'kubelet.json'}", f"--kubeconfig={self.kubeconfig}",

@@ -17,8 +17,9 @@ Code outside the package (benchmarks, tests) runs the same driver with actor cla
 No silent hang: every driver -> actor call has a deadline (``controller.deadlines``); a watchdog thread fails
 the run when no progress (the start, a trainer resume, each completed step) happened within
 ``spec.progressDeadlineSeconds``: "no training step completed within spec.progressDeadlineSeconds (N s); stuck
-in: <activity>", reported as runtime state Failed, exit status 1 (the main thread is interrupted; the process
-exits by itself if it does not stop within ``WATCHDOG_GRACE_SECONDS``). A job.json that does not parse (JSON,
+in: <activity>", reported as runtime state Failed, exit status 1 (the main thread's bounded waits see it within
+a second, and the main thread is interrupted; the process exits by itself if it does not stop within
+``WATCHDOG_GRACE_SECONDS``). A job.json that does not parse (JSON,
 another apiVersion, invalid values) is reported as Failed with the parse error into the job its raw JSON names.
 SIGTERM fails the run with a report. Ray's shutdown at the end is bounded (``SHUTDOWN_SECONDS``).
 

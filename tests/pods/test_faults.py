@@ -7,8 +7,11 @@ has a deadline, and the recovery time is printed (the closing note's fault table
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 import time
+import uuid
 
 import pytest
 from kubernetes import client
@@ -131,40 +134,78 @@ def test_killed_operator_pod_is_replaced_and_duplicates_nothing(real_cluster, ra
     assert len(cms) == 1, [c.metadata.name for c in cms]
 
 
-def test_frozen_driver_is_ended_and_the_run_retried(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
+FROZEN_STEPS = 60
+
+
+def _frozen_scenario(cluster, api, ns: str, out: dict) -> None:
+    """The frozen-driver run from its start to its end (``test_frozen_driver_is_ended_and_the_run_retried``),
+    what it saw in ``out``; an error is kept there for the test to raise."""
+    try:
+        _wait(cluster, api, ns, "step >= 4 (a checkpoint at step 3)",
+              lambda: (status(api, ns, "frozen").get("step") or 0) >= 4, 900)
+        head = next(p for p in pods(api, ns, "ray.io/node-type=head") if p.status.phase == "Running")
+        # every process of the driver (not this shell, whose own command line names it too)
+        stop = ('for p in /proc/[0-9]*; do n=${p#/proc/}; [ "$n" = "$$" ] && continue; '
+                "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in *'for p in'*) ;; "
+                '*rlhf_runtime.driver*) kill -STOP $n && echo stopped $n;; esac; done')
+        r = cluster.kubectl("exec", "-n", ns, head.metadata.name, "-c", "ray-head", "--", "sh", "-c", stop)
+        out["stopped"] = r.stdout + r.stderr
+        t0 = time.monotonic()
+
+        def stalled() -> bool:
+            st = status(api, ns, "frozen")
+            c = next((c for c in st.get("conditions") or [] if c["type"] == "Stalled"), {})
+            return c.get("status") == "True" and c.get("reason") in ("ProgressDeadlineExceeded", "RuntimeUnresponsive")
+
+        _wait(cluster, api, ns, "Stalled (ProgressDeadlineExceeded)", stalled, 600)
+        out["stalled_s"] = time.monotonic() - t0
+        _wait(cluster, api, ns, "Succeeded after the retry",
+              lambda: status(api, ns, "frozen").get("phase") in ("Succeeded", "Failed"), 1500)
+        out["ended_s"] = time.monotonic() - t0
+    except BaseException as e:  # noqa: BLE001 - raised by the test
+        out["error"] = e
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frozen_run(real_cluster, rapi, operator_release, shared_dir):
+    """The frozen-driver scenario, started before this module's first test and played out beside the others: most
+    of it is waiting (for the progress deadline, the operator's grace and KubeRay's retry), which then overlaps
+    their runs. ``test_frozen_driver_is_ended_and_the_run_retried`` (the module's last) checks what it saw."""
+    ns = f"pods-{uuid.uuid4().hex[:6]}"
+    core = client.CoreV1Api(rapi)
+    core.create_namespace({"metadata": {"name": ns}})
+    wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items),
+             60, "default service account")
+    job = checkpointed_job(real_cluster, shared_dir, ns, "frozen", FROZEN_STEPS, retries=1)
+    # the retried run must start its engines within it while another test's job runs beside it
+    job["spec"]["progressDeadlineSeconds"] = 150
+    apply(real_cluster, job, ns)
+    out: dict = {}
+    thread = threading.Thread(target=_frozen_scenario, args=(real_cluster, rapi, ns, out), daemon=True,
+                              name="frozen-driver-scenario")
+    thread.start()
+    yield ns, thread, out
+    thread.join(timeout=60)
+    if os.environ.get("RLHF_KEEP_CLUSTER") != "1":
+        core.delete_namespace(ns)
+
+
+def test_frozen_driver_is_ended_and_the_run_retried(frozen_run, real_cluster, rapi) -> None:
     """A driver that cannot act (SIGSTOP: no step, no heartbeat, its own watchdog frozen too): past
     spec.progressDeadlineSeconds the job is Stalled; past the grace the operator deletes the run's head pod and
     KubeRay retries (backoffLimit 1), resuming from the newest checkpoint. This is also the lost-head-pod case
-    (the head pod deleted through the API, the job retried on a new cluster)."""
-    steps = 60
-    job = checkpointed_job(real_cluster, shared_dir, ns, "frozen", steps, retries=1)
-    # the retried run must also start its engines within it: 60 s was exceeded once on a loaded machine
-    job["spec"]["progressDeadlineSeconds"] = 90
-    apply(real_cluster, job, ns)
-    _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
-          lambda: (status(rapi, ns, "frozen").get("step") or 0) >= 4, 900)
-    head = next(p for p in pods(rapi, ns, "ray.io/node-type=head") if p.status.phase == "Running")
-    # every process of the driver (not this shell, whose own command line names it too)
-    stop = ('for p in /proc/[0-9]*; do n=${p#/proc/}; [ "$n" = "$$" ] && continue; '
-            "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in *'for p in'*) ;; "
-            '*rlhf_runtime.driver*) kill -STOP $n && echo stopped $n;; esac; done')
-    out = real_cluster.kubectl("exec", "-n", ns, head.metadata.name, "-c", "ray-head", "--", "sh", "-c", stop)
-    assert "stopped" in out.stdout, out.stdout + out.stderr
-    t0 = time.monotonic()
-
-    def stalled() -> bool:
-        st = status(rapi, ns, "frozen")
-        c = next((c for c in st.get("conditions") or [] if c["type"] == "Stalled"), {})
-        return c.get("status") == "True" and c.get("reason") in ("ProgressDeadlineExceeded", "RuntimeUnresponsive")
-
-    _wait(real_cluster, rapi, ns, "Stalled (ProgressDeadlineExceeded)", stalled, 300)
-    stalled_s = time.monotonic() - t0
-    _wait(real_cluster, rapi, ns, "Succeeded after the retry",
-          lambda: status(rapi, ns, "frozen").get("phase") in ("Succeeded", "Failed"), 1200)
+    (the head pod deleted through the API, the job retried on a new cluster). The run started with the module
+    (``frozen_run``)."""
+    ns, thread, out = frozen_run
+    thread.join(timeout=2000)
+    assert not thread.is_alive(), f"the frozen-driver scenario did not end: {out}\n{diagnostics(real_cluster, ns)}"
+    if "error" in out:
+        raise out["error"]
+    assert "stopped" in out["stopped"], out["stopped"]
     st = status(rapi, ns, "frozen")
-    print(f"\nFAULT SIGSTOP driver: Stalled after {stalled_s:.0f}s, {st.get('phase')} after "
-          f"{time.monotonic() - t0:.0f}s; resumed from step {(st.get('runtime') or {}).get('resumedFromStep')}")
+    print(f"\nFAULT SIGSTOP driver: Stalled after {out['stalled_s']:.0f}s, {st.get('phase')} after "
+          f"{out['ended_s']:.0f}s; resumed from step {(st.get('runtime') or {}).get('resumedFromStep')}")
     assert st.get("phase") == "Succeeded", f"{st}\n{diagnostics(real_cluster, ns)}"
-    assert st["step"] == steps and (st.get("runtime") or {}).get("resumedFromStep", 0) >= 3, st.get("runtime")
+    assert st["step"] == FROZEN_STEPS and (st.get("runtime") or {}).get("resumedFromStep", 0) >= 3, st.get("runtime")
     _events(rapi, ns, "frozen", "^EndingStuckRun: ", "^(ProgressDeadlineExceeded|RuntimeUnresponsive): ",
             "resumes from checkpoint step")

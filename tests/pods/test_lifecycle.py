@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test als
 
 def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir,
                                                                  ns) -> None:
-    # 0.4-1 s a step: the suspension (seconds after step 4) must land mid-run, and the resumed run is all wait
-    steps = 100
+    # 0.3-1 s a step: the suspension (applied at step 4, taking effect ~30 s later) must land mid-run; the resumed
+    # run's remaining steps are all wait (at 100 steps a quiet machine had finished them all before it landed)
+    steps = 200
     job = checkpointed_job(real_cluster, shared_dir, ns, "pause", steps, retries=0)
     apply(real_cluster, job, ns)
     phases: list[str] = []
@@ -54,6 +55,7 @@ def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, ra
         phases[phases.index("Running"):][:3] == ["Running", "Suspended", "Running"], phases
     assert "Running" in phases[phases.index("Suspended"):], phases
     assert st["step"] == steps
+    assert at < steps, f"the suspension landed after the last step ({at}): nothing was left to resume"
     # the newest checkpoint before the suspension (every 3 steps), not step 0
     assert resumed is not None and resumed >= 3 and resumed <= at, (resumed, at)
     _events(rapi, ns, "pause", "^Suspended: ", "^Resumed: ")

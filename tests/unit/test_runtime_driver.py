@@ -120,6 +120,7 @@ def fake_ray(cluster: Cluster) -> types.ModuleType:
     ray = types.ModuleType("ray")
     ray.remote = lambda target: Remote(cluster, target)  # type: ignore[attr-defined]
     ray.get = lambda refs, timeout=None: [r.value for r in refs] if isinstance(refs, list) else refs.value  # type: ignore[attr-defined]
+    ray.wait = lambda refs, num_returns=1, timeout=None: (list(refs), [])  # type: ignore[attr-defined] # all ran
 
     def kill(actor: Actor) -> None:
         actor.killed = True

@@ -18,6 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: How often a bounded wait looks at the watchdog.
+WAIT_SLICE_SECONDS = 1.0
+
 
 class DeadlineExceeded(TimeoutError):
     """A driver -> actor call ran past its deadline (``weightSync.timeoutSeconds`` or
@@ -95,8 +98,17 @@ class Deadlines:
         import ray
 
         self.watchdog.doing(what)
+        # waited for in slices: once the watchdog has fired the run ends now, not when this call would have
+        # (a wait inside Ray does not see the watchdog's interrupt of the main thread)
+        pending = list(dict.fromkeys(refs if isinstance(refs, (list, tuple)) else [refs]))
+        end = time.monotonic() + timeout
+        while pending and not self.watchdog.fired and time.monotonic() < end:
+            _, pending = ray.wait(pending, num_returns=len(pending),
+                                  timeout=max(min(end - time.monotonic(), WAIT_SLICE_SECONDS), 0.0))
+        if self.watchdog.fired:
+            raise DeadlineExceeded(self.watchdog.fired)
         try:
-            return ray.get(refs, timeout=timeout)
+            return ray.get(refs, timeout=max(end - time.monotonic(), 0.0))
         except TimeoutError as e:  # ray's GetTimeoutError, or an actor's own deadline (RayTaskError(TimeoutError))
             inner = "" if type(e).__name__ == "GetTimeoutError" else f" ({str(e).strip().splitlines()[-1][:300]})"
             raise DeadlineExceeded(f"{what} did not finish within {setting}{inner}") from e
