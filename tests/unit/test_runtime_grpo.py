@@ -69,6 +69,19 @@ def test_advantages_refuse_a_reward_that_is_not_a_finite_number(bad: object) -> 
         group_advantages([0.0, 1.0, 0.0, 1.0, 0.0, bad, 1.0, 0.0], group_size=4)  # type: ignore[list-item]
 
 
+def test_mismatch_kl_of_near_equal_log_probabilities_is_not_negative() -> None:
+    """k3 (w - log w - 1) is never negative; float32 rounds exp(5e-8) to 1, which would give a token -6e-8."""
+    from rlhf_runtime.algo.objectives import correction_weights
+
+    old = torch.zeros(1, 3)
+    rollout = torch.tensor([[-3e-8, -5e-8, -5e-8]])  # log w = old - rollout
+    mask = torch.ones_like(old)
+    log_w = old - rollout
+    assert (torch.exp(log_w) - log_w - 1 < 0).all()  # what float32 makes of k3 here, unclamped
+    _, st = correction_weights(old, rollout, mask, "tis", "token", 2.0)
+    assert st["mismatch_kl"] == 0.0
+
+
 def test_rollout_correction_weights_are_hand_computed() -> None:
     from rlhf_runtime.algo.objectives import correction_weights
 

@@ -280,7 +280,8 @@ def correction_weights(
         out = out * m
         n = m.sum().clamp(min=1)
         token_w = torch.exp(log_w)
-        stats = {"mismatch_kl": float(((token_w - log_w - 1) * m).sum() / n),
+        # k3 >= 0; in float32 exp(log w) rounds to 1 for |log w| < ~6e-8, which would make a token's k3 -log w
+        stats = {"mismatch_kl": float(((token_w - log_w - 1).clamp(min=0) * m).sum() / n),
                  "mismatch_log_ratio": float((log_w * m).sum() / n),
                  "correction_fraction": 0.0 if mode == "none" else
                  float((((out != w) & (m > 0)).to(m.dtype)).sum() / n)}
