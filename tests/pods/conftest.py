@@ -71,16 +71,27 @@ def shared_dir() -> Path:
     return cpujob.make_shared_dir(Path(f"/tmp/rlhf-pods-shared-{uuid.uuid4().hex[:6]}"))
 
 
+def new_namespace(api: client.ApiClient) -> str:
+    """A fresh namespace, once its default ServiceAccount exists (pods need it)."""
+    name = f"pods-{uuid.uuid4().hex[:6]}"
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: any(sa.metadata.name == "default"
+                         for sa in client.CoreV1Api(api).list_namespaced_service_account(name).items),
+             60, "default service account")
+    return name
+
+
+def drop_namespace(api: client.ApiClient, name: str) -> None:
+    """Delete ``name``, unless RLHF_KEEP_CLUSTER=1 keeps everything for a look after the run."""
+    if os.environ.get("RLHF_KEEP_CLUSTER") != "1":
+        client.CoreV1Api(api).delete_namespace(name)
+
+
 @pytest.fixture
 def ns(real_cluster, rapi) -> str:
-    name = f"pods-{uuid.uuid4().hex[:6]}"
-    client.CoreV1Api(rapi).create_namespace({"metadata": {"name": name}})
-    wait_for(lambda: any(sa.metadata.name == "default"
-                         for sa in client.CoreV1Api(rapi).list_namespaced_service_account(name).items),
-             60, "default service account")
+    name = new_namespace(rapi)
     yield name
-    if os.environ.get("RLHF_KEEP_CLUSTER") != "1":
-        client.CoreV1Api(rapi).delete_namespace(name)
+    drop_namespace(rapi, name)
 
 
 def cpu_job(cluster: localcluster.Cluster, shared: Path, name: str, steps: int, *, trainers: int = 1) -> dict:

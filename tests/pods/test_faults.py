@@ -7,17 +7,15 @@ has a deadline, and the recovery time is printed (the closing note's fault table
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
-import uuid
 
 import pytest
 from kubernetes import client
 
 from tests.helpers import events_until, wait_for
-from tests.pods.conftest import apply, cpu_job, diagnostics, pods, status
+from tests.pods.conftest import apply, cpu_job, diagnostics, drop_namespace, new_namespace, pods, status
 
 pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
 
@@ -171,11 +169,7 @@ def frozen_run(real_cluster, rapi, operator_release, shared_dir):
     """The frozen-driver scenario, started before this module's first test and played out beside the others: most
     of it is waiting (for the progress deadline, the operator's grace and KubeRay's retry), which then overlaps
     their runs. ``test_frozen_driver_is_ended_and_the_run_retried`` (the module's last) checks what it saw."""
-    ns = f"pods-{uuid.uuid4().hex[:6]}"
-    core = client.CoreV1Api(rapi)
-    core.create_namespace({"metadata": {"name": ns}})
-    wait_for(lambda: any(sa.metadata.name == "default" for sa in core.list_namespaced_service_account(ns).items),
-             60, "default service account")
+    ns = new_namespace(rapi)
     job = checkpointed_job(real_cluster, shared_dir, ns, "frozen", FROZEN_STEPS, retries=1)
     # the retried run must start its engines within it while another test's job runs beside it
     job["spec"]["progressDeadlineSeconds"] = 150
@@ -186,8 +180,7 @@ def frozen_run(real_cluster, rapi, operator_release, shared_dir):
     thread.start()
     yield ns, thread, out
     thread.join(timeout=60)
-    if os.environ.get("RLHF_KEEP_CLUSTER") != "1":
-        core.delete_namespace(ns)
+    drop_namespace(rapi, ns)
 
 
 def test_frozen_driver_is_ended_and_the_run_retried(frozen_run, real_cluster, rapi) -> None:
