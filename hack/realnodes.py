@@ -451,11 +451,22 @@ def stop_processes(dir: Path, wait: float = 20.0, patterns: tuple[str, ...] = ("
     deadline = time.time() + wait
     for pid in pids:
         while time.time() < deadline:
+            _reap(pid)
             try:
                 os.killpg(pid, 0)
             except (ProcessLookupError, PermissionError):
                 break
             time.sleep(0.05)
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid``'s exit status if this process started it: a killed child stays a zombie until its parent
+    waits for it, and a zombie still counts as a member of its process group (``killpg(pid, 0)`` succeeds), so
+    without this every stop waited its whole ``wait``."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
 
 
 def down(dir: Path) -> None:
