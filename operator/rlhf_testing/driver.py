@@ -10,8 +10,9 @@ extension point), subclasses of the runtime's:
 * ``--pause-after-tokens N`` (async mode): before a sync, the engine waits until a live sample has ``N`` tokens,
   so that the sync pauses requests mid-generation.
 
-The settings reach the actors through the environment (``SKIP_ENV``, ``PAUSE_ENV``): a local Ray's workers
-inherit the driver's.
+The settings reach the actors inside the classes: ``classes`` makes them per run, in a function, so that they
+are not importable by name and Ray ships them to the workers by value, settings included (the workers of a Ray
+cluster the driver joins do not share its environment; only a local Ray's inherit it).
 """
 
 from __future__ import annotations
@@ -25,40 +26,27 @@ from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.rollout.engines import AsyncEngine
 from rlhf_runtime.rollout.stepped import SteppedEngine
 
-SKIP_ENV = "RLHF_TESTING_SKIP_TENSOR"
-PAUSE_ENV = "RLHF_TESTING_PAUSE_AFTER_TOKENS"
 
-
-def _skip() -> list[str] | None:
-    name = os.environ.get(SKIP_ENV)
-    return [name] if name else None
-
-
-def _after_tokens() -> int:
-    return int(os.environ.get(PAUSE_ENV, "0"))
-
-
-class SkippingTrainer(Trainer):
-    def init_weight_sync(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        return super().init_weight_sync(*args, **kwargs, skip=_skip())
-
-    def adapter_payload(self, skip: list[str] | None = None):  # type: ignore[no-untyped-def]
-        return super().adapter_payload(_skip())
-
-
-class LatePauseAsyncEngine(AsyncEngine):
-    async def pause(self, after_tokens: int = 0) -> None:
-        await super().pause(_after_tokens())
-
-
-class LatePauseSteppedEngine(SteppedEngine):
-    async def pause(self, after_tokens: int = 0) -> None:
-        await super().pause(_after_tokens())
-
-
-def classes(config: str | None) -> ActorClasses:
+def classes(config: str | None, skip_tensor: str | None = None, pause_after_tokens: int = 0) -> ActorClasses:
     """The hooked classes for the job at ``config`` (its engine class depends on the spec)."""
     from rlhf_runtime.infra import config as rc
+
+    skipped = [skip_tensor] if skip_tensor else None
+
+    class SkippingTrainer(Trainer):
+        def init_weight_sync(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super().init_weight_sync(*args, **kwargs, skip=skipped)
+
+        def adapter_payload(self, skip: list[str] | None = None):  # type: ignore[no-untyped-def]
+            return super().adapter_payload(skipped)
+
+    class LatePauseAsyncEngine(AsyncEngine):
+        async def pause(self, after_tokens: int = 0) -> None:
+            await super().pause(pause_after_tokens)
+
+    class LatePauseSteppedEngine(SteppedEngine):
+        async def pause(self, after_tokens: int = 0) -> None:
+            await super().pause(pause_after_tokens)
 
     try:
         spec = rc.load_config(config).spec
@@ -78,11 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause-after-tokens", type=int, default=0)
     p.add_argument("--config", default=os.environ.get("RLHF_JOB_CONFIG"))
     a, rest = p.parse_known_args(argv)
-    if a.skip_tensor:
-        os.environ[SKIP_ENV] = a.skip_tensor
-    if a.pause_after_tokens:
-        os.environ[PAUSE_ENV] = str(a.pause_after_tokens)
-    return runtime_main.main([*rest, *(["--config", a.config] if a.config else [])], classes=classes(a.config))
+    hooked = classes(a.config, a.skip_tensor, a.pause_after_tokens)
+    return runtime_main.main([*rest, *(["--config", a.config] if a.config else [])], classes=hooked)
 
 
 if __name__ == "__main__":

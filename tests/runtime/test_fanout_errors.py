@@ -21,7 +21,7 @@ import ray
 from rlhf_runtime.weight_sync import EngineFanOut
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
-ray.init(num_cpus=1, include_dashboard=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False)
 
 
 @ray.remote(num_cpus=0)

@@ -385,3 +385,19 @@ def test_cpu_actor_env_sets_threads_unless_the_job_does() -> None:
     assert own.actors.actor_env(own.layout.trainers[0])["OMP_NUM_THREADS"] == "5"  # spec.env wins
     gpu = runtime({"trainer": {"gpusPerReplica": 1}})
     assert "OMP_NUM_THREADS" not in gpu.actors.actor_env(gpu.layout.engines[0])
+
+
+def test_a_local_run_starts_a_ray_of_its_own_even_where_one_runs(cluster: Cluster,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--local``: a new Ray with the job's resources, never one that already runs on the machine (a plain
+    ``ray.init()`` joins the cluster ``ray start`` recorded under /tmp/ray, or a dead one's stale address, and
+    then refuses ``num_cpus``: "When connecting to an existing cluster, num_cpus and num_gpus must not be
+    provided")."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(sys.modules["ray"], "init", lambda **kw: calls.append(kw), raising=False)
+    cfg = RuntimeConfig(name="j", namespace="ns", spec={"model": {"name": "m"}, "image": "i",
+                                                        "data": {"prompts": ["p"]}, "reward": {"rule": "contains"}})
+    rt = Runtime(cfg, Reporter(), local=True)
+    rt.connect()
+    assert [c["address"] for c in calls] == ["local"]
+    assert calls[0]["resources"] == {k: v for k, v in rt.layout.totals().items() if k.startswith("rlhf_")}

@@ -142,7 +142,8 @@ class Runtime:
         resources = {k: v for k, v in self.layout.totals().items() if k.startswith("rlhf_")}
         # bundles ask for no CPUs (placement.py); one per actor keeps Ray's worker pool warm
         cpus = self.num_cpus or len(self.layout.trainers) + len(self.layout.engines) + 1
-        ray.init(num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
+        # address="local": a new Ray even where one already runs on this machine (plain ray.init() would join it)
+        ray.init(address="local", num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
 
     def inputs(self) -> Inputs:
         """What every step reads, checked (a bad input fails before any actor starts), and Ray connected: the
