@@ -1,4 +1,4 @@
-"""Faults in real pods: a lost worker pod, a frozen driver (its head pod deleted), a killed operator pod.
+"""Faults in real pods: a lost worker pod together with the operator's pod, a frozen driver (its head pod deleted).
 
 A job with checkpoints and ``spec.backoffLimit`` resumes from its newest checkpoint on a fresh Ray cluster
 (KubeRay's RayJob retry); a job that allows no retry fails with a clear condition. Nothing hangs: every wait
@@ -59,18 +59,34 @@ def _events(api, ns: str, name: str, *wanted: str) -> list[str]:
     return text(events_until(api, ns, name, has_all, f"Events {wanted} about {name}"))
 
 
-def test_lost_pod_resumes_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
-    """A lost trainer pod: the run fails and KubeRay's retry resumes it on a new cluster. (A lost head pod is the
-    same retry: ``test_frozen_driver_is_ended_and_the_run_retried`` ends its run by deleting the head pod.)"""
+def test_lost_pods_resume_from_the_newest_checkpoint_and_duplicate_nothing(real_cluster, rapi, operator_release,
+                                                                           shared_dir, ns) -> None:
+    """A node's worth of faults at once: the trainer pod and the operator's pod are deleted together mid-run.
+    The run fails and KubeRay's retry resumes it from its newest checkpoint on a new Ray cluster; the chart's
+    Deployment replaces the operator pod, and the new operator follows the job to Succeeded and creates nothing
+    twice. (A lost head pod is the same retry, and the "resumes from checkpoint" Event is checked there:
+    ``test_frozen_driver_is_ended_and_the_run_retried``, which ends its run by deleting the head pod.)"""
     victim = "ray.io/group=trainer"
     steps = 60  # a tiny step takes ~0.4 s: the fault must land while the run still has many steps to go
     job = checkpointed_job(real_cluster, shared_dir, ns, "resume", steps, retries=1)
     apply(real_cluster, job, ns)
     _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
           lambda: (status(rapi, ns, "resume").get("step") or 0) >= 4, 900)
+    core = client.CoreV1Api(rapi)
+    operators = [p.metadata.name for p in core.list_namespaced_pod("rlhf-system").items]
     killed = _delete_pod(rapi, ns, victim)
+    for name in operators:
+        core.delete_namespaced_pod(name, "rlhf-system", grace_period_seconds=0)
     t0 = time.monotonic()
     seen: list[str] = []
+
+    def replaced() -> bool:
+        now = core.list_namespaced_pod("rlhf-system").items
+        return any(p.metadata.name not in operators and p.status.phase == "Running"
+                   and all(c.ready for c in p.status.container_statuses or []) for p in now)
+
+    _wait(real_cluster, rapi, ns, "a new operator pod Ready", replaced, 300)
+    print(f"\nFAULT delete operator pod: replacement Ready after {time.monotonic() - t0:.0f}s")
 
     def progressed() -> bool:
         st = status(rapi, ns, "resume")
@@ -79,17 +95,21 @@ def test_lost_pod_resumes_from_the_newest_checkpoint(real_cluster, rapi, operato
             seen.append(row)
         return st.get("phase") == "Succeeded" or st.get("phase") == "Failed"
 
-    _wait(real_cluster, rapi, ns, "the job to finish after the fault", progressed, 1200)
+    _wait(real_cluster, rapi, ns, "the job to finish after the faults", progressed, 1200)
     recovered = time.monotonic() - t0
     st = status(rapi, ns, "resume")
-    print(f"\nFAULT delete {killed} ({victim}): {st.get('phase')} after {recovered:.0f}s; "
+    print(f"FAULT delete {killed} ({victim}): {st.get('phase')} after {recovered:.0f}s; "
           f"resumed from step {(st.get('runtime') or {}).get('resumedFromStep')}\n  " + "\n  ".join(seen))
     assert st.get("phase") == "Succeeded", f"{st}\n{seen}\n{diagnostics(real_cluster, ns)}"
     assert st["step"] == steps
-    # it resumed from a checkpoint (not from step 0), and said so on the way
+    # it resumed from a checkpoint (not from step 0)
     assert (st.get("runtime") or {}).get("resumedFromStep", 0) >= 3, st.get("runtime")
-    # Events say what happened: the restarted run resumed from a checkpoint
-    _events(rapi, ns, "resume", "resumes from checkpoint step")
+    # the new operator created nothing twice: one RayJob (KubeRay's retry is a new Ray cluster of the same RayJob)
+    # and one runtime ConfigMap
+    rayjobs = client.CustomObjectsApi(rapi).list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]
+    assert len(rayjobs) == 1, [r["metadata"]["name"] for r in rayjobs]
+    cms = core.list_namespaced_config_map(ns, label_selector="rlhf.dev/job=resume").items
+    assert len(cms) == 1, [c.metadata.name for c in cms]
 
 
 def test_lost_worker_without_retries_fails_with_a_clear_condition(real_cluster, rapi, operator_release, shared_dir,
@@ -105,31 +125,6 @@ def test_lost_worker_without_retries_fails_with_a_clear_condition(real_cluster, 
     stalled = next(c for c in st["conditions"] if c["type"] == "Stalled")
     assert stalled["status"] == "True" and stalled["message"], stalled
     _events(rapi, ns, "noretry", r"^Failed: \S")  # a Warning that says why
-
-
-def test_killed_operator_pod_is_replaced_and_duplicates_nothing(real_cluster, rapi, operator_release, shared_dir,
-                                                               ns) -> None:
-    steps = 60
-    apply(real_cluster, cpu_job(real_cluster, shared_dir, "opkill", steps), ns)
-    _wait(real_cluster, rapi, ns, "step >= 1", lambda: (status(rapi, ns, "opkill").get("step") or 0) >= 1, 900)
-    core = client.CoreV1Api(rapi)
-    before = [p.metadata.name for p in core.list_namespaced_pod("rlhf-system").items]
-    for name in before:
-        core.delete_namespaced_pod(name, "rlhf-system", grace_period_seconds=0)
-    t0 = time.monotonic()
-
-    def replaced() -> bool:
-        now = core.list_namespaced_pod("rlhf-system").items
-        return any(p.metadata.name not in before and p.status.phase == "Running"
-                   and all(c.ready for c in p.status.container_statuses or []) for p in now)
-
-    _wait(real_cluster, rapi, ns, "a new operator pod Ready", replaced, 300)
-    print(f"\nFAULT delete operator pod: replacement Ready after {time.monotonic() - t0:.0f}s")
-    _wait(real_cluster, rapi, ns, "Succeeded", lambda: status(rapi, ns, "opkill").get("phase") == "Succeeded", 900)
-    rayjobs = client.CustomObjectsApi(rapi).list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]
-    assert len(rayjobs) == 1, [r["metadata"]["name"] for r in rayjobs]
-    cms = core.list_namespaced_config_map(ns, label_selector="rlhf.dev/job=opkill").items
-    assert len(cms) == 1, [c.metadata.name for c in cms]
 
 
 FROZEN_STEPS = 60
