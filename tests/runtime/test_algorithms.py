@@ -74,11 +74,11 @@ def test_ppo_with_critic_and_reward_model_learns_and_exports(tiny_model: Path, r
 @pytest.mark.parametrize("name,extra", [
     ("rloo", {"klCoef": 0.01, "klMode": "reward"}),
     ("reinforce++", {"klCoef": 0.01, "klMode": "reward", "clipRatioHigh": 0.28, "lossAggregation": "sequence"}),
-    ("grpo", {"klCoef": 0.01, "clipRatioHigh": 0.28, "lossAggregation": "sequence"}),
 ])
 def test_critic_free_algorithms_train_ten_steps(tiny_model: Path, tmp_path: Path, name: str,
                                                 extra: dict) -> None:
-    """Each runs 10 steps with weight sync every step, the reference in an actor of its own beside the trainer."""
+    """Each runs 10 steps with weight sync every step, the reference in an actor of its own beside the trainer.
+    (GRPO with the same: ``test_grpo_learns_with_weight_sync_every_step_and_validation``.)"""
     spec = job_config(tiny_model, algorithm={"name": name, "steps": 10, "learningRate": 3e-3, **extra},
                       reference={"placement": "colocated"})
     run = start_driver(tmp_path, write_config(tmp_path / "job.json", spec))

@@ -103,24 +103,9 @@ def _hook_job(tiny_model: Path, module: str, steps: int, **over: Any) -> dict[st
 SAMPLE = r"on (a sample|sample \d+ of step {step}) \(prompt '.*', completion '.*'\)"
 
 
-# One bad result end to end (driver -> Failed report); every kind of bad result (inf, None, text, ...) is checked
-# on the reward function itself in tests/unit/test_runtime_data_rewards.py, without a Ray + vLLM run each.
-@pytest.mark.parametrize(("returns", "shown"), [("float('nan')", "returned nan")], ids=["nan"])
-def test_reward_hook_returning_a_non_number_fails_naming_hook_and_sample(
-    tiny_model: Path, tmp_path: Path, returns: str, shown: str
-) -> None:
-    env = _hook_env(tmp_path, "odd_judge", f"""
-        def score(prompt, completion, answer):
-            return {returns}
-    """)
-    cfg = write_config(tmp_path / "job.json", _hook_job(tiny_model, "odd_judge", steps=1))
-    msg = _failed(start_driver(tmp_path, cfg, env=env), timeout=300)
-    head = f"RewardError: reward function 'odd_judge:score' {shown} "
-    assert msg.startswith(head), msg
-    rest = msg[len(head):]
-    assert re.fullmatch(SAMPLE.format(step=1) + r"; it must return a finite number \(a float\)", rest), msg
-
-
+# A bad result end to end (driver -> Failed report, checkpoints intact): a hook that raises from step 3 on. Every kind of
+# bad result (a raise, nan, inf, None, text, ...) and its message is checked on the reward function itself in
+# tests/unit/test_runtime_data_rewards.py, without a Ray + vLLM run each.
 FLAKY = """
     calls = 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -9,14 +10,19 @@ from pathlib import Path
 import pytest
 
 from rlhf_runtime.infra import checkpoint as ckpt
-from tests.helpers import wait_for
-from tests.runtime.conftest import job_config, start_driver, write_config
+from tests.helpers import JobAPI, wait_for
+from tests.runtime.conftest import job_config, start_driver, start_reporting_driver, write_config
 
 pytestmark = pytest.mark.runtime
 
 
 def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "job.json", job_config(tiny_model, algorithm={"steps": 20}))
+    """GRPO with what a user tunes first: a KL penalty against a reference (in an actor of its own beside the
+    trainer), DAPO's clip-higher and a sequence-mean loss. (RLOO and REINFORCE++: tests/runtime/test_algorithms.py.)"""
+    spec = job_config(tiny_model, algorithm={"steps": 20, "klCoef": 0.01, "clipRatioHigh": 0.28,
+                                             "lossAggregation": "sequence"},
+                      reference={"placement": "colocated"})
+    cfg = write_config(tmp_path / "job.json", spec)
     run = start_driver(tmp_path, cfg, "--validate")
     assert run.wait(timeout=300) == 0, run.tail()
 
@@ -46,6 +52,7 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
         # training tokens/s per trainer worker on the status; no MFU on a CPU (no known peak)
         assert r["throughput"]["trainTokensPerSecondPerGpu"] > 0 and "mfu" not in r["throughput"], r["throughput"]
         assert 0 < r["train"]["response_length_mean"] <= r["train"]["response_length_max"] <= 4, r["train"]
+        assert r["throughput"]["referenceSeconds"] > 0, r["throughput"]  # the reference's pass ran every step
     # vLLM's trainer engine drives start -> update -> finish: the client makes them one call per engine from the
     # group's second sync on; the first (before step 1, which reports it) makes three, so a failing start raises
     calls = [r["sync"]["engine_calls"] for r in steps]
@@ -77,16 +84,24 @@ def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> No
     assert not run.steps()  # it stopped before training on a bad engine
 
 
-def test_killed_driver_resumes_from_newest_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
+def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(tiny_model: Path, tmp_path: Path) -> None:
+    """A driver killed mid-run (SIGKILL: no report, no cleanup); the next run on the same config resumes from the
+    newest checkpoint. That run reports to the job's API, as in a pod: a ``job.json`` written by a newer operator
+    (keys this runtime does not know) is read with a warning, and a live edit of ``algorithm.steps`` ends the run
+    at the new total, acknowledged with the edit's generation."""
     ckpt_dir = tmp_path / "ckpt"
     spec = job_config(
         tiny_model,
-        algorithm={"steps": 14, "promptsPerStep": 16},
+        algorithm={"steps": 500, "promptsPerStep": 16},
         rollout={"sampling": {"temperature": 1.0, "maxTokens": 16, "samplesPerPrompt": 8}},
         checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
         volumes=[{"name": "ckpt", "emptyDir": {}}],
     )
     cfg = write_config(tmp_path / "job.json", spec)
+    raw = json.loads(cfg.read_text())
+    raw["spec"]["rollout"]["fieldOfANewerOperator"] = {"x": 1}  # a newer operator wrote keys we do not know
+    raw["someNewTopLevelField"] = True
+    cfg.write_text(json.dumps(raw))
     first = start_driver(tmp_path, cfg, name="first")
     try:
         wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
@@ -94,21 +109,36 @@ def test_killed_driver_resumes_from_newest_checkpoint(tiny_model: Path, tmp_path
         first.proc.send_signal(signal.SIGKILL)
     finally:
         first.kill_group()
-    killed_at = first.steps()[-1]["step"]
-    assert killed_at < 14, "the run finished before it could be killed"
     newest = ckpt.latest(ckpt_dir)
     assert newest is not None and newest[0] >= 4, newest
     resumed = newest[0]
 
-    second = start_driver(tmp_path, cfg, name="second")
-    assert second.wait(timeout=300) == 0, second.tail()
+    api = JobAPI("tiny", "default", "uid-1", raw["spec"])
+    second = start_reporting_driver(tmp_path, cfg, api, name="second")
+    try:
+        wait_for(lambda: second.proc.poll() is not None or len(second.steps()) >= 2, timeout=240,
+                 what="2 steps of the resumed run", interval=0.05)
+        assert second.proc.poll() is None, second.tail()
+        total = second.steps()[-1]["step"] + 4  # adopted at the driver's next step boundary
+        total += total % 2  # a step that checkpoints (every 2)
+        gen = api.edit(algorithm={"steps": total})
+        assert second.wait(timeout=240) == 0, second.tail()
+    finally:
+        second.kill_group()
+        api.close()
     records = second.records()
     assert records[0]["runtime"]["state"] == "Starting"
     assert any(r["runtime"].get("resumedFromStep") == resumed for r in records)
     steps = [r["step"] for r in second.steps()]
-    assert steps == list(range(resumed + 1, 15)), steps  # the counter continues, nothing is repeated
-    assert records[-1]["runtime"]["state"] == "Succeeded"
-    assert ckpt.latest(ckpt_dir)[0] == 14
+    assert steps == list(range(resumed + 1, total + 1)), steps  # the counter continues, nothing is repeated
+    assert ckpt.latest(ckpt_dir)[0] == total
+    reports = api.runtime_reports()
+    assert reports[-1]["state"] == "Succeeded" and reports[-1]["observedGeneration"] == gen, reports[-1]
+    assert reports[-1]["message"] == f"completed {total} steps"
+    running = [r for r in reports if r.get("state") == "Running" and "progressTime" in r]
+    assert running and all(r["progressTime"] for r in running)
+    log = second.log.read_text(errors="replace")
+    assert "ignoring fields this runtime does not know" in log and "rollout.fieldOfANewerOperator" in log
 
 
 # asyncllm: engines.AsyncEngine (AsyncLLM, engine core in a subprocess); stepped: stepped_engine.SteppedEngine

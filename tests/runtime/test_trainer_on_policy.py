@@ -18,12 +18,6 @@ import torch
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.roles import policy as trainer_mod
 
-cfg = open(sys.argv[1]).read()
-g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (3, 5, 4, 6)]
-completions = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (7, 2, 5, 4)]
-batch = {"prompts": prompts, "completions": completions, "advantages": [1.0, -0.5, 0.25, -1.0]}
-
 forwards = {"n": 0}
 real = trainer_mod.token_logprobs
 def counted(*a, **k):
@@ -34,42 +28,45 @@ trainer_mod.token_logprobs = counted
 def params(t):
     return {k: v.detach().clone() for k, v in t.model.named_parameters()}
 
-short, full = Trainer(cfg), Trainer(cfg)
-before = params(short)
-forwards["n"] = 0
-short.train(batch)
-short_forwards = forwards["n"]
-old = full.logprobs(batch)["logp"]
-full.train({**batch, "old_logprobs": old})
-a, b = params(short), params(full)
-print(json.dumps({
-    "short_forwards": short_forwards,
-    "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
-    "moved": max(float((a[k] - before[k]).abs().max()) for k in a),
-}))
+results = []
+for path in sys.argv[1:]:  # one job config each: the same batch, two Trainers per config
+    cfg = open(path).read()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (3, 5, 4, 6)]
+    completions = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (7, 2, 5, 4)]
+    batch = {"prompts": prompts, "completions": completions, "advantages": [1.0, -0.5, 0.25, -1.0]}
+    short, full = Trainer(cfg), Trainer(cfg)
+    before = params(short)
+    forwards["n"] = 0
+    short.train(batch)
+    short_forwards = forwards["n"]
+    old = full.logprobs(batch)["logp"]
+    full.train({**batch, "old_logprobs": old})
+    a, b = params(short), params(full)
+    results.append({
+        "short_forwards": short_forwards,
+        "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+        "moved": max(float((a[k] - before[k]).abs().max()) for k in a),
+    })
+print(json.dumps(results))
 """
 
 
-def _run(tmp_path: Path, spec: dict) -> dict:
-    cfg = write_config(tmp_path / "job.json", spec)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cfg)], capture_output=True, text=True, timeout=300,
-                         check=False)
+def test_one_pass_uses_the_loss_pass_log_probabilities_and_several_passes_still_compute_them(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """One process, two configs (the Trainers' start-up paid once): ``epochsPerStep`` 1, then 2."""
+    configs = [write_config(tmp_path / f"job{epochs}.json",
+                            job_config(tiny_model, algorithm={"learningRate": 1e-2, "epochsPerStep": epochs,
+                                                              "klCoef": 0.0}))
+               for epochs in (1, 2)]
+    out = subprocess.run([sys.executable, "-c", SCRIPT, *map(str, configs)], capture_output=True, text=True,
+                         timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_one_pass_uses_the_loss_pass_log_probabilities_and_updates_the_same(tiny_model: Path,
-                                                                             tmp_path: Path) -> None:
-    spec = job_config(tiny_model, algorithm={"learningRate": 1e-2, "epochsPerStep": 1, "klCoef": 0.0})
-    r = _run(tmp_path, spec)
-    assert r["moved"] > 1e-4, r  # the step changed the weights
-    assert r["max_diff"] < 1e-6, r  # ... exactly as with the old log-probabilities given
-    assert r["short_forwards"] == 1, r  # one micro-batch: only the loss pass's forward
-
-
-def test_several_passes_still_compute_the_old_log_probabilities(tiny_model: Path, tmp_path: Path) -> None:
-    spec = job_config(tiny_model, algorithm={"learningRate": 1e-2, "epochsPerStep": 2, "klCoef": 0.0})
-    r = _run(tmp_path, spec)
-    assert r["moved"] > 1e-4, r
-    assert r["max_diff"] < 1e-6, r
-    assert r["short_forwards"] == 3, r  # the old log-probabilities' pass, then one per optimiser pass
+    one, two = json.loads(out.stdout.strip().splitlines()[-1])
+    assert one["moved"] > 1e-4, one  # the step changed the weights
+    assert one["max_diff"] < 1e-6, one  # ... exactly as with the old log-probabilities given
+    assert one["short_forwards"] == 1, one  # one micro-batch: only the loss pass's forward
+    assert two["moved"] > 1e-4, two
+    assert two["max_diff"] < 1e-6, two
+    assert two["short_forwards"] == 3, two  # the old log-probabilities' pass, then one per optimiser pass

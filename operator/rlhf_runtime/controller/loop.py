@@ -313,7 +313,8 @@ class Runtime:
 
     def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None) -> None:
         extra: dict[str, Any] = {"train": stats, "sync": self.weights.last, "tokens": batch.tokens,
-                                 "replacements": dict(self.actors.replacements)}
+                                 "replacements": dict(self.actors.replacements),
+                                 "rerun_prompts": self.experience.rerun_prompts}
         if self.async_mode:
             extra["swap"] = batch.swap
         log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,

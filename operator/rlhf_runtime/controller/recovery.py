@@ -28,19 +28,29 @@ log = logging.getLogger("rlhf_runtime")
 PROBE_SECONDS = 10.0
 
 
-def is_dead(actor: Any, probe: str) -> bool:
-    """Whether ``actor`` is gone (a cheap call fails with an actor error). A busy or stopped actor that does
-    not answer within ``PROBE_SECONDS`` counts as alive: that is a hang, for the deadlines to report."""
+def probe(actors: list[Any], method: str) -> list[str]:
+    """Each actor's state from one cheap call each, all at once, answered within ``PROBE_SECONDS``: "dead" (an
+    actor error), "busy" (no answer: busy or stopped, not dead) or "alive"."""
     import ray
-    from ray.exceptions import GetTimeoutError
 
-    try:
-        ray.get(getattr(actor, probe).remote(), timeout=PROBE_SECONDS)
-    except GetTimeoutError:
-        return False
-    except Exception as e:  # noqa: BLE001 - only an actor error means dead
-        return actor_died(e)
-    return False
+    refs = [getattr(a, method).remote() for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_SECONDS)
+    states = []
+    for ref in refs:
+        if ref not in ready:
+            states.append("busy")
+            continue
+        try:
+            ray.get(ref)
+            states.append("alive")
+        except Exception as e:  # noqa: BLE001 - only an actor error means dead
+            states.append("dead" if actor_died(e) else "alive")
+    return states
+
+
+def is_dead(actor: Any, method: str) -> bool:
+    """Whether ``actor`` is gone. A busy or stopped actor counts as alive: that is a hang, for the deadlines."""
+    return probe([actor], method)[0] == "dead"
 
 
 @dataclass
@@ -69,21 +79,28 @@ class Recovery:
     def repairable(self) -> bool:
         return self.spec.weight_sync.mode != "async" and not self.actors.layout.dp_group
 
-    def dead(self) -> tuple[list[int], list[int]]:
-        """The trainer ranks and engines that are gone."""
-        return ([r for r, t in enumerate(self.actors.trainers) if is_dead(t, "info")],
-                [i for i, e in enumerate(self.actors.engines) if is_dead(e, "pid")])
+    def states(self) -> tuple[list[str], list[str]]:
+        """The trainer ranks' and the engines' states (``probe``)."""
+        return probe(list(self.actors.trainers), "info"), probe(list(self.actors.engines), "pid")
 
     def from_error(self, error: BaseException, done: int) -> Recovered:
         """After a failed step: replace what died, or re-raise ``error`` when nothing died (a hang, a bug) or
-        the layout cannot be repaired in-run."""
+        the layout cannot be repaired in-run. After a failed weight sync, engines that do not answer are stuck in
+        its collective (waiting for data that never comes: the trainer stopped sending when a peer died) and are
+        replaced with the dead ones (stuck trainer ranks restart, as dead ones do): a stuck actor would never take
+        the new group's setup."""
         if isinstance(error, (DeadlineExceeded, ValidationError)) or not self.repairable():
             raise error
         where = self.watchdog.activity
-        dead_trainers, dead_engines = self.dead()
-        if not dead_trainers and not dead_engines:
+        trainer_states, engine_states = self.states()
+        dead_engines = [i for i, s in enumerate(engine_states) if s == "dead"]
+        if "dead" not in trainer_states and not dead_engines:
             raise error
-        return self.recover(dead_engines, bool(dead_trainers), where, error, done)
+        in_sync = where.startswith("weight sync")
+        stuck = [i for i, s in enumerate(engine_states) if s == "busy"] if in_sync else []
+        # a trainer rank stuck in the failed sync restarts with the others, as a dead one would
+        trainers = "dead" in trainer_states or (in_sync and "busy" in trainer_states)
+        return self.recover(dead_engines, trainers, where, error, done, stuck=stuck)
 
     def check(self, engines: list[int], trainers: bool, where: str, error: BaseException) -> str:
         """Count one recovery; raise when past ``spec.inRunRecoveries`` or when dead trainers cannot resume.
@@ -101,10 +118,11 @@ class Recovery:
         return dead
 
     def recover(self, engines: list[int], trainers: bool, where: str, error: BaseException,
-                done: int) -> Recovered:
-        """Replace dead engines (same bundle) and, with ``trainers``, restart every trainer rank (they resume
-        from the newest checkpoint); then re-create the weight-sync group and resync."""
+                done: int, stuck: list[int] | None = None) -> Recovered:
+        """Replace dead engines and ``stuck`` ones (same bundle) and, with ``trainers``, restart every trainer
+        rank (they resume from the newest checkpoint); then re-create the weight-sync group and resync."""
         dead = self.check(engines, trainers, where, error)
+        stuck = stuck or []
         t0, actions, step, resumed = time.monotonic(), [], None, None
         if trainers:
             info = self.actors.restart_trainers()
@@ -114,9 +132,14 @@ class Recovery:
             self.reporter.report("Starting", step=step, resumed_from_step=resumed, message=(
                 f"resumed from checkpoint step {resumed} after {dead} died during {where} "
                 f"(in-run recovery {self.count}/{self.spec.in_run_recoveries})"))
-        if engines:
-            self.actors.replace_engines(engines)
-            actions.append(f"{self.actors.engines.describe(engines)} replaced on the same placement bundle")
+        if stuck:
+            log.warning("%s stuck in the failed weight sync: replacing %s too", self.actors.engines.describe(stuck),
+                        "it" if len(stuck) == 1 else "them")
+        if engines or stuck:
+            replaced = sorted({*engines, *stuck})
+            self.actors.replace_engines(replaced)
+            actions.append(f"{self.actors.engines.describe(replaced)} replaced on the same placement bundle"
+                           + (f" ({self.actors.engines.describe(stuck)} stuck in the failed sync)" if stuck else ""))
         self.weights.init_group()
         self.weights.sync(done if step is None else step)
         actions.append("weight-sync group re-created and weights resynced")
@@ -125,5 +148,6 @@ class Recovery:
                f"{time.monotonic() - t0:.1f}s (recovery {self.count}/{limit})")
         log.warning("%s", msg)
         record = {"dead": dead, "where": where, "cause": cause, "seconds": time.monotonic() - t0,
-                  "engines": engines, "trainers": trainers, "resumed_from": resumed, "count": self.count}
+                  "engines": engines, "stuck": stuck, "trainers": trainers, "resumed_from": resumed,
+                  "count": self.count}
         return Recovered(msg, trainers, step, resumed, record)
