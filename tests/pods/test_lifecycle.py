@@ -19,10 +19,9 @@ pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test als
 
 def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir,
                                                                  ns) -> None:
-    # 0.3-1 s a step: the suspension (applied at step 4, taking effect ~30 s later) must land mid-run; the resumed
-    # run's remaining steps are all wait (at 100 steps a quiet machine had finished them all before it landed)
-    steps = 200
-    job = checkpointed_job(real_cluster, shared_dir, ns, "pause", steps, retries=0)
+    # 0.3-1 s a step: the suspension (applied at step 4, taking effect ~30 s later) must land mid-run (at 100
+    # steps a quiet machine had finished them all before it landed); the resumed run is cut short by an edit
+    job = checkpointed_job(real_cluster, shared_dir, ns, "pause", 200, retries=0)
     apply(real_cluster, job, ns)
     phases: list[str] = []
 
@@ -42,7 +41,10 @@ def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, ra
           lambda: track(lambda st: st.get("phase") == "Suspended") and not pods(rapi, ns, "ray.io/cluster"), 300)
     suspended_s = time.monotonic() - t0
     at = status(rapi, ns, "pause").get("step") or 0
+    # resume with a few steps left (a live edit, allowed while suspended): the rest of 200 would be wait
+    steps = at + 4
     job["spec"]["suspend"] = False
+    job["spec"]["algorithm"]["steps"] = steps
     apply(real_cluster, job, ns)
     t1 = time.monotonic()
     _wait(real_cluster, rapi, ns, "Running again", lambda: track(lambda st: st.get("phase") == "Running"), 600)
