@@ -26,7 +26,7 @@ NODES = 5
 GPUS_PER_NODE = 8
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory) -> localcluster.Cluster:
     c = localcluster.Cluster(tmp_path_factory.mktemp("cluster"), localcluster.build())
     try:
@@ -36,7 +36,7 @@ def cluster(tmp_path_factory) -> localcluster.Cluster:
         c.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kueue(cluster) -> localcluster.Cluster:
     """The real Kueue manager in the session's cluster, installed by the first test that asks for it (it then
     stays; with ``manageJobsWithoutQueueName: false`` it leaves RayJobs without a queue label alone)."""
@@ -44,7 +44,7 @@ def kueue(cluster) -> localcluster.Cluster:
     return cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def api(cluster) -> client.ApiClient:
     return config.new_client_from_config(str(cluster.kubeconfig))
 
@@ -94,7 +94,7 @@ def free_port() -> int:
     return localcluster.free_port()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(cluster, tmp_path_factory):
     """One operator for the session, watching namespaces named it-*, serving metrics on ``op.metrics_port``."""
     op = Operator(cluster, ["--namespace", "it-*"], tmp_path_factory.mktemp("op") / "operator.log").start()

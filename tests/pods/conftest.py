@@ -31,7 +31,7 @@ RELEASE, SYSTEM_NS = "rlhf", "rlhf-system"
 RESTRICTED = ("pod-security.kubernetes.io/enforce=restricted", "pod-security.kubernetes.io/enforce-version=latest")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_cluster(tmp_path_factory) -> localcluster.Cluster:
     # A short path: containerd's and the kubelet's unix sockets live under it. RLHF_PODS_CLUSTER_DIR names a
     # cluster to reuse if it is up (a development loop: the cluster is then neither started nor stopped here).
@@ -48,12 +48,12 @@ def real_cluster(tmp_path_factory) -> localcluster.Cluster:
             c.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def rapi(real_cluster) -> client.ApiClient:
     return config.new_client_from_config(str(real_cluster.kubeconfig))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator_release(real_cluster) -> str:
     """`helm install` of our chart with the locally built operator image, on a real node."""
     real_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, "--wait", check=False)  # a reused cluster
@@ -65,7 +65,7 @@ def operator_release(real_cluster) -> str:
     real_cluster.helm("uninstall", RELEASE, "-n", SYSTEM_NS, check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def shared_dir() -> Path:
     """A directory every pod mounts (hostPath): the tiny model and the checkpoints."""
     return cpujob.make_shared_dir(Path(f"/tmp/rlhf-pods-shared-{uuid.uuid4().hex[:6]}"))
