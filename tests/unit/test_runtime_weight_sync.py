@@ -353,3 +353,21 @@ def test_engines_holding_different_experts_get_no_shared_stream_plan() -> None:
     assert not ep.ok and "hold different experts" in ep.reason
     dp = one_stream_plan(_Source(hf), [_moe_engine([0, 1, 2, 3], order), _moe_engine([0, 1, 2, 3], order)])
     assert dp.ok, dp.reason
+
+
+def test_ipc_buffer_holds_the_largest_tensor_a_sync_sends() -> None:
+    """vLLM 0.33's packed IPC producer refuses a tensor larger than its buffer ("Tensor 'model.embed_tokens.weight'
+    has size 1244659712 bytes, which exceeds buffer_size_bytes=1073741824": Qwen3-8B's embedding, FSDP2x2 over IPC
+    on 4xH200, 2026-11-27): the sender's IPC buffer is at least the largest tensor, a trainer parameter as sent or a
+    fused engine parameter of the kernel plan, in the sync's dtype."""
+    from types import SimpleNamespace
+
+    from rlhf_runtime.weight_sync import KernelPlan, ParamSource
+    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
+
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 32))
+    source = ParamSource(model, torch.bfloat16)
+    largest = TrainerEngineSender.largest_tensor_bytes
+    assert largest(SimpleNamespace(source=source, plan=None)) == 1000 * 64 * 2  # the embedding, in bfloat16
+    fused = KernelPlan([("qkv_proj.weight", [3000, 64], ["q", "k", "v"])], True, "")
+    assert largest(SimpleNamespace(source=source, plan=fused)) == 3000 * 64 * 2  # the fused engine tensor

@@ -7,6 +7,7 @@ runtime's kernel format (``KernelPlan``) and resident IPC sync (``ResidentExport
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -186,12 +187,23 @@ class TrainerEngineSender(Sender):
         self.lean_gathers = LEAN_GATHERS_DEFAULT  # see LEAN_GATHERS_DEFAULT
         self.agreed: tuple[set[str], set[str]] | None = None  # agreed_gathers of the kernel plan (_agree)
         self.rpc = default_rpc(backend)  # one of RPC_MODES (NCCL and gloo)
-        info = self._init_info(backend, init)
         self._resolve(fmt)
+        if backend == "ipc":  # vLLM's packed IPC producer (0.33) refuses a tensor larger than its buffer
+            init = {**init, "bucket_bytes": max(int(init["bucket_bytes"]), self.largest_tensor_bytes())}
+        info = self._init_info(backend, init)
         self._resolved_format: str | None = fmt  # the requested format the plan and format in use are for
         self._applied_lean = self.lean_gathers  # the lean_gathers the source's gathers were set for
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._weight_source())
         self._set_rounds()
+
+    def largest_tensor_bytes(self) -> int:
+        """The largest tensor a sync may send, in the sync's dtype: a trainer parameter as sent (checkpoint
+        format) or an engine parameter of the kernel plan (fused: q, k and v in one)."""
+        shapes = [shape for _, shape in self.source.wire_shapes()]
+        if self.plan is not None:
+            shapes += [tuple(shape) for _, shape, _ in self.plan.entries]
+        size = torch.empty((), dtype=self.source.dtype).element_size()
+        return max((math.prod(s) * size for s in shapes), default=0)
 
     @staticmethod
     def _init_info(backend: str, init: dict[str, Any]) -> Any:
