@@ -755,6 +755,8 @@ def main() -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.revalidate and args.no_variants:  # it syncs with the fastest variant: there is none without variants
+        p.error("--revalidate needs the variants (it re-validates the fastest one): drop --no-variants")
     if args.one:
         return child(args)
 

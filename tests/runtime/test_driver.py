@@ -40,6 +40,9 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     for r in steps:
         sync = r["sync"]
         assert sync["bytes"] > 0 and sync["total_s"] > 0, sync
+        # weightSync.format auto, on gloo: the checkpoint format, and the sync record says why not the kernel one
+        assert sync["format"] == "checkpoint" and \
+            sync["fallback"] == "the gloo backend loads the checkpoint format only", sync
         # the status rounds to 4 significant digits (report.status_patch)
         assert r["throughput"]["weightSyncGbps"] == pytest.approx(sync["bytes"] / sync["total_s"] / 1e9, rel=1e-3)
         assert r["throughput"]["rolloutTokensPerSecond"] > 0

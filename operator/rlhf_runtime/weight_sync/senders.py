@@ -7,6 +7,7 @@ runtime's kernel format (``KernelPlan``) and resident IPC sync (``ResidentExport
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -17,6 +18,8 @@ from rlhf_runtime.vllm import compat as vllm_compat
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import KernelPlan, effective_format
 from rlhf_runtime.weight_sync.producers import ParamSource, ResidentExport
+
+log = logging.getLogger("rlhf_runtime")
 
 
 class Sender:
@@ -271,6 +274,8 @@ class TrainerEngineSender(Sender):
                     if self.lean_gathers:
                         self._agree()  # every rank is here (kernel_plan is a collective too)
             self.format = effective_format(fmt, self.plan)
+        if self.fallback is not None:
+            log.warning("weight sync in the checkpoint format, not the kernel format: %s", self.fallback)
         self.client.checkpoint_format = self.format == "checkpoint"
         self._use_agreed_gathers()
         plan = self.plan
@@ -302,6 +307,13 @@ class TrainerEngineSender(Sender):
         return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
 
     @property
+    def fallback(self) -> str | None:
+        """Why a sync that could have taken the kernel format (``auto``) takes the checkpoint format, else None."""
+        if self.format != "checkpoint" or self.requested_format == "checkpoint":
+            return None
+        return self.auto_reason or (self.plan.reason if self.plan is not None else "no kernel plan")
+
+    @property
     def resident_active(self) -> bool:
         """Whether a sync takes the resident IPC path (``ResidentExport``: kernel format, one trainer GPU)."""
         return self.ipc_resident and self.resident is not None and self.format == "kernel"
@@ -316,6 +328,8 @@ class TrainerEngineSender(Sender):
         else:
             r = self._send_through_vllm(t)
         r["format"] = self.format  # type: ignore[assignment]
+        if self.fallback is not None:  # in the progress file's sync record: why not the kernel format
+            r["fallback"] = self.fallback  # type: ignore[assignment]
         if self.backend == "ipc":  # which IPC path ran (ResidentExport.reason says why not resident)
             r["ipc"] = "resident" if message is not None else "vllm"  # type: ignore[assignment]
         return r
