@@ -4,8 +4,8 @@
   a bundle, and ``address_on(bundle)``: the node IP of a bundle and free ports there, found by a task on that
   node (rank 0 of an FSDP group, engine 0 of a vLLM DP group listen there; never on the driver's head pod).
 * ``ActorGroup``: the N actors of one role, each on its own bundle. It owns every fan-out (``submit``: the
-  same call on every actor; ``submit_shards``: worker ``r`` gets every ``n``-th sample from ``r``), the merge
-  of sharded results (``merge``, the inverse of ``shard``) and the bounded gets (``call``: bounded by
+  same call on every actor; ``submit_shards``: each worker its part of a batch, balanced by tokens, ``assign``),
+  the merge of sharded results (``merge``, the inverse) and the bounded gets (``call``: bounded by
   ``weightSync.timeoutSeconds``; ``call_step``: by what is left of ``spec.progressDeadlineSeconds``), so the
   controller never writes ``ray.get([a.f.remote() for a in actors])`` itself. It reads as a sequence of Ray
   actor handles (``group[i]``, ``len(group)``, iteration).
@@ -113,16 +113,39 @@ class Placement:
                 pass
 
 
-def shard(batch: dict[str, Any], r: int, w: int) -> dict[str, Any]:
-    """Worker ``r`` of ``w``'s slice (every ``w``-th sample from ``r``) of each list in ``batch``."""
-    return {k: v[r::w] for k, v in batch.items()}
+def assign(batch: dict[str, Any] | None, w: int, n: int | None = None) -> list[list[int]]:
+    """Which samples each of ``w`` workers takes, in order. A batch of token lists (``prompts`` and
+    ``completions``) is balanced by tokens: longest sample first, each to the worker with the fewest tokens so
+    far, so FSDP ranks (which meet at every micro-batch's collectives) do about the same work on long-tailed
+    lengths. Otherwise (or ``batch`` None: ``n`` samples) every ``w``-th sample from ``r``. Pure."""
+    if batch is not None:
+        n = len(next(iter(batch.values()))) if batch else 0
+    n = n or 0
+    if w > 1 and batch is not None and "prompts" in batch and "completions" in batch:
+        tokens = [len(p) + len(c) for p, c in zip(batch["prompts"], batch["completions"])]
+        loads: list[int] = [0] * w
+        parts: list[list[int]] = [[] for _ in range(w)]
+        for i in sorted(range(n), key=lambda i: (-tokens[i], i)):
+            r = min(range(w), key=lambda r: (loads[r], len(parts[r]), r))
+            parts[r].append(i)
+            loads[r] += tokens[i]
+        return [sorted(p) for p in parts]
+    return [list(range(r, n, w)) for r in range(w)]
 
 
-def merge(parts: list[list[Any]]) -> list[Any]:
-    """Inverse of ``shard`` over all workers' results."""
-    out: list[Any] = [None] * sum(len(p) for p in parts)
-    for r, part in enumerate(parts):
-        out[r::len(parts)] = part
+def shard(batch: dict[str, Any], idx: list[int]) -> dict[str, Any]:
+    """The samples ``idx`` (a worker's part of ``assign``) of each list in ``batch``."""
+    return {k: [v[i] for i in idx] for k, v in batch.items()}
+
+
+def merge(parts: list[list[Any]], batch: dict[str, Any] | None = None) -> list[Any]:
+    """Every worker's results back in the batch's order: the inverse of ``submit_shards`` over ``batch`` (or,
+    without it, of every ``w``-th sample from ``r``)."""
+    n = sum(len(p) for p in parts)
+    out: list[Any] = [None] * n
+    for idx, part in zip(assign(batch, len(parts), n), parts):
+        for i, value in zip(idx, part, strict=True):
+            out[i] = value
     return out
 
 
@@ -170,9 +193,10 @@ class ActorGroup:
         return [getattr(a, method).remote(*args[r]) for r, a in enumerate(self.actors)]
 
     def submit_shards(self, method: str, batch: dict[str, Any]) -> list[Any]:
-        """Actor ``r`` called with its shard of ``batch`` (``shard``)."""
-        n = len(self.actors)
-        return [getattr(a, method).remote(shard(batch, r, n)) for r, a in enumerate(self.actors)]
+        """Actor ``r`` called with its part of ``batch`` (``assign``: balanced by tokens); ``merge(results,
+        batch)`` puts per-sample results back in order."""
+        parts = assign(batch, len(self.actors))
+        return [getattr(a, method).remote(shard(batch, idx)) for idx, a in zip(parts, self.actors)]
 
     # ------------------------------------------------------------------------------------ bounded gets
     def call(self, method: str, *args: Any, what: str, **kwargs: Any) -> list[Any]:

@@ -186,17 +186,17 @@ class Experience:
         if pending is None:
             return adv_plan.plan(a, scores, n, lengths), role_s
         outs = get(pending["trainer"], f"log-probabilities of the policy: {self.actors.trainers.describe()}")
-        logp, ref, values = merge([o["logp"] for o in outs]), None, None
+        logp, ref, values = merge([o["logp"] for o in outs], seqs), None, None
         if outs[0]["ref"] is not None:  # the reference inside the trainer: its pass is part of the trainer's
-            ref = merge([o["ref"] for o in outs])
+            ref = merge([o["ref"] for o in outs], seqs)
             role_s["reference_seconds"] = max(o["seconds"] for o in outs)
         if pending["reference"]:
             got = get(pending["reference"], f"reference log-probabilities ({len(pending['reference'])} actor(s))")
-            ref = merge([g["logp"] for g in got])
+            ref = merge([g["logp"] for g in got], seqs)
             role_s["reference_seconds"] = max(g["seconds"] for g in got)
         if pending["critic"]:
             got = get(pending["critic"], f"critic values ({len(pending['critic'])} worker(s))")
-            values = merge([g["values"] for g in got])
+            values = merge([g["values"] for g in got], seqs)
             role_s["critic_seconds"] = max(g["seconds"] for g in got)
         plan = adv_plan.plan(a, scores, n, lengths, logp=logp, ref=ref, values=values)
         plan.update(old_logprobs=logp, ref_logprobs=ref if pending["external_ref"] else None, values=values)
