@@ -34,6 +34,8 @@ def probe(actors: list[Any], method: str) -> list[str]:
     import ray
 
     refs = [getattr(a, method).remote() for a in actors]
+    if not refs:
+        return []
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_SECONDS)
     states = []
     for ref in refs:
