@@ -112,6 +112,7 @@ def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(tiny
         first.proc.send_signal(signal.SIGKILL)
     finally:
         first.kill_group()
+    assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
     newest = ckpt.latest(ckpt_dir)
     assert newest is not None and newest[0] >= 4, newest
     resumed = newest[0]
