@@ -205,8 +205,7 @@ class TrainerEngineSender(Sender):
         shapes = [shape for _, shape in self.source.wire_shapes()]
         if self.plan is not None:
             shapes += [tuple(shape) for _, shape, _ in self.plan.entries]
-        size = torch.empty((), dtype=self.source.dtype).element_size()
-        return max((math.prod(s) * size for s in shapes), default=0)
+        return max((math.prod(s) * self.source.dtype.itemsize for s in shapes), default=0)
 
     @staticmethod
     def _init_info(backend: str, init: dict[str, Any]) -> Any:
