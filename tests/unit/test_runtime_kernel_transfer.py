@@ -53,6 +53,41 @@ def test_kernel_target_writes_nothing_of_a_chunk_that_fails_a_check() -> None:
     assert torch.equal(m[0].weight, before)
 
 
+class Layer(torch.nn.Module):
+    """A TP worker's parameters under vLLM's names (``qkv_proj`` of its heads, row-parallel ``o_proj``, a
+    replicated norm)."""
+
+    def __init__(self, qkv: list[int], o: list[int], norm: int) -> None:
+        super().__init__()
+        self.qkv_proj, self.o_proj = torch.nn.Linear(qkv[1], qkv[0], bias=False), torch.nn.Linear(o[1], o[0], bias=False)
+        self.norm = torch.nn.LayerNorm(norm, bias=False)
+
+
+def test_each_tp_worker_takes_its_own_piece_of_a_broadcast_of_all_ranks_pieces() -> None:
+    """The kernel format over NCCL into a TP=2 engine: every worker receives the pieces of both ranks side by
+    side (``KernelPlan`` without a ``tp_rank``) and copies its own half, along the one dimension where the
+    tensor is twice its parameter (dim 0 for column-parallel, dim 1 for row-parallel); a whole tensor is
+    copied as it is; a tensor that is not ``tp`` times the parameter is still refused."""
+    full = {"qkv_proj.weight": torch.randn(16, 8), "o_proj.weight": torch.randn(8, 8), "norm.weight": torch.randn(8)}
+    for rank in range(2):
+        worker = Layer([8, 8], [8, 4], 8)
+        target = KernelTarget(worker, tp=2, tp_rank=rank)
+        assert target.load_weights(full.items()) == set(full)
+        assert torch.equal(worker.qkv_proj.weight, full["qkv_proj.weight"].chunk(2, dim=0)[rank])
+        assert torch.equal(worker.o_proj.weight, full["o_proj.weight"].chunk(2, dim=1)[rank])
+        assert torch.equal(worker.norm.weight, full["norm.weight"])
+    with pytest.raises(ValueError, match=r"is \[24, 8\].*parameter is \[8, 8\]"):  # 3x, not 2x
+        KernelTarget(Layer([8, 8], [8, 4], 8), tp=2, tp_rank=0).load_weights([("qkv_proj.weight", torch.randn(24, 8))])
+    with pytest.raises(ValueError, match=r"is \[16, 16\]"):  # grown along two dimensions
+        KernelTarget(Layer([8, 8], [8, 4], 8), tp=2, tp_rank=1).load_weights([("qkv_proj.weight", torch.randn(16, 16))])
+    with pytest.raises(ValueError, match=r"is \[16, 8\]"):  # TP=1: never sliced
+        KernelTarget(Layer([8, 8], [8, 4], 8)).load_weights([("qkv_proj.weight", torch.randn(16, 8))])
+
+
+def test_a_worker_outside_an_engine_is_tp_rank_0_of_1() -> None:
+    assert kernel_transfer.tp_position() == (1, 0)
+
+
 class Update:
     """vLLM's ``IPCWeightTransferUpdateInfo`` of a packed chunk: the fields ``packed_views`` reads."""
 

@@ -176,8 +176,35 @@ def test_kernel_plan_takes_presliced_row_pieces_as_they_come() -> None:
         assert got.keys() == whole.keys() and all(torch.equal(got[n], whole[n]) for n in whole)
 
 
+def test_kernel_plan_for_a_broadcast_sends_every_ranks_pieces_side_by_side() -> None:
+    """Without a ``tp_rank`` (one NCCL broadcast to every worker of a TP=2 engine) each split parameter is sent
+    at twice a worker's size, and its rank-r half is exactly what the plan for rank r sends: fused parts
+    reordered rank-major (rank 0's q, k, v pieces, then rank 1's), one-part tensors unchanged. Nothing is sent
+    as an FSDP2 shard."""
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _hf()
+    engine = _engine(hf, 2)
+    plan = KernelPlan.build(_Source(hf), engine)
+    assert plan.ok and plan.all_ranks and "the pieces of all 2 ranks side by side" in plan.reason, plan.reason
+    assert plan.row_split_sources() == set()
+    got = dict(plan.iterate(_Source(hf)))
+    names, _, shapes = plan.metadata(torch.float32)
+    assert {n: list(got[n].shape) for n in names} == dict(zip(names, shapes))
+    for rank in range(2):
+        mine = dict(KernelPlan.build(_Source(hf), engine, tp_rank=rank).iterate(_Source(hf)))
+        for name, dim in plan.shard.items():
+            assert torch.equal(got[name].chunk(2, dim=dim)[rank], mine[name]), (name, rank)
+        assert torch.equal(got["model.norm.weight"], mine["model.norm.weight"])
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert got[a + "o_proj.weight"] is hf[a + "o_proj.weight"]  # one part: the trainer's tensor, no copy
+    assert not torch.equal(got[a + "qkv_proj.weight"], torch.cat([hf[a + p + ".weight"] for p in ("q_proj", "k_proj", "v_proj")]))
+    parts = dict(plan.iterate(_Source(hf), fuse=False))[m + "gate_up_proj.weight"]
+    assert parts.shape == [24, 8] and torch.equal(torch.cat(list(parts)), got[m + "gate_up_proj.weight"])
+
+
 @pytest.mark.parametrize(("tp", "rank", "change", "reason"), [
-    (2, None, None, "needs each trainer rank to send its own engine worker's shard"),
+    (2, None, {"kv_heads": 1}, r"qkv_proj.weight \[8, 8\] \(each rank of 2, split along 0 or 1\)"),
     # KV heads that do not split: vLLM replicates KV heads when there are fewer than TP
     (2, 0, {"kv_heads": 1}, r"no HF source for engine parameter model.layers.0.self_attn.qkv_proj.weight"),
     # a padded vocabulary (vLLM pads the embedding per rank): the engine's rows are not half the trainer's
@@ -213,9 +240,17 @@ def test_auto_takes_the_kernel_format_on_vllm_028_where_validated(monkeypatch: p
     several trainer GPUs into TP=1 engines (DP, EP; 2xH200) and into a TP=2 engine (2xH100), all validated with
     vLLM 0.33; a vLLM where it was never validated keeps the checkpoint format and says why."""
     from rlhf_runtime.vllm import compat as vllm_compat
+    from rlhf_runtime.weight_sync import KernelPlan, senders
     from rlhf_runtime.weight_sync.senders import auto_keeps_checkpoint
 
     assert auto_keeps_checkpoint() is None  # no backend, trainer size or engine TP is held back
+    hf = _hf()
+    broadcast = KernelPlan.build(_Source(hf), _engine(hf, 2))  # NCCL into a TP=2 engine
+    assert auto_keeps_checkpoint(KernelPlan.build(_Source(hf), _engine(hf, 2), tp_rank=0)) is None
+    if not senders.BROADCAST_TP_VALIDATED:
+        assert "NCCL into a tensor-parallel engine" in (auto_keeps_checkpoint(broadcast) or "")
+    monkeypatch.setattr(senders, "BROADCAST_TP_VALIDATED", True)
+    assert auto_keeps_checkpoint(broadcast) is None
     monkeypatch.setattr(vllm_compat, "AUTO_KERNEL_SINCE_TRAINER_API", False)
     reason = auto_keeps_checkpoint()
     assert reason is not None and "until the kernel format is validated" in reason

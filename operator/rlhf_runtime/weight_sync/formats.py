@@ -7,10 +7,10 @@ Two formats reach an engine:
 * **kernel**: the engine's own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` / ``gate_up_proj``
   written side by side), loaded by a plain ``param.copy_`` in the runtime's worker engines (``weight_sync.kernel``);
   engines whose parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds
-  no source for them), TP=1, or over IPC with each trainer rank sending what the engine worker on its GPU holds
-  (its TP shard, its experts under expert parallelism: ``senders.kernel_plan``). ``auto`` picks it only where
-  validated on GPUs (TP=1 engines over NCCL or from one IPC trainer worker; IPC from several trainer workers into
-  DP, EP or TP=2 engines; vLLM 0.33); the rest is opt-in (``kernel``).
+  no source for them): TP=1; over IPC with each trainer rank sending what the engine worker on its GPU holds
+  (its TP shard, its experts under expert parallelism: ``senders.kernel_plan``); over NCCL into TP > 1 engines
+  with every rank's pieces side by side in the one broadcast, each worker copying its own. ``auto`` picks it
+  only where validated on GPUs (``senders.auto_keeps_checkpoint``); the rest is opt-in (``kernel``).
 
 ``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
@@ -42,7 +42,11 @@ class KernelPlan:
     otherwise it is split along the dimension the engine reports for it (``shard_dims``: vLLM's ``output_dim``
     for column-parallel layers and vocabulary embeddings, ``input_dim`` for row-parallel ones), each part
     (q, k, v; gate, up) chunked into ``tp`` equal pieces and piece ``tp_rank`` of each part concatenated
-    (vLLM's per-rank fused layout). Uneven splits (padded vocabularies, KV heads fewer than ``tp``) find no
+    (vLLM's per-rank fused layout). Without ``tp_rank`` (one stream every worker receives whole: an NCCL
+    broadcast) the plan sends every rank's piece side by side, rank after rank along the split dimension (for a
+    fused parameter: rank 0's q, k, v pieces, then rank 1's, ...), so that each worker's own part is piece
+    ``tp_rank`` of what it receives (``weight_sync.kernel.KernelTarget`` takes it); for a parameter of one
+    part that is the trainer's tensor unchanged. ``all_ranks`` says which kind of plan it is. Uneven splits (padded vocabularies, KV heads fewer than ``tp``) find no
     source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps the checkpoint
     format (``auto``) or refuses (``kernel``).
 
@@ -56,17 +60,22 @@ class KernelPlan:
     """
 
     def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str,
-                 shard: dict[str, int] | None = None, tp: int = 1, tp_rank: int = 0) -> None:
+                 shard: dict[str, int] | None = None, tp: int = 1, tp_rank: int = 0, all_ranks: bool = False) -> None:
         self.entries, self.ok, self.reason = entries, ok, reason
         self.shard = shard or {}  # engine name -> the dimension its sources are split along (TP > 1)
         self.tp, self.tp_rank = tp, tp_rank
+        #: every TP rank's pieces in one stream (no ``tp_rank`` given; the engine workers take their own)
+        self.all_ranks = all_ranks and tp > 1
 
     def used_sources(self) -> set[str]:
         """The HF names the plan takes (``iterate`` drops the others)."""
         return {s for _, _, srcs in self.entries for s in srcs}
 
     def row_split_sources(self) -> set[str]:
-        """HF names that every entry using them splits along dim 0 (the pieces an FSDP2 shard on dim 0 can be)."""
+        """HF names that every entry using them splits along dim 0 (the pieces an FSDP2 shard on dim 0 can be;
+        none where the plan sends every rank's pieces)."""
+        if self.all_ranks:
+            return set()
         rows = {s for n, _, srcs in self.entries if self.shard.get(n) == 0 for s in srcs}
         return rows - {s for n, _, srcs in self.entries if self.shard.get(n) != 0 for s in srcs}
 
@@ -126,13 +135,12 @@ class KernelPlan:
     def build(cls, source: ParamSource, engine: dict[str, Any], tp_rank: int | None = None) -> KernelPlan:
         """``engine``: the layout an engine worker reports (``params`` [(name, shape)], ``packed_modules_mapping``,
         ``world_size`` = TP, ``shard_dims`` {name: [dims it may be split along]}, an int from older
-        runtimes). ``tp_rank``: required when TP > 1."""
+        runtimes). ``tp_rank``: the worker this rank's tensors are for when TP > 1; None: all of them, side by
+        side (``all_ranks``)."""
         hf = {n: list(s) for n, s in source.wire_shapes()}  # names and shapes as the stream yields them
         mapping: dict[str, list[str]] = engine.get("packed_modules_mapping") or {}
         tp = int(engine.get("world_size", 1))
-        if tp != 1 and tp_rank is None:
-            return cls([], False, "kernel format with tensor_parallel_size > 1 needs each trainer rank to send "
-                                  "its own engine worker's shard (ipc, colocated)")
+        all_ranks = tp > 1 and tp_rank is None
         dims: dict[str, int | list[int]] = engine.get("shard_dims") or {}
         experts: dict[str, dict[str, Any]] = engine.get("experts") or {}
         entries: list[tuple[str, list[int], list[str]]] = []
@@ -155,12 +163,15 @@ class KernelPlan:
             dim = next((d for d in cands if srcs is not None and tp > 1
                         and cls._split_fits(shape, [hf[s] for s in srcs], d, tp)), None)
             if dim is not None:
+                if all_ranks:  # every rank's piece side by side along the split dimension
+                    shape[dim] *= tp
                 entries.append((name, shape, srcs))
                 shard[name] = dim
                 continue
             what = f"engine parameter {name} {shape}"
             if tp > 1:
-                what += f" (rank {tp_rank} of {tp}, split along {' or '.join(map(str, cands)) or 'no dimension'})"
+                rank = "each rank" if all_ranks else f"rank {tp_rank}"
+                what += f" ({rank} of {tp}, split along {' or '.join(map(str, cands)) or 'no dimension'})"
             return cls([], False, f"no HF source for {what}")
         # Emit each engine parameter as soon as the HF stream has produced all its parts, so that the
         # send stays lazy (one HF tensor gathered at a time) and every rank iterates the same order.
@@ -168,9 +179,11 @@ class KernelPlan:
         entries.sort(key=lambda e: (max(order[s] for s in e[2]), order[e[2][0]]))
         used = {s for e in entries for s in e[2]}
         reason = f"{len(entries)} engine parameters from {len(used)} of {len(hf)} HF tensors"
-        if tp > 1:
+        if all_ranks:
+            reason += f", {len(shard)} split, the pieces of all {tp} ranks side by side"
+        elif tp > 1:
             reason += f", {len(shard)} split for rank {tp_rank} of {tp}"
-        return cls(entries, True, reason, shard, tp, tp_rank or 0)
+        return cls(entries, True, reason, shard, tp, tp_rank or 0, all_ranks)
 
     def metadata(self, dtype: torch.dtype) -> tuple[list[str], list[str], list[list[int]]]:
         d = str(dtype).split(".")[-1]
@@ -181,7 +194,8 @@ class KernelPlan:
         ``fuse=False`` yields fused parameters as their parts (``FusedParts``: the producers write them side by
         side in their buffers, which is the fused layout, without a ``torch.cat``). Split parameters yield this
         rank's pieces (views; the packers copy them), except the names the source yields as this rank's piece
-        already (``ParamSource.local``: FSDP2 shards that are the TP shard)."""
+        already (``ParamSource.local``: FSDP2 shards that are the TP shard); an ``all_ranks`` plan yields every
+        rank's pieces in rank order (a parameter of one part: its tensor as it is)."""
         presliced = getattr(source, "local", ())  # a source without the attribute sends every tensor whole
         it = iter(source)
         needed = {s for e in self.entries for s in e[2]}
@@ -193,7 +207,11 @@ class KernelPlan:
                     have[n] = t
             parts = [have.pop(s) for s in srcs]
             dim = self.shard.get(name)
-            if dim is not None:
+            if dim is not None and self.all_ranks:
+                if len(parts) > 1:  # fused parts split along dim 0 (``_split_fits``): rank 0's pieces, rank 1's, ...
+                    parts = [p.chunk(self.tp, dim=0)[r] for r in range(self.tp) for p in parts]
+                dim = None  # one part: all ranks' pieces side by side are the tensor itself
+            elif dim is not None:
                 parts = [p if s in presliced else p.chunk(self.tp, dim=dim)[self.tp_rank]
                          for s, p in zip(srcs, parts)]
             if len(parts) == 1:

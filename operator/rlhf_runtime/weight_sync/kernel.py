@@ -38,13 +38,29 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngin
 class KernelTarget:
     """Stands in for the model during a kernel-format update: ``load_weights`` copies each tensor into the
     model's parameter of the same name (shape and dtype must match: a wrong plan fails loudly, it never
-    writes a parameter partially). One per engine, kept across syncs (vLLM 0.33's NCCL engine keys the
-    metadata it reuses by the object it loads into)."""
+    writes a parameter partially). One per engine worker, kept across syncs (vLLM 0.33's NCCL engine keys the
+    metadata it reuses by the object it loads into).
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    A worker of a tensor-parallel engine (``tp`` > 1, this worker ``tp_rank``) that receives the pieces of all
+    ranks side by side (one NCCL broadcast to every worker: ``formats.KernelPlan`` without a ``tp_rank``) takes
+    its own: where the tensor is ``tp`` times the parameter along exactly one dimension and equal along the
+    others, piece ``tp_rank`` along that dimension."""
+
+    def __init__(self, model: torch.nn.Module, tp: int = 1, tp_rank: int = 0) -> None:
         self.model = model
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self.tp, self.tp_rank = tp, tp_rank
         self.loaded = 0
+
+    def own_piece(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+        """This worker's piece of ``tensor`` (a view) where it holds every rank's piece of ``param``, else None."""
+        if self.tp == 1 or tensor.dim() != param.dim():
+            return None
+        grown = [d for d in range(tensor.dim()) if tensor.shape[d] != param.shape[d]]
+        if len(grown) != 1 or tensor.shape[grown[0]] != param.shape[grown[0]] * self.tp:
+            return None
+        size = param.shape[grown[0]]
+        return tensor.narrow(grown[0], self.tp_rank * size, size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -55,6 +71,9 @@ class KernelTarget:
             param = self.params.get(name)
             if param is None:
                 raise KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
+            if tuple(param.shape) != tuple(tensor.shape):
+                piece = self.own_piece(tensor, param)
+                tensor = tensor if piece is None else piece
             if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
                 raise ValueError(f"kernel-format weight {name!r} is {list(tensor.shape)} {tensor.dtype}; the "
                                  f"engine's parameter is {list(param.shape)} {param.dtype}")
@@ -80,7 +99,7 @@ class KernelFormatMixin:
             super().start_weight_update()  # type: ignore[misc]
             return
         if self._kernel_target is None or self._kernel_target.model is not self.model:  # type: ignore[attr-defined]
-            self._kernel_target = KernelTarget(self.model)  # type: ignore[attr-defined]
+            self._kernel_target = KernelTarget(self.model, *tp_position())  # type: ignore[attr-defined]
         self.model = self._kernel_target  # type: ignore[assignment]
         self._kernel_active = True
 
@@ -95,6 +114,16 @@ class KernelFormatMixin:
     def reset_weight_update_target(self) -> None:
         self._kernel_active = False
         super().reset_weight_update_target()  # type: ignore[misc]
+
+
+def tp_position() -> tuple[int, int]:
+    """(tensor-parallel size, this worker's rank in it); (1, 0) outside an engine's model-parallel groups."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size()), int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError):  # groups not initialised (no engine in this process)
+        return 1, 0
 
 
 def set_format(engine: Any, kernel: bool) -> bool:

@@ -66,7 +66,9 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
     Over CUDA IPC each engine worker reads the tensors of the trainer rank on its own GPU, so with several
     engines or TP > 1 each rank plans for the worker on its GPU (found by GPU UUID): its TP shard, and with expert
     parallelism its engine's experts. Over NCCL every worker receives the same broadcast, so the engines must
-    want the same tensors: TP > 1 and engines holding different experts (expert parallelism) refuse."""
+    want the same tensors: engines holding different experts (expert parallelism) refuse, and into TP > 1
+    engines the plan sends every TP rank's pieces side by side (``KernelPlan.all_ranks``), each worker copying
+    its own."""
     import torch.distributed as dist
 
     layouts = client.engine_layouts() if client.handles else None
@@ -100,7 +102,7 @@ def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set
     import torch.distributed as dist
 
     local = plan.row_split_sources() & source.local_candidates(plan.tp, plan.tp_rank) \
-        if plan.ok and plan.tp > 1 else set()
+        if plan.ok and plan.tp > 1 and not plan.all_ranks else set()
     unused = source.unneeded(plan.used_sources()) if plan.ok else set()
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return set(), unused  # one rank: nothing is a shard, and nothing it skips is a collective
@@ -133,16 +135,26 @@ def default_rpc(backend: str) -> str:
     return NCCL_RPC_DEFAULT if backend == "nccl" else RPC_DEFAULT
 
 
-def auto_keeps_checkpoint() -> str | None:
+#: Whether the kernel format over NCCL into tensor-parallel engines (``KernelPlan.all_ranks``: every TP rank's
+#: pieces in the one broadcast) passed the GPU validation, so that ``auto`` takes it. Until then it is opt-in
+#: (``weightSync.format: kernel``).
+BROADCAST_TP_VALIDATED = False
+
+
+def auto_keeps_checkpoint(plan: KernelPlan | None = None) -> str | None:
     """Why ``weightSync.format: auto`` stays with the checkpoint format although the kernel format may apply
     (not validated on GPUs on this vLLM; ``format: kernel`` opts in), else None. The same on every trainer rank,
     so all ranks or none build the kernel plan (a collective). Pure.
 
     Every layout the plan covers passed the GPU validation (greedy tokens of a fresh engine equal the synced
     engine's; which layouts, where and when: benchmarks/README.md, "Where the defaults come from"), so none is held
-    back; a layout that is not validated would be named here."""
+    back; a layout that is not validated is named here: ``plan`` (once built) sending every TP rank's pieces in
+    one NCCL broadcast (``BROADCAST_TP_VALIDATED``)."""
     if not vllm_compat.AUTO_KERNEL_SINCE_TRAINER_API:
         return "auto keeps the checkpoint format on this vLLM until the kernel format is validated on GPUs"
+    if plan is not None and plan.ok and plan.all_ranks and not BROADCAST_TP_VALIDATED:
+        return ("auto keeps the checkpoint format for NCCL into a tensor-parallel engine until that path of the "
+                "kernel format is validated on GPUs (weightSync.format: kernel takes it)")
     return None
 
 
@@ -272,7 +284,8 @@ class TrainerEngineSender(Sender):
                     self.plan = kernel_plan(self.source, self.client, self.backend)
                     if self.lean_gathers:
                         self._agree()  # every rank is here (kernel_plan is a collective too)
-            self.format = effective_format(fmt, self.plan)
+            self.auto_reason = auto_keeps_checkpoint(self.plan) if fmt == "auto" else None
+            self.format = effective_format("checkpoint" if self.auto_reason else fmt, self.plan)
         if self.fallback is not None:
             log.warning("weight sync in the checkpoint format, not the kernel format: %s", self.fallback)
         self.client.checkpoint_format = self.format == "checkpoint"
