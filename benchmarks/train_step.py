@@ -16,6 +16,11 @@ tokens, ``S`` the scored (completion) tokens, and the last term causal attention
 forward + backward = 3x forward). MFU divides by the GPU's dense bfloat16 peak (989 TFLOP/s for H100 and H200
 SXM).
 
+``--profile FILE``: one more step of the first length under ``torch.profiler`` (CUDA time per kernel: the top
+kernels and a sum per kind, GEMM / attention / elementwise and normalisation / optimiser / copies) written to
+FILE, to see where the step's time goes. ``--compile-layers``: an experiment, not a runtime option: every decoder
+layer through ``torch.compile`` (``nn.Module.compile``) after the trainer is built, timed the same way.
+
 ``--legacy DIR``: the same batches through the trainer of another checkout (``DIR/operator``, e.g. the code before
 float32 masters and packing: ``git archive ef2188b operator | tar -x -C DIR``), run in a subprocess, for a before
 and after on the same device.
@@ -143,6 +148,44 @@ def timed_steps(t: Any, b: dict[str, Any], repeats: int, flops: float) -> dict[s
             "loss": stats.get("loss"), "entropy": stats.get("entropy")}
 
 
+KINDS = (("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "ampere_", "sm80_")),
+         ("attention", ("flash", "fmha", "attention")),
+         ("optimiser", ("adam", "multi_tensor", "foreach")),
+         ("copy / cast", ("copy", "memcpy", "memset", "cast", "fill")),
+         ("reduction / softmax", ("reduce", "softmax", "logsumexp", "log_softmax", "nll", "gather", "scatter")),
+         ("elementwise / norm", ("elementwise", "vectorized", "norm", "silu", "mul", "add", "pow", "rsqrt", "unrolled")))
+
+
+def profile_step(t: Any, b: dict[str, Any], path: str) -> dict[str, Any]:
+    """One training step under ``torch.profiler``: CUDA kernel time per kernel name, the top 40 and the sum per
+    kind (``KINDS``: the first pattern that matches the kernel's name; the rest "other"), written to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stats = t.train(b)
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "self_device_time_total", None)
+        if dev is None:
+            dev = getattr(e, "self_cuda_time_total", 0)
+        if dev and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((e.key, dev / 1e6, e.count))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    kinds: dict[str, float] = {}
+    for name, sec, _ in rows:
+        low = name.lower()
+        kind = next((k for k, pats in KINDS if any(pt in low for pt in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + sec
+    out = {"train_s": stats["train_s"], "kernel_s": total,
+           "kinds": {k: {"s": v, "share": v / total if total else 0.0} for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+           "top": [{"kernel": n[:160], "s": sec, "calls": c} for n, sec, c in rows[:40]]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))
+    return {k: v for k, v in out.items() if k != "top"}
+
+
 def varlen_check(t: Any, vocab: int) -> dict[str, Any]:
     """Log-probabilities of 4 sequences packed in one row (the trainer's attention: ``rlhf_varlen`` on GPUs)
     against each sequence alone through SDPA (no packing, no mask)."""
@@ -172,6 +215,9 @@ def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy
     budget = max(a.budget, max(lengths))
     t = make_trainer(spec(model, gpu, budget, 1e-6, "bfloat16" if gpu else "float32",
                           None if legacy else "float32", not a.no_checkpointing, a.world), a.rank, a.world, a.port)
+    if getattr(a, "compile_layers", False):
+        for layer in t.decoder_layers():
+            layer.compile()
     out: list[dict[str, Any]] = []
     if not legacy and a.world == 1:
         out.append({"varlen_check": varlen_check(t, info["config"]["vocab_size"])})
@@ -180,8 +226,11 @@ def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy
         b = batch([n] * max(1, a.step_tokens // n), info["config"]["vocab_size"])
         row: dict[str, Any] = {"length": n, "samples": len(b["prompts"]), "budget": budget, "legacy": legacy,
                                "gradient_checkpointing": not a.no_checkpointing}
+        row["compiled_layers"] = bool(getattr(a, "compile_layers", False))
         try:
             row.update(timed_steps(t, b, a.repeats, step_flops(info, b)))
+            if getattr(a, "profile", "") and n == lengths[0] and a.rank == 0:
+                row["profile"] = profile_step(t, {k: v[:: a.world] for k, v in b.items()}, a.profile)
         except torch.OutOfMemoryError as e:
             row["error"] = str(e).splitlines()[0][:300]
             t.opt.zero_grad(set_to_none=True)
@@ -292,6 +341,9 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--only", default="", help="internal: lengths|legacy|rank")
     p.add_argument("--model-dir", default="")
+    p.add_argument("--profile", default="", help="write a kernel-time profile of one step of the first length here")
+    p.add_argument("--compile-layers", action="store_true", help="experiment: torch.compile every decoder layer")
+    p.add_argument("--skip-mix", action="store_true", help="no long-tailed mix run")
     p.add_argument("--cpu", action="store_true", help="smoke run: the tiny model on CPU")
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -334,8 +386,9 @@ def main() -> None:
     gc.collect()
     if not a.cpu:
         torch.cuda.empty_cache()
-    result["mix"] = run_mix(a, model, info)
-    save()
+    if not a.skip_mix:
+        result["mix"] = run_mix(a, model, info)
+        save()
     if a.legacy:
         gc.collect()
         if not a.cpu:
