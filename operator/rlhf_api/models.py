@@ -352,6 +352,12 @@ class Head(Model):
                     fieldPath=".resources.memory",
                 ),
                 cel(
+                    "!(self.metricsPort in [6379, 8000, 8080, 8265, 10001])",
+                    "head.metricsPort must not be one of Ray's ports on the head pod (6379 GCS, 8000 Serve, 8080 "
+                    "Ray's metrics, 8265 dashboard, 10001 client)",
+                    fieldPath=".metricsPort",
+                ),
+                cel(
                     "quantity(self.submitter.memory).compareTo(quantity('256Mi')) >= 0",
                     "head.submitter.memory must be at least 256Mi: `ray job submit` is a Python process that imports "
                     "Ray (about 150 MiB resident)",
@@ -364,6 +370,13 @@ class Head(Model):
         HeadResources,
         "CPU and memory of the Ray head pod, where the driver runs (GCS, dashboard, the driver process, the "
         "tokenizer; no GPU and no Ray actors: its Ray num-cpus is 0).",
+    )
+    metrics_port: int = Field(
+        9095, ge=0, le=65535,
+        description="Port of the runtime's Prometheus /metrics on the head pod, where the driver runs (the gauges "
+        "of the last step: tokens/s, stage seconds, reward, MFU, mismatch, loss, KL, entropy, ...; labels job and "
+        "namespace), as the container port named rlhf-metrics (the chart's PodMonitor scrapes it). Must not be one "
+        "of Ray's ports on the head (6379, 8000, 8080, 8265, 10001). 0: not served.",
     )
     submitter: SubmitterResources = sub(
         SubmitterResources,

@@ -195,6 +195,25 @@ def ray_resources(group: WorkerGroup) -> str:
     return "'" + json.dumps({resource(group.name): group.gpus or 1}, separators=(",", ":"), sort_keys=True) + "'"
 
 
+#: The ports KubeRay gives the head Service when the head container names none (v1.6.2
+#: ``common/service.go`` ``getDefaultPorts``): once it names one, the Service takes only the container's ports,
+#: so a head with the runtime's metrics port lists these too (the submitter reaches the dashboard port).
+RAY_HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("metrics", 8080), ("serve", 8000))
+METRICS_PORT_NAME = "rlhf-metrics"
+
+
+def _serve_runtime_metrics(head: dict[str, Any], port: int) -> None:
+    """The runtime's /metrics on the head pod (``spec.head.metricsPort``; the driver reads RLHF_METRICS_PORT):
+    the port named ``rlhf-metrics`` beside Ray's own (``RAY_HEAD_PORTS``)."""
+    if not port:
+        return
+    main = head["template"]["spec"]["containers"][0]
+    main["env"] = [e for e in main["env"] if e["name"] != "RLHF_METRICS_PORT"] + [
+        {"name": "RLHF_METRICS_PORT", "value": str(port)}]  # the field decides, not a spec.env entry
+    main["ports"] = [{"name": n, "containerPort": p} for n, p in RAY_HEAD_PORTS] + [
+        {"name": METRICS_PORT_NAME, "containerPort": port}]
+
+
 def _submitter_template(job: Job) -> dict[str, Any]:
     """KubeRay's submitter pod (``ray job submit``): the runtime image, small requests, the job's scheduling.
     KubeRay fills the command and its environment; ``restartPolicy: Never`` as in KubeRay's default."""
@@ -227,6 +246,7 @@ def render_ray_job(job: Job) -> dict[str, Any]:
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
         "template": _pod_template(job, "head", "ray-head", 0, spec.head.resources.cpu, spec.head.resources.memory),
     }
+    _serve_runtime_metrics(head, spec.head.metrics_port)
     workers = [
         {
             "groupName": g.name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,33 @@ def test_metrics_service_and_monitor(helm) -> None:
     assert mon["spec"]["endpoints"][0]["port"] == "metrics"
     off = render(helm, "--set", "metrics.enabled=false", "--set", "metrics.service.enabled=true")
     assert "Service" not in {d["kind"] for d in off}
+
+
+def test_runtime_pod_monitor_and_grafana_dashboard(helm) -> None:
+    """Off by default. On: the PodMonitor selects exactly what the operator renders on every job's head pod
+    (its labels, the container port the runtime's metrics are served on) and keeps the RLHFJob's job label; the
+    dashboard ConfigMap carries Grafana's sidecar label and the dashboard file as it is."""
+    from rlhf_operator import naming
+    from rlhf_operator.render import METRICS_PORT_NAME
+
+    default = render(helm)
+    assert "PodMonitor" not in {d["kind"] for d in default}
+    assert not any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard") for d in default)
+    docs = render(helm, "--set", "runtimeMetrics.podMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true")
+    mon = next(d for d in docs if d["kind"] == "PodMonitor")
+    head_labels = naming.labels("any-job", "head")
+    assert mon["spec"]["selector"]["matchLabels"].items() <= head_labels.items()
+    assert not mon["spec"]["selector"]["matchLabels"].items() <= naming.labels("any-job", "trainer").items()
+    endpoint = mon["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["port"] == METRICS_PORT_NAME and endpoint["honorLabels"] is True
+    assert mon["spec"]["namespaceSelector"] == {"any": True}
+    board = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard"))
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(board["data"]["rlhf-jobs.json"]) == json.loads((CHART / "files/grafana-dashboard.json").read_text())
+    scoped = render(helm, "--set", "runtimeMetrics.podMonitor.enabled=true", "--set", "watch.scope=namespaces",
+                    "--set", "watch.watchNamespaces={team-a,team-b}")
+    mon = next(d for d in scoped if d["kind"] == "PodMonitor")
+    assert mon["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
 @pytest.mark.parametrize(

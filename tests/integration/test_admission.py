@@ -115,6 +115,8 @@ INVALID = [
      "trainer.lora needs weightSync.mode 'sync'"),
     ("lora with expert parallel", with_spec(trainer__lora={}, rollout__expertParallel=True),
      "trainer.lora cannot be combined with rollout.expertParallel"),
+    ("metrics port on a ray port", with_spec(head__metricsPort=8265),
+     "head.metricsPort must not be one of Ray's ports on the head pod"),
     ("lora on lm_head", with_spec(trainer__lora={"targetModules": ["q_proj", "lm_head"]}),
      "vLLM serves no LoRA adapter on lm_head or embed_tokens"),
     ("lora rank above 256", with_spec(trainer__lora={"rank": 512}), "spec.trainer.lora.rank: Invalid value: 512"),

@@ -537,3 +537,22 @@ def test_config_map_holds_secret_references_never_values() -> None:
     # the runtime reads the same reference back (and can only resolve it from its own environment)
     cfg = m.RuntimeConfig.model_validate_json(cm["data"][naming.CONFIG_KEY])
     assert cfg.spec.env == job.spec.env
+
+
+def test_head_serves_the_runtime_metrics_beside_rays_own_ports() -> None:
+    """``spec.head.metricsPort``: the head container gets RLHF_METRICS_PORT (over a spec.env entry of that name)
+    and the port named rlhf-metrics, listed with the ports KubeRay's head Service takes by default (a head that
+    names any port gets a Service of only its ports: without the dashboard's, ``ray job submit`` finds no head).
+    0: neither, and KubeRay's defaults as before."""
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+
+    def head(spec: m.RLHFJobSpec) -> dict:
+        return render.render_ray_job(render.Job(job.name, job.namespace, job.uid, spec))["spec"]["rayClusterSpec"][
+            "headGroupSpec"]["template"]["spec"]["containers"][0]
+
+    on = head(job.spec.model_copy(update={"env": [m.EnvVar(name="RLHF_METRICS_PORT", value="1")]}))
+    assert {p["name"]: p["containerPort"] for p in on["ports"]} == {
+        "gcs-server": 6379, "dashboard": 8265, "client": 10001, "metrics": 8080, "serve": 8000, "rlhf-metrics": 9095}
+    assert [e for e in on["env"] if e["name"] == "RLHF_METRICS_PORT"] == [{"name": "RLHF_METRICS_PORT", "value": "9095"}]
+    off = head(job.spec.model_copy(update={"head": m.Head.model_validate({"metricsPort": 0})}))
+    assert "ports" not in off and not any(e["name"] == "RLHF_METRICS_PORT" for e in off["env"])

@@ -226,7 +226,10 @@ class Metrics:
     def serve(self, port: int) -> None:
         from prometheus_client import start_http_server
 
-        start_http_server(port, registry=self.registry)
+        try:
+            start_http_server(port, registry=self.registry)
+        except OSError as e:  # a port taken on the head pod costs the metrics, not the run
+            log.warning("Prometheus metrics not served on port %d: %s", port, e)
 
     def update(self, step: int, throughput: dict[str, float], train: dict[str, Any] | None = None) -> None:
         self.step.labels(**self.labels).set(step)
