@@ -672,17 +672,23 @@ STACK_SIGNAL, ACTOR_TITLE, STACK_WAIT_S = signal.SIGUSR1, "ray::Bench", 10.0
 RAY_LOGS = Path("/tmp/ray/session_latest/logs")
 
 
-def actor_stacks(pids: list[int], final: bool = True) -> str:
+def actor_stacks(pids: list[int], polls: dict[str, str] | None = None) -> str:
     """The stacks the actors ``pids`` wrote to their stderr on ``STACK_SIGNAL`` (Ray's worker logs, ``RAY_LOGS``),
-    one section per actor. ``final=False``: "" until every one of them has written its stacks (for polling)."""
+    one section per actor. Polling (``polls``: a dict the caller keeps between calls): "" until every one of them
+    has written its stacks and they read the same as at the previous poll (faulthandler writes a dump in pieces,
+    so the first sight of one may be cut off mid-line)."""
     parts = []
     for pid in pids:
         text = "".join(f.read_text(errors="replace") for f in RAY_LOGS.glob(f"worker-*-{pid}.err"))
         start = min((i for i in (text.find("Current thread 0x"), text.find("Thread 0x")) if i >= 0), default=-1)
-        if start < 0 and not final:
+        if start < 0 and polls is not None:
             return ""
         parts.append(f"\n=== stacks of actor pid {pid}\n" + (text[start:] if start >= 0 else "(none written)\n"))
-    return "".join(parts)
+    text = "".join(parts)
+    if polls is not None:
+        stable, polls["last"] = polls.get("last") == text, text
+        return text if stable else ""
+    return text
 
 
 def stack_dump(run_pid: int) -> list[int]:
@@ -804,7 +810,8 @@ def main() -> int:
                     asked = stack_dump(proc.pid)
                     print(f"TIMEOUT {name} after {limit:.0f}s; stacks of {len(asked)} processes in {log}", flush=True)
                     until = time.time() + STACK_WAIT_S  # the run's own goes to its output, the actors' to Ray's logs
-                    while proc.poll() is None and time.time() < until and not actor_stacks(asked[1:], final=False):
+                    polls: dict[str, str] = {}
+                    while proc.poll() is None and time.time() < until and not actor_stacks(asked[1:], polls):
                         f.write(proc.stdout.read() or b"")
                         time.sleep(0.5)
                     f.write(proc.stdout.read() or b"")

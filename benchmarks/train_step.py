@@ -18,8 +18,8 @@ SXM).
 
 ``--profile FILE``: one more step of the first length under ``torch.profiler`` (CUDA time per kernel: the top
 kernels and a sum per kind, GEMM / attention / elementwise and normalisation / optimiser / copies) written to
-FILE, to see where the step's time goes. ``--compile-layers``: an experiment, not a runtime option: every decoder
-layer through ``torch.compile`` (``nn.Module.compile``) after the trainer is built, timed the same way.
+FILE, to see where the step's time goes. ``--compile-layers``: ``trainer.compile`` on (every decoder layer through
+``torch.compile``), timed the same way.
 
 ``--legacy DIR``: the same batches through the trainer of another checkout (``DIR/operator``, e.g. the code before
 float32 masters and packing: ``git archive ef2188b operator | tar -x -C DIR``), run in a subprocess, for a before
@@ -69,9 +69,11 @@ PROMPT = 128  # prompt tokens per sample (CPU smoke: 16)
 
 
 def spec(model: Path, gpu: bool, budget: int, lr: float, dtype: str, master: str | None,
-         checkpointing: bool, world: int = 1) -> dict[str, Any]:
+         checkpointing: bool, world: int = 1, compile_layers: bool = False) -> dict[str, Any]:
     trainer: dict[str, Any] = {"replicas": 1, "gpusPerReplica": world if gpu or world > 1 else 0,
                                "gradientCheckpointing": checkpointing}
+    if compile_layers:  # trainer.compile (a checkout before the field would refuse the key)
+        trainer["compile"] = True
     if world > 1:
         trainer["strategy"] = "fsdp2"
     if master is not None:  # None: a checkout without these fields (--legacy)
@@ -214,10 +216,8 @@ def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy
     lengths = [int(x) for x in a.lengths.split(",")]
     budget = max(a.budget, max(lengths))
     t = make_trainer(spec(model, gpu, budget, 1e-6, "bfloat16" if gpu else "float32",
-                          None if legacy else "float32", not a.no_checkpointing, a.world), a.rank, a.world, a.port)
-    if getattr(a, "compile_layers", False):
-        for layer in t.decoder_layers():
-            layer.compile()
+                          None if legacy else "float32", not a.no_checkpointing, a.world,
+                          getattr(a, "compile_layers", False)), a.rank, a.world, a.port)
     out: list[dict[str, Any]] = []
     if not legacy and a.world == 1:
         out.append({"varlen_check": varlen_check(t, info["config"]["vocab_size"])})
@@ -312,6 +312,7 @@ def run_ranks(a: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                str(port), "--model-dir", str(model), "--model", a.model, "--lengths", a.lengths, "--step-tokens",
                str(a.step_tokens), "--budget", str(a.budget), "--repeats", str(a.repeats)]
         cmd += ["--no-checkpointing"] if a.no_checkpointing else []
+        cmd += ["--compile-layers"] if a.compile_layers else []
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(r)}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=1200) for p in procs]
@@ -342,7 +343,7 @@ def main() -> None:
     p.add_argument("--only", default="", help="internal: lengths|legacy|rank")
     p.add_argument("--model-dir", default="")
     p.add_argument("--profile", default="", help="write a kernel-time profile of one step of the first length here")
-    p.add_argument("--compile-layers", action="store_true", help="experiment: torch.compile every decoder layer")
+    p.add_argument("--compile-layers", action="store_true", help="trainer.compile: torch.compile every decoder layer")
     p.add_argument("--skip-mix", action="store_true", help="no long-tailed mix run")
     p.add_argument("--cpu", action="store_true", help="smoke run: the tiny model on CPU")
     p.add_argument("--out", default="")

@@ -6,7 +6,8 @@
   one rank runs empty micro-batches to keep the collectives in step) makes the same update as one worker on the
   whole batch: the token mean is over the whole batch, not each rank's;
 * FSDP2 with bfloat16 compute over float32 shards (mixed precision over gloo) updates like one bfloat16 worker with
-  masters, and its export is bfloat16.
+  masters, and its export is bfloat16;
+* ``trainer.compile`` (torch.compile per decoder layer) under FSDP2 updates like one eager worker.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ for i, (name, cfg, steps) in enumerate(runs):
             with safe_open(f"{out}/{name}.export/model.safetensors", "pt") as f:
                 export = sorted({str(f.get_tensor(k).dtype) for k in f.keys()})
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
-                     "export": export}
+                     "export": export,
+                     "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()]}
     t.close()
     del t
 print(json.dumps(results))
@@ -105,11 +107,12 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
     tmp = tmp_path_factory.mktemp("precision")
     small_budget = _spec(tiny_model, "float32", lr=1e-3, maxTokensPerMicroBatch=16)
+    compiled = _spec(tiny_model, "float32", lr=1e-3, maxTokensPerMicroBatch=16, compile=True)
     single = _train(tmp, [("fp32", _spec(tiny_model, "float32"), 10), ("bf16", _spec(tiny_model, "bfloat16"), 10),
                           ("bf16-none", _spec(tiny_model, "bfloat16", masterWeights="none"), 10),
                           ("one", small_budget, 2)])[0]
-    ranks = _train(tmp, [("two", _fsdp(small_budget), 2), ("two-bf16", _fsdp(_spec(tiny_model, "bfloat16")), 10)],
-                   world=2)
+    ranks = _train(tmp, [("two", _fsdp(small_budget), 2), ("two-bf16", _fsdp(_spec(tiny_model, "bfloat16")), 10),
+                         ("two-compiled", _fsdp(compiled), 2)], world=2)
     updates = {p.stem: torch.load(p) for p in tmp.glob("*.pt")}
     return {"single": single, "ranks": ranks, "updates": updates}
 
@@ -126,6 +129,19 @@ def test_bfloat16_with_master_weights_updates_like_float32(trained: dict) -> Non
     # without masters most of it is lost: few bfloat16 weights move at all
     assert float((lost != 0).float().mean()) < 0.1
     assert float(lost.abs().mean() / ref.abs().mean()) < 0.1
+
+
+def test_compiled_layers_under_fsdp2_update_like_one_eager_worker(trained: dict) -> None:
+    """``trainer.compile``: the decoder layers through torch.compile (Inductor, CPU here; compiled before FSDP2
+    wraps them) make the same update as one eager worker, on two FSDP2 ranks with unequal shares. (One compiled
+    GPU worker: the same losses as eager in ``benchmarks/train_step.py``.)"""
+    ranks = trained["ranks"]
+    assert all(r["two-compiled"]["compiled"] == [True, True] and r["two"]["compiled"] == [False, False]
+               for r in ranks), ranks
+    u = trained["updates"]
+    assert float(u["one"].abs().max()) > 1e-4
+    rel = float((u["two-compiled"] - u["one"]).norm() / u["one"].norm())
+    assert rel < 1e-3, rel
 
 
 def test_fsdp2_ranks_with_unequal_shares_update_like_one_worker(trained: dict) -> None:

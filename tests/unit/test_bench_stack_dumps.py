@@ -87,9 +87,12 @@ def test_the_actors_stacks_are_read_back_from_their_ray_worker_logs(tmp_path: Pa
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
         os.link(err, tmp_path / f"worker-0123abcd-{p.pid}.err")  # as Ray names it
-        assert gpu_sync.actor_stacks([p.pid], final=False) == ""  # nothing written yet: keep polling
+        polls: dict[str, str] = {}
+        assert gpu_sync.actor_stacks([p.pid], polls) == ""  # nothing written yet: keep polling
         assert p.pid in gpu_sync.stack_dump(p.pid)  # the pid asked first is signalled like the run
-        text = wait_for(lambda: gpu_sync.actor_stacks([p.pid], final=False), 30, "the actor's stacks", interval=0.2)
+        # a dump is written in pieces: the poll answers once it reads the same twice (first sights were cut off
+        # mid-line in 3 of 6 runs before)
+        text = wait_for(lambda: gpu_sync.actor_stacks([p.pid], polls), 30, "the actor's stacks", interval=0.2)
         assert f"=== stacks of actor pid {p.pid}" in text and "waiting_in_the_broadcast" in text, text
         assert "(none written)" in gpu_sync.actor_stacks([p.pid, 999999999])  # one that wrote none, at the end
     finally:

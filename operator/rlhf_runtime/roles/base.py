@@ -208,8 +208,13 @@ class FSDPWorker:
         return self.model
 
     def shard(self) -> None:
-        """FSDP2 over several workers: ``fully_shard`` of each decoder layer, then of ``fsdp_root``; with master
-        weights, computing in ``model.dtype`` over float32 shards (``precision.fsdp_policy``)."""
+        """``trainer.compile``: each decoder layer through ``torch.compile`` first (per block, before FSDP2 wraps
+        it, as torchtitan does). FSDP2 over several workers: ``fully_shard`` of each decoder layer, then of
+        ``fsdp_root``; with master weights, computing in ``model.dtype`` over float32 shards
+        (``precision.fsdp_policy``)."""
+        if self.spec.trainer.compile:
+            for layer in self.decoder_layers():
+                layer.compile()
         if self.world_size == 1:
             return
         from torch.distributed.fsdp import fully_shard
