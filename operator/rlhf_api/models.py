@@ -320,12 +320,14 @@ class WeightSync(Model):
         "auto",
         description="Layout of the weights sent. checkpoint: Hugging Face names and shapes, loaded by vLLM's "
         "layerwise reload (any engine layout, any supported vLLM). kernel: the engines' own fused parameters "
-        "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines, of "
-        "tensorParallelSize 1 (ipc: or each engine worker colocated with a trainer GPU, which sends that "
-        "worker's shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
-        "kernel where it applies and was validated on GPUs (vLLM 0.33: tensorParallelSize 1 engines over nccl or "
-        "over ipc from one trainer GPU, and ipc from several trainer GPUs, e.g. FSDP2 with DP, expert-parallel "
-        "or tensor-parallel engines, each trainer GPU sending the shard of the engine worker beside it), else "
+        "(e.g. qkv_proj), copied in place: faster, but only with the nccl or ipc backend on GPU engines (nccl "
+        "into tensorParallelSize > 1: one broadcast carries every TP rank's pieces and each worker copies its "
+        "own; ipc into TP > 1: each engine worker colocated with a trainer GPU, which sends that worker's "
+        "shard); elsewhere the job fails when its weight-sync group is set up, naming the reason. auto: "
+        "kernel where it applies and was validated on GPUs (vLLM 0.33: engines over nccl, tensor-parallel "
+        "ones too, or over ipc from one trainer GPU, and ipc from several trainer GPUs, e.g. FSDP2 with DP, "
+        "expert-parallel or tensor-parallel engines, each trainer GPU sending the shard of the engine worker "
+        "beside it; 1.7B into one TP=2 engine over nccl: 17.4 ms vs 92.5 ms in checkpoint), else "
         "checkpoint. ipc from one trainer GPU in the kernel format: each engine maps the trainer's parameters "
         "once and a sync is one device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
     )

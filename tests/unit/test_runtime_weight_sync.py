@@ -236,9 +236,10 @@ def test_a_trainer_rank_without_engine_layouts_plans_no_kernel_format() -> None:
 
 
 def test_auto_takes_the_kernel_format_on_vllm_028_where_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM >= 0.28: ``auto`` takes the kernel format over NCCL, over IPC from one trainer GPU and over IPC from
-    several trainer GPUs into TP=1 engines (DP, EP; 2xH200) and into a TP=2 engine (2xH100), all validated with
-    vLLM 0.33; a vLLM where it was never validated keeps the checkpoint format and says why."""
+    """vLLM >= 0.28: ``auto`` takes the kernel format over NCCL (into TP=1 engines, and into a TP=2 engine with
+    both ranks' pieces in one broadcast: 4xH200), over IPC from one trainer GPU and over IPC from several trainer
+    GPUs into TP=1 engines (DP, EP; 2xH200) and into a TP=2 engine (2xH100), all validated with vLLM 0.33; a vLLM
+    where it was never validated keeps the checkpoint format and says why."""
     from rlhf_runtime.vllm import compat as vllm_compat
     from rlhf_runtime.weight_sync import KernelPlan, senders
     from rlhf_runtime.weight_sync.senders import auto_keeps_checkpoint
@@ -247,10 +248,9 @@ def test_auto_takes_the_kernel_format_on_vllm_028_where_validated(monkeypatch: p
     hf = _hf()
     broadcast = KernelPlan.build(_Source(hf), _engine(hf, 2))  # NCCL into a TP=2 engine
     assert auto_keeps_checkpoint(KernelPlan.build(_Source(hf), _engine(hf, 2), tp_rank=0)) is None
-    if not senders.BROADCAST_TP_VALIDATED:
-        assert "NCCL into a tensor-parallel engine" in (auto_keeps_checkpoint(broadcast) or "")
-    monkeypatch.setattr(senders, "BROADCAST_TP_VALIDATED", True)
-    assert auto_keeps_checkpoint(broadcast) is None
+    assert senders.BROADCAST_TP_VALIDATED and auto_keeps_checkpoint(broadcast) is None  # 4xH200, 2026-11-27
+    monkeypatch.setattr(senders, "BROADCAST_TP_VALIDATED", False)
+    assert "NCCL into a tensor-parallel engine" in (auto_keeps_checkpoint(broadcast) or "")
     monkeypatch.setattr(vllm_compat, "AUTO_KERNEL_SINCE_TRAINER_API", False)
     reason = auto_keeps_checkpoint()
     assert reason is not None and "until the kernel format is validated" in reason

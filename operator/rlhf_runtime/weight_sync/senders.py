@@ -136,9 +136,10 @@ def default_rpc(backend: str) -> str:
 
 
 #: Whether the kernel format over NCCL into tensor-parallel engines (``KernelPlan.all_ranks``: every TP rank's
-#: pieces in the one broadcast) passed the GPU validation, so that ``auto`` takes it. Until then it is opt-in
-#: (``weightSync.format: kernel``).
-BROADCAST_TP_VALIDATED = False
+#: pieces in the one broadcast) passed the GPU validation, so that ``auto`` takes it: yes, 2026-11-27 on 4xH200,
+#: vLLM 0.33, trainer GPU0 + one TP=2 engine, Qwen3-1.7B shape (17.4 ms vs 92.5 ms in the checkpoint format;
+#: benchmarks/README.md, "2026-11-27 (4xH200, second session)"). False makes it opt-in again.
+BROADCAST_TP_VALIDATED = True
 
 
 def auto_keeps_checkpoint(plan: KernelPlan | None = None) -> str | None:
