@@ -593,14 +593,21 @@ class Reward(Model):
             ]
         }
     )
-    rule: Literal["exactMatch", "contains", "regex", "length"] | None = Field(
+    rule: Literal["exactMatch", "contains", "regex", "length", "math"] | None = Field(
         None,
         description="Built-in rule: exactMatch/contains compare with target (or the sample's answer), regex "
-        "matches pattern, length rewards closeness to targetLength tokens.",
+        "matches pattern, length rewards closeness to targetLength tokens, math scores 1 when the completion's "
+        "final answer is mathematically equal to the sample's answer (or target) by Hugging Face's math-verify "
+        "(LaTeX and \\boxed{} answers, 1/2 = 0.5 = \\frac{1}{2}, 10% = 0.1, sets and intervals), else 0.",
     )
     target: str | None = Field(None, max_length=65536, description="Target text for exactMatch/contains.")
     pattern: str | None = Field(None, max_length=4096, description="Regular expression for the regex rule.")
     target_length: int = Field(64, ge=1, description="Target completion length in tokens for the length rule.")
+    math_timeout_seconds: int = Field(
+        5, ge=1, le=60,
+        description="Time limit of one math rule check (parsing and comparison, in a worker process): past it the "
+        "sample scores 0 with a warning, so a pathological answer cannot stall a step.",
+    )
     function: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
@@ -772,8 +779,9 @@ SPEC_RULES = [
     cel(
         "self.placement.mode != 'colocated' || "
         "self.trainer.replicas * self.trainer.gpusPerReplica == self.rollout.engines * self.rollout.tensorParallelSize",
-        "placement.mode 'colocated' needs as many trainer GPUs (replicas x gpusPerReplica) as engine GPUs "
-        "(engines x tensorParallelSize): each GPU holds one trainer worker and one engine shard",
+        "placement.mode 'colocated' needs as many trainer GPUs (trainer.replicas x trainer.gpusPerReplica) as "
+        "engine GPUs (rollout.engines x rollout.tensorParallelSize): each GPU holds one trainer worker and one "
+        "engine shard",
     ),
     cel(
         "self.placement.colocatedSleep || self.placement.mode == 'colocated'",
@@ -1081,6 +1089,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("algorithm", "rolloutCorrection"), RolloutCorrection().wire()),
     (("trainer", "maxTokensPerMicroBatch"), 16384),
     (("trainer", "compile"), False),
+    (("reward", "mathTimeoutSeconds"), 5),
 )
 
 

@@ -8,7 +8,10 @@ Rules (``spec.reward.rule``), with ``answer`` the sample's reference answer from
 * ``contains``: 1.0 if the completion contains ``answer`` (else ``target``), else 0.0;
 * ``regex``: 1.0 if ``pattern`` matches anywhere in the completion (``re.search``), else 0.0;
 * ``length``: ``1 - |len - targetLength| / targetLength`` clipped at 0, with ``len`` in tokens when token
-  counts are given, else in characters.
+  counts are given, else in characters;
+* ``math``: 1.0 if the completion's final answer is mathematically equal to ``answer`` (else ``target``), else
+  0.0, checked by Hugging Face's ``math-verify`` (``MathVerifier``: LaTeX, ``\\boxed{}``, fractions vs decimals,
+  percentages, sets; each check in a worker process under ``mathTimeoutSeconds``, 0.0 past it).
 
 A hook ``fn(prompt, completion, answer) -> float`` is imported once. Its result must be a finite number
 (``int``, ``float``, ``bool``, or anything ``float()`` accepts that is not text, e.g. a numpy scalar or a
@@ -26,16 +29,20 @@ from __future__ import annotations
 import http.client
 import importlib
 import json
+import logging
 import math
 import re
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from rlhf_api.models import Reward, RewardEndpoint
 
 RewardFn = Callable[..., float]
+log = logging.getLogger(__name__)
 
 
 class RewardError(ValueError):
@@ -141,7 +148,79 @@ def make_reward(spec: Reward) -> RewardFn | None:
             got = n if n is not None else len(c)
             return max(0.0, 1.0 - abs(got - target) / target)
         return length
-    raise RewardError(f"unknown spec.reward.rule {rule!r} (exactMatch, contains, regex or length)")
+    if rule == "math":
+        return MathVerifier(spec.target, spec.math_timeout_seconds)
+    raise RewardError(f"unknown spec.reward.rule {rule!r} (exactMatch, contains, regex, length or math)")
+
+
+# -------------------------------------------------------------------------------------------- math
+def math_equal(gold: str, completion: str, timeout_s: int) -> bool:
+    """Whether ``completion``'s final answer equals ``gold`` by ``math-verify`` (its parse and verify, each under
+    its own ``signal.alarm`` limit of ``timeout_s``: this runs in the main thread of ``MathVerifier``'s worker).
+    ``gold`` as the data holds it: plain (``0.5``, ``1/2``, ``72``, ``10%``), tried as it is first, or LaTeX
+    without delimiters (``\\frac{\\sqrt{3}}{2}``, ``\\{1, 2\\}``: with a backslash), tried as inline math first
+    (as it is, math-verify would take a number out of it: ``10\\%`` as 10); then boxed."""
+    from math_verify import parse, verify
+
+    want = []
+    forms = (f"${gold}$", gold) if "\\" in gold else (gold, f"${gold}$")
+    for form in (*forms, f"\\boxed{{{gold}}}"):
+        want = parse(form, parsing_timeout=timeout_s)
+        if want:
+            break
+    got = parse(completion, parsing_timeout=timeout_s)
+    return bool(want) and bool(got) and bool(verify(want, got, timeout_seconds=timeout_s))
+
+
+class MathVerifier:
+    """``reward.rule: math``. Each check runs in a worker process (one, started on first use from a clean
+    forkserver: the driver has threads, and math-verify's time limits are ``signal.alarm``, which works only in a
+    main thread): ``check(gold, completion, timeout_s)``, ``math_equal`` unless a test passes another. A check not
+    answered within ``timeout_s`` (+ ``GRACE_S``) scores 0.0, with a warning: its worker is killed and the next
+    check starts a new one, so a pathological answer (a huge expression sympy cannot simplify) costs at most the
+    limit and never stalls the step. A sample without an answer (and no ``target``) scores 0.0."""
+
+    GRACE_S = 2.0
+
+    def __init__(self, target: str | None, timeout_s: int, check: Callable[[str, str, int], bool] | None = None) -> None:
+        try:
+            import math_verify  # noqa: F401 - in the runtime image (pyproject: runtime)
+        except ImportError as e:
+            raise RewardError("reward.rule math needs the math-verify package in the runtime image "
+                              f"(spec.image): {e}") from e
+        self.target, self.timeout_s = target, int(timeout_s)
+        self.check = check or math_equal
+        self.pool: ProcessPoolExecutor | None = None
+        self.timeouts = 0
+
+    def _worker(self) -> ProcessPoolExecutor:
+        if self.pool is None:
+            import multiprocessing
+
+            self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
+        return self.pool
+
+    def close(self) -> None:
+        """Stop the worker (at once: a check still running is abandoned)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            for proc in list(getattr(pool, "_processes", {}).values()):  # a stuck check never returns: kill it
+                proc.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __call__(self, p: str, c: str, a: str | None, n: int | None = None, **_: object) -> float:
+        gold = a if a is not None else self.target
+        if not gold:
+            return 0.0
+        future = self._worker().submit(self.check, gold, c, self.timeout_s)
+        try:
+            return float(bool(future.result(timeout=self.timeout_s + self.GRACE_S)))
+        except FutureTimeout:
+            self.timeouts += 1
+            self.close()
+            log.warning("reward.rule math: no verdict within %d s for answer %r (completion %r): scored 0",
+                        self.timeout_s, _clip(gold), _clip(c))
+            return 0.0
 
 
 # ------------------------------------------------------------------------------------------ endpoint
