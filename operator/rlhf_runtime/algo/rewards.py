@@ -182,7 +182,8 @@ class MathVerifier:
 
     GRACE_S = 2.0
 
-    def __init__(self, target: str | None, timeout_s: int, check: Callable[[str, str, int], bool] | None = None) -> None:
+    def __init__(self, target: str | None, timeout_s: int,
+                 check: Callable[[str, str, int], bool] | None = None) -> None:
         try:
             import math_verify  # noqa: F401 - in the runtime image (pyproject: runtime)
         except ImportError as e:

@@ -46,9 +46,9 @@ class KernelPlan:
     broadcast) the plan sends every rank's piece side by side, rank after rank along the split dimension (for a
     fused parameter: rank 0's q, k, v pieces, then rank 1's, ...), so that each worker's own part is piece
     ``tp_rank`` of what it receives (``weight_sync.kernel.KernelTarget`` takes it); for a parameter of one
-    part that is the trainer's tensor unchanged. ``all_ranks`` says which kind of plan it is. Uneven splits (padded vocabularies, KV heads fewer than ``tp``) find no
-    source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps the checkpoint
-    format (``auto``) or refuses (``kernel``).
+    part that is the trainer's tensor unchanged. ``all_ranks`` says which kind of plan it is. Uneven splits
+    (padded vocabularies, KV heads fewer than ``tp``) find no source: the plan is then not ``ok`` and ``reason``
+    says which parameter; the sender keeps the checkpoint format (``auto``) or refuses (``kernel``).
 
     MoE experts (``experts`` in the engine layout, ``workers.expert_layout``): vLLM holds a layer's local experts
     as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, for each local
