@@ -18,11 +18,21 @@ Variants share the checkpoint, data, seeds, hyperparameters and steps and differ
 ``trainer.masterWeights`` ``float32`` (float32 master weights, the default since 2026-11-26) vs ``none``
 (AdamW updates the bfloat16 weights in place: the trainer before). Runs are interleaved (seed by seed).
 
-Writes ``<out>/learning_<device>.json`` (command, device, date, the supervised history, every run's
-per-step records) and prints a table.
+With ``--trl-python PY`` every seed also runs TRL's ``GRPOTrainer`` (vLLM colocate) from the same checkpoint,
+prompts (in the driver's order), reward, batch, sampling, hyperparameters and steps, through
+``benchmarks/trl_learning_run.py`` under ``PY`` (a Python that has TRL), right after the runtime's runs of that
+seed. Then both sides are scored by one function, ``greedy_accuracy`` on the policy's weights in bfloat16: the
+runtime's run exports every ``--eval-every`` steps (``spec.output``), scored here after the run, TRL's run scores
+its trainer's weights in a callback; the runtime's own ``status.eval`` (vLLM greedy) is kept beside it. Wall-clock
+on both sides counts from the launch of the side's process (the driver; TRL's script).
+
+Writes ``<out>/learning_<device>.json`` (``learning_trl_<device>.json`` with ``--trl-python``: command, device,
+date, the supervised history, every run's per-step records, the runtime's start-up phases) and prints a table.
 
     . benchmarks/gpu_env.sh && python3 benchmarks/gpu_learning.py --out $OUT      # one GPU, colocated
     python3 benchmarks/gpu_learning.py --cpu --out /tmp/learning                  # smoke test on CPU
+    . benchmarks/gpu_env.sh /tmp/site-0.31.0 && python3 benchmarks/gpu_learning.py --out $OUT \
+        --variants float32 --resident --trl-python python3 --grpo-steps 30 --seeds 0,1,2   # beside TRL
 """
 
 from __future__ import annotations
@@ -176,16 +186,18 @@ def supervised(a: argparse.Namespace, path: Path, train: list[tuple[str, str]], 
 
 
 # ------------------------------------------------------------------------------------------------ GRPO
-def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: str, seed: int) -> dict[str, Any]:
+def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: str, seed: int,
+         export: Path | None = None) -> dict[str, Any]:
     gpu = not a.cpu
     return {
         "model": {"name": str(model), "dtype": "bfloat16" if gpu else "float32"},
         "image": "local",
         "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "masterWeights": master},
-        "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 32, "enforceEager": True,
+        "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 32, "enforceEager": not a.cuda_graphs,
                     "gpuMemoryUtilization": 0.25 if gpu else 0.05,
                     "sampling": {"temperature": 1.0, "maxTokens": a.digits + 2, "samplesPerPrompt": a.samples}},
-        "placement": {"mode": "colocated" if gpu else "separate"},
+        "placement": {"mode": "colocated" if gpu else "separate",
+                      **({"colocatedSleep": False} if gpu and a.resident else {})},
         **({"weightSync": {"backend": "ipc"}} if gpu else {}),
         "algorithm": {"name": "grpo", "steps": a.grpo_steps, "promptsPerStep": a.prompts, "learningRate": a.lr,
                       "seed": seed},
@@ -193,19 +205,26 @@ def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: s
                  "evalEveryNSteps": a.eval_every},
         "reward": {"rule": "exactMatch"},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
+        **({"output": {"volume": "out", "path": str(export), "everyNSteps": a.eval_every},
+            "volumes": [{"name": "out", "emptyDir": {}}]} if export else {}),
     }
 
 
-def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path, master: str, seed: int) -> dict[str, Any]:
+def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path, master: str, seed: int,
+         scorer: Any = None) -> dict[str, Any]:
+    """One run of the runtime's driver. With ``scorer`` (``path -> exact match``), the run exports every
+    ``--eval-every`` steps and at the end, and each export is scored after the run."""
     from rlhf_api.models import RuntimeConfig
 
     name = f"grpo-{master}-seed{seed}"
     cfg = tmp / f"{name}.json"
+    export = tmp / f"{name}-export" if scorer else None
     cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name,
-                                 spec=spec(a, model, train, evals, master, seed)).model_dump_json(by_alias=True))
+                                 spec=spec(a, model, train, evals, master, seed, export)).model_dump_json(by_alias=True))
     progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
            "--progress-file", str(progress)]
+    launched = time.time()
     t0 = time.perf_counter()
     with log.open("w") as out:
         rc = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, timeout=a.run_timeout,
@@ -217,20 +236,81 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
     for r in records:
         if "eval" in r:  # the driver's record: the status' eval with the completions (snake_case keys)
             ev = r["eval"]
-            evals_seen[ev["step"]] = ev.get("reward_mean", ev.get("rewardMean"))
+            evals_seen[ev["step"]] = (ev.get("reward_mean", ev.get("rewardMean")), round(r["time"] - launched, 2))
         tp, train_stats = r.get("throughput"), r.get("train") or {}
         if tp and (r.get("runtime") or {}).get("state") == "Running":
             steps.append({"step": r["step"], "seconds": round(r["time"] - start, 2),
+                          "since_launch": round(r["time"] - launched, 2),
                           "reward_mean": tp.get("rewardMean"), "step_seconds": tp.get("stepSeconds"),
                           **{k: train_stats[k] for k in ("loss", "entropy", "mismatch_kl", "grad_norm")
                              if k in train_stats}})
-    out = {"variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
-           "eval": [{"step": s, "exact_match": v} for s, v in sorted(evals_seen.items())], "steps": steps}
+    # the driver's start-up, phase by phase (its progress records before the first step), from the launch
+    phases = [{"since_launch": round(r["time"] - launched, 2), "state": (r.get("runtime") or {}).get("state"),
+               "message": (r.get("runtime") or {}).get("message") or ",".join(k for k in r if k != "time")}
+              for r in records if not r.get("throughput") and not r.get("step")]
+    out = {"side": "runtime", "variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
+           "eval": [{"step": s, "exact_match": v, "since_launch": t} for s, (v, t) in sorted(evals_seen.items())],
+           "startup": phases, "steps": steps}
+    if scorer and export and export.exists():
+        t1, scored = time.perf_counter(), []
+        for d in sorted(export.iterdir(), key=lambda d: (d.name != "final", d.name)):
+            if d.name == "final":
+                step = a.grpo_steps
+            elif d.name.startswith("step-"):
+                step = int(d.name[5:])
+            else:
+                continue
+            scored.append({"step": step, "exact_match": scorer(d)})
+        out["export_eval"] = sorted(scored, key=lambda e: e["step"])
+        out["export_scoring_seconds"] = round(time.perf_counter() - t1, 1)
     if rc != 0:
         out["log_tail"] = log.read_text(errors="replace").splitlines()[-40:]
     print(f"{name}: exit {rc} in {wall:.0f}s; eval " +
-          " ".join(f"{e['step']}:{e['exact_match']:.3f}" for e in out["eval"]), flush=True)
+          " ".join(f"{e['step']}:{e['exact_match']:.3f}" for e in out["eval"]) +
+          ("; exports " + " ".join(f"{e['step']}:{e['exact_match']:.3f}" for e in out.get("export_eval", []))),
+          flush=True)
     return out
+
+
+def trl(a: argparse.Namespace, tmp: Path, model: Path, train_rows: list[tuple[str, str]],
+        eval_rows: list[tuple[str, str]], seed: int) -> dict[str, Any]:
+    """One run of TRL's GRPOTrainer (``trl_learning_run.py`` under ``--trl-python``) on the same work: the
+    prompts in the order the driver takes them for ``seed``."""
+    from rlhf_runtime.algo.data import Sample, step_batch
+
+    samples = [Sample(prompt=p, answer=ans) for p, ans in train_rows]
+    order = [(s.prompt, s.answer) for step in range(a.grpo_steps)
+             for s in step_batch(samples, step, a.prompts, seed)]
+    name = f"trl-seed{seed}"
+    work_file, out_file, log = tmp / f"{name}.work.json", tmp / f"{name}.json", tmp / f"{name}.log"
+    launched = time.time()
+    work_file.write_text(json.dumps({
+        "model": str(model), "train": order, "eval": eval_rows, "steps": a.grpo_steps, "prompts_per_step": a.prompts,
+        "samples_per_prompt": a.samples, "max_tokens": a.digits + 2, "temperature": 1.0, "learning_rate": a.lr,
+        "clip": 0.2, "gpu_memory_utilization": 0.25, "max_model_len": 32, "micro_batch": a.trl_micro_batch,
+        "device": "cpu" if a.cpu else "cuda", "use_vllm": not a.trl_no_vllm, "seed": seed,
+        "eval_every": a.eval_every, "launched": launched}))
+    cmd = [a.trl_python, str(ROOT / "trl_learning_run.py"), str(work_file), str(out_file)]
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        try:
+            rc = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, timeout=a.run_timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+    wall = time.perf_counter() - t0
+    got = json.loads(out_file.read_text()) if out_file.exists() else {}
+    res = {"side": "trl", "variant": "trl", "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
+           "use_vllm": not a.trl_no_vllm, "versions": got.get("versions"),
+           "eval": got.get("eval", []), "steps": [{**s, "since_launch": s["seconds"]} for s in got.get("steps", [])],
+           **{k: got[k] for k in ("imported_at", "trainer_ready", "train_begin", "train_seconds", "finished",
+                                  "error", "traceback") if k in got}}
+    if rc != 0:
+        res["log_tail"] = log.read_text(errors="replace").splitlines()[-60:]
+    print(f"{name}: exit {rc} in {wall:.0f}s; eval " +
+          " ".join(f"{e['step']}:{e['exact_match']:.3f}" for e in res["eval"]) +
+          (f"; error {res['error'][:300]}" if "error" in res else ""), flush=True)
+    return res
 
 
 def main() -> None:
@@ -255,6 +335,15 @@ def main() -> None:
     p.add_argument("--model-dir", default="", help="the supervised checkpoint's folder: made there unless it holds "
                    "one already (then reused; the data are the same for the same --digits)")
     p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--resident", action="store_true",
+                   help="placement.colocatedSleep: false (the engine stays resident, as TRL's colocate mode keeps it)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="rollout.enforceEager: false (the engine compiles and captures CUDA graphs; default eager)")
+    p.add_argument("--trl-python", default="", help="also run TRL's GRPOTrainer per seed under this Python")
+    p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
+    p.add_argument("--trl-no-vllm", action="store_true",
+                   help="TRL without vLLM: a CPU smoke test of the plumbing only, never the comparison")
+    p.add_argument("--sides", default="runtime,trl", help="with --trl-python: which sides run, in this order per seed")
     p.add_argument("--cpu", action="store_true", help="smoke run on CPU (a smaller model, fewer steps)")
     p.add_argument("--out", default="")
     a = p.parse_args()
@@ -293,13 +382,34 @@ def main() -> None:
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
             dev = "cpu" if a.cpu else result["device"].lower().replace("nvidia ", "").replace(" ", "-")
-            (Path(a.out) / f"learning_{dev}.json").write_text(json.dumps(result, indent=1))
+            tag = "_trl" if a.trl_python else ""
+            (Path(a.out) / f"learning{tag}_{dev}.json").write_text(json.dumps(result, indent=1))
 
+    scorer = None
+    if a.trl_python:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        device = torch.device("cpu" if a.cpu else "cuda")
+        tok = AutoTokenizer.from_pretrained(str(model))
+
+        def scorer(path: Path) -> float:
+            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(torch.float32).to(device)
+            return greedy_accuracy(m.eval(), tok, grpo_eval, device, a.digits + 2)
+
+        result["scorer"] = ("gpu_learning.greedy_accuracy on the policy's weights in bfloat16 (upcast to float32, "
+                            "bfloat16 autocast on a GPU), the GRPO eval set")
+        result["step0_exact_match"] = scorer(model)
     save()
+    sides = a.sides.split(",") if a.trl_python else ["runtime"]
     for seed in (int(s) for s in a.seeds.split(",")):
-        for master in a.variants.split(","):
-            result["runs"].append(grpo(a, tmp, model, train_file, eval_file, master, seed))
-            save()
+        for side in sides:
+            if side == "trl":
+                result["runs"].append(trl(a, tmp, model, grpo_train, grpo_eval, seed))
+                save()
+                continue
+            for master in a.variants.split(","):
+                result["runs"].append(grpo(a, tmp, model, train_file, eval_file, master, seed, scorer))
+                save()
     print(f"\nsupervised: {result['supervised']['steps']} steps, held-out exact match "
           f"{result['supervised']['final_held_out_exact_match']:.3f}")
     print(f"{'variant':10} {'seed':>4} {'first eval':>10} {'last eval':>9} {'wall s':>7}")
@@ -307,10 +417,16 @@ def main() -> None:
         ev = r["eval"]
         print(f"{r['variant']:10} {r['seed']:>4} {ev[0]['exact_match'] if ev else float('nan'):>10.3f} "
               f"{ev[-1]['exact_match'] if ev else float('nan'):>9.3f} {r['wall_seconds']:>7.0f}")
-    for master in a.variants.split(","):
+    for master in a.variants.split(",") + (["trl"] if a.trl_python else []):
         last = [r["eval"][-1]["exact_match"] for r in result["runs"] if r["variant"] == master and r["eval"]]
         if last:
             print(f"{master}: last eval median {statistics.median(last):.3f} (min {min(last):.3f}, max {max(last):.3f})")
+    if a.trl_python:
+        print("same scorer (greedy_accuracy, bfloat16 weights) per step:")
+        for r in result["runs"]:
+            ev = r.get("export_eval") if r["side"] == "runtime" else r["eval"]
+            print(f"  {r['variant']:8} seed {r['seed']}: " + " ".join(f"{e['step']}:{e['exact_match']:.3f}"
+                                                                   for e in ev or []) + f"  wall {r['wall_seconds']}s")
 
 
 if __name__ == "__main__":
