@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -189,6 +190,8 @@ class Runtime:
         self.watchdog.doing("loading data, tokenizer and reward")
         job = self.inputs()
         self.start(job)
+        self.watchdog.doing("starting the trackers (spec.tracking)")
+        self.reporter.start_tracking(self.cfg.spec.wire(), self.done)
         self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
                              resumed_from_step=self.resumed, extra={"sync": self.weights.last})
         tp: dict[str, float] = {}
@@ -244,8 +247,11 @@ class Runtime:
         lengths = batch.lengths()
         stats.update(response_length_mean=sum(lengths) / len(lengths), response_length_max=max(lengths),
                      response_clipped_fraction=sum(n >= self.spec.rollout.sampling.max_tokens for n in lengths)
-                     / len(lengths))
-        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done))
+                     / len(lengths), reward_std=statistics.pstdev(rewards),
+                     learning_rate=self.spec.algorithm.learning_rate)
+        rows = [{"prompt": s.prompt, "completion": text, "reward": r} for (s, text), r in zip(batch.items, rewards)] \
+            if self.reporter.wants_samples(done) else None
+        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done), rows)
         return tp
 
     def mismatch_warning(self, stats: dict[str, Any], fresh: bool, done: int) -> str | None:
@@ -311,7 +317,8 @@ class Runtime:
                 and self.weights.synced_at == done and (self.evaluation or {}).get("step") != done):
             self.evaluate(job)
 
-    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None) -> None:
+    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None,
+                    rows: list[dict[str, Any]] | None = None) -> None:
         extra: dict[str, Any] = {"train": stats, "sync": self.weights.last, "tokens": batch.tokens,
                                  "replacements": dict(self.actors.replacements),
                                  "rerun_prompts": self.experience.rerun_prompts}
@@ -320,7 +327,8 @@ class Runtime:
         log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,
                  tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
         self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
-                             f"{self.total}", resumed_from_step=self.resumed, extra=extra, warning=warning)
+                             f"{self.total}", resumed_from_step=self.resumed, extra=extra, warning=warning,
+                             samples=rows)
 
     # -------------------------------------------------------------------------------------- recovery
     def recover_engines(self, engines: list[int], where: str, error: BaseException) -> None:
