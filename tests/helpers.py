@@ -203,7 +203,6 @@ class MLflowServer:
     def close(self) -> None:
         import os
         import signal
-
         import subprocess
 
         for sig in (signal.SIGTERM, signal.SIGKILL):
