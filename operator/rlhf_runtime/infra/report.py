@@ -12,6 +12,8 @@ body holds ONLY::
                 "throughput": {<rlhf_api.models.Throughput wire names>},
                 "output": {"path", "step", "time"},   # the newest export (spec.output), when there is one
                 "eval": {"rewardMean", "step", "prompts", "time"},   # the newest evaluation (spec.data.eval)
+                "tracking": {"tensorboardDir", "mlflowRunId", "mlflowRunUrl", "wandbRunId", "wandbRunUrl",
+                             "message"},                    # where spec.tracking writes (infra.tracking)
                 "runtime": {"state": Starting|Running|Succeeded|Failed, "message": ...,
                             "heartbeatTime": RFC 3339, "resumedFromStep": N,
                             "progressTime": RFC 3339,       # run start/resume, then each completed step
