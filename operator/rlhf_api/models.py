@@ -507,9 +507,25 @@ class Data(Model):
         "([{role, content}], rendered with the tokenizer's chat template), or plain lines."
     )
     path: str | None = Field(
-        None, pattern=r"^/", max_length=4096, description="Absolute path of a prompts file on a mounted volume."
+        None, pattern=r"^/", max_length=4096,
+        description="Absolute path on a mounted volume of: a prompts file (JSON lines or text, as for configMap; a "
+        "Parquet file; an Arrow file), a folder of Parquet files (e.g. a hub dataset's data/ folder) or a folder "
+        "written by Hugging Face datasets' save_to_disk (one split). Read in record batches into a memory-mapped "
+        "cache on the head pod's disk: memory is bounded by a batch, not by the file.",
     )
-    answer_field: str = Field("answer", description="JSON-lines field with the reference answer, if any.")
+    prompt_field: str = Field(
+        "prompt", min_length=1, max_length=256,
+        description="Field (JSON lines) or column (Parquet, Arrow) with the prompt text. A 'messages' field or "
+        "column (chat conversations) is used instead where a sample has one.")
+    answer_field: str = Field("answer", min_length=1, max_length=256,
+                              description="Field or column with the reference answer, if any.")
+    invalid_samples: Literal["drop", "fail"] = Field(
+        "drop",
+        description="Before the first step every sample is checked against what the run can take: its rendered "
+        "prompt plus rollout.sampling.maxTokens within the engines' context (rollout.maxModelLen, else the model's), "
+        "and an answer where spec.reward needs one (exactMatch, contains, math without reward.target). drop: such "
+        "samples are left out, counted in status.data with the first lines named (and a Warning Event); fail: the "
+        "job fails before training, naming them. Malformed files fail either way.")
     eval: EvalData | None = Field(
         None, description="A held-out eval set: every evalEveryNSteps steps each of its prompts is answered greedily "
         "(one sample, temperature 0) by the synced engines and scored by spec.reward; the mean is status.eval.")
@@ -1111,6 +1127,12 @@ class EvalStatus(Model):
     time: datetime | None = Field(None, description="When the evaluation completed.")
 
 
+class DataStatus(Model):
+    samples: int | None = Field(None, description="Training samples the run uses (after any dropped).")
+    dropped: int | None = Field(None, description="Samples left out by data.invalidSamples drop.")
+    message: str | None = Field(None, description="Why samples were dropped, with the first lines or rows named.")
+
+
 class TrackingStatus(Model):
     tensorboard_dir: str | None = Field(None, description="Where the TensorBoard event files are written.")
     mlflow_run_id: str | None = Field(None, description="The MLflow run (a retried run continues it).")
@@ -1150,7 +1172,9 @@ class RLHFJobStatus(Model):
     conditions: list[Condition] | None = Field(
         None,
         description="Ready, Reconciling, Stalled (kstatus), PodsScheduled, RayClusterReady, Complete, InvalidSpec, "
-        "DataAvailable; Admitted under Kueue; EnginesInSync once the runtime measures the trainer-vs-engine mismatch.",
+        "DataAvailable; Admitted under Kueue; EnginesInSync once the runtime measures the trainer-vs-engine mismatch; "
+        "SamplesValid once it has checked the samples (False, reason SamplesDropped, when data.invalidSamples drop left "
+        "some out).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     children: Children | None = Field(None, description="Objects the operator owns for this job.")
@@ -1161,6 +1185,7 @@ class RLHFJobStatus(Model):
     output: OutputStatus | None = Field(None, description="The newest exported model (spec.output).")
     eval: EvalStatus | None = Field(None, description="The newest evaluation on spec.data.eval.")
     tracking: TrackingStatus | None = Field(None, description="Where the run's metrics go (spec.tracking).")
+    data: DataStatus | None = Field(None, description="The training data as checked before the first step.")
     start_time: datetime | None = Field(None, description="When the job started running.")
     completion_time: datetime | None = Field(None, description="When the job finished.")
 
@@ -1190,6 +1215,8 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("trainer", "maxTokensPerMicroBatch"), 16384),
     (("trainer", "compile"), False),
     (("reward", "mathTimeoutSeconds"), 5),
+    (("data", "promptField"), "prompt"),
+    (("data", "invalidSamples"), "drop"),
 )
 
 

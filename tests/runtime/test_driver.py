@@ -106,7 +106,8 @@ def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(
     Both runs track to TensorBoard, a real MLflow server and W&B (offline) at once (``spec.tracking``): the
     resumed run continues the MLflow run the first put in ``status.tracking``, TensorBoard's reader sees every
     metric once per step (the steps the first run did after its checkpoint replaced by the second's), and the
-    resumed run's W&B run file holds the steps it did."""
+    resumed run's W&B run file holds the steps it did. The data are a Parquet file with a row the engines'
+    context cannot take: it is dropped before the first step and counted in ``status.data``."""
     from mlflow import MlflowClient
 
     from tests.unit.test_runtime_tracking import scalars, wandb_history
@@ -136,12 +137,18 @@ def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(
 
 
 def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from mlflow import MlflowClient
 
     ckpt_dir = tmp_path / "ckpt"
     runs = tmp_path / "runs"
+    prompts = ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]
+    # the data as a Parquet file with its own column name, one row too long for maxModelLen 96 - maxTokens 16
+    pq.write_table(pa.table({"question": prompts[:3] + ["x" * 90] + prompts[3:]}), tmp_path / "train.parquet")
     spec = job_config(
         tiny_model,
+        data={"prompts": None, "path": str(tmp_path / "train.parquet"), "promptField": "question"},
         algorithm={"steps": 500, "promptsPerStep": 16},
         rollout={"sampling": {"temperature": 1.0, "maxTokens": 16, "samplesPerPrompt": 8}},
         checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
@@ -200,6 +207,9 @@ def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> No
     assert "ignoring fields this runtime does not know" in log and "rollout.fieldOfANewerOperator" in log
     assert api.status["tracking"]["mlflowRunId"] == run_id and api.status["tracking"]["wandbRunId"] == "uid-1"
     assert "message" not in api.status["tracking"], api.status["tracking"]  # no tracker was dropped
+    data = api.status["data"]
+    assert (data["samples"], data["dropped"]) == (8, 1) and "prompt + maxTokens 16 > 96 tokens" in data["message"]
+    assert "rows 4)" in data["message"], data
     MlflowClient(mlflow_uri).set_tag(run_id, "test/total", str(total))  # for the caller's checks
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime.algo.data import load_eval_samples, load_samples, step_batch
+from rlhf_runtime.algo.data import ANSWER_RULES, check_samples, load_eval_samples, load_samples, step_batch
 from rlhf_runtime.algo.objectives import MISMATCH_HISTORY, mismatch_spike
 from rlhf_runtime.algo.rewards import make_reward, normalize
 from rlhf_runtime.controller.actors import ActorClasses
@@ -78,9 +78,10 @@ def check_inputs(spec: Any) -> tuple[list[Any], list[Any], Any]:
     return samples, eval_samples, reward_fn
 
 
-def load_tokenizer(spec: Any) -> Any:
-    """The model's tokenizer, its config checked against the spec (``transformers``: seconds to import, so
-    ``Runtime.run`` does it while Ray starts, before any actor does)."""
+def load_tokenizer(spec: Any) -> tuple[Any, int | None]:
+    """The model's tokenizer, its config checked against the spec, and the engines' context in tokens
+    (``rollout.maxModelLen``, else the model's ``max_position_embeddings``; None if it has none)
+    (``transformers``: seconds to import, so ``Runtime.run`` does it while Ray starts, before any actor does)."""
     from transformers import AutoConfig, AutoTokenizer
 
     tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
@@ -90,9 +91,11 @@ def load_tokenizer(spec: Any) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
     except OSError as e:
         raise OSError(f"cannot load the tokenizer of spec.model.name {spec.model.name!r}: {e}") from e
-    rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
+    config = AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict()
+    rc.check_model(spec, config)
     rc.check_lora(spec)
-    return tokenizer
+    context = spec.rollout.max_model_len or (config.get("text_config") or config).get("max_position_embeddings")
+    return tokenizer, int(context) if context else None
 
 
 class Runtime:
@@ -127,6 +130,7 @@ class Runtime:
         self.pending: Rollout | None = None
         self.output: dict[str, Any] | None = None  # status.output: the newest export
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
+        self.data_status: dict[str, Any] = {}  # status.data: the samples as checked before the first step
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
 
     # ------------------------------------------------------------------------------------------ start
@@ -156,8 +160,23 @@ class Runtime:
             self.reporter.report("Starting", message="starting Ray actors")
             self.watchdog.doing("connecting to Ray and placing actors")
             self.connect()
-            return Inputs(tokenizer.result(), samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
-                          self.spec.rollout.sampling.samples_per_prompt)
+            tok, context = tokenizer.result()
+        samples = self.check_samples(samples, tok, context)
+        return Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
+                      self.spec.rollout.sampling.samples_per_prompt)
+
+    def check_samples(self, samples: Any, tokenizer: Any, context: int | None) -> Any:
+        """``data.check_samples`` before the first step: the samples the run can take (``data.invalidSamples``),
+        reported as ``status.data``."""
+        spec = self.spec
+        self.watchdog.doing(f"checking {len(samples)} samples against the engines' context")
+        needs_answer = spec.reward.rule in ANSWER_RULES and spec.reward.target is None
+        kept, self.data_status = check_samples(samples, tokenizer, context, spec.rollout.sampling.max_tokens,
+                                               needs_answer, spec.data.invalid_samples)
+        if self.data_status.get("dropped"):
+            log.warning("%s", self.data_status["message"])
+        self.reporter.data = self.data_status
+        return kept
 
     def start(self, job: Inputs) -> None:
         """Placement groups, trainers (resuming from the newest checkpoint), roles, engines, the

@@ -12,6 +12,7 @@ body holds ONLY::
                 "throughput": {<rlhf_api.models.Throughput wire names>},
                 "output": {"path", "step", "time"},   # the newest export (spec.output), when there is one
                 "eval": {"rewardMean", "step", "prompts", "time"},   # the newest evaluation (spec.data.eval)
+                "data": {"samples", "dropped", "message"},   # the training data as checked before the first step
                 "tracking": {"tensorboardDir", "mlflowRunId", "mlflowRunUrl", "wandbRunId", "wandbRunUrl",
                              "message"},                    # where spec.tracking writes (infra.tracking)
                 "runtime": {"state": Starting|Running|Succeeded|Failed, "message": ...,
@@ -76,6 +77,7 @@ from rlhf_api.models import (
     GROUP,
     PLURAL,
     VERSION,
+    DataStatus,
     EvalStatus,
     OutputStatus,
     RuntimeReport,
@@ -147,6 +149,7 @@ def status_patch(
     evaluation: dict[str, Any] | None = None,
     warning: str | None = KEEP,
     tracking: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``), ``evaluation``
     (``EvalStatus``) and ``tracking`` (``TrackingStatus``) use snake_case field names. ``warning``: text sets ``status.runtime.warning``, None clears it
@@ -176,6 +179,8 @@ def status_patch(
         status["eval"] = EvalStatus(**evaluation).wire()
     if tracking:
         status["tracking"] = TrackingStatus(**tracking).wire()
+    if data:
+        status["data"] = DataStatus(**data).wire()
     return {"status": status}
 
 
@@ -274,6 +279,7 @@ class Reporter:
         self.metrics = metrics
         self.tracker = tracker  # infra.tracking.Tracker (spec.tracking), or None
         self.tracking: dict[str, Any] = {}  # status.tracking once the tracker started
+        self.data: dict[str, Any] = {}  # status.data once the samples were checked
         self.progress = Path(progress_file) if progress_file else None
         self.state: str = "Starting"
         self.progress_time: str | None = None  # RFC 3339: run start/resume, then each completed step
@@ -361,7 +367,7 @@ class Reporter:
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
             observed_generation=self.observed_generation, output=output, evaluation=evaluation, warning=warning,
-            tracking=self.tracking,
+            tracking=self.tracking, data=self.data,
         )
         with self.lock:
             self.state = state
