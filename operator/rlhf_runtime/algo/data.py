@@ -8,10 +8,16 @@ Sources (``spec.data``, and the held-out eval set ``spec.data.eval``: exactly on
   overridable with ``RLHF_DATA_DIR`` for local runs). The operator mounts ConfigMap ``<configMap.name>``
   read-only at ``/etc/rlhf-data`` in every container (outside the read-only config volume).
 
-File format: UTF-8 text (a UTF-8 byte-order mark is allowed), either JSON lines or plain text with one prompt
-per non-empty line. A JSON line (a line that starts with ``{``) is one complete JSON object with exactly one of
+``path`` may also name a Parquet file, an Arrow file, a folder of Parquet files (a hub dataset's ``data/``) or a
+folder written by Hugging Face datasets' ``save_to_disk`` (``algo.dataset``: read a record batch at a time; a row is
+a sample as a JSON line's object is, its columns the fields, nulls absent). Every file source is streamed into a
+memory-mapped Arrow cache on the driver's disk (``algo.dataset.Dataset``): memory holds a batch, not the file.
 
-* ``"prompt"``: a non-empty string, or
+File format of a prompts file: UTF-8 text (a UTF-8 byte-order mark is allowed), either JSON lines or plain text with
+one prompt per non-empty line. A JSON line (a line that starts with ``{``) is one complete JSON object with exactly
+one of
+
+* the prompt field (``data.promptField``, default ``"prompt"``): a non-empty string, or
 * ``"messages"``: a chat conversation, a non-empty list of ``{"role": ..., "content": ...}`` objects (role
   ``system``, ``user``, ``assistant`` or ``tool``; content a string) with at least one non-empty user message
   and not ending with an assistant message (the model writes the next one). The sample's ``prompt`` is the
@@ -23,10 +29,16 @@ and optionally the answer field (``data.answerField``, default ``"answer"``). A 
 
 Malformed input is a ``DataError`` whose message names the source (``spec.data.path ...``,
 ``spec.data.configMap ...``, ``spec.data.eval.path ...``, ...), the line, and what to change: a file that is
-not text (binary, compressed, Parquet, UTF-16) or not UTF-8, a whole JSON document (an array, a pretty-printed
+not text (binary, compressed, UTF-16) or not UTF-8, an unreadable Parquet or Arrow file, a whole JSON document (an array, a pretty-printed
 object) instead of JSON lines, a CSV/TSV file, a JSON line that is not an object, has neither or both of
 ``prompt`` and ``messages``, or a malformed conversation, an empty prompt, and a source without any prompt.
 The driver loads the data before it starts Ray, so these fail in seconds.
+
+Before the first step (``check_samples``) every training sample is checked against what the run can take: its
+rendered prompt plus ``maxTokens`` within the engines' context, and an answer where the reward compares with one.
+``data.invalidSamples``: ``drop`` (the default) leaves such samples out and reports them (``status.data``, the
+``SamplesValid`` condition and a Warning Event), ``fail`` fails the run naming them. A data problem therefore never
+surfaces at a random step of a long run.
 
 Order: epoch ``e`` is a permutation of all prompts seeded with ``(seed, e)``; step ``s`` takes the
 ``promptsPerStep`` prompts starting at ``s * promptsPerStep`` of that endless sequence. A job resumed at
