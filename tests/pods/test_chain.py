@@ -50,13 +50,16 @@ def run_to_end(cluster, api, ns: str, job: dict, timeout: float) -> tuple[dict, 
 def test_fsdp2_over_two_trainer_pods_with_validation(real_cluster, rapi, operator_release, shared_dir, ns) -> None:
     """The chain to Succeeded, with two trainer pods that form one FSDP2 group over gloo (the rendezvous crosses
     pods), and validation mode comparing the synced engine with a fresh engine loaded from the trainer's weights
-    (moved across pods). (One trainer pod runs to Succeeded in every fault test of test_faults.py.)"""
+    (moved across pods). (One trainer pod runs to Succeeded in every fault test of test_faults.py.) The driver in
+    the head pod tracks to TensorBoard on the shared volume: the event files hold every step."""
     steps = 3
     job = cpu_job(real_cluster, shared_dir, "fsdp", steps, trainers=2)
     job["spec"]["weightSync"] = {**job["spec"].get("weightSync", {}), "validate": True}
     # keep the finished Ray cluster and KubeRay's submitter pod (whose log is the driver's) until the namespace
     # goes: with the default 0 KubeRay deletes them as the job completes, racing the log read below
     job["spec"]["ttlSecondsAfterFinished"] = 600
+    # the head pod (the driver) writes TensorBoard event files to the shared hostPath volume (spec.tracking)
+    job["spec"]["tracking"] = {"tensorboard": {"volume": "shared", "path": "/shared/tb"}}
     st, seen = run_to_end(real_cluster, rapi, ns, job, 1200)
     print("\n".join(seen))
     assert st["step"] == steps
@@ -64,6 +67,10 @@ def test_fsdp2_over_two_trainer_pods_with_validation(real_cluster, rapi, operato
     assert st["throughput"]["weightSyncSeconds"] > 0
     assert st["runtime"]["state"] == "Succeeded"
     assert any(p.startswith("Running") for p in seen), seen
+    from tests.unit.test_runtime_tracking import scalars
+
+    assert st["tracking"] == {"tensorboardDir": "/shared/tb/fsdp"}, st.get("tracking")
+    assert [step for step, _ in scalars(shared_dir / "tb" / "fsdp", "train/loss")] == list(range(1, steps + 1))
     # every pod of the job ran on a real node (the head, two trainer pods, one engine pod, the submitter)
     nodes = set(st["_placed"].values())
     assert nodes and all(n.startswith("real-node-") for n in nodes), st["_placed"]
