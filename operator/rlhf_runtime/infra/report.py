@@ -152,8 +152,9 @@ def status_patch(
     data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``), ``evaluation``
-    (``EvalStatus``) and ``tracking`` (``TrackingStatus``) use snake_case field names. ``warning``: text sets ``status.runtime.warning``, None clears it
-    (a JSON null in the merge patch), ``KEEP`` leaves it."""
+    (``EvalStatus``), ``tracking`` (``TrackingStatus``) and ``data`` (``DataStatus``) use snake_case field names.
+    ``warning``: text sets ``status.runtime.warning``, None clears it (a JSON null in the merge patch), ``KEEP``
+    leaves it."""
     if state is not None and state not in STATES:
         raise ValueError(f"state must be one of {STATES}")
     status: dict[str, Any] = {}
