@@ -64,6 +64,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
         "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
         "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
+    # vLLM's rlhf_nccl example's model, facebook/opt-125m as published: its 50,272-row vocabulary is padded to 50,304
+    # in the engine (the kernel format's padded-vocabulary case, weight_sync.kernel.vocab_slices)
+    "opt-125m": ("OPT", {
+        "vocab_size": 50272, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
+        "num_attention_heads": 12, "max_position_embeddings": 2048, "word_embed_proj_dim": 768,
+        "do_layer_norm_before": True, "tie_word_embeddings": True}),
     "tiny": ("Qwen2", {
         "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,

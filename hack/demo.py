@@ -8,7 +8,8 @@
 2. `helm install` of our chart with the local operator image: the operator runs as a pod.
 3. Two RLHFJobs: a tiny CPU job whose head, trainer and engine pods really run on the real nodes (KubeRay's
    submitter starts our driver; it trains a tiny Qwen2 with GRPO on Ray + vLLM and patches the status with
-   the job's own ServiceAccount token), and the `separate-nccl-tp2` GPU sample with the prompts ConfigMap it
+   the job's own ServiceAccount token, and logs every step to TensorBoard files on the shared volume:
+   `spec.tracking`), and the `separate-nccl-tp2` GPU sample with the prompts ConfigMap it
    names (`gsm8k-prompts`, a few GSM8K-style problems), its trainer and TP=2 engine pods placed on fake H100
    nodes where no container runs: its status says that no runtime has reported.
 
@@ -64,6 +65,9 @@ def main() -> int:
     shared = cpujob.make_shared_dir(DIR / "shared")
     cluster.kubectl("create", "namespace", NS, check=False)
     tiny = cpujob.cpu_job("tiny-grpo", cluster.images["runtime-cpu"]["ref"], shared, STEPS)
+    # every step's curves as TensorBoard event files on the shared volume (spec.tracking; MLflow and W&B likewise)
+    tiny["spec"]["tracking"] = {"tensorboard": {"volume": "shared", "path": f"{cpujob.SHARED_MOUNT}/tb"},
+                                "samplesEveryNSteps": 5}
     manifest = DIR / "tiny-grpo.yaml"
     manifest.write_text(yaml.safe_dump(tiny, sort_keys=False))
     # The GPU sample as shipped, with every pod (its head and submitter too) kept on the KWOK nodes: its GPU
@@ -115,6 +119,12 @@ def main() -> int:
         out = cluster.kubectl("get", "rlhfjob", name, "-n", NS, "-o",
                               "jsonpath={.status.phase}: {.status.message} {.status.throughput}", check=False)
         print(f"{name}: {out.stdout}")
+    tracking = cluster.kubectl("get", "rlhfjob", "tiny-grpo", "-n", NS, "-o", "jsonpath={.status.tracking}",
+                               check=False).stdout
+    say(f"tiny-grpo's curves (status.tracking {tracking}): TensorBoard event files on the shared volume")
+    for f in sorted((shared / "tb").rglob("events.out.tfevents.*")):
+        print(f"{f} ({f.stat().st_size} bytes)")
+    print(f"open them: .venv/bin/tensorboard --logdir {shared / 'tb'}   # then http://localhost:6006")
     print(f"\nexport KUBECONFIG={cluster.kubeconfig}   # explore; `make demo-down` stops everything")
     return 0 if phase("tiny-grpo") == "Succeeded" else 1
 

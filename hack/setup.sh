@@ -43,3 +43,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 bash hack/build-controlplane.sh etcd kwok kuberay helm k8s node >/dev/null
+# MLflow's tracking server for the tests of spec.tracking (its own venv).
+bash hack/mlflow-server.sh >/dev/null

@@ -1,5 +1,5 @@
 """Test helpers shared by the tiers: polling with a deadline (never bare sleeps); the runtime's view of its
-RLHFJob over HTTP where no apiserver runs (``JobAPI``)."""
+RLHFJob over HTTP where no apiserver runs (``JobAPI``); a real MLflow tracking server (``MLflowServer``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[1]
 
 
 #: For a local Ray on a loaded 2-core machine (trainer, engines and Ray's own processes share it): its GCS declares
@@ -66,6 +67,19 @@ def touch_pod_scheduled(core: Any, namespace: str, pod: str, stamp: int) -> None
         {"type": "PodScheduled", "status": "True", "lastProbeTime": f"2026-01-01T00:00:{stamp:02d}Z"}]}})
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386) applied to ``target`` (a new object): null deletes, objects merge."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
 class JobAPI:
     """A local HTTP endpoint that answers, for one RLHFJob, what the apiserver answers the runtime's
     ServiceAccount: ``get`` of the job (metadata with ``generation``, the spec) and ``get``/merge-``patch`` of its
@@ -75,6 +89,7 @@ class JobAPI:
         self.name, self.namespace, self.uid = name, namespace, uid
         self.spec, self.generation = json.loads(json.dumps(spec)), 1
         self.patches: list[dict[str, Any]] = []
+        self.status: dict[str, Any] = {}  # the patches merged (RFC 7386), as the apiserver keeps them
         self.requests: list[tuple[str, str, str, Any]] = []  # (method, path, content type, body), in order
         self.lock = threading.Lock()
         path = f"/apis/rlhf.dev/v1alpha1/namespaces/{namespace}/rlhfjobs/{name}"
@@ -90,7 +105,7 @@ class JobAPI:
                     obj = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
                            "metadata": {"name": api.name, "namespace": api.namespace, "uid": api.uid,
                                         "generation": api.generation},
-                           "spec": api.spec, "status": {}}
+                           "spec": api.spec, "status": api.status}
                 data = json.dumps(obj).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -107,6 +122,7 @@ class JobAPI:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with api.lock:
                     api.patches.append(body)
+                    api.status = merge_patch(api.status, body.get("status") or {})
                     api.requests.append(("PATCH", self.path, self.headers["Content-Type"], body))
                 self._reply()
 
@@ -143,3 +159,58 @@ class JobAPI:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+class MLflowServer:
+    """A real MLflow tracking server (``mlflow server``, from ``hack/mlflow-server.sh``'s venv) on a free loopback
+    port, with a SQLite store and proxied artifacts under ``root``. ``start`` returns at once; ``wait`` polls
+    ``/health`` with a deadline (the first start migrates the database: ~15 s)."""
+
+    def __init__(self, root: Path) -> None:
+        import socket
+        import subprocess
+
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        binary = subprocess.run(["bash", str(REPO / "hack/mlflow-server.sh")], check=True, capture_output=True,
+                                text=True, timeout=900).stdout.strip().splitlines()[-1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.log = root / "server.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [binary, "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+                 "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "art")],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 120) -> str:
+        import urllib.request
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, timeout=timeout, what="the MLflow server's /health", interval=0.5)
+        return self.uri
+
+    def close(self) -> None:
+        import os
+        import signal
+        import subprocess
+
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=20)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue

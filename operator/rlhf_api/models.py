@@ -507,9 +507,25 @@ class Data(Model):
         "([{role, content}], rendered with the tokenizer's chat template), or plain lines."
     )
     path: str | None = Field(
-        None, pattern=r"^/", max_length=4096, description="Absolute path of a prompts file on a mounted volume."
+        None, pattern=r"^/", max_length=4096,
+        description="Absolute path on a mounted volume of: a prompts file (JSON lines or text, as for configMap; a "
+        "Parquet file; an Arrow file), a folder of Parquet files (e.g. a hub dataset's data/ folder) or a folder "
+        "written by Hugging Face datasets' save_to_disk (one split). Read in record batches into a memory-mapped "
+        "cache on the head pod's disk: memory is bounded by a batch, not by the file.",
     )
-    answer_field: str = Field("answer", description="JSON-lines field with the reference answer, if any.")
+    prompt_field: str = Field(
+        "prompt", min_length=1, max_length=256,
+        description="Field (JSON lines) or column (Parquet, Arrow) with the prompt text. A 'messages' field or "
+        "column (chat conversations) is used instead where a sample has one.")
+    answer_field: str = Field("answer", min_length=1, max_length=256,
+                              description="Field or column with the reference answer, if any.")
+    invalid_samples: Literal["drop", "fail"] = Field(
+        "drop",
+        description="Before the first step every sample is checked against what the run can take: its rendered "
+        "prompt plus rollout.sampling.maxTokens within the engines' context (rollout.maxModelLen, else the model's), "
+        "and an answer where spec.reward needs one (exactMatch, contains, math without reward.target). drop: such "
+        "samples are left out, counted in status.data with the first lines named (and a Warning Event); fail: the "
+        "job fails before training, naming them. Malformed files fail either way.")
     eval: EvalData | None = Field(
         None, description="A held-out eval set: every evalEveryNSteps steps each of its prompts is answered greedily "
         "(one sample, temperature 0) by the synced engines and scored by spec.reward; the mean is status.eval.")
@@ -662,6 +678,79 @@ class Checkpoint(Model):
     volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
     path: str = Field(pattern=r"^/", max_length=4096, description="Directory inside the pods (mount it there).")
     every_n_steps: int = Field(10, ge=1, description="Save every N steps; a restarted job resumes from the newest.")
+
+
+# -------------------------------------------------------------------------------------------- tracking
+class SecretKeySelector(Model):
+    name: str = Field(min_length=1, max_length=253, description="Secret name (same namespace).")
+    key: str = Field(min_length=1, max_length=253, description="Key within it.")
+
+
+class TensorBoardTracking(Model):
+    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes, mounted on the "
+                        "head pod (spec.volumeMounts) at path or above it.")
+    path: str = Field(
+        pattern=r"^/", max_length=4096,
+        description="Directory inside the pods: the driver writes TensorBoard event files to <path>/<job name>, so "
+        "several jobs on one volume are runs of one TensorBoard (tensorboard --logdir <path>). A retried run "
+        "continues the same directory; steps after its checkpoint are dropped from the earlier run's curves.",
+    )
+
+
+class MLflowTracking(Model):
+    tracking_uri: str = Field(
+        pattern=r"^https?://", max_length=2048,
+        description="The MLflow tracking server (http:// or https://), e.g. http://mlflow.mlops.svc:5000.",
+    )
+    experiment: str | None = Field(
+        None, min_length=1, max_length=500,
+        description="Experiment name (created when missing). Unset: the job's namespace.",
+    )
+    credentials_secret: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="A Secret whose keys become the head pod's environment, where the driver runs: "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN (and e.g. AWS_* for an "
+        "artifact store the client writes to directly). Only the head pod gets it.",
+    )
+
+
+class WandbTracking(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("self.mode == 'offline' || has(self.apiKeySecret)",
+            "tracking.wandb.apiKeySecret is needed unless mode is offline", fieldPath=".apiKeySecret"),
+        cel("self.mode != 'offline' || (has(self.volume) && has(self.path))",
+            "tracking.wandb with mode offline needs volume and path: the run files would be lost with the pod",
+            fieldPath=".path"),
+        cel("has(self.volume) == has(self.path)", "tracking.wandb.volume and path go together", fieldPath=".path"),
+    ]})
+    project: str = Field(min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(None, min_length=1, max_length=128, description="W&B entity (team or user).")
+    group: str | None = Field(None, min_length=1, max_length=128, description="W&B run group.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="online: sync to the server as the run goes. offline: write the run files to "
+        "<path>/wandb only (upload them later with wandb sync).")
+    api_key_secret: SecretKeySelector | None = Field(
+        None, description="The Secret key holding the W&B API key (WANDB_API_KEY of the head pod only).")
+    base_url: str | None = Field(None, pattern=r"^https?://", max_length=2048,
+                                 description="A self-hosted W&B server (WANDB_BASE_URL). Unset: W&B's cloud.")
+    volume: str | None = Field(None, min_length=1, max_length=63,
+                               description="A volume in spec.volumes for the run files (needed with mode offline).")
+    path: str | None = Field(None, pattern=r"^/", max_length=4096,
+                             description="Directory inside the pods for the run files (<path>/wandb/...).")
+
+
+class Tracking(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("has(self.tensorboard) || has(self.mlflow) || has(self.wandb)",
+            "tracking needs at least one of tensorboard, mlflow or wandb"),
+    ]})
+    tensorboard: TensorBoardTracking | None = Field(None, description="TensorBoard event files on a volume.")
+    mlflow: MLflowTracking | None = Field(None, description="An MLflow tracking server.")
+    wandb: WandbTracking | None = Field(None, description="Weights & Biases.")
+    samples_every_n_steps: int = Field(
+        10, ge=0, le=1_000_000,
+        description="Every N steps also log a table of a few prompts, completions and rewards (0: never).")
+    samples: int = Field(4, ge=1, le=256, description="Rows in each sample table.")
 
 
 # ------------------------------------------------------------------------------------------ scheduling
@@ -864,6 +953,18 @@ SPEC_RULES = [
         fieldPath=".checkpoint.volume",
     ),
     cel(
+        "!has(self.tracking) || !has(self.tracking.tensorboard) || (has(self.volumes) && "
+        "self.volumes.exists(v, v.name == self.tracking.tensorboard.volume))",
+        "tracking.tensorboard.volume must name a volume in spec.volumes",
+        fieldPath=".tracking.tensorboard.volume",
+    ),
+    cel(
+        "!has(self.tracking) || !has(self.tracking.wandb) || !has(self.tracking.wandb.volume) || "
+        "(has(self.volumes) && self.volumes.exists(v, v.name == self.tracking.wandb.volume))",
+        "tracking.wandb.volume must name a volume in spec.volumes",
+        fieldPath=".tracking.wandb.volume",
+    ),
+    cel(
         "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
         "self.volumes.exists(v, v.name == m.name))",
         "every volumeMounts[].name must name a volume in spec.volumes",
@@ -896,6 +997,11 @@ class RLHFJobSpec(Model):
     output: Output | None = Field(
         None, description="Export the trained model in Hugging Face format (at the end; optionally every N steps).")
     checkpoint: Checkpoint | None = Field(None, description="Periodic checkpoints; the job resumes from the newest.")
+    tracking: Tracking | None = Field(
+        None, description="Experiment tracking: every step's metrics (reward, KL, entropy, clip fraction, response "
+        "length, grad norm, learning rate, mismatch, MFU, tokens/s, stage times), the spec as the run's config and a "
+        "sample table, to TensorBoard, MLflow and/or Weights & Biases (several at once). status.tracking says "
+        "where. A tracker that fails is reported there and dropped; training goes on.")
     scheduling: Scheduling = sub(Scheduling, "Node selection, tolerations, priority and Kueue queue.")
     suspend: bool = Field(
         False,
@@ -1021,6 +1127,21 @@ class EvalStatus(Model):
     time: datetime | None = Field(None, description="When the evaluation completed.")
 
 
+class DataStatus(Model):
+    samples: int | None = Field(None, description="Training samples the run uses (after any dropped).")
+    dropped: int | None = Field(None, description="Samples left out by data.invalidSamples drop.")
+    message: str | None = Field(None, description="Why samples were dropped, with the first lines or rows named.")
+
+
+class TrackingStatus(Model):
+    tensorboard_dir: str | None = Field(None, description="Where the TensorBoard event files are written.")
+    mlflow_run_id: str | None = Field(None, description="The MLflow run (a retried run continues it).")
+    mlflow_run_url: str | None = Field(None, description="The MLflow run's page.")
+    wandb_run_id: str | None = Field(None, description="The W&B run (a retried run continues it).")
+    wandb_run_url: str | None = Field(None, description="The W&B run's page (online mode).")
+    message: str | None = Field(None, description="Trackers that failed and were dropped, and why.")
+
+
 class RuntimeReport(Model):
     """What the in-pod runtime reports; the operator folds it into phase and conditions."""
 
@@ -1051,7 +1172,9 @@ class RLHFJobStatus(Model):
     conditions: list[Condition] | None = Field(
         None,
         description="Ready, Reconciling, Stalled (kstatus), PodsScheduled, RayClusterReady, Complete, InvalidSpec, "
-        "DataAvailable; Admitted under Kueue; EnginesInSync once the runtime measures the trainer-vs-engine mismatch.",
+        "DataAvailable; Admitted under Kueue; EnginesInSync once the runtime measures the trainer-vs-engine mismatch; "
+        "SamplesValid once it has checked the samples (False, reason SamplesDropped, when data.invalidSamples drop left "
+        "some out).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     children: Children | None = Field(None, description="Objects the operator owns for this job.")
@@ -1061,6 +1184,8 @@ class RLHFJobStatus(Model):
     runtime: RuntimeReport | None = Field(None, description="The runtime's own report.")
     output: OutputStatus | None = Field(None, description="The newest exported model (spec.output).")
     eval: EvalStatus | None = Field(None, description="The newest evaluation on spec.data.eval.")
+    tracking: TrackingStatus | None = Field(None, description="Where the run's metrics go (spec.tracking).")
+    data: DataStatus | None = Field(None, description="The training data as checked before the first step.")
     start_time: datetime | None = Field(None, description="When the job started running.")
     completion_time: datetime | None = Field(None, description="When the job finished.")
 
@@ -1090,6 +1215,8 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("trainer", "maxTokensPerMicroBatch"), 16384),
     (("trainer", "compile"), False),
     (("reward", "mathTimeoutSeconds"), 5),
+    (("data", "promptField"), "prompt"),
+    (("data", "invalidSamples"), "drop"),
 )
 
 

@@ -477,6 +477,9 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
         _event(body, reason, new["message"], warning=reason in WARNING_REASONS)
     if obs.data_missing and _condition_flipped(old_status, new, "DataAvailable"):
         _event(body, "DataConfigMapMissing", obs.data_missing, warning=True)
+    dropped = (old_status.get("data") or {}).get("message")  # what turned SamplesValid False
+    if dropped and _condition_flipped(old_status, new, "SamplesValid"):
+        _event(body, "SamplesDropped", dropped, warning=True)
     mismatch = (old_status.get("runtime") or {}).get("warning")  # what turned EnginesInSync False
     if mismatch and _condition_flipped(old_status, new, "EnginesInSync"):
         _event(body, "MismatchSpike", mismatch, warning=True)

@@ -214,6 +214,22 @@ def _serve_runtime_metrics(head: dict[str, Any], port: int) -> None:
         {"name": METRICS_PORT_NAME, "containerPort": port}]
 
 
+def _tracking_credentials(head: dict[str, Any], spec: RLHFJobSpec) -> None:
+    """``spec.tracking``'s Secrets on the head container only, where the driver (the one process that talks to
+    the trackers) runs: the MLflow credentials Secret as ``envFrom``, the W&B API key as ``WANDB_API_KEY``. The
+    kubelet resolves them; the values never pass through the operator."""
+    t = spec.tracking
+    if t is None:
+        return
+    main = head["template"]["spec"]["containers"][0]
+    if t.mlflow and t.mlflow.credentials_secret:
+        main.setdefault("envFrom", []).append({"secretRef": {"name": t.mlflow.credentials_secret}})
+    if t.wandb and t.wandb.api_key_secret:
+        ref = t.wandb.api_key_secret
+        main["env"] = [e for e in main["env"] if e["name"] != "WANDB_API_KEY"] + [
+            {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
 def _submitter_template(job: Job) -> dict[str, Any]:
     """KubeRay's submitter pod (``ray job submit``): the runtime image, small requests, the job's scheduling.
     KubeRay fills the command and its environment; ``restartPolicy: Never`` as in KubeRay's default."""
@@ -247,6 +263,7 @@ def render_ray_job(job: Job) -> dict[str, Any]:
         "template": _pod_template(job, "head", "ray-head", 0, spec.head.resources.cpu, spec.head.resources.memory),
     }
     _serve_runtime_metrics(head, spec.head.metrics_port)
+    _tracking_credentials(head, spec)
     workers = [
         {
             "groupName": g.name,

@@ -349,6 +349,11 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
         # a runtime that measures the trainer-vs-engine mismatch: False while it reports a spike after a sync
         out.append(_condition("EnginesInSync", not warning, "MismatchSpike" if warning else "Matching",
                               warning or "", gen))
+    data = obs.old_status.get("data") or {}
+    if data:  # the runtime checked the samples before the first step (spec.data.invalidSamples)
+        dropped = int(data.get("dropped") or 0)
+        out.append(_condition("SamplesValid", not dropped, "SamplesDropped" if dropped else "AllSamplesValid",
+                              data.get("message") or "", gen))
     if obs.queue_name:  # Kueue: admitted = its RayJob is not held suspended by Kueue
         held = v.reason in ("Queued", "Preempted", "Evicted")
         out.append(_condition("Admitted", not held, v.reason if held else "Admitted", v.message if held else "", gen))

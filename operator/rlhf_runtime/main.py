@@ -45,6 +45,7 @@ from rlhf_runtime.controller.loop import Runtime
 from rlhf_runtime.controller.validation import ValidationError
 from rlhf_runtime.infra import config as rc
 from rlhf_runtime.infra.report import ForeignJobError, Metrics, Reporter, StatusClient
+from rlhf_runtime.infra.tracking import Tracker
 
 log = logging.getLogger("rlhf_runtime")
 EXIT_FAILED, EXIT_VALIDATION = 1, 3
@@ -116,7 +117,8 @@ def failure_message(e: BaseException) -> str:
 
 
 def make_reporter(cfg: Any, opts: Options) -> Reporter:
-    """Status (the RLHFJob's, unless ``--no-report`` or no API is reachable), Prometheus and progress file."""
+    """Status (the RLHFJob's, unless ``--no-report`` or no API is reachable), Prometheus, the progress file and the
+    trackers of ``spec.tracking``."""
     status = None
     if opts.report:
         from kubernetes.config import ConfigException
@@ -128,7 +130,8 @@ def make_reporter(cfg: Any, opts: Options) -> Reporter:
     metrics = Metrics(cfg.name, cfg.namespace)
     if opts.metrics_port:
         metrics.serve(opts.metrics_port)
-    return Reporter(status, metrics, opts.progress_file)
+    tracker = Tracker.from_spec(cfg.spec, cfg.name, cfg.namespace, cfg.uid)
+    return Reporter(status, metrics, opts.progress_file, tracker=tracker)
 
 
 def _on_term(signum: int, frame: Any) -> None:

@@ -215,7 +215,8 @@ def test_suspend_and_resume(cluster, api, operator, namespace) -> None:
 def test_runtime_mismatch_warning_is_a_condition_and_one_warning_event(cluster, api, operator, namespace) -> None:
     """The runtime reports a trainer-vs-engine mismatch spike after a sync (status.runtime.warning, written as the
     runtime writes it: a merge patch of the status subresource): EnginesInSync turns False with one Warning Event;
-    the next step's report without it turns it True again."""
+    the next step's report without it turns it True again. Dropped samples (status.data) turn SamplesValid False
+    with a Warning Event the same way."""
     job = load_sample("separate-nccl-tp2")
     name = job["metadata"]["name"]
     apply(cluster, job, namespace)
@@ -244,6 +245,21 @@ def test_runtime_mismatch_warning_is_a_condition_and_one_warning_event(cluster, 
     spikes = [e for e in client.CoreV1Api(api).list_namespaced_event(namespace).items
               if e.reason == "MismatchSpike" and e.involved_object.name == name]
     assert len(spikes) == 1 and (spikes[0].count or 1) == 1, spikes
+
+    # samples the runtime dropped before the first step (data.invalidSamples drop): SamplesValid False, one Event
+    dropped = "spec.data: 10 of 100 samples cannot run: 10 too long for the engines' context (lines 3, 9, ...)"
+    client.CustomObjectsApi(api).patch_namespaced_custom_object_status(
+        m.GROUP, m.VERSION, namespace, m.PLURAL, name,
+        {"status": {"data": {"samples": 90, "dropped": 10, "message": dropped}}})
+
+    def samples_valid() -> dict:
+        return next((c for c in get_job(api, namespace, name)["status"].get("conditions") or []
+                     if c["type"] == "SamplesValid"), {})
+
+    wait_for(lambda: samples_valid().get("status") == "False", 60, "SamplesValid=False")
+    assert samples_valid()["reason"] == "SamplesDropped" and samples_valid()["message"] == dropped
+    events_until(api, namespace, name, lambda evs: any(e.type == "Warning" and e.reason == "SamplesDropped"
+                                                       and e.message == dropped for e in evs), "a SamplesDropped Warning")
 
 
 def test_allowed_spec_change_reaches_config_and_status(cluster, api, operator, namespace) -> None:

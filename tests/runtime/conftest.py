@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,18 @@ import pytest
 from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_api.models import RuntimeConfig
-from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI
+from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MLflowServer]:
+    """A real MLflow tracking server for the tier (``spec.tracking``), started with the tier's first test so its
+    start (~15 s of database migrations) overlaps other tests; a test that needs it calls ``wait()``."""
+    server = MLflowServer(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")

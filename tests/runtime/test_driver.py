@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_runtime.infra import checkpoint as ckpt
-from tests.helpers import JobAPI, wait_for
+from tests.helpers import JobAPI, MLflowServer, wait_for
 from tests.runtime.conftest import job_config, start_driver, start_reporting_driver, write_config
 
 pytestmark = pytest.mark.runtime
@@ -87,48 +87,110 @@ def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> No
     assert not run.steps()  # it stopped before training on a bad engine
 
 
-def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(tiny_model: Path, tmp_path: Path) -> None:
+#: What every step must carry to the trackers on a CPU job (``spec.tracking``): the trainer's statistics, the
+#: reward and the stage times (MFU needs a GPU of known peak: not on CPU).
+TRACKED = ("train/loss", "train/kl", "train/entropy", "train/clip_fraction", "train/grad_norm",
+           "train/learning_rate", "train/mismatch_kl", "train/response_length_mean", "train/response_length_max",
+           "train/response_clipped_fraction", "reward/mean", "reward/std", "throughput/rollout_tokens_per_second",
+           "throughput/train_tokens_per_second_per_gpu", "throughput/step_seconds", "throughput/rollout_seconds",
+           "throughput/train_seconds", "throughput/weight_sync_seconds", "throughput/reward_seconds")
+
+
+def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(
+        tiny_model: Path, tmp_path: Path, mlflow_server: MLflowServer) -> None:
     """A driver killed mid-run (SIGKILL: no report, no cleanup); the next run on the same config resumes from the
-    newest checkpoint. That run reports to the job's API, as in a pod: a ``job.json`` written by a newer operator
+    newest checkpoint. Both report to the job's API, as in a pod: a ``job.json`` written by a newer operator
     (keys this runtime does not know) is read with a warning, and a live edit of ``algorithm.steps`` ends the run
-    at the new total, acknowledged with the edit's generation."""
+    at the new total, acknowledged with the edit's generation.
+
+    Both runs track to TensorBoard, a real MLflow server and W&B (offline) at once (``spec.tracking``): the
+    resumed run continues the MLflow run the first put in ``status.tracking``, TensorBoard's reader sees every
+    metric once per step (the steps the first run did after its checkpoint replaced by the second's), and the
+    resumed run's W&B run file holds the steps it did. The data are a Parquet file with a row the engines'
+    context cannot take: it is dropped before the first step and counted in ``status.data``."""
+    from mlflow import MlflowClient
+
+    from tests.unit.test_runtime_tracking import scalars, wandb_history
+
+    _killed_and_resumed(tiny_model, tmp_path, mlflow_server.wait())
+    client = MlflowClient(mlflow_server.uri)
+    (exp,) = [e for e in client.search_experiments() if e.name == "tiny-exp"]
+    (run,) = client.search_runs([exp.experiment_id])
+    total, resumed = int(run.data.tags["test/total"]), int(run.data.tags["rlhf.dev/resumed-from-step"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
+    assert run.data.params["algorithm.steps"] == "500" and run.data.params["model.dtype"] == "float32"
+    for key in TRACKED:
+        steps = {m.step for m in client.get_metric_history(run.info.run_id, key.replace("/", "."))}
+        assert steps == set(range(1, total + 1)), (key, sorted(steps))
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
+        a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert "spec.json" in arts and f"samples/step-{total}.json" in arts, arts
+    tb = tmp_path / "runs" / "tb" / "tiny"
+    for key in TRACKED:
+        assert [st for st, _ in scalars(tb, key)] == list(range(1, total + 1)), key
+    wb = sorted((tmp_path / "runs" / "wb" / "tiny" / "wandb").glob("offline-run-*-uid-1/run-uid-1.wandb"))
+    assert len(wb) == 2, wb  # one per run, the same run id
+    first, second = wandb_history(wb[0]), wandb_history(wb[1])
+    # W&B's service process buffers the run file: the SIGKILLed run may have lost its last points (or all)
+    assert sorted(second) == list(range(resumed + 1, total + 1)) and set(first) <= set(range(1, total))
+    assert all(key in second[total] for key in TRACKED)
+
+
+def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from mlflow import MlflowClient
+
     ckpt_dir = tmp_path / "ckpt"
+    runs = tmp_path / "runs"
+    prompts = ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]
+    # the data as a Parquet file with its own column name, one row too long for maxModelLen 96 - maxTokens 16
+    pq.write_table(pa.table({"question": prompts[:3] + ["x" * 90] + prompts[3:]}), tmp_path / "train.parquet")
     spec = job_config(
         tiny_model,
+        data={"prompts": None, "path": str(tmp_path / "train.parquet"), "promptField": "question"},
         algorithm={"steps": 500, "promptsPerStep": 16},
         rollout={"sampling": {"temperature": 1.0, "maxTokens": 16, "samplesPerPrompt": 8}},
         checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
-        volumes=[{"name": "ckpt", "emptyDir": {}}],
+        volumes=[{"name": "ckpt", "emptyDir": {}}, {"name": "runs", "emptyDir": {}}],
+        tracking={"tensorboard": {"volume": "runs", "path": str(runs / "tb")},
+                  "mlflow": {"trackingUri": mlflow_uri, "experiment": "tiny-exp"},
+                  "wandb": {"project": "tiny", "mode": "offline", "volume": "runs", "path": str(runs / "wb")},
+                  "samplesEveryNSteps": 2},
     )
     cfg = write_config(tmp_path / "job.json", spec)
     raw = json.loads(cfg.read_text())
     raw["spec"]["rollout"]["fieldOfANewerOperator"] = {"x": 1}  # a newer operator wrote keys we do not know
     raw["someNewTopLevelField"] = True
     cfg.write_text(json.dumps(raw))
-    first = start_driver(tmp_path, cfg, name="first")
-    try:
-        wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
-                 what="5 steps before the kill", interval=0.05)
-        first.proc.send_signal(signal.SIGKILL)
-    finally:
-        first.kill_group()
-    assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
-    newest = ckpt.latest(ckpt_dir)
-    assert newest is not None and newest[0] >= 4, newest
-    resumed = newest[0]
-
     api = JobAPI("tiny", "default", "uid-1", raw["spec"])
-    second = start_reporting_driver(tmp_path, cfg, api, name="second")
     try:
-        wait_for(lambda: second.proc.poll() is not None or len(second.steps()) >= 2, timeout=240,
-                 what="2 steps of the resumed run", interval=0.05)
-        assert second.proc.poll() is None, second.tail()
-        total = second.steps()[-1]["step"] + 4  # adopted at the driver's next step boundary
-        total += total % 2  # a step that checkpoints (every 2)
-        gen = api.edit(algorithm={"steps": total})
-        assert second.wait(timeout=240) == 0, second.tail()
+        first = start_reporting_driver(tmp_path, cfg, api, name="first")
+        try:
+            wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
+                     what="5 steps before the kill", interval=0.05)
+            first.proc.send_signal(signal.SIGKILL)
+        finally:
+            first.kill_group()
+        assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
+        run_id = api.status["tracking"]["mlflowRunId"]
+        assert api.status["tracking"]["tensorboardDir"] == str(runs / "tb" / "tiny")
+        newest = ckpt.latest(ckpt_dir)
+        assert newest is not None and newest[0] >= 4, newest
+        resumed = newest[0]
+
+        second = start_reporting_driver(tmp_path, cfg, api, name="second")
+        try:
+            wait_for(lambda: second.proc.poll() is not None or len(second.steps()) >= 2, timeout=240,
+                     what="2 steps of the resumed run", interval=0.05)
+            assert second.proc.poll() is None, second.tail()
+            total = second.steps()[-1]["step"] + 4  # adopted at the driver's next step boundary
+            total += total % 2  # a step that checkpoints (every 2)
+            gen = api.edit(algorithm={"steps": total})
+            assert second.wait(timeout=240) == 0, second.tail()
+        finally:
+            second.kill_group()
     finally:
-        second.kill_group()
         api.close()
     records = second.records()
     assert records[0]["runtime"]["state"] == "Starting"
@@ -143,6 +205,12 @@ def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(tiny
     assert running and all(r["progressTime"] for r in running)
     log = second.log.read_text(errors="replace")
     assert "ignoring fields this runtime does not know" in log and "rollout.fieldOfANewerOperator" in log
+    assert api.status["tracking"]["mlflowRunId"] == run_id and api.status["tracking"]["wandbRunId"] == "uid-1"
+    assert "message" not in api.status["tracking"], api.status["tracking"]  # no tracker was dropped
+    data = api.status["data"]
+    assert (data["samples"], data["dropped"]) == (8, 1) and "prompt + maxTokens 16 > 96 tokens" in data["message"]
+    assert "rows 4)" in data["message"], data
+    MlflowClient(mlflow_uri).set_tag(run_id, "test/total", str(total))  # for the caller's checks
 
 
 # asyncllm: engines.AsyncEngine (AsyncLLM, engine core in a subprocess); stepped: stepped_engine.SteppedEngine

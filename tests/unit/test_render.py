@@ -556,3 +556,26 @@ def test_head_serves_the_runtime_metrics_beside_rays_own_ports() -> None:
     assert [e for e in on["env"] if e["name"] == "RLHF_METRICS_PORT"] == [{"name": "RLHF_METRICS_PORT", "value": "9095"}]
     off = head(job.spec.model_copy(update={"head": m.Head.model_validate({"metricsPort": 0})}))
     assert "ports" not in off and not any(e["name"] == "RLHF_METRICS_PORT" for e in off["env"])
+
+
+def test_tracking_credentials_reach_the_head_container_only() -> None:
+    """``spec.tracking``'s Secrets: the MLflow credentials Secret as the head container's envFrom and the W&B key
+    as its WANDB_API_KEY (a reference for the kubelet), on no worker or submitter pod (only the driver, on the head,
+    talks to the trackers); the ConfigMap carries the Secret's name and key, never a value."""
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    spec = job.spec.model_copy(update={"tracking": m.Tracking.model_validate({
+        "mlflow": {"trackingUri": "http://mlflow:5000", "credentialsSecret": "mlflow-auth"},
+        "wandb": {"project": "p", "apiKeySecret": {"name": "wandb", "key": "api-key"}}}),
+        "env": [m.EnvVar(name="WANDB_API_KEY", value="literal-from-env")]})
+    rendered = render.Job(job.name, job.namespace, job.uid, spec)
+    cluster = render.render_ray_job(rendered)["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["envFrom"] == [{"secretRef": {"name": "mlflow-auth"}}]
+    assert [e for e in head["env"] if e["name"] == "WANDB_API_KEY"] == [
+        {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}]
+    for group in cluster["workerGroupSpecs"]:
+        worker = group["template"]["spec"]["containers"][0]
+        assert "envFrom" not in worker
+        assert [e["value"] for e in worker["env"] if e["name"] == "WANDB_API_KEY"] == ["literal-from-env"]
+    off = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, job.spec))["spec"]["rayClusterSpec"]
+    assert "envFrom" not in off["headGroupSpec"]["template"]["spec"]["containers"][0]

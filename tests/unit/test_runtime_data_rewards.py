@@ -56,8 +56,8 @@ def test_missing_file_is_a_data_error(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(DataError, match=r"spec.data.configMap 'cm' key 'k.jsonl' \(mounted at .*/k.jsonl\): no such "
                        r"file \(is 'k.jsonl' a key of ConfigMap 'cm'\?\)"):
         load_samples(Data.model_validate({"configMap": {"name": "cm", "key": "k.jsonl"}}))
-    with pytest.raises(DataError, match="a directory, not a prompts file"):
-        load_samples(Data(path=str(tmp_path)))
+    with pytest.raises(DataError, match="a folder without Parquet files, Arrow files or a Hugging Face save_to_disk state.json"):
+        load_samples(Data(path=str(tmp_path)))  # a folder: Parquet files or a save_to_disk dataset
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_missing_file_is_a_data_error(tmp_path: Path, monkeypatch: pytest.Monkey
          r"not UTF-8 text: byte 0xe9 at line 2 \(byte offset 31\) is invalid UTF-8; convert the file to UTF-8"),
         ("p.jsonl", "prompt\n".encode("utf-16"), "UTF-16 text; save it as UTF-8"),
         ("p.jsonl.gz", b"\x1f\x8b\x08\x00\x00", "gzip-compressed, not text"),
-        ("p.parquet", b"PAR1\x15\x04", "a Parquet file, not text"),
+        ("p.parquet", b"PAR1\x15\x04", "not a readable Parquet file: Parquet file size is 6 bytes"),
         ("p.csv", b"prompt,answer\n2+2,4\n", "CSV/TSV is not a supported prompts format; convert it to JSON lines"),
         ("p.json", json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=1).encode(),
          "the file is a JSON array, not JSON lines: write one JSON object per line"),

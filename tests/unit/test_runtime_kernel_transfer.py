@@ -5,6 +5,8 @@ fresh-engine validation of the whole path run on the lent GPUs (``benchmarks/gpu
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -237,3 +239,37 @@ def test_format_rpc() -> None:
     assert workers.format_rpc(False, True) is None
     assert workers.format_rpc(True, True) == (workers.worker_weight_format, (False,))
     assert workers.format_rpc(True, False) is None
+
+
+class PaddedVocab(torch.nn.Module):
+    """What vLLM's ``VocabParallelEmbedding`` holds of a padded vocabulary on TP rank ``rank`` of ``tp``: the padded
+    rows split evenly, its Hugging Face rows ``[org_vocab_start_index, org_vocab_end_index)`` at the start."""
+
+    def __init__(self, rows: int, padded: int, hidden: int, tp: int, rank: int) -> None:
+        super().__init__()
+        per = padded // tp
+        self.weight = torch.nn.Parameter(torch.full((per, hidden), -1.0))
+        self.org_vocab_size, self.num_added_embeddings = rows, 0
+        start = min(rank * per, rows)
+        self.shard_indices = types.SimpleNamespace(org_vocab_start_index=start,
+                                                   org_vocab_end_index=min(start + per, rows))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_worker_copies_its_rows_of_an_unpadded_vocabulary_and_keeps_its_padding(tp: int) -> None:
+    """100 HF rows padded to 128 in the engine: rank r of ``tp`` holds rows [32r, 32r+32) of the padded
+    vocabulary, so the last rank of 4 holds 4 real rows and 28 padding rows, which stay as they were."""
+    full = torch.randn(100, 8)
+    for rank in range(tp):
+        model = torch.nn.Module()
+        model.embed = PaddedVocab(100, 128, 8, tp, rank)
+        target = KernelTarget(model, tp=tp, tp_rank=rank)
+        assert target.load_weights([("embed.weight", full)]) == {"embed.weight"}
+        per = 128 // tp
+        real = max(0, min(per, 100 - rank * per))
+        assert torch.equal(model.embed.weight[:real], full[rank * per: rank * per + real])
+        assert bool((model.embed.weight[real:] == -1.0).all())
+    model = torch.nn.Module()
+    model.embed = PaddedVocab(100, 128, 8, 1, 0)
+    with pytest.raises(ValueError, match=r"is \[99, 8\].*parameter is \[128, 8\]"):  # not the vocabulary's rows
+        KernelTarget(model).load_weights([("embed.weight", torch.randn(99, 8))])

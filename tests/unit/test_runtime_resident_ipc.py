@@ -199,3 +199,20 @@ def test_the_worker_engine_takes_resident_update_infos() -> None:
     info = RlhfIPCWeightTransferEngine.update_info_cls(names=[], dtype_names=[], shapes=[], ipc_handles={},
                                                       resident={"generation": "g", "entries": []})
     assert info.resident == {"generation": "g", "entries": []}
+
+
+def test_a_padded_vocabulary_takes_its_rows_of_the_trainers_parameter_and_keeps_its_padding() -> None:
+    """vLLM pads the embedding to a multiple of 64 rows: the engine maps the trainer's unpadded embedding and
+    copies it into the first rows of its parameter (``vocab``: ``kernel.vocab_slices``); the padding stays."""
+    model, engine, export, copy, _ = _setup()
+    emb = engine["model.embed_tokens.weight"]
+    rows = emb.shape[0]
+    padded = torch.full((rows + 64 - rows % 64, *emb.shape[1:]), -1.0)
+    engine["model.embed_tokens.weight"] = padded
+    msg = export.message()
+    with pytest.raises(ValueError, match="do not fill the engine's parameter"):  # without the report: refused
+        copy.load(msg, engine, UUID, 3)
+    copy = type(copy)(rebuild=Rebuild())
+    assert copy.load(msg, engine, UUID, 3, {"model.embed_tokens.weight": (rows, 0, rows)}) == 12
+    assert torch.equal(padded[:rows], _expected(model)["model.embed_tokens.weight"])
+    assert bool((padded[rows:] == -1.0).all())

@@ -406,3 +406,25 @@ def test_ipc_buffer_holds_the_largest_tensor_a_sync_sends() -> None:
     assert largest(SimpleNamespace(source=source, plan=None)) == 1000 * 64 * 2  # the embedding, in bfloat16
     fused = KernelPlan([("qkv_proj.weight", [3000, 64], ["q", "k", "v"])], True, "")
     assert largest(SimpleNamespace(source=source, plan=fused)) == 3000 * 64 * 2  # the fused engine tensor
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kernel_plan_sends_a_padded_vocabulary_unpadded(tp: int) -> None:
+    """vLLM pads vocabulary parameters to a multiple of 64 rows and splits the padded rows over the TP ranks
+    (OPT-125m: 50,272 -> 50,304): with the engine's ``vocab`` report the plan sends the HF tensor whole (every
+    worker copies its rows, ``KernelTarget``); without it such a plan finds no source (the checkpoint format)."""
+    from rlhf_runtime.weight_sync import KernelPlan
+
+    hf = _hf(vocab=100)
+    engine = _engine(hf, tp)
+    engine["params"] = [(n, [128 // tp, s[1]]) if n in ("model.embed_tokens.weight", "lm_head.weight") else (n, s)
+                        for n, s in engine["params"]]
+    assert not KernelPlan.build(_Source(hf), engine).ok  # what happened before: a silent checkpoint fallback
+    engine["vocab"] = {"model.embed_tokens.weight": 100, "lm_head.weight": 100}
+    plan = KernelPlan.build(_Source(hf), engine)
+    assert plan.ok and "2 padded vocabularies sent unpadded" in plan.reason, plan.reason
+    sent = dict(plan.iterate(_Source(hf)))
+    assert torch.equal(sent["model.embed_tokens.weight"], hf["model.embed_tokens.weight"])
+    assert dict(zip(*plan.metadata(torch.float32)[::2]))["lm_head.weight"] == [100, 8]
+    engine["vocab"] = {"model.embed_tokens.weight": 130, "lm_head.weight": 100}  # more rows than the engine holds
+    assert not KernelPlan.build(_Source(hf), engine).ok

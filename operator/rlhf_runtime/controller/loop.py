@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime.algo.data import load_eval_samples, load_samples, step_batch
+from rlhf_runtime.algo.data import ANSWER_RULES, check_samples, load_eval_samples, load_samples, step_batch
 from rlhf_runtime.algo.objectives import MISMATCH_HISTORY, mismatch_spike
 from rlhf_runtime.algo.rewards import make_reward, normalize
 from rlhf_runtime.controller.actors import ActorClasses
@@ -77,9 +78,10 @@ def check_inputs(spec: Any) -> tuple[list[Any], list[Any], Any]:
     return samples, eval_samples, reward_fn
 
 
-def load_tokenizer(spec: Any) -> Any:
-    """The model's tokenizer, its config checked against the spec (``transformers``: seconds to import, so
-    ``Runtime.run`` does it while Ray starts, before any actor does)."""
+def load_tokenizer(spec: Any) -> tuple[Any, int | None]:
+    """The model's tokenizer, its config checked against the spec, and the engines' context in tokens
+    (``rollout.maxModelLen``, else the model's ``max_position_embeddings``; None if it has none)
+    (``transformers``: seconds to import, so ``Runtime.run`` does it while Ray starts, before any actor does)."""
     from transformers import AutoConfig, AutoTokenizer
 
     tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
@@ -89,9 +91,11 @@ def load_tokenizer(spec: Any) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
     except OSError as e:
         raise OSError(f"cannot load the tokenizer of spec.model.name {spec.model.name!r}: {e}") from e
-    rc.check_model(spec, AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict())
+    config = AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict()
+    rc.check_model(spec, config)
     rc.check_lora(spec)
-    return tokenizer
+    context = spec.rollout.max_model_len or (config.get("text_config") or config).get("max_position_embeddings")
+    return tokenizer, int(context) if context else None
 
 
 class Runtime:
@@ -126,6 +130,7 @@ class Runtime:
         self.pending: Rollout | None = None
         self.output: dict[str, Any] | None = None  # status.output: the newest export
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
+        self.data_status: dict[str, Any] = {}  # status.data: the samples as checked before the first step
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
 
     # ------------------------------------------------------------------------------------------ start
@@ -155,8 +160,23 @@ class Runtime:
             self.reporter.report("Starting", message="starting Ray actors")
             self.watchdog.doing("connecting to Ray and placing actors")
             self.connect()
-            return Inputs(tokenizer.result(), samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
-                          self.spec.rollout.sampling.samples_per_prompt)
+            tok, context = tokenizer.result()
+        samples = self.check_samples(samples, tok, context)
+        return Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
+                      self.spec.rollout.sampling.samples_per_prompt)
+
+    def check_samples(self, samples: Any, tokenizer: Any, context: int | None) -> Any:
+        """``data.check_samples`` before the first step: the samples the run can take (``data.invalidSamples``),
+        reported as ``status.data``."""
+        spec = self.spec
+        self.watchdog.doing(f"checking {len(samples)} samples against the engines' context")
+        needs_answer = spec.reward.rule in ANSWER_RULES and spec.reward.target is None
+        kept, self.data_status = check_samples(samples, tokenizer, context, spec.rollout.sampling.max_tokens,
+                                               needs_answer, spec.data.invalid_samples)
+        if self.data_status.get("dropped"):
+            log.warning("%s", self.data_status["message"])
+        self.reporter.data = self.data_status
+        return kept
 
     def start(self, job: Inputs) -> None:
         """Placement groups, trainers (resuming from the newest checkpoint), roles, engines, the
@@ -189,6 +209,8 @@ class Runtime:
         self.watchdog.doing("loading data, tokenizer and reward")
         job = self.inputs()
         self.start(job)
+        self.watchdog.doing("starting the trackers (spec.tracking)")
+        self.reporter.start_tracking(self.cfg.spec.wire(), self.done)
         self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
                              resumed_from_step=self.resumed, extra={"sync": self.weights.last})
         tp: dict[str, float] = {}
@@ -244,8 +266,11 @@ class Runtime:
         lengths = batch.lengths()
         stats.update(response_length_mean=sum(lengths) / len(lengths), response_length_max=max(lengths),
                      response_clipped_fraction=sum(n >= self.spec.rollout.sampling.max_tokens for n in lengths)
-                     / len(lengths))
-        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done))
+                     / len(lengths), reward_std=statistics.pstdev(rewards),
+                     learning_rate=self.spec.algorithm.learning_rate)
+        rows = [{"prompt": s.prompt, "completion": text, "reward": r} for (s, text), r in zip(batch.items, rewards)] \
+            if self.reporter.wants_samples(done) else None
+        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done), rows)
         return tp
 
     def mismatch_warning(self, stats: dict[str, Any], fresh: bool, done: int) -> str | None:
@@ -311,7 +336,8 @@ class Runtime:
                 and self.weights.synced_at == done and (self.evaluation or {}).get("step") != done):
             self.evaluate(job)
 
-    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None) -> None:
+    def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None,
+                    rows: list[dict[str, Any]] | None = None) -> None:
         extra: dict[str, Any] = {"train": stats, "sync": self.weights.last, "tokens": batch.tokens,
                                  "replacements": dict(self.actors.replacements),
                                  "rerun_prompts": self.experience.rerun_prompts}
@@ -320,7 +346,8 @@ class Runtime:
         log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,
                  tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
         self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
-                             f"{self.total}", resumed_from_step=self.resumed, extra=extra, warning=warning)
+                             f"{self.total}", resumed_from_step=self.resumed, extra=extra, warning=warning,
+                             samples=rows)
 
     # -------------------------------------------------------------------------------------- recovery
     def recover_engines(self, engines: list[int], where: str, error: BaseException) -> None:

@@ -12,6 +12,9 @@ body holds ONLY::
                 "throughput": {<rlhf_api.models.Throughput wire names>},
                 "output": {"path", "step", "time"},   # the newest export (spec.output), when there is one
                 "eval": {"rewardMean", "step", "prompts", "time"},   # the newest evaluation (spec.data.eval)
+                "data": {"samples", "dropped", "message"},   # the training data as checked before the first step
+                "tracking": {"tensorboardDir", "mlflowRunId", "mlflowRunUrl", "wandbRunId", "wandbRunUrl",
+                             "message"},                    # where spec.tracking writes (infra.tracking)
                 "runtime": {"state": Starting|Running|Succeeded|Failed, "message": ...,
                             "heartbeatTime": RFC 3339, "resumedFromStep": N,
                             "progressTime": RFC 3339,       # run start/resume, then each completed step
@@ -70,7 +73,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rlhf_api.models import GROUP, PLURAL, VERSION, EvalStatus, OutputStatus, RuntimeReport, Throughput
+from rlhf_api.models import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    DataStatus,
+    EvalStatus,
+    OutputStatus,
+    RuntimeReport,
+    Throughput,
+    TrackingStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +148,13 @@ def status_patch(
     output: dict[str, Any] | None = None,
     evaluation: dict[str, Any] | None = None,
     warning: str | None = KEEP,
+    tracking: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``) and ``evaluation``
-    (``EvalStatus``) use snake_case field names. ``warning``: text sets ``status.runtime.warning``, None clears it
-    (a JSON null in the merge patch), ``KEEP`` leaves it."""
+    """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``), ``evaluation``
+    (``EvalStatus``), ``tracking`` (``TrackingStatus``) and ``data`` (``DataStatus``) use snake_case field names.
+    ``warning``: text sets ``status.runtime.warning``, None clears it (a JSON null in the merge patch), ``KEEP``
+    leaves it."""
     if state is not None and state not in STATES:
         raise ValueError(f"state must be one of {STATES}")
     status: dict[str, Any] = {}
@@ -162,6 +178,10 @@ def status_patch(
         status["output"] = OutputStatus(**output).wire()
     if evaluation:
         status["eval"] = EvalStatus(**evaluation).wire()
+    if tracking:
+        status["tracking"] = TrackingStatus(**tracking).wire()
+    if data:
+        status["data"] = DataStatus(**data).wire()
     return {"status": status}
 
 
@@ -254,9 +274,13 @@ class Reporter:
         metrics: Metrics | None = None,
         progress_file: str | None = None,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        tracker: Any = None,
     ) -> None:
         self.status = status
         self.metrics = metrics
+        self.tracker = tracker  # infra.tracking.Tracker (spec.tracking), or None
+        self.tracking: dict[str, Any] = {}  # status.tracking once the tracker started
+        self.data: dict[str, Any] = {}  # status.data once the samples were checked
         self.progress = Path(progress_file) if progress_file else None
         self.state: str = "Starting"
         self.progress_time: str | None = None  # RFC 3339: run start/resume, then each completed step
@@ -303,6 +327,20 @@ class Reporter:
             log.warning("could not read the RLHFJob: %s", e)
             return None
 
+    def start_tracking(self, config: dict[str, Any], step: int) -> None:
+        """Open the trackers (``spec.tracking``), continuing the run ids of the live ``status.tracking`` (a retried
+        run), and report where they write."""
+        if self.tracker is None:
+            return
+        job = self.live_job() or {}
+        previous = (job.get("status") or {}).get("tracking") or {}
+        self.tracking = dict(self.tracker.start(config, step, previous))
+        log.info("tracking: %s", self.tracking)
+
+    def wants_samples(self, step: int) -> bool:
+        """Whether ``report`` should get a sample table for this step (``spec.tracking.samplesEveryNSteps``)."""
+        return self.tracker is not None and self.tracker.wants_samples(step)
+
     def report(
         self,
         state: str,
@@ -315,11 +353,22 @@ class Reporter:
         output: dict[str, Any] | None = None,
         evaluation: dict[str, Any] | None = None,
         warning: str | None = KEEP,
+        samples: list[dict[str, Any]] | None = None,
     ) -> None:
+        """One report to every sink. ``samples``: rows (prompt, completion, reward) for the trackers' table."""
+        if self.tracker is not None and self.tracker.started and step is not None and state == "Running":
+            from rlhf_runtime.infra.tracking import step_metrics
+
+            # outside the lock: a slow tracker must not hold up the heartbeat
+            self.tracker.log(step, step_metrics(throughput, (extra or {}).get("train"), evaluation))
+            if samples:
+                self.tracker.samples(step, samples)
+            self.tracking = {**self.tracking, **self.tracker.status}
         body = status_patch(
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
             observed_generation=self.observed_generation, output=output, evaluation=evaluation, warning=warning,
+            tracking=self.tracking, data=self.data,
         )
         with self.lock:
             self.state = state
@@ -355,3 +404,5 @@ class Reporter:
         self.stop.set()
         if self.thread:
             self.thread.join(timeout=5)
+        if self.tracker is not None:
+            self.tracker.close(self.state)

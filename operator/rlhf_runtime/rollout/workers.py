@@ -53,7 +53,7 @@ def expert_layout(prefix: str, module: Any) -> dict[str, dict[str, Any]]:
 def worker_param_layout(worker: Any) -> dict[str, Any]:
     """(collective_rpc) The worker's own parameters, fused-module mapping, the dimensions each tensor-parallel
     parameter may be split along (vLLM's ``output_dim``/``input_dim`` attributes), its MoE experts
-    (``expert_layout``), and where the worker is: its TP rank and its GPU's UUID (``weight_sync.KernelPlan``; a
+    (``expert_layout``), its padded vocabulary parameters (``vocab``: name -> Hugging Face rows), and where the worker is: its TP rank and its GPU's UUID (``weight_sync.KernelPlan``; a
     colocated trainer rank finds its worker by GPU)."""
     import torch
 
@@ -70,6 +70,9 @@ def worker_param_layout(worker: Any) -> dict[str, Any]:
         own = getattr(module, "_parameters", {})
         if "w13_weight" in own and "w2_weight" in own:
             experts.update(expert_layout(prefix, module))
+    from rlhf_runtime.weight_sync.kernel import vocab_slices
+
+    vocab = {n: rows for n, (rows, _, _) in vocab_slices(model).items()}
     device = getattr(worker, "device", None)
     gpu = (str(torch.cuda.get_device_properties(device).uuid)
            if device is not None and getattr(device, "type", None) == "cuda" else None)
@@ -79,6 +82,7 @@ def worker_param_layout(worker: Any) -> dict[str, Any]:
         "world_size": worker.vllm_config.parallel_config.world_size,
         "shard_dims": dims,
         "experts": experts,
+        "vocab": vocab,  # padded vocabulary parameters: their Hugging Face rows (weight_sync.kernel.vocab_slices)
         "tp_rank": int(getattr(worker, "rank", 0)),  # its rank in the engine (TP x PP; TP-only engines: TP)
         "gpu": gpu,
     }

@@ -46,9 +46,12 @@ class KernelPlan:
     broadcast) the plan sends every rank's piece side by side, rank after rank along the split dimension (for a
     fused parameter: rank 0's q, k, v pieces, then rank 1's, ...), so that each worker's own part is piece
     ``tp_rank`` of what it receives (``weight_sync.kernel.KernelTarget`` takes it); for a parameter of one
-    part that is the trainer's tensor unchanged. ``all_ranks`` says which kind of plan it is. Uneven splits
-    (padded vocabularies, KV heads fewer than ``tp``) find no source: the plan is then not ``ok`` and ``reason``
-    says which parameter; the sender keeps the checkpoint format (``auto``) or refuses (``kernel``).
+    part that is the trainer's tensor unchanged. ``all_ranks`` says which kind of plan it is. A padded vocabulary
+    (the engine reports ``vocab``: vLLM pads embeddings and output layers to a multiple of 64 rows, e.g. OPT-125m's
+    50,272 to 50,304, and splits the padded rows over the ranks) is sent as the Hugging Face tensor, whole, and
+    every worker copies its own rows (``weight_sync.kernel.KernelTarget``). Other uneven splits (KV heads fewer
+    than ``tp``) find no source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps
+    the checkpoint format (``auto``, with the reason in the sync record and the log) or refuses (``kernel``).
 
     MoE experts (``experts`` in the engine layout, ``workers.expert_layout``): vLLM holds a layer's local experts
     as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, for each local
@@ -145,6 +148,7 @@ class KernelPlan:
         experts: dict[str, dict[str, Any]] = engine.get("experts") or {}
         entries: list[tuple[str, list[int], list[str]]] = []
         shard: dict[str, int] = {}
+        padded: list[str] = []
         for name, shape in engine["params"]:
             shape = list(shape)
             if name in experts:
@@ -168,6 +172,14 @@ class KernelPlan:
                 entries.append((name, shape, srcs))
                 shard[name] = dim
                 continue
+            rows = (engine.get("vocab") or {}).get(name)
+            if (rows is not None and srcs is not None and len(srcs) == 1 and hf[srcs[0]][0] == rows
+                    and hf[srcs[0]][1:] == shape[1:] and rows <= shape[0] * tp):
+                # a padded vocabulary (vLLM pads to a multiple of 64, then splits over the TP ranks): the Hugging
+                # Face tensor whole; each worker copies its rows into its parameter (``kernel.KernelTarget``)
+                entries.append((name, list(hf[srcs[0]]), srcs))
+                padded.append(name)
+                continue
             what = f"engine parameter {name} {shape}"
             if tp > 1:
                 rank = "each rank" if all_ranks else f"rank {tp_rank}"
@@ -179,6 +191,8 @@ class KernelPlan:
         entries.sort(key=lambda e: (max(order[s] for s in e[2]), order[e[2][0]]))
         used = {s for e in entries for s in e[2]}
         reason = f"{len(entries)} engine parameters from {len(used)} of {len(hf)} HF tensors"
+        if padded:
+            reason += f", {len(padded)} padded vocabular{'ies' if len(padded) > 1 else 'y'} sent unpadded"
         if all_ranks:
             reason += f", {len(shard)} split, the pieces of all {tp} ranks side by side"
         elif tp > 1:

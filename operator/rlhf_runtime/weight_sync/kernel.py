@@ -35,6 +35,24 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine,
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
 
+def vocab_slices(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
+    """The padded vocabulary parameters of an engine's model: ``{name: (vocabulary rows, first, end)}``, the rows
+    ``[first, end)`` of the Hugging Face tensor this worker holds, at the start of its (padded) parameter. vLLM's
+    ``VocabParallelEmbedding`` and ``ParallelLMHead`` pad the vocabulary to a multiple of 64 (OPT-125m: 50,272 rows
+    in Hugging Face, 50,304 in the engine) and split the padded rows over the TP ranks; the padding rows are never
+    read (their logits are cut). Modules with added (LoRA) vocabulary rows are left out."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for prefix, module in model.named_modules():
+        idx = getattr(module, "shard_indices", None)
+        rows = getattr(module, "org_vocab_size", None)
+        if idx is None or not isinstance(rows, int) or getattr(module, "num_added_embeddings", 0):
+            continue
+        if "weight" in getattr(module, "_parameters", {}):
+            out[f"{prefix}.weight" if prefix else "weight"] = (rows, int(idx.org_vocab_start_index),
+                                                                int(idx.org_vocab_end_index))
+    return out
+
+
 class KernelTarget:
     """Stands in for the model during a kernel-format update: ``load_weights`` copies each tensor into the
     model's parameter of the same name (shape and dtype must match: a wrong plan fails loudly, it never
@@ -44,13 +62,29 @@ class KernelTarget:
     A worker of a tensor-parallel engine (``tp`` > 1, this worker ``tp_rank``) that receives the pieces of all
     ranks side by side (one NCCL broadcast to every worker: ``formats.KernelPlan`` without a ``tp_rank``) takes
     its own: where the tensor is ``tp`` times the parameter along exactly one dimension and equal along the
-    others, piece ``tp_rank`` along that dimension."""
+    others, piece ``tp_rank`` along that dimension.
+
+    A padded vocabulary parameter (``vocab_slices``) receives the Hugging Face tensor whole (``formats.KernelPlan``
+    plans it so when the engine reports ``vocab``): the worker copies the rows it holds into the start of its
+    parameter and leaves the padding rows as they are."""
 
     def __init__(self, model: torch.nn.Module, tp: int = 1, tp_rank: int = 0) -> None:
         self.model = model
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self.vocab = vocab_slices(model)
         self.tp, self.tp_rank = tp, tp_rank
         self.loaded = 0
+
+    def vocab_rows(self, name: str, tensor: torch.Tensor, param: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(parameter rows, tensor rows)`` to copy where ``tensor`` is the whole unpadded vocabulary of the padded
+        parameter ``name``, else None."""
+        if name not in self.vocab or tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:]:
+            return None
+        rows, first, end = self.vocab[name]
+        if tensor.shape[0] != rows or end - first > param.shape[0]:
+            return None
+        return param.narrow(0, 0, end - first), tensor.narrow(0, first, end - first)
 
     def own_piece(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
         """This worker's piece of ``tensor`` (a view) where it holds every rank's piece of ``param``, else None."""
@@ -72,8 +106,12 @@ class KernelTarget:
             if param is None:
                 raise KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
             if tuple(param.shape) != tuple(tensor.shape):
-                piece = self.own_piece(tensor, param)
-                tensor = tensor if piece is None else piece
+                padded = self.vocab_rows(name, tensor, param)
+                if padded is not None and param.dtype == tensor.dtype:
+                    param, tensor = padded
+                else:
+                    piece = self.own_piece(tensor, param)
+                    tensor = tensor if piece is None else piece
             if tuple(param.shape) != tuple(tensor.shape) or param.dtype != tensor.dtype:
                 raise ValueError(f"kernel-format weight {name!r} is {list(tensor.shape)} {tensor.dtype}; the "
                                  f"engine's parameter is {list(param.shape)} {param.dtype}")
@@ -167,7 +205,8 @@ class ResidentCopy:
     def close(self) -> None:
         self.generation, self.dst, self.src = None, [], []
 
-    def _map(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int) -> None:
+    def _map(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int,
+             vocab: dict[str, tuple[int, int, int]]) -> None:
         self.close()
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -176,8 +215,13 @@ class ResidentCopy:
             if param is None:
                 raise KeyError(f"resident IPC: {name!r} is not a parameter of the engine's model")
             parts = [self.rebuild(*local_args(h, uuid, index, "resident IPC")) for h in handles]
+            rows_of = vocab.get(name)
             if len(parts) == 1 and tuple(parts[0].shape) == tuple(param.shape):
                 views = [param]
+            elif (len(parts) == 1 and rows_of is not None and parts[0].shape[0] == rows_of[0]
+                    and parts[0].shape[1:] == param.shape[1:]):  # a padded vocabulary: this worker's rows
+                _, first, end = rows_of
+                views, parts = [param.narrow(0, 0, end - first)], [parts[0].narrow(0, first, end - first)]
             else:
                 rows = param.view(-1, *parts[0].shape[1:]) if parts[0].dim() > 0 else param.view(-1)
                 if sum(p.shape[0] for p in parts) != rows.shape[0]:
@@ -196,16 +240,18 @@ class ResidentCopy:
         self.dst, self.src, self.generation = dst, src, resident["generation"]
 
     @torch.no_grad()
-    def load(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int) -> int:
+    def load(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int,
+             vocab: dict[str, tuple[int, int, int]] | None = None) -> int:
         """Copy the trainer's parameters into ``params``; returns the number of tensors copied. A message
-        without ``entries`` names a generation this engine must already hold."""
+        without ``entries`` names a generation this engine must already hold. ``vocab``: the padded vocabulary
+        parameters (``vocab_slices``), which take their rows of the trainer's whole tensor."""
         if resident.get("generation") != self.generation:
             if "entries" not in resident:
                 self.close()
                 raise RuntimeError(f"resident IPC: this engine holds no mapping of generation "
                                    f"{resident.get('generation')!r} (it holds {self.generation!r}); the trainer "
                                    "sends the handles again after a failed sync or a new weight-sync group")
-            self._map(resident, params, uuid, index)
+            self._map(resident, params, uuid, index, vocab or {})
         if self.dst:
             torch._foreach_copy_(self.dst, self.src, non_blocking=True)
         return len(self.dst)
@@ -242,7 +288,8 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
                 self._resident = ResidentCopy()
             index = self.device.index
             uuid = str(torch.cuda.get_device_properties(index).uuid)
-            self._kernel_target.loaded += self._resident.load(resident, self._kernel_target.params, uuid, index)
+            self._kernel_target.loaded += self._resident.load(resident, self._kernel_target.params, uuid, index,
+                                                              self._kernel_target.vocab)
             return
         importer = getattr(self, "_packed_importer", None)  # vLLM's one mapping per trainer buffer
         if not (self._kernel_active and self.packed) or importer is None:
