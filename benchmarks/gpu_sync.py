@@ -200,7 +200,7 @@ def merge(spec: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 # engine without FlashInfer's allreduce (VLLM_ALLREDUCE_USE_FLASHINFER=0): on 0.33 each fresh TP>1 engine
 # otherwise JIT-builds that module (~60 s); the sync does not use it.
 # The same for NCCL into one TP=2 engine (the kernel format's pieces of both ranks in one broadcast).
-for _base, _env in (("colocated-ipc-fsdp2", None), ("colocated-ipc-fsdp2-tp2", {"VLLM_ALLREDUCE_USE_FLASHINFER": "0"}),
+for _base, _env in (("colocated-ipc", None), ("colocated-ipc-resident", None), ("colocated-ipc-fsdp2", None), ("colocated-ipc-fsdp2-tp2", {"VLLM_ALLREDUCE_USE_FLASHINFER": "0"}),
                     ("colocated-ipc-fsdp2-ep2", None), ("separate-nccl-tp2", {"VLLM_ALLREDUCE_USE_FLASHINFER": "0"})):
     LAYOUTS[f"{_base}-kernel"] = merge(LAYOUTS[_base], {"weightSync": {"format": "kernel"}}
                                        | ({"_env": _env} if _env else {}))
