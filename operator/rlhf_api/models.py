@@ -663,6 +663,25 @@ class Reference(RolePlacement):
     )
 
 
+OBJECT_URI = r"^(s3|gs|az)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$"
+
+
+class ObjectStorage(Model):
+    endpoint: str | None = Field(
+        None, pattern=r"^https?://", max_length=2048,
+        description="The S3 API endpoint of an S3-compatible server (e.g. http://seaweedfs.storage.svc:8333); "
+        "rendered as AWS_ENDPOINT_URL_S3 into every head and worker container. Unset: AWS S3 (or GCS/Azure by "
+        "the URI's scheme).",
+    )
+    region: str | None = Field(None, min_length=1, max_length=64, description="Region (AWS_REGION); unset: us-east-1.")
+    credentials_secret: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="A Secret whose keys become the environment of every head and worker container (the trainers "
+        "write): AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN); for gs:// "
+        "GOOGLE_SERVICE_ACCOUNT_KEY, for az:// AZURE_STORAGE_ACCOUNT_KEY. Unset: the pods' own identity.",
+    )
+
+
 class Output(Model):
     volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
     path: str = Field(
@@ -675,9 +694,28 @@ class Output(Model):
 
 
 class Checkpoint(Model):
-    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
-    path: str = Field(pattern=r"^/", max_length=4096, description="Directory inside the pods (mount it there).")
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("has(self.uri) ? !has(self.volume) && !has(self.path) : has(self.volume) && has(self.path)",
+            "checkpoint needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+        cel("!has(self.storage) || has(self.uri)", "checkpoint.storage is only for a checkpoint.uri",
+            fieldPath=".storage"),
+    ]})
+
+    volume: str | None = Field(None, min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
+    path: str | None = Field(None, pattern=r"^/", max_length=4096,
+                             description="Directory inside the pods (mount it there).")
+    uri: str | None = Field(
+        None, pattern=OBJECT_URI, max_length=2048,
+        description="Object storage instead of volume and path: s3://bucket/prefix (gs://, az://). Each step's "
+        "files are uploaded first and a state.json marker last, so a save killed midway is no checkpoint; the job "
+        "resumes from the newest step with a marker (every trainer rank downloads the one rank 0 found).",
+    )
+    storage: ObjectStorage | None = Field(None, description="Endpoint and credentials of uri's object store.")
     every_n_steps: int = Field(10, ge=1, description="Save every N steps; a restarted job resumes from the newest.")
+
+    @property
+    def location(self) -> str:
+        return self.uri or self.path or ""
 
 
 # -------------------------------------------------------------------------------------------- tracking
@@ -948,7 +986,8 @@ SPEC_RULES = [
     ),
 
     cel(
-        "!has(self.checkpoint) || (has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
+        "!has(self.checkpoint) || !has(self.checkpoint.volume) || "
+        "(has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
         "checkpoint.volume must name a volume in spec.volumes",
         fieldPath=".checkpoint.volume",
     ),
@@ -1059,6 +1098,12 @@ class RLHFJobSpec(Model):
 
     def reference_active(self) -> bool:
         return self.algorithm.kl_coef > 0
+
+    def object_storage(self) -> ObjectStorage | None:
+        """The object store's endpoint and credentials (checkpoint.storage with a checkpoint.uri), for every head
+        and worker container."""
+        c = self.checkpoint
+        return c.storage if c is not None and c.uri else None
 
     def role_gpus(self, role: RolePlacement) -> int:
         """GPUs per pod of a separate role (0 for a CPU-only job)."""

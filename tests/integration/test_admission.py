@@ -107,6 +107,18 @@ INVALID = [
     ("bad reward hook", with_spec(reward={"function": "not a hook"}), "spec.reward.function: Invalid value"),
     ("checkpoint volume missing", with_spec(checkpoint={"volume": "ckpt", "path": "/ckpt"}),
      "checkpoint.volume must name a volume in spec.volumes"),
+    ("checkpoint uri and path", with_spec(checkpoint={"uri": "s3://ckpt/run1", "volume": "data", "path": "/ckpt"}),
+     "checkpoint needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+    ("checkpoint neither uri nor path", with_spec(checkpoint={"everyNSteps": 5}),
+     "checkpoint needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+    ("checkpoint storage without uri", with_spec(checkpoint={"volume": "data", "path": "/ckpt",
+                                                             "storage": {"endpoint": "http://s3:8333"}}),
+     "checkpoint.storage is only for a checkpoint.uri"),
+    ("checkpoint uri not an object store", with_spec(checkpoint={"uri": "/data/ckpt"}),
+     "spec.checkpoint.uri: Invalid value"),
+    ("checkpoint storage endpoint not http", with_spec(checkpoint={"uri": "s3://ckpt/run1",
+                                                                   "storage": {"endpoint": "s3.local:8333"}}),
+     "spec.checkpoint.storage.endpoint: Invalid value"),
     ("gpu memory above 1", with_spec(rollout__gpuMemoryUtilization=1.5), "spec.rollout.gpuMemoryUtilization: Invalid value: 1.5"),
     ("negative temperature", with_spec(rollout__sampling__temperature=-1), "spec.rollout.sampling.temperature: Invalid value: -1"),
     ("lora with fsdp2", with_spec(trainer__strategy="fsdp2", trainer__gpusPerReplica=2, trainer__lora={}),
@@ -157,6 +169,16 @@ def test_valid_samples_pass_admission(cluster) -> None:
                    "moe-expert-parallel", "ppo-reward-model", "lora-adapter-sync"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
+
+
+def test_object_store_checkpoint_passes_admission(cluster) -> None:
+    """spec.checkpoint.uri with its storage (no volume needed), and a bare uri (the pods' own identity)."""
+    for ckpt in ({"uri": "s3://ckpt-bucket/runs/a", "everyNSteps": 5,
+                  "storage": {"endpoint": "http://seaweedfs.storage.svc:8333", "region": "eu-west-1",
+                              "credentialsSecret": "s3-creds"}},
+                 {"uri": "gs://ckpt-bucket"}):
+        out = apply(cluster, with_spec(checkpoint=ckpt), "default", "--dry-run=server", check=False)
+        assert out.returncode == 0, f"{ckpt}: {out.stderr}"
 
 
 def test_immutable_fields_are_rejected_on_update(cluster) -> None:
