@@ -1,6 +1,7 @@
 """FSDP2 checkpoints: every rank's optimiser shards and parameters survive save -> resume. Two real ``Trainer``
 processes shard a real tiny model with ``fully_shard`` over gloo (CPU), train one GRPO step, checkpoint, and
-two fresh processes resume from it; each resumed rank must hold exactly the shards it saved."""
+two fresh processes resume from it; each resumed rank must hold exactly the shards it saved. Killed mid-save, on
+a shared path and in an S3 bucket (SeaweedFS, ``tests/s3.py``), every rank resumes from the newest complete step."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import storage
 from tests.helpers import wait_for
-from tests.runtime.conftest import job_config, write_config
+from tests.runtime.conftest import job_config, start_driver, write_config
+from tests.s3 import S3Server
 
 pytestmark = pytest.mark.runtime
 
@@ -154,3 +158,109 @@ def test_fsdp2_trainer_killed_while_saving_resumes_every_rank_from_the_newest_co
     print(f"killed mid-save (attempt {attempt + 1}, left {left}); both ranks resumed from step {newest[0]} "
           f"in {time.monotonic() - t:.1f}s")
     assert [(r["step"], r["resumed_from"]) for r in resumed] == [(newest[0], newest[0])] * 2, (resumed, newest)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """SeaweedFS (``tests/s3.py``) with a bucket for the checkpoints."""
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs"), buckets=("ckpt",)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _partial_steps(uri: str) -> list[int]:
+    """Steps with objects in the bucket but no marker (a save in progress, or one killed)."""
+    b = storage.Bucket(uri)
+    keys = b.list(b.loc.key())
+    marked = {k.split("/")[-2] for k in keys if k.endswith("/" + storage.STATE)}
+    return sorted({int(k.split("step-")[1][:8]) for k in keys if "/step-" in k} -
+                  {int(s[5:]) for s in marked})
+
+
+def test_fsdp2_ranks_killed_while_uploading_resume_from_the_newest_step_in_the_bucket(
+    tiny_model: Path, tmp_path: Path, s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spec.checkpoint.uri on a real S3 server: two FSDP2 ranks train and checkpoint every step (rank 0 uploads,
+    its marker last) until both are SIGKILLed while a step's objects are in the bucket without its marker; two
+    fresh ranks then resume from the newest step with a marker (rank 0 finds it, both download it), and the
+    torn step is removed once a newer one is complete."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._STORES.clear()
+    uri = "s3://ckpt/fsdp-run"
+    spec = job_config(
+        tiny_model,
+        trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+        algorithm={"steps": 10000, "learningRate": 1e-2},
+        checkpoint={"uri": uri, "everyNSteps": 1, "storage": {"endpoint": s3.endpoint}},
+    )
+    cfg = write_config(tmp_path / "job.json", spec)
+    torn: list[int] = []
+    for attempt in range(5):  # until the kill lands inside an upload (objects without a marker are left behind)
+        procs = _start_ranks(tmp_path, cfg, "loop")
+        try:
+            wait_for(lambda procs=procs: any(p.poll() is not None for p in procs)
+                     or ((storage.latest(uri) or (0,))[0] >= 2 and _partial_steps(uri)),
+                     timeout=300, what="a checkpoint upload in progress", interval=0.002)
+            for p in procs:
+                os.kill(p.pid, signal.SIGKILL)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate(timeout=60)
+        assert all(p.returncode == -signal.SIGKILL for p in procs), [p.stderr for p in procs]
+        torn = [s for s in _partial_steps(uri) if s > (storage.latest(uri) or (0,))[0]]
+        if torn:
+            break
+    assert torn, "no kill landed inside a checkpoint upload in 5 attempts"
+    newest = storage.latest(uri)
+    assert newest is not None and newest[1].startswith(f"{uri}/step-{newest[0]:08d}/")
+    t = time.monotonic()
+    resumed = _run_ranks(tmp_path, cfg, "which")
+    print(f"killed mid-upload (attempt {attempt + 1}, torn steps {torn}); both ranks resumed from step "
+          f"{newest[0]} in the bucket in {time.monotonic() - t:.1f}s")
+    assert [(r["step"], r["resumed_from"]) for r in resumed] == [(newest[0], newest[0])] * 2, (resumed, newest)
+    # the resumed run's next save supersedes the torn step, and pruning removes it (two complete ones kept)
+    storage.commit(storage.download(newest[1], tmp_path / "again"), uri, torn[-1] + 1, {"base_model": "m"})
+    storage.prune(uri, keep=2)
+    assert storage.steps(uri) == [newest[0], torn[-1] + 1], storage.steps(uri)
+
+
+def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path, s3: S3Server) -> None:
+    """The whole runtime (a local Ray, the trainer actor, a vLLM engine) with spec.checkpoint.uri: the driver's
+    environment carries the endpoint and credentials to the actors, as the pods' does; SIGKILLed mid-run, the next
+    run on the same job resumes from the newest step in the bucket and its checkpoints go on there."""
+    uri = "s3://ckpt/driver-run"
+    spec = job_config(tiny_model, algorithm={"steps": 500},
+                      checkpoint={"uri": uri, "everyNSteps": 2, "storage": {"endpoint": s3.endpoint}})
+    cfg = write_config(tmp_path / "job.json", spec)
+    env = s3.env()
+    first = start_driver(tmp_path, cfg, name="first", env=env)
+    try:
+        wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
+                 what="5 steps before the kill", interval=0.05)
+        first.proc.send_signal(signal.SIGKILL)
+    finally:
+        first.kill_group()
+    assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
+    for k, v in env.items():
+        os.environ[k] = v  # this process reads the bucket too
+    try:
+        storage._STORES.clear()
+        newest = storage.latest(uri)
+        assert newest is not None and newest[0] >= 4, (newest, first.tail())
+        resumed, total = newest[0], newest[0] + 2
+        write_config(cfg, {**spec, "algorithm": {**spec["algorithm"], "steps": total}})
+        second = start_driver(tmp_path, cfg, name="second", env=env)
+        assert second.wait(timeout=240) == 0, second.tail()
+        assert any(r["runtime"].get("resumedFromStep") == resumed for r in second.records()), second.tail()
+        assert [r["step"] for r in second.steps()] == list(range(resumed + 1, total + 1))
+        assert storage.latest(uri)[0] == total
+        assert storage.steps(uri) == [total - 2, total]  # the newest two kept, nothing torn left behind
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        storage._STORES.clear()

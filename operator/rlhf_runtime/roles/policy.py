@@ -44,7 +44,7 @@ import torch
 
 from rlhf_runtime.algo.objectives import aggregate, correction_weights, policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
-from rlhf_runtime.infra import flops, node_files
+from rlhf_runtime.infra import flops, node_files, storage
 from rlhf_runtime.infra import lora as lora_mod
 from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import (
@@ -179,13 +179,21 @@ class Trainer(FSDPWorker):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: F401
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
-        """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``)
-        and broadcasts it (``checkpoint.agree``), so all FSDP ranks load the same step even when a save commits
-        (or a torn one is cleaned up) between the ranks' own looks at the directory. ``None``: start from the
-        base model."""
+        """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``, or
+        ``storage.latest`` for an object-store ``checkpoint.uri``) and broadcasts it (``checkpoint.agree``), so all
+        FSDP ranks load the same step even when a save commits (or a torn one is cleaned up) between the ranks'
+        own looks at the directory. An object-store step is downloaded by every rank into a local directory of its
+        own. ``None``: start from the base model."""
         c = self.spec.checkpoint
         if c is None:
             return None
+        if c.uri:
+            found_uri = ckpt.agree(storage.latest(c.uri) if self.rank == 0 else None, self.rank, remote=True)
+            if found_uri is None:
+                return None
+            step, uri = found_uri
+            local = Path(tempfile.gettempdir()) / f"rlhf-resume-{os.getpid()}-rank{self.rank}"
+            return step, storage.download(uri, local)
         found = ckpt.agree(ckpt.latest(c.path) if self.rank == 0 else None, self.rank)  # a collective
         if found is None or self.world_size == 1:
             return found
@@ -366,7 +374,7 @@ class Trainer(FSDPWorker):
         c = self.spec.checkpoint
         if c is None:
             return None
-        return self.save_step(c.path, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
+        return self.save_step(c.location, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
 
     def write_model(self, directory: Path, state: dict[str, torch.Tensor] | None) -> None:
         """``model/``, or with LoRA ``adapter/``: the adapter in full precision (the base is spec.model's)."""
