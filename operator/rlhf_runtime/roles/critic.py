@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ class CriticModel(FSDPWorker):
                                                                 else Path(c.path) / "critic")
         source, opt_state = self._resume(critic.model or spec.model.name, resume_step)
         self.model = self._load(source, critic)
+        if self.resumed_from is not None and isinstance(self.root, str):  # loaded: drop the downloaded copy
+            shutil.rmtree(Path(source).parent, ignore_errors=True)
         if spec.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shard()

@@ -104,6 +104,8 @@ class Trainer(FSDPWorker):
         opt_state = self._resume(*found) if found else None
         kw = load_kwargs(spec, revision=not found or bool(self.lora))
         self.model = self._load_policy(found[1] if found else None, kw)
+        if found and spec.checkpoint and spec.checkpoint.uri:  # loaded: the downloaded copy is not needed
+            shutil.rmtree(found[1], ignore_errors=True)
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
         self._load_reference(kw)
         self.shard()
