@@ -682,24 +682,44 @@ class ObjectStorage(Model):
     )
 
 
+def _location_rules(field: str) -> list[dict[str, str]]:
+    """``spec.checkpoint`` / ``spec.output``: a volume path or an object-store URI, exactly one."""
+    return [
+        cel("has(self.uri) ? !has(self.volume) && !has(self.path) : has(self.volume) && has(self.path)",
+            f"{field} needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+        cel("!has(self.storage) || has(self.uri)", f"{field}.storage is only for a {field}.uri",
+            fieldPath=".storage"),
+    ]
+
+
 class Output(Model):
-    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
-    path: str = Field(
-        pattern=r"^/", max_length=4096,
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _location_rules("output")})
+
+    volume: str | None = Field(None, min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
+    path: str | None = Field(
+        None, pattern=r"^/", max_length=4096,
         description="Directory inside the pods (mount the volume there) where the trained model is written in "
         "Hugging Face format (save_pretrained, safetensors, config, tokenizer): <path>/final at the end, "
         "<path>/step-<N> every everyNSteps steps if set. status.output names the newest.",
     )
+    uri: str | None = Field(
+        None, pattern=OBJECT_URI, max_length=2048,
+        description="Object storage instead of volume and path: s3://bucket/prefix (gs://, az://). The export is "
+        "uploaded to <uri>/final (and <uri>/step-<N>), its _COMPLETE object last: a prefix without one is an "
+        "export in progress or cut short.",
+    )
+    storage: ObjectStorage | None = Field(
+        None, description="Endpoint and credentials of uri's object store (the same as checkpoint.storage when "
+        "both are set).")
     every_n_steps: int | None = Field(None, ge=1, description="Also export every N steps (unset: only at the end).")
+
+    @property
+    def location(self) -> str:
+        return self.uri or self.path or ""
 
 
 class Checkpoint(Model):
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        cel("has(self.uri) ? !has(self.volume) && !has(self.path) : has(self.volume) && has(self.path)",
-            "checkpoint needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
-        cel("!has(self.storage) || has(self.uri)", "checkpoint.storage is only for a checkpoint.uri",
-            fieldPath=".storage"),
-    ]})
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _location_rules("checkpoint")})
 
     volume: str | None = Field(None, min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
     path: str | None = Field(None, pattern=r"^/", max_length=4096,
@@ -980,7 +1000,8 @@ SPEC_RULES = [
         fieldPath=".data.eval.configMap",
     ),
     cel(
-        "!has(self.output) || (has(self.volumes) && self.volumes.exists(v, v.name == self.output.volume))",
+        "!has(self.output) || !has(self.output.volume) || "
+        "(has(self.volumes) && self.volumes.exists(v, v.name == self.output.volume))",
         "output.volume must name a volume in spec.volumes",
         fieldPath=".output.volume",
     ),
@@ -990,6 +1011,16 @@ SPEC_RULES = [
         "(has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
         "checkpoint.volume must name a volume in spec.volumes",
         fieldPath=".checkpoint.volume",
+    ),
+    cel(
+        "!has(self.checkpoint) || !has(self.checkpoint.storage) || !has(self.output) || "
+        "!has(self.output.storage) || (" + " && ".join(
+            f"(has(self.checkpoint.storage.{f}) ? self.checkpoint.storage.{f} : '') == "
+            f"(has(self.output.storage.{f}) ? self.output.storage.{f} : '')"
+            for f in ("endpoint", "region", "credentialsSecret")) + ")",
+        "checkpoint.storage and output.storage must be the same when both are set (the pods get one endpoint "
+        "and one set of credentials)",
+        fieldPath=".output.storage",
     ),
     cel(
         "!has(self.tracking) || !has(self.tracking.tensorboard) || (has(self.volumes) && "
@@ -1100,10 +1131,12 @@ class RLHFJobSpec(Model):
         return self.algorithm.kl_coef > 0
 
     def object_storage(self) -> ObjectStorage | None:
-        """The object store's endpoint and credentials (checkpoint.storage with a checkpoint.uri), for every head
-        and worker container."""
-        c = self.checkpoint
-        return c.storage if c is not None and c.uri else None
+        """The object store's endpoint and credentials (checkpoint.storage, else output.storage; admission makes
+        them equal when both are set), for every head and worker container."""
+        for loc in (self.checkpoint, self.output):
+            if loc is not None and loc.uri and loc.storage is not None:
+                return loc.storage
+        return None
 
     def role_gpus(self, role: RolePlacement) -> int:
         """GPUs per pod of a separate role (0 for a CPU-only job)."""
@@ -1160,7 +1193,7 @@ class Throughput(Model):
 
 
 class OutputStatus(Model):
-    path: str | None = Field(None, description="Directory of the newest exported model.")
+    path: str | None = Field(None, description="Directory (or object-store URI) of the newest exported model.")
     step: int | None = Field(None, description="Training step it was exported at.")
     time: datetime | None = Field(None, description="When the export completed.")
 

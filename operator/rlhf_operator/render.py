@@ -30,7 +30,7 @@ one node where it fits.
 Environment: the head and worker containers get ``BASE_ENV``, then ``spec.env`` (a literal ``value``, or a
 ``valueFrom`` Secret or ConfigMap key rendered as Kubernetes ``valueFrom``: the kubelet resolves it, so a
 secret's value never passes through the operator, the ConfigMap, the RayJob or the status), and
-``spec.envFrom`` as the container's ``envFrom``; with an object-store ``checkpoint.uri``, its
+``spec.envFrom`` as the container's ``envFrom``; with an object-store ``checkpoint.uri`` or ``output.uri``, its
 endpoint and region (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``) and credentials Secret (``envFrom``). KubeRay's submitter pod gets neither (it only runs
 ``ray job submit``).
 
@@ -216,12 +216,12 @@ def _serve_runtime_metrics(head: dict[str, Any], port: int) -> None:
         {"name": METRICS_PORT_NAME, "containerPort": port}]
 
 
-#: ``spec.checkpoint.storage`` fields -> the variables every S3 client reads.
+#: ``spec.checkpoint.storage`` / ``spec.output.storage`` fields -> the variables every S3 client reads.
 STORAGE_ENV = (("endpoint", "AWS_ENDPOINT_URL_S3"), ("region", "AWS_REGION"))
 
 
 def _object_storage(main: dict[str, Any], spec: RLHFJobSpec) -> None:
-    """The object store of ``spec.checkpoint.uri`` on a head or worker container (the trainers
+    """The object store of ``spec.checkpoint.uri`` / ``spec.output.uri`` on a head or worker container (the trainers
     write, the driver reads): endpoint and region as ``AWS_ENDPOINT_URL_S3`` and ``AWS_REGION`` (the field wins over
     a ``spec.env`` entry), the credentials Secret as ``envFrom`` (resolved by the kubelet)."""
     st = spec.object_storage()

@@ -116,6 +116,14 @@ INVALID = [
      "checkpoint.storage is only for a checkpoint.uri"),
     ("checkpoint uri not an object store", with_spec(checkpoint={"uri": "/data/ckpt"}),
      "spec.checkpoint.uri: Invalid value"),
+    ("output uri and path", with_spec(output={"uri": "s3://models/run1", "volume": "data", "path": "/models"}),
+     "output needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+    ("output storage without uri", with_spec(output={"volume": "data", "path": "/m", "storage": {"region": "x"}}),
+     "output.storage is only for a output.uri"),
+    ("checkpoint and output storages differ", with_spec(
+        checkpoint={"uri": "s3://ckpt/run1", "storage": {"endpoint": "http://a:8333"}},
+        output={"uri": "s3://models/run1", "storage": {"endpoint": "http://b:8333"}}),
+     "checkpoint.storage and output.storage must be the same when both are set"),
     ("checkpoint storage endpoint not http", with_spec(checkpoint={"uri": "s3://ckpt/run1",
                                                                    "storage": {"endpoint": "s3.local:8333"}}),
      "spec.checkpoint.storage.endpoint: Invalid value"),
@@ -172,13 +180,19 @@ def test_valid_samples_pass_admission(cluster) -> None:
 
 
 def test_object_store_checkpoint_passes_admission(cluster) -> None:
-    """spec.checkpoint.uri with its storage (no volume needed), and a bare uri (the pods' own identity)."""
+    """spec.checkpoint.uri with its storage (no volume needed), a bare uri (the pods' own identity), and
+    spec.output.uri beside it with the same storage."""
     for ckpt in ({"uri": "s3://ckpt-bucket/runs/a", "everyNSteps": 5,
                   "storage": {"endpoint": "http://seaweedfs.storage.svc:8333", "region": "eu-west-1",
                               "credentialsSecret": "s3-creds"}},
                  {"uri": "gs://ckpt-bucket"}):
         out = apply(cluster, with_spec(checkpoint=ckpt), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{ckpt}: {out.stderr}"
+    storage = {"endpoint": "http://seaweedfs:8333", "credentialsSecret": "s3-creds"}
+    both = with_spec(checkpoint={"uri": "s3://ckpt/a", "storage": storage},
+                     output={"uri": "s3://models/a", "everyNSteps": 50, "storage": dict(storage)})
+    out = apply(cluster, both, "default", "--dry-run=server", check=False)
+    assert out.returncode == 0, out.stderr
 
 
 def test_immutable_fields_are_rejected_on_update(cluster) -> None:

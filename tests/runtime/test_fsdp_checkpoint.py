@@ -232,7 +232,8 @@ def test_fsdp2_ranks_killed_while_uploading_resume_from_the_newest_step_in_the_b
 def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path, s3: S3Server) -> None:
     """The whole runtime (a local Ray, the trainer actor, a vLLM engine) with spec.checkpoint.uri: the driver's
     environment carries the endpoint and credentials to the actors, as the pods' does; SIGKILLed mid-run, the next
-    run on the same job resumes from the newest step in the bucket and its checkpoints go on there."""
+    run on the same job resumes from the newest step in the bucket and its checkpoints go on there; its final
+    export (spec.output.uri) is published there too."""
     uri = "s3://ckpt/driver-run"
     spec = job_config(tiny_model, algorithm={"steps": 500},
                       checkpoint={"uri": uri, "everyNSteps": 2, "storage": {"endpoint": s3.endpoint}})
@@ -253,13 +254,19 @@ def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path,
         newest = storage.latest(uri)
         assert newest is not None and newest[0] >= 4, (newest, first.tail())
         resumed, total = newest[0], newest[0] + 2
-        write_config(cfg, {**spec, "algorithm": {**spec["algorithm"], "steps": total}})
+        export = "s3://ckpt/driver-export"  # spec.output.uri too: the final model goes to the bucket
+        write_config(cfg, {**spec, "algorithm": {**spec["algorithm"], "steps": total},
+                           "output": {"uri": export, "storage": {"endpoint": s3.endpoint}}})
         second = start_driver(tmp_path, cfg, name="second", env=env)
         assert second.wait(timeout=240) == 0, second.tail()
         assert any(r["runtime"].get("resumedFromStep") == resumed for r in second.records()), second.tail()
         assert [r["step"] for r in second.steps()] == list(range(resumed + 1, total + 1))
         assert storage.latest(uri)[0] == total
         assert storage.steps(uri) == [total - 2, total]  # the newest two kept, nothing torn left behind
+        files = storage.published(f"{export}/final")
+        assert files and "config.json" in files and any(f.endswith(".safetensors") for f in files), files
+        assert any((r.get("output") or {}).get("path") == f"{export}/final" for r in second.records()), \
+            second.records()[-1]
     finally:
         for k in env:
             os.environ.pop(k, None)

@@ -617,3 +617,16 @@ def test_checkpoint_takes_a_uri_or_a_volume_path() -> None:
     for bad in ("/data/ckpt", "s3://", "s3://B/x", "http://b/x", "s3://b x/y"):
         with pytest.raises(ValueError, match="uri"):
             m.Checkpoint.model_validate({"uri": bad})
+
+
+def test_output_uri_storage_reaches_the_containers_too() -> None:
+    """``spec.output.uri`` alone (no object-store checkpoint): its storage is the pods' as well."""
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    spec = job.spec.model_copy(update={"output": m.Output.model_validate({
+        "uri": "s3://models/run1", "storage": {"endpoint": "http://s3:8333", "credentialsSecret": "keys"}})})
+    cluster = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, spec))["spec"]["rayClusterSpec"]
+    for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        c = g["template"]["spec"]["containers"][0]
+        assert {e["name"]: e.get("value") for e in c["env"]}["AWS_ENDPOINT_URL_S3"] == "http://s3:8333"
+        assert c["envFrom"] == [{"secretRef": {"name": "keys"}}]
+    assert m.Output.model_validate({"uri": "s3://models/run1"}).location == "s3://models/run1"

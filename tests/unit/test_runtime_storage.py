@@ -172,3 +172,20 @@ def test_errors_name_what_is_wrong(s3: S3Server, tmp_path: Path, monkeypatch: py
             storage.Bucket("s3://ckpt/x").check()
     finally:
         storage._STORES.clear()
+
+
+def test_publish_an_export_marker_last_and_replace_it(root: str, tmp_path: Path) -> None:
+    uri = f"{root}/final"
+    assert storage.published(uri) is None
+    first = _local(tmp_path, 3, "v1")
+    (first / "stale.bin").write_bytes(b"s")
+    storage.publish(first, uri)
+    assert storage.published(uri) == {"model/weights": 2, "optimizer.pt": 3, "stale.bin": 1}
+    storage.publish(_local(tmp_path, 4, "v2"), uri)  # a later export replaces the whole prefix
+    assert storage.published(uri) == {"model/weights": 2, "optimizer.pt": 4}
+    local = storage.download_tree(uri, tmp_path / "export")
+    assert (local / "model" / "weights").read_text() == "v2" and not (local / "stale.bin").exists()
+    # files without the marker (an export cut short) are not an export
+    b = storage.Bucket(uri)
+    b.delete([b.loc.key(storage.COMPLETE)])
+    assert storage.published(uri) is None

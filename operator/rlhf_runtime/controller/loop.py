@@ -329,7 +329,7 @@ class Runtime:
     def maybe_export(self, done: int) -> None:
         out = self.spec.output
         if out and out.every_n_steps and done % out.every_n_steps == 0 and done < self.total:
-            self.export(f"{out.path.rstrip('/')}/step-{done}")
+            self.export(f"{out.location.rstrip('/')}/step-{done}")
 
     def maybe_evaluate(self, job: Inputs, done: int) -> None:
         if (job.eval_samples and done and done % self.spec.data.eval_every_n_steps == 0
@@ -405,10 +405,11 @@ class Runtime:
         if job.eval_samples and (self.evaluation or {}).get("step") != self.done:
             self.evaluate(job)
         if out:
-            path = self.export(f"{out.path.rstrip('/')}/final")
+            path = self.export(f"{out.location.rstrip('/')}/final")
             if validate:
                 self.watchdog.doing("validation of the exported model")
-                self.validator.validate(job.tokenizer, job.samples, path=path)
+                # an object-store export is not on the engines' disks: a fresh engine of the weights it was made of
+                self.validator.validate(job.tokenizer, job.samples, path=None if out.uri else path)
         if lora_check:
             self.watchdog.doing("weight-sync validation of the trained adapter")
             self.validator.validate(job.tokenizer, job.samples)

@@ -11,6 +11,9 @@ Endpoint and credentials come from the environment, as every AWS tool reads them
 S3-compatible server, ``AWS_ENDPOINT_URL_S3`` (or ``AWS_ENDPOINT_URL``); the operator renders them from
 ``spec.checkpoint.storage`` and its Secret. ``http://`` endpoints are allowed (in-cluster servers).
 
+Exports (``publish``/``published``): ``<uri>/final`` (and ``<uri>/step-<N>``) holds the Hugging Face files and a
+``_COMPLETE`` object written after them.
+
 Checkpoints (object stores have no rename, so a directory cannot appear atomically): the layout is
 
     <prefix>/step-<8 digits>/<attempt>/...     the files of one save (model/, optimizer.pt), attempt = host-pid-time
@@ -377,3 +380,37 @@ def download(found_uri: str, local: str | Path, endpoint: str | None = None) -> 
     download_tree(found_uri, local, endpoint)
     done.write_text(found_uri)
     return local
+
+
+# ---------------------------------------------------------------------------------------------- exports
+COMPLETE = "_COMPLETE"
+
+
+def publish(local: str | Path, uri: str | Location, endpoint: str | None = None) -> dict[str, int]:
+    """A model export (``spec.output.uri``): the local directory ``local`` at ``uri/``. The previous export's
+    ``_COMPLETE`` marker goes first and its other objects next, then the files are uploaded and ``_COMPLETE``
+    (``{"files": {path: size}}``) is written last: a prefix without the marker is an export in progress or cut
+    short, never mistaken for a complete one. Returns the files."""
+    b = Bucket(uri, endpoint)
+    marker = b.loc.key(COMPLETE)
+    old = b.list(b.loc.key())
+    if marker in old:
+        b.delete([marker])
+    stale = [k for k in old if k != marker]
+    if stale:
+        b.delete(stale)
+    files = upload_tree(local, b.loc, endpoint)
+    b.put(marker, json.dumps({"files": files}).encode())
+    return files
+
+
+def published(uri: str | Location, endpoint: str | None = None) -> dict[str, int] | None:
+    """The files of a complete export at ``uri`` (its ``_COMPLETE`` marker, every file present with its size),
+    or None."""
+    b = Bucket(uri, endpoint)
+    have = b.list(b.loc.key())
+    if b.loc.key(COMPLETE) not in have:
+        return None
+    files = json.loads(b.get(b.loc.key(COMPLETE)))["files"]
+    ok = all(have.get(b.loc.key(name)) == size for name, size in files.items())
+    return files if ok else None

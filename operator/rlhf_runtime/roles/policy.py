@@ -414,6 +414,8 @@ class Trainer(FSDPWorker):
         calls it; rank 0 writes and returns the path."""
         from transformers import AutoTokenizer
 
+        if storage.is_remote(path):
+            return self._export_remote(path)
         out = Path(path)
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         if self.rank == 0:
@@ -437,6 +439,27 @@ class Trainer(FSDPWorker):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         return str(out)
+
+    def _export_remote(self, uri: str) -> str | None:
+        """``export`` to an object store (``spec.output.uri``): written into a local temporary directory, then
+        published at ``uri`` (``storage.publish``: the previous export's marker removed, the files uploaded, the
+        ``_COMPLETE`` marker last). A collective under FSDP; rank 0 returns the URI."""
+        from transformers import AutoTokenizer
+
+        tmp = tempfile.mkdtemp(prefix="rlhf-export-") if self.rank == 0 else ""
+        try:
+            self.save_weights(tmp)  # a collective under FSDP
+            if self.rank != 0:
+                return None
+            kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
+            if self.spec.model.revision:
+                kw["revision"] = self.spec.model.revision
+            AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(tmp)
+            storage.publish(tmp, uri)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return uri
 
     def stage_weights(self) -> list[str] | None:
         """The current policy (``save_weights``) in a fresh temporary directory on this node, to be copied to
