@@ -488,6 +488,10 @@ class ConfigMapKey(Model):
     key: str = Field("prompts.jsonl", min_length=1, max_length=253, description="Key holding the prompts.")
 
 
+#: ``data.path``: an absolute path, or an object-store URI (``s3://bucket/key``; ``gs://``, ``az://``).
+DATA_PATH = r"^(/|(s3|gs|az)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+$)"
+
+
 class Data(Model):
     model_config = ConfigDict(
         json_schema_extra={
@@ -507,8 +511,10 @@ class Data(Model):
         "([{role, content}], rendered with the tokenizer's chat template), or plain lines."
     )
     path: str | None = Field(
-        None, pattern=r"^/", max_length=4096,
-        description="Absolute path on a mounted volume of: a prompts file (JSON lines or text, as for configMap; a "
+        None, pattern=DATA_PATH, max_length=4096,
+        description="Absolute path on a mounted volume (or an object-store URI, s3://bucket/key, downloaded to the "
+        "head pod first with the job's storage: checkpoint.storage or output.storage) of: a prompts file (JSON "
+        "lines or text, as for configMap; a "
         "Parquet file; an Arrow file), a folder of Parquet files (e.g. a hub dataset's data/ folder) or a folder "
         "written by Hugging Face datasets' save_to_disk (one split). Read in record batches into a memory-mapped "
         "cache on the head pod's disk: memory is bounded by a batch, not by the file.",
@@ -540,7 +546,8 @@ class EvalData(Model):
     prompts: list[str] | None = Field(None, min_length=1, max_length=10000, description="Inline eval prompts.")
     config_map: ConfigMapKey | None = Field(
         None, description="Eval prompts from a ConfigMap key (same formats as data.configMap; mount as for it).")
-    path: str | None = Field(None, pattern=r"^/", max_length=4096, description="Absolute path of an eval file.")
+    path: str | None = Field(None, pattern=DATA_PATH, max_length=4096,
+                             description="Absolute path of an eval file (or s3://bucket/key, as for data.path).")
     max_prompts: int = Field(64, ge=1, le=100_000, description="Use at most the first N eval prompts (file order).")
 
 

@@ -124,6 +124,8 @@ INVALID = [
         checkpoint={"uri": "s3://ckpt/run1", "storage": {"endpoint": "http://a:8333"}},
         output={"uri": "s3://models/run1", "storage": {"endpoint": "http://b:8333"}}),
      "checkpoint.storage and output.storage must be the same when both are set"),
+    ("data path neither absolute nor an object store", with_spec(data={"path": "ftp://host/prompts.jsonl"}),
+     "spec.data.path: Invalid value"),
     ("checkpoint storage endpoint not http", with_spec(checkpoint={"uri": "s3://ckpt/run1",
                                                                    "storage": {"endpoint": "s3.local:8333"}}),
      "spec.checkpoint.storage.endpoint: Invalid value"),
@@ -181,7 +183,7 @@ def test_valid_samples_pass_admission(cluster) -> None:
 
 def test_object_store_checkpoint_passes_admission(cluster) -> None:
     """spec.checkpoint.uri with its storage (no volume needed), a bare uri (the pods' own identity), and
-    spec.output.uri beside it with the same storage."""
+    spec.output.uri beside it with the same storage, and data.path in a bucket."""
     for ckpt in ({"uri": "s3://ckpt-bucket/runs/a", "everyNSteps": 5,
                   "storage": {"endpoint": "http://seaweedfs.storage.svc:8333", "region": "eu-west-1",
                               "credentialsSecret": "s3-creds"}},
@@ -191,6 +193,7 @@ def test_object_store_checkpoint_passes_admission(cluster) -> None:
     storage = {"endpoint": "http://seaweedfs:8333", "credentialsSecret": "s3-creds"}
     both = with_spec(checkpoint={"uri": "s3://ckpt/a", "storage": storage},
                      output={"uri": "s3://models/a", "everyNSteps": 50, "storage": dict(storage)})
+    both["spec"]["data"] = {"path": "s3://prompts/gsm8k/train.parquet"}  # data from the bucket too
     out = apply(cluster, both, "default", "--dry-run=server", check=False)
     assert out.returncode == 0, out.stderr
 

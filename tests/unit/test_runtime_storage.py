@@ -189,3 +189,28 @@ def test_publish_an_export_marker_last_and_replace_it(root: str, tmp_path: Path)
     b = storage.Bucket(uri)
     b.delete([b.loc.key(storage.COMPLETE)])
     assert storage.published(uri) is None
+
+
+def test_data_from_the_bucket_a_file_or_a_folder(root: str, tmp_path: Path) -> None:
+    """spec.data.path s3://...: a JSON lines object and a folder of Parquet shards are downloaded to the head and
+    read like local ones; a URI with nothing behind it is a DataError naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_api.models import Data
+    from rlhf_runtime.algo import data
+    from rlhf_runtime.algo.dataset import DataError
+
+    b = storage.Bucket(root)
+    b.put(b.loc.key("prompts.jsonl"), b'{"prompt": "2+2?", "answer": "4"}\n{"prompt": "3+3?", "answer": "6"}\n')
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pq.write_table(pa.table({"q": ["a", "b"]}), shards / "part-0.parquet")
+    pq.write_table(pa.table({"q": ["c"]}), shards / "part-1.parquet")
+    storage.upload_tree(shards, f"{root}/train")
+    lines = data.load_samples(Data(path=f"{root}/prompts.jsonl"))
+    assert [(s.prompt, s.answer) for s in lines] == [("2+2?", "4"), ("3+3?", "6")]
+    folder = data.load_samples(Data(path=f"{root}/train", promptField="q"))
+    assert sorted(s.prompt for s in folder) == ["a", "b", "c"]
+    with pytest.raises(DataError, match=r"spec.data.path: .*no such object"):
+        data.load_samples(Data(path=f"{root}/missing.jsonl"))

@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,10 +201,11 @@ class Bucket:
         import obstore
 
         def run() -> None:
+            got = obstore.get(self.store, key)  # a missing object raises here, before any local file
             dest.parent.mkdir(parents=True, exist_ok=True)
             part = dest.with_name(dest.name + ".part")
             with open(part, "wb") as f:
-                f.writelines(obstore.get(self.store, key).stream(min_chunk_size=8 << 20))
+                f.writelines(got.stream(min_chunk_size=8 << 20))
             os.replace(part, dest)
         self._do("cannot read", run)
 
@@ -414,3 +416,27 @@ def published(uri: str | Location, endpoint: str | None = None) -> dict[str, int
     files = json.loads(b.get(b.loc.key(COMPLETE)))["files"]
     ok = all(have.get(b.loc.key(name)) == size for name, size in files.items())
     return files if ok else None
+
+
+# ------------------------------------------------------------------------------------------------- data
+def fetch(uri: str, cache: str | Path | None = None, endpoint: str | None = None) -> Path:
+    """The object (a file) or the prefix (a folder, e.g. Parquet shards) at ``uri`` as a local path under
+    ``cache`` (default: the temporary directory), downloaded once per process: ``spec.data.path``."""
+    import hashlib
+
+    b = Bucket(uri, endpoint)
+    key = b.loc.key()
+    base = Path(cache or tempfile.gettempdir()) / f"rlhf-data-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    name = key.rsplit("/", 1)[-1] or b.loc.bucket
+    local = base / name
+    if (base / ".complete").is_file():
+        return local
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        b.download(key, local)  # one object
+    except FileNotFoundError:
+        if not b.list(key):
+            raise StorageError(f"{uri}: no such object, and no objects under it as a prefix") from None
+        download_tree(b.loc, local, endpoint)  # a "folder"
+    (base / ".complete").write_text(uri)
+    return local
