@@ -271,3 +271,49 @@ def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path,
         for k in env:
             os.environ.pop(k, None)
         storage._STORES.clear()
+
+
+CRITIC = r"""
+import json, sys
+from rlhf_runtime.roles.critic import CriticModel
+
+cfg, phase = sys.argv[1], sys.argv[2]
+c = CriticModel(open(cfg).read(), 0, 1, None, None, resume_step=None if phase == "save" else 3)
+if phase == "save":
+    for p in c.model.parameters():  # a critic that differs from a fresh one
+        p.data.add_(0.01)
+    c.save_checkpoint(3)
+print(json.dumps({"resumed_from": c.resumed_from,
+                  "checksum": float(sum(p.detach().double().sum() for p in c.model.parameters()))}))
+"""
+
+
+def test_ppo_critic_saves_to_and_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path, s3: S3Server) -> None:
+    """PPO's critic with spec.checkpoint.uri: saved under <uri>/critic (its own steps and markers), and a fresh
+    critic resumed at that step loads exactly those weights from the bucket."""
+    uri = "s3://ckpt/ppo-run"
+    spec = job_config(tiny_model, algorithm={"name": "ppo", "steps": 3},
+                      checkpoint={"uri": uri, "storage": {"endpoint": s3.endpoint}})
+    cfg = write_config(tmp_path / "job.json", spec)
+    env = {**os.environ, **s3.env()}
+    runs = {}
+    for phase in ("save", "resume"):
+        out = subprocess.run([sys.executable, "-c", CRITIC, str(cfg), phase], check=False, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[phase] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["save"]["resumed_from"] is None and runs["resume"]["resumed_from"] == 3, runs
+    assert runs["resume"]["checksum"] == runs["save"]["checksum"], runs
+    old = {k: os.environ.get(k) for k in s3.env()}
+    os.environ.update(s3.env())
+    try:
+        storage._STORES.clear()
+        assert storage.latest(f"{uri}/critic")[0] == 3
+        assert storage.latest(uri) is None  # the policy's steps are its own: the critic's do not count
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        storage._STORES.clear()
