@@ -317,3 +317,27 @@ def test_ppo_critic_saves_to_and_resumes_from_the_bucket(tiny_model: Path, tmp_p
             else:
                 os.environ[k] = v
         storage._STORES.clear()
+
+
+def test_missing_bucket_or_refused_keys_fail_the_driver_before_ray(tiny_model: Path, tmp_path: Path,
+                                                                   s3: S3Server) -> None:
+    """spec.checkpoint.uri in a bucket that does not exist, and spec.output.uri with keys the server refuses: the
+    driver fails before Ray starts, its Failed report naming the field and what to check."""
+    cases = [
+        ({"checkpoint": {"uri": "s3://no-such-bucket/run", "storage": {"endpoint": s3.endpoint}}}, s3.env(),
+         ("StorageError: spec.checkpoint.uri: cannot list s3://no-such-bucket/run: bucket 'no-such-bucket' does "
+          "not exist")),
+        ({"output": {"uri": "s3://ckpt/export", "storage": {"endpoint": s3.endpoint}}},
+         {**s3.env(), "AWS_SECRET_ACCESS_KEY": "not-the-key"},
+         "StorageError: spec.output.uri: cannot list s3://ckpt/export: s3://ckpt at "),
+    ]
+    for i, (over, env, expected) in enumerate(cases):
+        run = start_driver(tmp_path, write_config(tmp_path / f"job{i}.json", job_config(tiny_model, **over)),
+                           name=f"run{i}", env=env)
+        assert run.wait(timeout=180) == 1, run.tail()
+        records = run.records()
+        assert [r["runtime"]["state"] for r in records] == ["Failed"], (records, run.tail())  # no actor started
+        msg = records[-1]["runtime"]["message"]
+        assert msg.startswith(expected), msg
+        assert i == 0 or "refused the credentials" in msg, msg
+        assert "Started a local Ray instance" not in run.log.read_text(errors="replace")

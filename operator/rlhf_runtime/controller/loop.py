@@ -40,6 +40,7 @@ from rlhf_runtime.controller.recovery import Recovered, Recovery
 from rlhf_runtime.controller.sync import WeightSync
 from rlhf_runtime.controller.validation import Validator
 from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra import storage
 from rlhf_runtime.infra.placement import compute_layout
 from rlhf_runtime.infra.report import now_rfc3339
 
@@ -71,10 +72,17 @@ def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, sam
 
 
 def check_inputs(spec: Any) -> tuple[list[Any], list[Any], Any]:
-    """Prompts, eval prompts and the reward rule or hook, and that the model is there: checked before Ray
-    starts (a bad input fails fast)."""
+    """Prompts, eval prompts and the reward rule or hook, that the model is there and that the object-store
+    checkpoint and export locations answer (bucket, credentials, endpoint): checked before Ray starts (a bad
+    input fails fast)."""
     samples, eval_samples, reward_fn = load_samples(spec.data), load_eval_samples(spec.data), make_reward(spec.reward)
     rc.check_model_path(spec.model.name)
+    for field, loc in (("spec.checkpoint.uri", spec.checkpoint), ("spec.output.uri", spec.output)):
+        if loc is not None and loc.uri:
+            try:
+                storage.Bucket(loc.uri).check()
+            except storage.StorageError as e:
+                raise storage.StorageError(f"{field}: {e}") from e
     return samples, eval_samples, reward_fn
 
 
