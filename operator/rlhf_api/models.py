@@ -488,8 +488,8 @@ class ConfigMapKey(Model):
     key: str = Field("prompts.jsonl", min_length=1, max_length=253, description="Key holding the prompts.")
 
 
-#: ``data.path``: an absolute path, or an object-store URI (``s3://bucket/key``; ``gs://``, ``az://``).
-DATA_PATH = r"^(/|(s3|gs|az)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+$)"
+#: ``data.path``: an absolute path, or an object-store URI (``s3://bucket/key``; ``gs://``).
+DATA_PATH = r"^(/|(s3|gs)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+$)"
 
 
 class Data(Model):
@@ -670,7 +670,7 @@ class Reference(RolePlacement):
     )
 
 
-OBJECT_URI = r"^(s3|gs|az)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$"
+OBJECT_URI = r"^(s3|gs)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$"
 
 
 class ObjectStorage(Model):
@@ -685,7 +685,7 @@ class ObjectStorage(Model):
         None, min_length=1, max_length=253,
         description="A Secret whose keys become the environment of every head and worker container (the trainers "
         "write): AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN); for gs:// "
-        "GOOGLE_SERVICE_ACCOUNT_KEY, for az:// AZURE_STORAGE_ACCOUNT_KEY. Unset: the pods' own identity.",
+        "GOOGLE_SERVICE_ACCOUNT_KEY. Unset: the pods' own identity.",
     )
 
 
@@ -711,7 +711,7 @@ class Output(Model):
     )
     uri: str | None = Field(
         None, pattern=OBJECT_URI, max_length=2048,
-        description="Object storage instead of volume and path: s3://bucket/prefix (gs://, az://). The export is "
+        description="Object storage instead of volume and path: s3://bucket/prefix (or gs://bucket/prefix). The export is "
         "uploaded to <uri>/final (and <uri>/step-<N>), its _COMPLETE object last: a prefix without one is an "
         "export in progress or cut short.",
     )
@@ -733,7 +733,7 @@ class Checkpoint(Model):
                              description="Directory inside the pods (mount it there).")
     uri: str | None = Field(
         None, pattern=OBJECT_URI, max_length=2048,
-        description="Object storage instead of volume and path: s3://bucket/prefix (gs://, az://). Each step's "
+        description="Object storage instead of volume and path: s3://bucket/prefix (or gs://bucket/prefix). Each step's "
         "files are uploaded first and a state.json marker last, so a save killed midway is no checkpoint; the job "
         "resumes from the newest step with a marker (every trainer rank downloads the one rank 0 found).",
     )

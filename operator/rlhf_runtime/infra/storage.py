@@ -1,4 +1,4 @@
-"""Object storage for checkpoints (and exports): ``s3://bucket/prefix`` (also ``gs://`` and ``az://``), torch-free.
+"""Object storage for checkpoints, exports and data: ``s3://bucket/prefix`` (also ``gs://``), torch-free.
 
 The client is obstore (Python bindings of the Rust ``object_store`` crate of the Apache Arrow project): one
 wheel without Python dependencies that speaks S3 (and S3-compatible servers), GCS and Azure through one API.
@@ -12,7 +12,10 @@ S3-compatible server, ``AWS_ENDPOINT_URL_S3`` (or ``AWS_ENDPOINT_URL``); the ope
 ``spec.checkpoint.storage`` and its Secret. ``http://`` endpoints are allowed (in-cluster servers).
 
 Exports (``publish``/``published``): ``<uri>/final`` (and ``<uri>/step-<N>``) holds the Hugging Face files and a
-``_COMPLETE`` object written after them.
+``_COMPLETE`` object written after them. Data (``fetch``): an object or a prefix downloaded once to a local path.
+
+Listings: every decision lists the whole prefix once (object stores have no directories; SeaweedFS's filer even
+keeps empty "directories" after their objects are deleted, which a delimiter listing would report as steps).
 
 Checkpoints (object stores have no rename, so a directory cannot appear atomically): the layout is
 
@@ -47,7 +50,7 @@ from typing import Any
 
 log = logging.getLogger("rlhf_runtime.infra.storage")
 
-SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss")
+SCHEMES = ("s3", "s3a", "gs")  # Azure (az://account/container/...) has another URI shape: not offered
 STATE = "state.json"
 STEP_PREFIX = re.compile(r"^step-(\d{8})$")
 Found = tuple[int, str]
@@ -77,7 +80,7 @@ class Location:
     def parse(cls, uri: str) -> Location:
         m = re.match(r"^([a-z0-9]+)://([^/]+)/?(.*)$", uri)
         if not m or m.group(1) not in SCHEMES:
-            raise StorageError(f"{uri!r} is not an object-store URI (s3://bucket/prefix, gs://..., az://...)")
+            raise StorageError(f"{uri!r} is not an object-store URI (s3://bucket/prefix or gs://bucket/prefix)")
         return cls(m.group(1), m.group(2), m.group(3).strip("/"))
 
     def key(self, *parts: str) -> str:
