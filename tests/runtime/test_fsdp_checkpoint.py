@@ -188,6 +188,7 @@ def test_fsdp2_ranks_killed_while_uploading_resume_from_the_newest_step_in_the_b
     torn step is removed once a newer one is complete."""
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # what the killed ranks leave (their local copy) stays here
     storage._STORES.clear()
     uri = "s3://ckpt/fsdp-run"
     spec = job_config(

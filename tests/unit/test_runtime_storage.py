@@ -191,7 +191,8 @@ def test_publish_an_export_marker_last_and_replace_it(root: str, tmp_path: Path)
     assert storage.published(uri) is None
 
 
-def test_data_from_the_bucket_a_file_or_a_folder(root: str, tmp_path: Path) -> None:
+def test_data_from_the_bucket_a_file_or_a_folder(root: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """spec.data.path s3://...: a JSON lines object and a folder of Parquet shards are downloaded to the head and
     read like local ones; a URI with nothing behind it is a DataError naming it."""
     import pyarrow as pa
@@ -201,6 +202,7 @@ def test_data_from_the_bucket_a_file_or_a_folder(root: str, tmp_path: Path) -> N
     from rlhf_runtime.algo import data
     from rlhf_runtime.algo.dataset import DataError
 
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the downloads land in this test's directory
     b = storage.Bucket(root)
     b.put(b.loc.key("prompts.jsonl"), b'{"prompt": "2+2?", "answer": "4"}\n{"prompt": "3+3?", "answer": "6"}\n')
     shards = tmp_path / "shards"
@@ -214,3 +216,4 @@ def test_data_from_the_bucket_a_file_or_a_folder(root: str, tmp_path: Path) -> N
     assert sorted(s.prompt for s in folder) == ["a", "b", "c"]
     with pytest.raises(DataError, match=r"spec.data.path: .*no such object"):
         data.load_samples(Data(path=f"{root}/missing.jsonl"))
+    assert len(list(tmp_path.glob("rlhf-fetch-*"))) == 2  # one per source; nothing left of the missing one

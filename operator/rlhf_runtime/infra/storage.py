@@ -429,17 +429,22 @@ def fetch(uri: str, cache: str | Path | None = None, endpoint: str | None = None
 
     b = Bucket(uri, endpoint)
     key = b.loc.key()
-    base = Path(cache or tempfile.gettempdir()) / f"rlhf-data-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
+    base = Path(cache or tempfile.gettempdir()) / f"rlhf-fetch-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
     name = key.rsplit("/", 1)[-1] or b.loc.bucket
     local = base / name
     if (base / ".complete").is_file():
         return local
     base.mkdir(parents=True, exist_ok=True)
     try:
-        b.download(key, local)  # one object
-    except FileNotFoundError:
-        if not b.list(key):
-            raise StorageError(f"{uri}: no such object, and no objects under it as a prefix") from None
-        download_tree(b.loc, local, endpoint)  # a "folder"
+        try:
+            b.download(key, local)  # one object
+        except FileNotFoundError:
+            if not b.list(key):
+                raise StorageError(f"{uri}: no such object, and no objects under it as a prefix") from None
+            download_tree(b.loc, local, endpoint)  # a "folder"
+    except BaseException:
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+        raise
     (base / ".complete").write_text(uri)
     return local
