@@ -488,6 +488,10 @@ class ConfigMapKey(Model):
     key: str = Field("prompts.jsonl", min_length=1, max_length=253, description="Key holding the prompts.")
 
 
+#: ``data.path``: an absolute path, or an object-store URI (``s3://bucket/key``; ``gs://``).
+DATA_PATH = r"^(/|(s3|gs)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+$)"
+
+
 class Data(Model):
     model_config = ConfigDict(
         json_schema_extra={
@@ -507,8 +511,10 @@ class Data(Model):
         "([{role, content}], rendered with the tokenizer's chat template), or plain lines."
     )
     path: str | None = Field(
-        None, pattern=r"^/", max_length=4096,
-        description="Absolute path on a mounted volume of: a prompts file (JSON lines or text, as for configMap; a "
+        None, pattern=DATA_PATH, max_length=4096,
+        description="Absolute path on a mounted volume (or an object-store URI, s3://bucket/key, downloaded to the "
+        "head pod first with the job's storage: checkpoint.storage or output.storage) of: a prompts file (JSON "
+        "lines or text, as for configMap; a "
         "Parquet file; an Arrow file), a folder of Parquet files (e.g. a hub dataset's data/ folder) or a folder "
         "written by Hugging Face datasets' save_to_disk (one split). Read in record batches into a memory-mapped "
         "cache on the head pod's disk: memory is bounded by a batch, not by the file.",
@@ -540,7 +546,8 @@ class EvalData(Model):
     prompts: list[str] | None = Field(None, min_length=1, max_length=10000, description="Inline eval prompts.")
     config_map: ConfigMapKey | None = Field(
         None, description="Eval prompts from a ConfigMap key (same formats as data.configMap; mount as for it).")
-    path: str | None = Field(None, pattern=r"^/", max_length=4096, description="Absolute path of an eval file.")
+    path: str | None = Field(None, pattern=DATA_PATH, max_length=4096,
+                             description="Absolute path of an eval file (or s3://bucket/key, as for data.path).")
     max_prompts: int = Field(64, ge=1, le=100_000, description="Use at most the first N eval prompts (file order).")
 
 
@@ -663,21 +670,79 @@ class Reference(RolePlacement):
     )
 
 
+OBJECT_URI = r"^(s3|gs)://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$"
+
+
+class ObjectStorage(Model):
+    endpoint: str | None = Field(
+        None, pattern=r"^https?://", max_length=2048,
+        description="The S3 API endpoint of an S3-compatible server (e.g. http://seaweedfs.storage.svc:8333); "
+        "rendered as AWS_ENDPOINT_URL_S3 into every head and worker container. Unset: AWS S3 (or GCS/Azure by "
+        "the URI's scheme).",
+    )
+    region: str | None = Field(None, min_length=1, max_length=64, description="Region (AWS_REGION); unset: us-east-1.")
+    credentials_secret: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="A Secret whose keys become the environment of every head and worker container (the trainers "
+        "write): AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN); for gs:// "
+        "GOOGLE_SERVICE_ACCOUNT_KEY. Unset: the pods' own identity.",
+    )
+
+
+def _location_rules(field: str) -> list[dict[str, str]]:
+    """``spec.checkpoint`` / ``spec.output``: a volume path or an object-store URI, exactly one."""
+    return [
+        cel("has(self.uri) ? !has(self.volume) && !has(self.path) : has(self.volume) && has(self.path)",
+            f"{field} needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+        cel("!has(self.storage) || has(self.uri)", f"{field}.storage is only for a {field}.uri",
+            fieldPath=".storage"),
+    ]
+
+
 class Output(Model):
-    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
-    path: str = Field(
-        pattern=r"^/", max_length=4096,
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _location_rules("output")})
+
+    volume: str | None = Field(None, min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
+    path: str | None = Field(
+        None, pattern=r"^/", max_length=4096,
         description="Directory inside the pods (mount the volume there) where the trained model is written in "
         "Hugging Face format (save_pretrained, safetensors, config, tokenizer): <path>/final at the end, "
         "<path>/step-<N> every everyNSteps steps if set. status.output names the newest.",
     )
+    uri: str | None = Field(
+        None, pattern=OBJECT_URI, max_length=2048,
+        description="Object storage instead of volume and path: s3://bucket/prefix (or gs://bucket/prefix). The export is "
+        "uploaded to <uri>/final (and <uri>/step-<N>), its _COMPLETE object last: a prefix without one is an "
+        "export in progress or cut short.",
+    )
+    storage: ObjectStorage | None = Field(
+        None, description="Endpoint and credentials of uri's object store (the same as checkpoint.storage when "
+        "both are set).")
     every_n_steps: int | None = Field(None, ge=1, description="Also export every N steps (unset: only at the end).")
+
+    @property
+    def location(self) -> str:
+        return self.uri or self.path or ""
 
 
 class Checkpoint(Model):
-    volume: str = Field(min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
-    path: str = Field(pattern=r"^/", max_length=4096, description="Directory inside the pods (mount it there).")
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _location_rules("checkpoint")})
+
+    volume: str | None = Field(None, min_length=1, max_length=63, description="Name of a volume in spec.volumes.")
+    path: str | None = Field(None, pattern=r"^/", max_length=4096,
+                             description="Directory inside the pods (mount it there).")
+    uri: str | None = Field(
+        None, pattern=OBJECT_URI, max_length=2048,
+        description="Object storage instead of volume and path: s3://bucket/prefix (or gs://bucket/prefix). Each step's "
+        "files are uploaded first and a state.json marker last, so a save killed midway is no checkpoint; the job "
+        "resumes from the newest step with a marker (every trainer rank downloads the one rank 0 found).",
+    )
+    storage: ObjectStorage | None = Field(None, description="Endpoint and credentials of uri's object store.")
     every_n_steps: int = Field(10, ge=1, description="Save every N steps; a restarted job resumes from the newest.")
+
+    @property
+    def location(self) -> str:
+        return self.uri or self.path or ""
 
 
 # -------------------------------------------------------------------------------------------- tracking
@@ -942,15 +1007,27 @@ SPEC_RULES = [
         fieldPath=".data.eval.configMap",
     ),
     cel(
-        "!has(self.output) || (has(self.volumes) && self.volumes.exists(v, v.name == self.output.volume))",
+        "!has(self.output) || !has(self.output.volume) || "
+        "(has(self.volumes) && self.volumes.exists(v, v.name == self.output.volume))",
         "output.volume must name a volume in spec.volumes",
         fieldPath=".output.volume",
     ),
 
     cel(
-        "!has(self.checkpoint) || (has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
+        "!has(self.checkpoint) || !has(self.checkpoint.volume) || "
+        "(has(self.volumes) && self.volumes.exists(v, v.name == self.checkpoint.volume))",
         "checkpoint.volume must name a volume in spec.volumes",
         fieldPath=".checkpoint.volume",
+    ),
+    cel(
+        "!has(self.checkpoint) || !has(self.checkpoint.storage) || !has(self.output) || "
+        "!has(self.output.storage) || (" + " && ".join(
+            f"(has(self.checkpoint.storage.{f}) ? self.checkpoint.storage.{f} : '') == "
+            f"(has(self.output.storage.{f}) ? self.output.storage.{f} : '')"
+            for f in ("endpoint", "region", "credentialsSecret")) + ")",
+        "checkpoint.storage and output.storage must be the same when both are set (the pods get one endpoint "
+        "and one set of credentials)",
+        fieldPath=".output.storage",
     ),
     cel(
         "!has(self.tracking) || !has(self.tracking.tensorboard) || (has(self.volumes) && "
@@ -1060,6 +1137,14 @@ class RLHFJobSpec(Model):
     def reference_active(self) -> bool:
         return self.algorithm.kl_coef > 0
 
+    def object_storage(self) -> ObjectStorage | None:
+        """The object store's endpoint and credentials (checkpoint.storage, else output.storage; admission makes
+        them equal when both are set), for every head and worker container."""
+        for loc in (self.checkpoint, self.output):
+            if loc is not None and loc.uri and loc.storage is not None:
+                return loc.storage
+        return None
+
     def role_gpus(self, role: RolePlacement) -> int:
         """GPUs per pod of a separate role (0 for a CPU-only job)."""
         return 0 if self.cpu_only() else role.gpus_per_replica
@@ -1115,7 +1200,7 @@ class Throughput(Model):
 
 
 class OutputStatus(Model):
-    path: str | None = Field(None, description="Directory of the newest exported model.")
+    path: str | None = Field(None, description="Directory (or object-store URI) of the newest exported model.")
     step: int | None = Field(None, description="Training step it was exported at.")
     time: datetime | None = Field(None, description="When the export completed.")
 

@@ -30,7 +30,8 @@ one node where it fits.
 Environment: the head and worker containers get ``BASE_ENV``, then ``spec.env`` (a literal ``value``, or a
 ``valueFrom`` Secret or ConfigMap key rendered as Kubernetes ``valueFrom``: the kubelet resolves it, so a
 secret's value never passes through the operator, the ConfigMap, the RayJob or the status), and
-``spec.envFrom`` as the container's ``envFrom``. KubeRay's submitter pod gets neither (it only runs
+``spec.envFrom`` as the container's ``envFrom``; with an object-store ``checkpoint.uri`` or ``output.uri``, its
+endpoint and region (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``) and credentials Secret (``envFrom``). KubeRay's submitter pod gets neither (it only runs
 ``ray job submit``).
 
 Security: every container runs without privilege escalation and without Linux capabilities, under the
@@ -157,6 +158,7 @@ def _pod_template(job: Job, role: str, container: str, gpus: int, cpu: str, memo
     }
     if spec.env_from:
         main["envFrom"] = _env_from(spec)
+    _object_storage(main, spec)
     pod: dict[str, Any] = {
         "serviceAccountName": names.runtime_identity,
         "containers": [main],
@@ -212,6 +214,24 @@ def _serve_runtime_metrics(head: dict[str, Any], port: int) -> None:
         {"name": "RLHF_METRICS_PORT", "value": str(port)}]  # the field decides, not a spec.env entry
     main["ports"] = [{"name": n, "containerPort": p} for n, p in RAY_HEAD_PORTS] + [
         {"name": METRICS_PORT_NAME, "containerPort": port}]
+
+
+#: ``spec.checkpoint.storage`` / ``spec.output.storage`` fields -> the variables every S3 client reads.
+STORAGE_ENV = (("endpoint", "AWS_ENDPOINT_URL_S3"), ("region", "AWS_REGION"))
+
+
+def _object_storage(main: dict[str, Any], spec: RLHFJobSpec) -> None:
+    """The object store of ``spec.checkpoint.uri`` / ``spec.output.uri`` on a head or worker container (the trainers
+    write, the driver reads): endpoint and region as ``AWS_ENDPOINT_URL_S3`` and ``AWS_REGION`` (the field wins over
+    a ``spec.env`` entry), the credentials Secret as ``envFrom`` (resolved by the kubelet)."""
+    st = spec.object_storage()
+    if st is None:
+        return
+    fields = {var: getattr(st, attr) for attr, var in STORAGE_ENV if getattr(st, attr)}
+    main["env"] = [e for e in main["env"] if e["name"] not in fields] + [
+        {"name": k, "value": v} for k, v in fields.items()]
+    if st.credentials_secret:
+        main.setdefault("envFrom", []).append({"secretRef": {"name": st.credentials_secret}})
 
 
 def _tracking_credentials(head: dict[str, Any], spec: RLHFJobSpec) -> None:

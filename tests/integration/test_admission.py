@@ -107,6 +107,28 @@ INVALID = [
     ("bad reward hook", with_spec(reward={"function": "not a hook"}), "spec.reward.function: Invalid value"),
     ("checkpoint volume missing", with_spec(checkpoint={"volume": "ckpt", "path": "/ckpt"}),
      "checkpoint.volume must name a volume in spec.volumes"),
+    ("checkpoint uri and path", with_spec(checkpoint={"uri": "s3://ckpt/run1", "volume": "data", "path": "/ckpt"}),
+     "checkpoint needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+    ("checkpoint neither uri nor path", with_spec(checkpoint={"everyNSteps": 5}),
+     "checkpoint needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+    ("checkpoint storage without uri", with_spec(checkpoint={"volume": "data", "path": "/ckpt",
+                                                             "storage": {"endpoint": "http://s3:8333"}}),
+     "checkpoint.storage is only for a checkpoint.uri"),
+    ("checkpoint uri not an object store", with_spec(checkpoint={"uri": "/data/ckpt"}),
+     "spec.checkpoint.uri: Invalid value"),
+    ("output uri and path", with_spec(output={"uri": "s3://models/run1", "volume": "data", "path": "/models"}),
+     "output needs either uri (object storage: s3://bucket/prefix) or volume and path, not both"),
+    ("output storage without uri", with_spec(output={"volume": "data", "path": "/m", "storage": {"region": "x"}}),
+     "output.storage is only for a output.uri"),
+    ("checkpoint and output storages differ", with_spec(
+        checkpoint={"uri": "s3://ckpt/run1", "storage": {"endpoint": "http://a:8333"}},
+        output={"uri": "s3://models/run1", "storage": {"endpoint": "http://b:8333"}}),
+     "checkpoint.storage and output.storage must be the same when both are set"),
+    ("data path neither absolute nor an object store", with_spec(data={"path": "ftp://host/prompts.jsonl"}),
+     "spec.data.path: Invalid value"),
+    ("checkpoint storage endpoint not http", with_spec(checkpoint={"uri": "s3://ckpt/run1",
+                                                                   "storage": {"endpoint": "s3.local:8333"}}),
+     "spec.checkpoint.storage.endpoint: Invalid value"),
     ("gpu memory above 1", with_spec(rollout__gpuMemoryUtilization=1.5), "spec.rollout.gpuMemoryUtilization: Invalid value: 1.5"),
     ("negative temperature", with_spec(rollout__sampling__temperature=-1), "spec.rollout.sampling.temperature: Invalid value: -1"),
     ("lora with fsdp2", with_spec(trainer__strategy="fsdp2", trainer__gpusPerReplica=2, trainer__lora={}),
@@ -157,6 +179,23 @@ def test_valid_samples_pass_admission(cluster) -> None:
                    "moe-expert-parallel", "ppo-reward-model", "lora-adapter-sync"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
+
+
+def test_object_store_checkpoint_passes_admission(cluster) -> None:
+    """spec.checkpoint.uri with its storage (no volume needed), a bare uri (the pods' own identity), and
+    spec.output.uri beside it with the same storage, and data.path in a bucket."""
+    for ckpt in ({"uri": "s3://ckpt-bucket/runs/a", "everyNSteps": 5,
+                  "storage": {"endpoint": "http://seaweedfs.storage.svc:8333", "region": "eu-west-1",
+                              "credentialsSecret": "s3-creds"}},
+                 {"uri": "gs://ckpt-bucket"}):
+        out = apply(cluster, with_spec(checkpoint=ckpt), "default", "--dry-run=server", check=False)
+        assert out.returncode == 0, f"{ckpt}: {out.stderr}"
+    storage = {"endpoint": "http://seaweedfs:8333", "credentialsSecret": "s3-creds"}
+    both = with_spec(checkpoint={"uri": "s3://ckpt/a", "storage": storage},
+                     output={"uri": "s3://models/a", "everyNSteps": 50, "storage": dict(storage)})
+    both["spec"]["data"] = {"path": "s3://prompts/gsm8k/train.parquet"}  # data from the bucket too
+    out = apply(cluster, both, "default", "--dry-run=server", check=False)
+    assert out.returncode == 0, out.stderr
 
 
 def test_immutable_fields_are_rejected_on_update(cluster) -> None:

@@ -1,6 +1,7 @@
 """FSDP2 checkpoints: every rank's optimiser shards and parameters survive save -> resume. Two real ``Trainer``
 processes shard a real tiny model with ``fully_shard`` over gloo (CPU), train one GRPO step, checkpoint, and
-two fresh processes resume from it; each resumed rank must hold exactly the shards it saved."""
+two fresh processes resume from it; each resumed rank must hold exactly the shards it saved. Killed mid-save, on
+a shared path and in an S3 bucket (SeaweedFS, ``tests/s3.py``), every rank resumes from the newest complete step."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import storage
 from tests.helpers import wait_for
-from tests.runtime.conftest import job_config, write_config
+from tests.runtime.conftest import job_config, start_driver, write_config
+from tests.s3 import S3Server
 
 pytestmark = pytest.mark.runtime
 
@@ -154,3 +158,187 @@ def test_fsdp2_trainer_killed_while_saving_resumes_every_rank_from_the_newest_co
     print(f"killed mid-save (attempt {attempt + 1}, left {left}); both ranks resumed from step {newest[0]} "
           f"in {time.monotonic() - t:.1f}s")
     assert [(r["step"], r["resumed_from"]) for r in resumed] == [(newest[0], newest[0])] * 2, (resumed, newest)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """SeaweedFS (``tests/s3.py``) with a bucket for the checkpoints."""
+    server = S3Server(tmp_path_factory.mktemp("seaweedfs"), buckets=("ckpt",)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _partial_steps(uri: str) -> list[int]:
+    """Steps with objects in the bucket but no marker (a save in progress, or one killed)."""
+    b = storage.Bucket(uri)
+    keys = b.list(b.loc.key())
+    marked = {k.split("/")[-2] for k in keys if k.endswith("/" + storage.STATE)}
+    return sorted({int(k.split("step-")[1][:8]) for k in keys if "/step-" in k} -
+                  {int(s[5:]) for s in marked})
+
+
+def test_fsdp2_ranks_killed_while_uploading_resume_from_the_newest_step_in_the_bucket(
+    tiny_model: Path, tmp_path: Path, s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spec.checkpoint.uri on a real S3 server: two FSDP2 ranks train and checkpoint every step (rank 0 uploads,
+    its marker last) until both are SIGKILLed while a step's objects are in the bucket without its marker; two
+    fresh ranks then resume from the newest step with a marker (rank 0 finds it, both download it), and the
+    torn step is removed once a newer one is complete."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # what the killed ranks leave (their local copy) stays here
+    storage._STORES.clear()
+    uri = "s3://ckpt/fsdp-run"
+    spec = job_config(
+        tiny_model,
+        trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+        algorithm={"steps": 10000, "learningRate": 1e-2},
+        checkpoint={"uri": uri, "everyNSteps": 1, "storage": {"endpoint": s3.endpoint}},
+    )
+    cfg = write_config(tmp_path / "job.json", spec)
+    torn: list[int] = []
+    for attempt in range(5):  # until the kill lands inside an upload (objects without a marker are left behind)
+        procs = _start_ranks(tmp_path, cfg, "loop")
+        try:
+            wait_for(lambda procs=procs: any(p.poll() is not None for p in procs)
+                     or ((storage.latest(uri) or (0,))[0] >= 2 and _partial_steps(uri)),
+                     timeout=300, what="a checkpoint upload in progress", interval=0.002)
+            for p in procs:
+                os.kill(p.pid, signal.SIGKILL)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate(timeout=60)
+        assert all(p.returncode == -signal.SIGKILL for p in procs), [p.stderr for p in procs]
+        torn = [s for s in _partial_steps(uri) if s > (storage.latest(uri) or (0,))[0]]
+        if torn:
+            break
+    assert torn, "no kill landed inside a checkpoint upload in 5 attempts"
+    newest = storage.latest(uri)
+    assert newest is not None and newest[1].startswith(f"{uri}/step-{newest[0]:08d}/")
+    t = time.monotonic()
+    resumed = _run_ranks(tmp_path, cfg, "which")
+    print(f"killed mid-upload (attempt {attempt + 1}, torn steps {torn}); both ranks resumed from step "
+          f"{newest[0]} in the bucket in {time.monotonic() - t:.1f}s")
+    assert [(r["step"], r["resumed_from"]) for r in resumed] == [(newest[0], newest[0])] * 2, (resumed, newest)
+    # the resumed run's next save supersedes the torn step, and pruning removes it (two complete ones kept)
+    storage.commit(storage.download(newest[1], tmp_path / "again"), uri, torn[-1] + 1, {"base_model": "m"})
+    storage.prune(uri, keep=2)
+    assert storage.steps(uri) == [newest[0], torn[-1] + 1], storage.steps(uri)
+
+
+def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path, s3: S3Server) -> None:
+    """The whole runtime (a local Ray, the trainer actor, a vLLM engine) with spec.checkpoint.uri: the driver's
+    environment carries the endpoint and credentials to the actors, as the pods' does; SIGKILLed mid-run, the next
+    run on the same job resumes from the newest step in the bucket and its checkpoints go on there; its final
+    export (spec.output.uri) is published there too."""
+    uri = "s3://ckpt/driver-run"
+    spec = job_config(tiny_model, algorithm={"steps": 500},
+                      checkpoint={"uri": uri, "everyNSteps": 2, "storage": {"endpoint": s3.endpoint}})
+    cfg = write_config(tmp_path / "job.json", spec)
+    env = s3.env()
+    first = start_driver(tmp_path, cfg, name="first", env=env)
+    try:
+        wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
+                 what="5 steps before the kill", interval=0.05)
+        first.proc.send_signal(signal.SIGKILL)
+    finally:
+        first.kill_group()
+    assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
+    for k, v in env.items():
+        os.environ[k] = v  # this process reads the bucket too
+    try:
+        storage._STORES.clear()
+        newest = storage.latest(uri)
+        assert newest is not None and newest[0] >= 4, (newest, first.tail())
+        resumed, total = newest[0], newest[0] + 2
+        export = "s3://ckpt/driver-export"  # spec.output.uri too: the final model goes to the bucket
+        write_config(cfg, {**spec, "algorithm": {**spec["algorithm"], "steps": total},
+                           "output": {"uri": export, "storage": {"endpoint": s3.endpoint}}})
+        second = start_driver(tmp_path, cfg, name="second", env=env)
+        assert second.wait(timeout=240) == 0, second.tail()
+        assert any(r["runtime"].get("resumedFromStep") == resumed for r in second.records()), second.tail()
+        assert [r["step"] for r in second.steps()] == list(range(resumed + 1, total + 1))
+        assert storage.latest(uri)[0] == total
+        assert storage.steps(uri) == [total - 2, total]  # the newest two kept, nothing torn left behind
+        files = storage.published(f"{export}/final")
+        assert files and "config.json" in files and any(f.endswith(".safetensors") for f in files), files
+        assert any((r.get("output") or {}).get("path") == f"{export}/final" for r in second.records()), \
+            second.records()[-1]
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        storage._STORES.clear()
+
+
+CRITIC = r"""
+import json, sys
+from rlhf_runtime.roles.critic import CriticModel
+
+cfg, phase = sys.argv[1], sys.argv[2]
+c = CriticModel(open(cfg).read(), 0, 1, None, None, resume_step=None if phase == "save" else 3)
+if phase == "save":
+    for p in c.model.parameters():  # a critic that differs from a fresh one
+        p.data.add_(0.01)
+    c.save_checkpoint(3)
+print(json.dumps({"resumed_from": c.resumed_from,
+                  "checksum": float(sum(p.detach().double().sum() for p in c.model.parameters()))}))
+"""
+
+
+def test_ppo_critic_saves_to_and_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path, s3: S3Server) -> None:
+    """PPO's critic with spec.checkpoint.uri: saved under <uri>/critic (its own steps and markers), and a fresh
+    critic resumed at that step loads exactly those weights from the bucket."""
+    uri = "s3://ckpt/ppo-run"
+    spec = job_config(tiny_model, algorithm={"name": "ppo", "steps": 3},
+                      checkpoint={"uri": uri, "storage": {"endpoint": s3.endpoint}})
+    cfg = write_config(tmp_path / "job.json", spec)
+    env = {**os.environ, **s3.env()}
+    runs = {}
+    for phase in ("save", "resume"):
+        out = subprocess.run([sys.executable, "-c", CRITIC, str(cfg), phase], check=False, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[phase] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert runs["save"]["resumed_from"] is None and runs["resume"]["resumed_from"] == 3, runs
+    assert runs["resume"]["checksum"] == runs["save"]["checksum"], runs
+    old = {k: os.environ.get(k) for k in s3.env()}
+    os.environ.update(s3.env())
+    try:
+        storage._STORES.clear()
+        assert storage.latest(f"{uri}/critic")[0] == 3
+        assert storage.latest(uri) is None  # the policy's steps are its own: the critic's do not count
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        storage._STORES.clear()
+
+
+def test_missing_bucket_or_refused_keys_fail_the_driver_before_ray(tiny_model: Path, tmp_path: Path,
+                                                                   s3: S3Server) -> None:
+    """spec.checkpoint.uri in a bucket that does not exist, and spec.output.uri with keys the server refuses: the
+    driver fails before Ray starts, its Failed report naming the field and what to check."""
+    cases = [
+        ({"checkpoint": {"uri": "s3://no-such-bucket/run", "storage": {"endpoint": s3.endpoint}}}, s3.env(),
+         ("StorageError: spec.checkpoint.uri: cannot list s3://no-such-bucket/run: bucket 'no-such-bucket' does "
+          "not exist")),
+        ({"output": {"uri": "s3://ckpt/export", "storage": {"endpoint": s3.endpoint}}},
+         {**s3.env(), "AWS_SECRET_ACCESS_KEY": "not-the-key"},
+         "StorageError: spec.output.uri: cannot list s3://ckpt/export: s3://ckpt at "),
+    ]
+    for i, (over, env, expected) in enumerate(cases):
+        run = start_driver(tmp_path, write_config(tmp_path / f"job{i}.json", job_config(tiny_model, **over)),
+                           name=f"run{i}", env=env)
+        assert run.wait(timeout=180) == 1, run.tail()
+        records = run.records()
+        assert [r["runtime"]["state"] for r in records] == ["Failed"], (records, run.tail())  # no actor started
+        msg = records[-1]["runtime"]["message"]
+        assert msg.startswith(expected), msg
+        assert i == 0 or "refused the credentials" in msg, msg
+        assert "Started a local Ray instance" not in run.log.read_text(errors="replace")

@@ -19,3 +19,9 @@ def test_operator_does_not_import_runtime_stack() -> None:
 def test_api_imports_neither_side() -> None:
     loaded = _loaded_after("import rlhf_api.models, rlhf_api.crdgen")
     assert not loaded & {"torch", "vllm", "ray", "kopf", "kubernetes"}
+
+
+def test_storage_is_torch_free() -> None:
+    """Object-store checkpoints (``infra.storage``) import without torch, Ray or vLLM (the driver and tools use it)."""
+    loaded = _loaded_after("import rlhf_runtime.infra.storage")
+    assert not loaded & {"torch", "vllm", "ray", "transformers", "obstore"}, loaded

@@ -579,3 +579,54 @@ def test_tracking_credentials_reach_the_head_container_only() -> None:
         assert [e["value"] for e in worker["env"] if e["name"] == "WANDB_API_KEY"] == ["literal-from-env"]
     off = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, job.spec))["spec"]["rayClusterSpec"]
     assert "envFrom" not in off["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def test_object_store_checkpoint_env_on_every_head_and_worker_container() -> None:
+    """``spec.checkpoint.uri`` with ``storage``: endpoint and region as AWS_ENDPOINT_URL_S3 / AWS_REGION (over a
+    spec.env entry of that name) and the credentials Secret as envFrom on the head and every worker (the trainers
+    write, rank 0 resumes); none of it without a uri; the ConfigMap names the Secret, never its keys' values."""
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    spec = job.spec.model_copy(update={
+        "checkpoint": m.Checkpoint.model_validate({"uri": "s3://ckpt/run1", "storage": {
+            "endpoint": "http://seaweedfs:8333", "region": "eu-west-1", "credentialsSecret": "s3-creds"}}),
+        "env": [m.EnvVar(name="AWS_REGION", value="us-east-2")]})
+    rendered = render.Job(job.name, job.namespace, job.uid, spec)
+    cluster = render.render_ray_job(rendered)["spec"]["rayClusterSpec"]
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+    assert len(containers) >= 3
+    for c in containers:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert (env["AWS_ENDPOINT_URL_S3"], env["AWS_REGION"]) == ("http://seaweedfs:8333", "eu-west-1")
+        assert [e["name"] for e in c["env"]].count("AWS_REGION") == 1
+        assert c["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    sub = cluster.get("submitterPodTemplate") or render.render_ray_job(rendered)["spec"]["submitterPodTemplate"]
+    assert "envFrom" not in sub["spec"]["containers"][0]
+    payload = json.loads(render.render_config_map(rendered)["data"][naming.CONFIG_KEY])
+    assert payload["spec"]["checkpoint"] == {"uri": "s3://ckpt/run1", "everyNSteps": 10, "storage": {
+        "endpoint": "http://seaweedfs:8333", "region": "eu-west-1", "credentialsSecret": "s3-creds"}}
+    plain = render.render_ray_job(job)["spec"]["rayClusterSpec"]
+    for g in [plain["headGroupSpec"], *plain["workerGroupSpecs"]]:
+        c = g["template"]["spec"]["containers"][0]
+        assert "envFrom" not in c and not any(e["name"].startswith("AWS_") for e in c["env"])
+
+
+def test_checkpoint_takes_a_uri_or_a_volume_path() -> None:
+    assert m.Checkpoint.model_validate({"uri": "s3://b-1/x/y"}).location == "s3://b-1/x/y"
+    assert m.Checkpoint.model_validate({"volume": "v", "path": "/c"}).location == "/c"
+    for bad in ("/data/ckpt", "s3://", "s3://B/x", "http://b/x", "s3://b x/y"):
+        with pytest.raises(ValueError, match="uri"):
+            m.Checkpoint.model_validate({"uri": bad})
+
+
+def test_output_uri_storage_reaches_the_containers_too() -> None:
+    """``spec.output.uri`` alone (no object-store checkpoint): its storage is the pods' as well."""
+    job = job_of(REPO / "crds/samples/separate-nccl-tp2.yaml")
+    spec = job.spec.model_copy(update={"output": m.Output.model_validate({
+        "uri": "s3://models/run1", "storage": {"endpoint": "http://s3:8333", "credentialsSecret": "keys"}})})
+    cluster = render.render_ray_job(render.Job(job.name, job.namespace, job.uid, spec))["spec"]["rayClusterSpec"]
+    for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        c = g["template"]["spec"]["containers"][0]
+        assert {e["name"]: e.get("value") for e in c["env"]}["AWS_ENDPOINT_URL_S3"] == "http://s3:8333"
+        assert c["envFrom"] == [{"secretRef": {"name": "keys"}}]
+    assert m.Output.model_validate({"uri": "s3://models/run1"}).location == "s3://models/run1"

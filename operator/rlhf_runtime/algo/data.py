@@ -57,6 +57,7 @@ from typing import Any
 
 from rlhf_api.models import Data, EvalData
 from rlhf_runtime.algo.dataset import CacheWriter, DataError, Dataset, Sample, is_columnar, record_batches
+from rlhf_runtime.infra import storage
 
 DATA_MOUNT = "/etc/rlhf-data"
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -240,6 +241,12 @@ def parse_lines(text: str, answer_field: str = "answer", source: str = "prompts"
 
 def _describe(src: Data | EvalData, name: str) -> tuple[Path, str]:
     """The file of a file source (``spec.data`` or ``spec.data.eval``, called ``name``) and how messages name it."""
+    if src.path and storage.is_remote(src.path):
+        try:
+            local = storage.fetch(src.path)
+        except storage.StorageError as e:
+            raise DataError(f"{name}.path: {e}") from e
+        return local, f"{name}.path {src.path} (downloaded to {local})"
     if src.path:
         return Path(src.path), f"{name}.path {src.path}"
     if src.config_map:

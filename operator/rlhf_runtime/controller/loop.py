@@ -40,6 +40,7 @@ from rlhf_runtime.controller.recovery import Recovered, Recovery
 from rlhf_runtime.controller.sync import WeightSync
 from rlhf_runtime.controller.validation import Validator
 from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra import storage
 from rlhf_runtime.infra.placement import compute_layout
 from rlhf_runtime.infra.report import now_rfc3339
 
@@ -71,10 +72,17 @@ def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, sam
 
 
 def check_inputs(spec: Any) -> tuple[list[Any], list[Any], Any]:
-    """Prompts, eval prompts and the reward rule or hook, and that the model is there: checked before Ray
-    starts (a bad input fails fast)."""
+    """Prompts, eval prompts and the reward rule or hook, that the model is there and that the object-store
+    checkpoint and export locations answer (bucket, credentials, endpoint): checked before Ray starts (a bad
+    input fails fast)."""
     samples, eval_samples, reward_fn = load_samples(spec.data), load_eval_samples(spec.data), make_reward(spec.reward)
     rc.check_model_path(spec.model.name)
+    for field, loc in (("spec.checkpoint.uri", spec.checkpoint), ("spec.output.uri", spec.output)):
+        if loc is not None and loc.uri:
+            try:
+                storage.Bucket(loc.uri).check()
+            except storage.StorageError as e:
+                raise storage.StorageError(f"{field}: {e}") from e
     return samples, eval_samples, reward_fn
 
 
@@ -329,7 +337,7 @@ class Runtime:
     def maybe_export(self, done: int) -> None:
         out = self.spec.output
         if out and out.every_n_steps and done % out.every_n_steps == 0 and done < self.total:
-            self.export(f"{out.path.rstrip('/')}/step-{done}")
+            self.export(f"{out.location.rstrip('/')}/step-{done}")
 
     def maybe_evaluate(self, job: Inputs, done: int) -> None:
         if (job.eval_samples and done and done % self.spec.data.eval_every_n_steps == 0
@@ -405,10 +413,11 @@ class Runtime:
         if job.eval_samples and (self.evaluation or {}).get("step") != self.done:
             self.evaluate(job)
         if out:
-            path = self.export(f"{out.path.rstrip('/')}/final")
+            path = self.export(f"{out.location.rstrip('/')}/final")
             if validate:
                 self.watchdog.doing("validation of the exported model")
-                self.validator.validate(job.tokenizer, job.samples, path=path)
+                # an object-store export is not on the engines' disks: a fresh engine of the weights it was made of
+                self.validator.validate(job.tokenizer, job.samples, path=None if out.uri else path)
         if lora_check:
             self.watchdog.doing("weight-sync validation of the trained adapter")
             self.validator.validate(job.tokenizer, job.samples)

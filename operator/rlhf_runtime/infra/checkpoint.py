@@ -265,12 +265,13 @@ def prune(root: str | Path, keep: int = 2) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- FSDP
-def agree(found: Found | None, rank: int) -> Found | None:
+def agree(found: tuple[int, Any] | None, rank: int, remote: bool = False) -> tuple[int, Any] | None:
     """Rank 0's ``found`` (``latest``'s result, or None) on every rank of the default torch.distributed process
     group, so all FSDP ranks resume from the same step (another rank's own view may differ: a save committed
     between two scans, or a shared filesystem's stale directory cache). Without an initialised process group
     (one trainer) it returns ``found``. Every rank of the group must call it (a collective). Under NCCL, call
-    it after ``torch.cuda.set_device``."""
+    it after ``torch.cuda.set_device``. ``remote``: the location is an object-store URI (``infra.storage``), kept
+    as a string (a ``Path`` would fold its ``//``)."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -280,4 +281,6 @@ def agree(found: Found | None, rank: int) -> Found | None:
     payload: list[Any] = [None if found is None else [found[0], str(found[1])]] if rank == 0 else [None]
     dist.broadcast_object_list(payload, src=0)
     got = payload[0]
-    return None if got is None else (int(got[0]), Path(got[1]))
+    if got is None:
+        return None
+    return int(got[0]), (str(got[1]) if remote else Path(got[1]))

@@ -28,7 +28,8 @@
   token (or sequence) mean whatever each rank holds, and the statistics are summed over the ranks. Afterwards
   the gradients are freed (``set_to_none``), the model is back in eval mode and, colocated on a GPU, the cached
   memory is released (``release_cached_gpu_memory``) for the engines to wake into.
-* Checkpoints (``save_step``, ``rlhf_runtime.infra.checkpoint``): a collective under FSDP (every rank gathers the
+* Checkpoints (``save_step``, ``rlhf_runtime.infra.checkpoint``; ``infra.storage`` for an object-store
+  ``checkpoint.uri``: written locally, uploaded, a marker object last): a collective under FSDP (every rank gathers the
   full model and optimiser state, ``full_model_state``/``full_optimizer_state``); rank 0 writes the model
   (``write_model``: ``model/`` in ``save_pretrained`` form) and ``optimizer.pt`` (with one worker's master
   weights) into a temporary directory, commits it atomically as ``step-<N>`` with its ``state.json``, and keeps
@@ -39,8 +40,10 @@ Subclasses load ``self.model`` and supply the loss of one micro-batch and what i
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,8 +54,11 @@ import torch
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
 from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import storage
 from rlhf_runtime.roles import precision
 from rlhf_runtime.roles.batches import Packed, micro_share, pack, plan
+
+log = logging.getLogger("rlhf_runtime")
 
 
 def worker_device(spec: RLHFJobSpec) -> torch.device:
@@ -335,6 +341,8 @@ class FSDPWorker:
             optim["master_weights"] = self.master.state_dict()
         if self.rank != 0:
             return None
+        if storage.is_remote(root):
+            return self._save_remote(str(root), step, meta, state, optim)
         Path(root).mkdir(parents=True, exist_ok=True)
         tmp = ckpt.tmp_dir(root, step)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -347,4 +355,21 @@ class FSDPWorker:
             raise
         ckpt.prune(root, keep=2)
         return str(final)
+
+    def _save_remote(self, uri: str, step: int, meta: dict[str, Any], state: dict[str, torch.Tensor] | None,
+                     optim: dict[str, Any]) -> str:
+        """Rank 0's save to an object store: written into a local temporary directory, uploaded, the step's marker
+        last (``storage.commit``), then the newest two kept; the local copy is removed in any case."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"rlhf-ckpt-{step}-"))
+        try:
+            self.write_model(tmp, state)
+            torch.save(optim, tmp / "optimizer.pt")
+            final = storage.commit(tmp, uri, step, meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            storage.prune(uri, keep=2)
+        except storage.StorageError as e:  # the checkpoint is committed; the next save prunes again
+            log.warning("could not prune %s: %s", uri, e)
+        return final
 

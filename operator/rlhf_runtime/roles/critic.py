@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ import torch
 from rlhf_api.models import Critic
 from rlhf_runtime.algo.objectives import value_loss
 from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import storage
 from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import (
     FSDPWorker,
@@ -55,9 +58,13 @@ class CriticModel(FSDPWorker):
         spec = self.spec
         critic = spec.critic_settings()
         assert critic is not None  # check_spec
-        self.root = Path(spec.checkpoint.path) / "critic" if spec.checkpoint else None
+        c = spec.checkpoint
+        self.root: Path | str | None = None if c is None else (f"{c.uri.rstrip('/')}/critic" if c.uri
+                                                                else Path(c.path) / "critic")
         source, opt_state = self._resume(critic.model or spec.model.name, resume_step)
         self.model = self._load(source, critic)
+        if self.resumed_from is not None and isinstance(self.root, str):  # loaded: drop the downloaded copy
+            shutil.rmtree(Path(source).parent, ignore_errors=True)
         if spec.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shard()
@@ -75,11 +82,20 @@ class CriticModel(FSDPWorker):
         self.resumed_from: int | None = None
         if not resume_step or self.root is None:
             return source, None
-        saved = ckpt.step_dir(self.root, resume_step)
-        if not (saved / "state.json").is_file():  # written last: the step directory is complete
-            log.warning("no critic checkpoint for step %d under %s: the critic starts afresh", resume_step,
-                        self.root)
-            return source, None
+        if isinstance(self.root, str):  # an object-store checkpoint.uri: this rank downloads the step
+            try:
+                state = storage.read_state(self.root, resume_step)
+            except ValueError as e:
+                log.warning("no complete critic checkpoint for step %d (%s): the critic starts afresh", resume_step, e)
+                return source, None
+            saved = storage.download(f"{self.root}/step-{resume_step:08d}/{state['attempt']}",
+                                     Path(tempfile.gettempdir()) / f"rlhf-critic-{os.getpid()}-rank{self.rank}")
+        else:
+            saved = ckpt.step_dir(self.root, resume_step)
+            if not (saved / "state.json").is_file():  # written last: the step directory is complete
+                log.warning("no critic checkpoint for step %d under %s: the critic starts afresh", resume_step,
+                            self.root)
+                return source, None
         self.resumed_from = resume_step
         return str(saved / "model"), read_optimizer_state(saved)
 

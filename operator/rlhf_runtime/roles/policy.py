@@ -44,7 +44,7 @@ import torch
 
 from rlhf_runtime.algo.objectives import aggregate, correction_weights, policy_loss
 from rlhf_runtime.infra import checkpoint as ckpt
-from rlhf_runtime.infra import flops, node_files
+from rlhf_runtime.infra import flops, node_files, storage
 from rlhf_runtime.infra import lora as lora_mod
 from rlhf_runtime.roles import attention
 from rlhf_runtime.roles.base import (
@@ -104,6 +104,8 @@ class Trainer(FSDPWorker):
         opt_state = self._resume(*found) if found else None
         kw = load_kwargs(spec, revision=not found or bool(self.lora))
         self.model = self._load_policy(found[1] if found else None, kw)
+        if found and spec.checkpoint and spec.checkpoint.uri:  # loaded: the downloaded copy is not needed
+            shutil.rmtree(found[1], ignore_errors=True)
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
         self._load_reference(kw)
         self.shard()
@@ -179,13 +181,21 @@ class Trainer(FSDPWorker):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: F401
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
-        """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``)
-        and broadcasts it (``checkpoint.agree``), so all FSDP ranks load the same step even when a save commits
-        (or a torn one is cleaned up) between the ranks' own looks at the directory. ``None``: start from the
-        base model."""
+        """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``, or
+        ``storage.latest`` for an object-store ``checkpoint.uri``) and broadcasts it (``checkpoint.agree``), so all
+        FSDP ranks load the same step even when a save commits (or a torn one is cleaned up) between the ranks'
+        own looks at the directory. An object-store step is downloaded by every rank into a local directory of its
+        own. ``None``: start from the base model."""
         c = self.spec.checkpoint
         if c is None:
             return None
+        if c.uri:
+            found_uri = ckpt.agree(storage.latest(c.uri) if self.rank == 0 else None, self.rank, remote=True)
+            if found_uri is None:
+                return None
+            step, uri = found_uri
+            local = Path(tempfile.gettempdir()) / f"rlhf-resume-{os.getpid()}-rank{self.rank}"
+            return step, storage.download(uri, local)
         found = ckpt.agree(ckpt.latest(c.path) if self.rank == 0 else None, self.rank)  # a collective
         if found is None or self.world_size == 1:
             return found
@@ -366,7 +376,7 @@ class Trainer(FSDPWorker):
         c = self.spec.checkpoint
         if c is None:
             return None
-        return self.save_step(c.path, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
+        return self.save_step(c.location, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
 
     def write_model(self, directory: Path, state: dict[str, torch.Tensor] | None) -> None:
         """``model/``, or with LoRA ``adapter/``: the adapter in full precision (the base is spec.model's)."""
@@ -404,6 +414,8 @@ class Trainer(FSDPWorker):
         calls it; rank 0 writes and returns the path."""
         from transformers import AutoTokenizer
 
+        if storage.is_remote(path):
+            return self._export_remote(path)
         out = Path(path)
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         if self.rank == 0:
@@ -427,6 +439,27 @@ class Trainer(FSDPWorker):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         return str(out)
+
+    def _export_remote(self, uri: str) -> str | None:
+        """``export`` to an object store (``spec.output.uri``): written into a local temporary directory, then
+        published at ``uri`` (``storage.publish``: the previous export's marker removed, the files uploaded, the
+        ``_COMPLETE`` marker last). A collective under FSDP; rank 0 returns the URI."""
+        from transformers import AutoTokenizer
+
+        tmp = tempfile.mkdtemp(prefix="rlhf-export-") if self.rank == 0 else ""
+        try:
+            self.save_weights(tmp)  # a collective under FSDP
+            if self.rank != 0:
+                return None
+            kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
+            if self.spec.model.revision:
+                kw["revision"] = self.spec.model.revision
+            AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(tmp)
+            storage.publish(tmp, uri)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return uri
 
     def stage_weights(self) -> list[str] | None:
         """The current policy (``save_weights``) in a fresh temporary directory on this node, to be copied to
