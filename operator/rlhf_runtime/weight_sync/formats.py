@@ -134,6 +134,15 @@ class KernelPlan:
         local = [sum(pc[0] for pc in pieces), *pieces[0][1:]] if dim == 0 else pieces[0]
         return local == shape and all(pc[1:] == pieces[0][1:] for pc in pieces)
 
+    @staticmethod
+    def _padded_vocab(shape: list[int], srcs: list[str] | None, hf: dict[str, list[int]], rows: int | None,
+                      tp: int) -> bool:
+        """Whether the engine's ``shape`` is a padded vocabulary (vLLM pads to a multiple of 64 rows, then splits
+        over the TP ranks; ``rows``: its Hugging Face rows, as the engine reports them) of one HF tensor: then the
+        plan sends that tensor whole and each worker copies its rows (``kernel.KernelTarget``)."""
+        return (rows is not None and srcs is not None and len(srcs) == 1 and hf[srcs[0]][0] == rows
+                and hf[srcs[0]][1:] == shape[1:] and rows <= shape[0] * tp)
+
     @classmethod
     def build(cls, source: ParamSource, engine: dict[str, Any], tp_rank: int | None = None) -> KernelPlan:
         """``engine``: the layout an engine worker reports (``params`` [(name, shape)], ``packed_modules_mapping``,
@@ -172,12 +181,8 @@ class KernelPlan:
                 entries.append((name, shape, srcs))
                 shard[name] = dim
                 continue
-            rows = (engine.get("vocab") or {}).get(name)
-            if (rows is not None and srcs is not None and len(srcs) == 1 and hf[srcs[0]][0] == rows
-                    and hf[srcs[0]][1:] == shape[1:] and rows <= shape[0] * tp):
-                # a padded vocabulary (vLLM pads to a multiple of 64, then splits over the TP ranks): the Hugging
-                # Face tensor whole; each worker copies its rows into its parameter (``kernel.KernelTarget``)
-                entries.append((name, list(hf[srcs[0]]), srcs))
+            if cls._padded_vocab(shape, srcs, hf, (engine.get("vocab") or {}).get(name), tp):
+                entries.append((name, list(hf[srcs[0]]), srcs))  # type: ignore[index]
                 padded.append(name)
                 continue
             what = f"engine parameter {name} {shape}"
