@@ -146,9 +146,13 @@ class MLflowSink:
         exp = client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else client.create_experiment(self.experiment)
         run_id = previous.get("mlflowRunId")
-        if run_id:  # a retried run continues the last one's run
-            run = client.get_run(run_id)
-            if run.info.lifecycle_stage != "active" or run.info.experiment_id != exp_id:
+        if run_id:  # a retried run continues the last one's run (a new one if it was deleted or moved)
+            try:
+                run = client.get_run(run_id)
+            except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_DOES_NOT_EXIST: start a new run
+                log.warning("tracking: MLflow run %s of the last run is gone (%s): starting a new one", run_id, e)
+                run = None
+            if run is None or run.info.lifecycle_stage != "active" or run.info.experiment_id != exp_id:
                 run_id = None
             else:
                 client.update_run(run_id, status="RUNNING")
