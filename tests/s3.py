@@ -46,9 +46,11 @@ def _free_ports(n: int) -> list[int]:
 
 
 class S3Server:
-    def __init__(self, root: Path, buckets: tuple[str, ...] = ("rlhf",)) -> None:
+    def __init__(self, root: Path, buckets: tuple[str, ...] = ("rlhf",), host: str = "127.0.0.1") -> None:
+        """``host``: the address to listen on (loopback; the real-pod tier's bridge address, which pods reach)."""
         self.root = Path(root)
         self.buckets = buckets
+        self.host = host
         self.proc: subprocess.Popen | None = None
         self.log = self.root / "weed.log"
         self.port = 0
@@ -68,8 +70,8 @@ class S3Server:
         # master, volume, filer and s3, each HTTP + gRPC (SeaweedFS's default gRPC port is HTTP + 10000: may clash)
         ports = _free_ports(8)
         self.port = ports[6]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        args = [binary, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.root / 'data'}",
+        self.endpoint = f"http://{self.host}:{self.port}"
+        args = [binary, "mini", f"-ip={self.host}", f"-ip.bind={self.host}", f"-dir={self.root / 'data'}",
                 f"-master.port={ports[0]}", f"-master.port.grpc={ports[1]}",
                 f"-volume.port={ports[2]}", f"-volume.port.grpc={ports[3]}",
                 f"-filer.port={ports[4]}", f"-filer.port.grpc={ports[5]}",

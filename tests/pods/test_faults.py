@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import realnodes
 from kubernetes import client
 
 from tests.helpers import events_until, wait_for
@@ -60,19 +61,38 @@ def _events(api, ns: str, name: str, *wanted: str) -> list[str]:
 
 
 def test_lost_pods_resume_from_the_newest_checkpoint_and_duplicate_nothing(real_cluster, rapi, operator_release,
-                                                                           shared_dir, ns) -> None:
+                                                                           shared_dir, ns, tmp_path) -> None:
     """A node's worth of faults at once: the trainer pod and the operator's pod are deleted together mid-run.
     The run fails and KubeRay's retry resumes it from its newest checkpoint on a new Ray cluster; the chart's
     Deployment replaces the operator pod, and the new operator follows the job to Succeeded and creates nothing
-    twice. (A lost head pod is the same retry, and the "resumes from checkpoint" Event is checked there:
-    ``test_frozen_driver_is_ended_and_the_run_retried``, which ends its run by deleting the head pod.)"""
+    twice. The checkpoints go to an S3 bucket (SeaweedFS on the nodes' bridge address; keys from a Secret):
+    the retry resumes from the bucket. (A lost head pod is the same retry, with checkpoints on a volume, and the
+    "resumes from checkpoint" Event is checked there: ``test_frozen_driver_is_ended_and_the_run_retried``, which
+    ends its run by deleting the head pod.)"""
+    from tests.s3 import ACCESS_KEY, SECRET_KEY, S3Server
+
     victim = "ray.io/group=trainer"
+    s3 = S3Server(tmp_path / "s3", host=realnodes.HOST_IP).start()
+    try:
+        _lost_pods_resume_from_the_bucket(real_cluster, rapi, shared_dir, ns, s3, victim,
+                                          {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY})
+    finally:
+        s3.stop()
+
+
+def _lost_pods_resume_from_the_bucket(real_cluster, rapi, shared_dir, ns, s3, victim, keys) -> None:
+    import obstore
+    from obstore.store import S3Store
+
+    core = client.CoreV1Api(rapi)
+    core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="s3-keys"), string_data=keys))
     # a tiny step takes ~0.4 s: the fault must land while the run still has many steps to go
     job = checkpointed_job(real_cluster, shared_dir, ns, "resume", 60, retries=1)
+    job["spec"]["checkpoint"] = {"uri": f"s3://rlhf/{ns}/resume", "everyNSteps": 3,
+                                 "storage": {"endpoint": s3.endpoint, "credentialsSecret": "s3-keys"}}
     apply(real_cluster, job, ns)
     _wait(real_cluster, rapi, ns, "step >= 4 (a checkpoint at step 3)",
           lambda: (status(rapi, ns, "resume").get("step") or 0) >= 4, 900)
-    core = client.CoreV1Api(rapi)
     operators = [p.metadata.name for p in core.list_namespaced_pod("rlhf-system").items]
     killed = _delete_pod(rapi, ns, victim)
     for name in operators:
@@ -115,6 +135,14 @@ def test_lost_pods_resume_from_the_newest_checkpoint_and_duplicate_nothing(real_
     assert len(rayjobs) == 1, [r["metadata"]["name"] for r in rayjobs]
     cms = core.list_namespaced_config_map(ns, label_selector="rlhf.dev/job=resume").items
     assert len(cms) == 1, [c.metadata.name for c in cms]
+    # the checkpoints are in the bucket, committed by their markers; the retried run committed newer ones
+    store = S3Store("rlhf", endpoint=s3.endpoint, access_key_id=keys["AWS_ACCESS_KEY_ID"],
+                    secret_access_key=keys["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
+                    virtual_hosted_style_request=False, client_options={"allow_http": True})
+    markers = sorted(o["path"] for batch in obstore.list(store, prefix=f"{ns}/resume/") for o in batch
+                     if o["path"].endswith("/state.json"))
+    resumed = st["runtime"]["resumedFromStep"]
+    assert markers and int(markers[-1].split("/")[-2][len("step-"):]) > resumed, (resumed, markers)
 
 
 def test_lost_worker_without_retries_fails_with_a_clear_condition(real_cluster, rapi, operator_release, shared_dir,
