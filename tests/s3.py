@@ -10,15 +10,17 @@ missing bucket is an error, as on a real S3.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 REPO = Path(__file__).resolve().parents[1]
 ACCESS_KEY = "rlhf-test-access"
@@ -97,19 +99,44 @@ class S3Server:
                                    f"{self.log.read_text()[-3000:]}")
             time.sleep(0.3)
 
+    def store(self, bucket: str, **options: Any) -> Any:
+        """An obstore ``S3Store`` of ``bucket`` with the test identity (``options`` added: client options, retries)."""
+        from obstore.store import S3Store
+
+        options.setdefault("client_options", {"allow_http": True})
+        return S3Store(bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                       region="us-east-1", virtual_hosted_style_request=False, **options)
+
+    @contextlib.contextmanager
+    def environ(self) -> Iterator[dict[str, str]]:
+        """This process as the server's client: ``env()`` in ``os.environ`` and the runtime's store cache
+        (``storage._STORES``) cleared; both undone on exit."""
+        from rlhf_runtime.infra import storage
+
+        env = self.env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        storage._STORES.clear()
+        try:
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            storage._STORES.clear()
+
     def _ready(self) -> str:
         """'' once every bucket can be listed with the test identity (a signed request: the gateway, the filer
         behind it and the bucket are up); else why not."""
         import obstore
-        from obstore.store import S3Store
 
         for b in self.buckets:
-            store = S3Store(b, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
-                            region="us-east-1", virtual_hosted_style_request=False,
-                            client_options={"allow_http": True, "timeout": "5s", "connect_timeout": "2s"},
-                            retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5),
-                                          "backoff": {"init_backoff": timedelta(seconds=0.1),
-                                                      "max_backoff": timedelta(seconds=1), "base": 2}})
+            store = self.store(b, client_options={"allow_http": True, "timeout": "5s", "connect_timeout": "2s"},
+                               retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5),
+                                             "backoff": {"init_backoff": timedelta(seconds=0.1),
+                                                         "max_backoff": timedelta(seconds=1), "base": 2}})
             try:
                 obstore.list_with_delimiter(store)
             except Exception as e:  # noqa: BLE001 - not ready yet: say why

@@ -82,7 +82,6 @@ def test_lost_pods_resume_from_the_newest_checkpoint_and_duplicate_nothing(real_
 
 def _lost_pods_resume_from_the_bucket(real_cluster, rapi, shared_dir, ns, s3, victim, keys) -> None:
     import obstore
-    from obstore.store import S3Store
 
     core = client.CoreV1Api(rapi)
     core.create_namespaced_secret(ns, client.V1Secret(metadata=client.V1ObjectMeta(name="s3-keys"), string_data=keys))
@@ -136,10 +135,7 @@ def _lost_pods_resume_from_the_bucket(real_cluster, rapi, shared_dir, ns, s3, vi
     cms = core.list_namespaced_config_map(ns, label_selector="rlhf.dev/job=resume").items
     assert len(cms) == 1, [c.metadata.name for c in cms]
     # the checkpoints are in the bucket, committed by their markers; the retried run committed newer ones
-    store = S3Store("rlhf", endpoint=s3.endpoint, access_key_id=keys["AWS_ACCESS_KEY_ID"],
-                    secret_access_key=keys["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
-                    virtual_hosted_style_request=False, client_options={"allow_http": True})
-    markers = sorted(o["path"] for batch in obstore.list(store, prefix=f"{ns}/resume/") for o in batch
+    markers = sorted(o["path"] for batch in obstore.list(s3.store("rlhf"), prefix=f"{ns}/resume/") for o in batch
                      if o["path"].endswith("/state.json"))
     resumed = st["runtime"]["resumedFromStep"]
     assert markers and int(markers[-1].split("/")[-2][len("step-"):]) > resumed, (resumed, markers)

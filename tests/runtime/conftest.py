@@ -22,7 +22,7 @@ import pytest
 from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_api.models import RuntimeConfig
-from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer
+from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, wait_for
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -89,6 +89,17 @@ class Run:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)
+
+    def kill_after_steps(self, steps: int, total: int, timeout: float = 240) -> None:
+        """SIGKILL the driver (no report, no cleanup) once ``steps`` steps are done, then its session; the run of
+        ``total`` steps must not have finished before."""
+        try:
+            wait_for(lambda: self.proc.poll() is None and len(self.steps()) >= steps, timeout=timeout,
+                     what=f"{steps} steps before the kill", interval=0.05)
+            self.proc.send_signal(signal.SIGKILL)
+        finally:
+            self.kill_group()
+        assert self.steps()[-1]["step"] < total, "the run finished before it could be killed"
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""

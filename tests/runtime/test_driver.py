@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -166,13 +165,7 @@ def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> No
     api = JobAPI("tiny", "default", "uid-1", raw["spec"])
     try:
         first = start_reporting_driver(tmp_path, cfg, api, name="first")
-        try:
-            wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
-                     what="5 steps before the kill", interval=0.05)
-            first.proc.send_signal(signal.SIGKILL)
-        finally:
-            first.kill_group()
-        assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
+        first.kill_after_steps(5, total=500)
         run_id = api.status["tracking"]["mlflowRunId"]
         assert api.status["tracking"]["tensorboardDir"] == str(runs / "tb" / "tiny")
         newest = ckpt.latest(ckpt_dir)

@@ -12,8 +12,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,6 +115,29 @@ def test_fsdp2_checkpoint_restores_every_ranks_shards(tiny_model: Path, tmp_path
     assert resumed[0]["checksum"] != resumed[1]["checksum"]
 
 
+def _kill_ranks_mid_save(tmp: Path, cfg: Path, saving: Callable[[], Any], left: Callable[[], list[Any]], what: str,
+                         interval: float) -> tuple[int, list[Any]]:
+    """Start two ranks that checkpoint every step and SIGKILL both once ``saving()`` is true, until the kill lands
+    inside a save (``left()`` non-empty: what it left behind), at most 5 attempts; (the attempt, ``left()``)."""
+    for attempt in range(5):
+        procs = _start_ranks(tmp, cfg, "loop")
+        try:
+            wait_for(lambda procs=procs: any(p.poll() is not None for p in procs) or saving(),
+                     timeout=300, what=what, interval=interval)
+            for p in procs:
+                os.kill(p.pid, signal.SIGKILL)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate(timeout=60)
+        assert all(p.returncode == -signal.SIGKILL for p in procs), [p.stderr for p in procs]
+        found = left()
+        if found:
+            return attempt, found
+    raise AssertionError(f"no kill landed inside a checkpoint save in 5 attempts ({what})")
+
+
 def _partial(root: Path) -> list[str]:
     """Entries of the checkpoint directory that are not complete checkpoints (a save in progress)."""
     return sorted(p.name for p in root.iterdir() if not ckpt.STEP_DIR.match(p.name)) if root.is_dir() else []
@@ -131,26 +155,10 @@ def test_fsdp2_trainer_killed_while_saving_resumes_every_rank_from_the_newest_co
         volumes=[{"name": "ckpt", "emptyDir": {}}],
     )
     cfg = write_config(tmp_path / "job.json", spec)
-    left: list[str] = []
-    for attempt in range(5):  # until the kill lands inside a save (a partial checkpoint is left behind)
-        procs = _start_ranks(tmp_path, cfg, "loop")
-        try:
-            # a save in progress after at least 2 complete ones
-            wait_for(lambda procs=procs: any(p.poll() is not None for p in procs)
-                     or ((ckpt.latest(root) or (0,))[0] >= 2 and _partial(root)),
-                     timeout=300, what="a checkpoint save in progress", interval=0.001)
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.communicate(timeout=60)
-        assert all(p.returncode == -signal.SIGKILL for p in procs), [p.stderr for p in procs]
-        left = _partial(root)
-        if left:
-            break
-    assert left, "no kill landed inside a checkpoint save in 5 attempts"
+    # a save in progress after at least 2 complete ones
+    attempt, left = _kill_ranks_mid_save(
+        tmp_path, cfg, lambda: (ckpt.latest(root) or (0,))[0] >= 2 and _partial(root), lambda: _partial(root),
+        "a checkpoint save in progress", 0.001)
     newest = ckpt.latest(root)
     assert newest is not None
     t = time.monotonic()
@@ -198,25 +206,11 @@ def test_fsdp2_ranks_killed_while_uploading_resume_from_the_newest_step_in_the_b
         checkpoint={"uri": uri, "everyNSteps": 1, "storage": {"endpoint": s3.endpoint}},
     )
     cfg = write_config(tmp_path / "job.json", spec)
-    torn: list[int] = []
-    for attempt in range(5):  # until the kill lands inside an upload (objects without a marker are left behind)
-        procs = _start_ranks(tmp_path, cfg, "loop")
-        try:
-            wait_for(lambda procs=procs: any(p.poll() is not None for p in procs)
-                     or ((storage.latest(uri) or (0,))[0] >= 2 and _partial_steps(uri)),
-                     timeout=300, what="a checkpoint upload in progress", interval=0.002)
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.communicate(timeout=60)
-        assert all(p.returncode == -signal.SIGKILL for p in procs), [p.stderr for p in procs]
-        torn = [s for s in _partial_steps(uri) if s > (storage.latest(uri) or (0,))[0]]
-        if torn:
-            break
-    assert torn, "no kill landed inside a checkpoint upload in 5 attempts"
+    # objects without a marker after at least 2 complete steps; torn: those above the newest complete one
+    attempt, torn = _kill_ranks_mid_save(
+        tmp_path, cfg, lambda: (storage.latest(uri) or (0,))[0] >= 2 and _partial_steps(uri),
+        lambda: [s for s in _partial_steps(uri) if s > (storage.latest(uri) or (0,))[0]],
+        "a checkpoint upload in progress", 0.002)
     newest = storage.latest(uri)
     assert newest is not None and newest[1].startswith(f"{uri}/step-{newest[0]:08d}/")
     t = time.monotonic()
@@ -241,17 +235,8 @@ def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path,
     cfg = write_config(tmp_path / "job.json", spec)
     env = s3.env()
     first = start_driver(tmp_path, cfg, name="first", env=env)
-    try:
-        wait_for(lambda: first.proc.poll() is None and len(first.steps()) >= 5, timeout=240,
-                 what="5 steps before the kill", interval=0.05)
-        first.proc.send_signal(signal.SIGKILL)
-    finally:
-        first.kill_group()
-    assert first.steps()[-1]["step"] < 500, "the run finished before it could be killed"
-    for k, v in env.items():
-        os.environ[k] = v  # this process reads the bucket too
-    try:
-        storage._STORES.clear()
+    first.kill_after_steps(5, total=500)
+    with s3.environ():  # this process reads the bucket too
         newest = storage.latest(uri)
         assert newest is not None and newest[0] >= 4, (newest, first.tail())
         resumed, total = newest[0], newest[0] + 2
@@ -268,10 +253,6 @@ def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path,
         assert files and "config.json" in files and any(f.endswith(".safetensors") for f in files), files
         assert any((r.get("output") or {}).get("path") == f"{export}/final" for r in second.records()), \
             second.records()[-1]
-    finally:
-        for k in env:
-            os.environ.pop(k, None)
-        storage._STORES.clear()
 
 
 CRITIC = r"""
@@ -305,19 +286,9 @@ def test_ppo_critic_saves_to_and_resumes_from_the_bucket(tiny_model: Path, tmp_p
         runs[phase] = json.loads(out.stdout.strip().splitlines()[-1])
     assert runs["save"]["resumed_from"] is None and runs["resume"]["resumed_from"] == 3, runs
     assert runs["resume"]["checksum"] == runs["save"]["checksum"], runs
-    old = {k: os.environ.get(k) for k in s3.env()}
-    os.environ.update(s3.env())
-    try:
-        storage._STORES.clear()
+    with s3.environ():
         assert storage.latest(f"{uri}/critic")[0] == 3
         assert storage.latest(uri) is None  # the policy's steps are its own: the critic's do not count
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        storage._STORES.clear()
 
 
 def test_missing_bucket_or_refused_keys_fail_the_driver_before_ray(tiny_model: Path, tmp_path: Path,

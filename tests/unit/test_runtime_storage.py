@@ -26,17 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
     server = S3Server(tmp_path_factory.mktemp("seaweedfs"), buckets=("ckpt",)).start()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    storage._STORES.clear()
-    yield server
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    storage._STORES.clear()
-    server.stop()
+    try:
+        with server.environ():
+            yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
