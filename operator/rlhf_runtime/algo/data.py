@@ -211,8 +211,8 @@ def _line_sample(line: str, n: int, answer_field: str, prompt_field: str, json_o
     return Sample(line)
 
 
-def _bad_lines(source: str, first: str, count: int) -> DataError:
-    more = f" (and {count - 1} more bad line{'s' if count > 2 else ''})" if count > 1 else ""
+def _bad_lines(source: str, first: str, count: int, unit: str = "line") -> DataError:
+    more = f" (and {count - 1} more bad {unit}{'s' if count > 2 else ''})" if count > 1 else ""
     return DataError(f"{source}: {first}{more}")
 
 
@@ -288,8 +288,7 @@ def _load_columnar(path: Path, source: str, answer_field: str, prompt_field: str
             except DataError as e:
                 errors, first = errors + 1, first or str(e)
     if errors:
-        raise DataError(f"{source}: {first}" + (f" (and {errors - 1} more bad row{'s' if errors > 2 else ''})"
-                                                 if errors > 1 else ""))
+        raise _bad_lines(source, first, errors, "row")
     if not writer.count:
         raise DataError(f"{source}: no rows; it needs at least one prompt")
     return writer.close()

@@ -138,7 +138,6 @@ class Runtime:
         self.pending: Rollout | None = None
         self.output: dict[str, Any] | None = None  # status.output: the newest export
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
-        self.data_status: dict[str, Any] = {}  # status.data: the samples as checked before the first step
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
 
     # ------------------------------------------------------------------------------------------ start
@@ -179,11 +178,10 @@ class Runtime:
         spec = self.spec
         self.watchdog.doing(f"checking {len(samples)} samples against the engines' context")
         needs_answer = spec.reward.rule in ANSWER_RULES and spec.reward.target is None
-        kept, self.data_status = check_samples(samples, tokenizer, context, spec.rollout.sampling.max_tokens,
-                                               needs_answer, spec.data.invalid_samples)
-        if self.data_status.get("dropped"):
-            log.warning("%s", self.data_status["message"])
-        self.reporter.data = self.data_status
+        kept, self.reporter.data = check_samples(samples, tokenizer, context, spec.rollout.sampling.max_tokens,
+                                                 needs_answer, spec.data.invalid_samples)
+        if self.reporter.data.get("dropped"):
+            log.warning("%s", self.reporter.data["message"])
         return kept
 
     def start(self, job: Inputs) -> None:

@@ -278,8 +278,7 @@ class Reporter:
     ) -> None:
         self.status = status
         self.metrics = metrics
-        self.tracker = tracker  # infra.tracking.Tracker (spec.tracking), or None
-        self.tracking: dict[str, Any] = {}  # status.tracking once the tracker started
+        self.tracker = tracker  # infra.tracking.Tracker (spec.tracking), or None; its ``status``: status.tracking
         self.data: dict[str, Any] = {}  # status.data once the samples were checked
         self.progress = Path(progress_file) if progress_file else None
         self.state: str = "Starting"
@@ -334,8 +333,7 @@ class Reporter:
             return
         job = self.live_job() or {}
         previous = (job.get("status") or {}).get("tracking") or {}
-        self.tracking = dict(self.tracker.start(config, step, previous))
-        log.info("tracking: %s", self.tracking)
+        log.info("tracking: %s", self.tracker.start(config, step, previous))
 
     def wants_samples(self, step: int) -> bool:
         """Whether ``report`` should get a sample table for this step (``spec.tracking.samplesEveryNSteps``)."""
@@ -363,12 +361,11 @@ class Reporter:
             self.tracker.log(step, step_metrics(throughput, (extra or {}).get("train"), evaluation))
             if samples:
                 self.tracker.samples(step, samples)
-            self.tracking = {**self.tracking, **self.tracker.status}
         body = status_patch(
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
             observed_generation=self.observed_generation, output=output, evaluation=evaluation, warning=warning,
-            tracking=self.tracking, data=self.data,
+            tracking=self.tracker.status if self.tracker is not None else None, data=self.data,
         )
         with self.lock:
             self.state = state

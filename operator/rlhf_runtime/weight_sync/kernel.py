@@ -53,6 +53,18 @@ def vocab_slices(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def vocab_rows(slices: dict[str, tuple[int, int, int]], name: str, tensor: torch.Tensor, param: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(parameter rows, tensor rows)`` to copy where ``tensor`` is the whole unpadded vocabulary of the padded
+    parameter ``name`` (``slices``: ``vocab_slices`` of the engine's model), else None."""
+    if name not in slices or tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:]:
+        return None
+    rows, first, end = slices[name]
+    if tensor.shape[0] != rows or end - first > param.shape[0]:
+        return None
+    return param.narrow(0, 0, end - first), tensor.narrow(0, first, end - first)
+
+
 class KernelTarget:
     """Stands in for the model during a kernel-format update: ``load_weights`` copies each tensor into the
     model's parameter of the same name (shape and dtype must match: a wrong plan fails loudly, it never
@@ -75,17 +87,6 @@ class KernelTarget:
         self.tp, self.tp_rank = tp, tp_rank
         self.loaded = 0
 
-    def vocab_rows(self, name: str, tensor: torch.Tensor, param: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(parameter rows, tensor rows)`` to copy where ``tensor`` is the whole unpadded vocabulary of the padded
-        parameter ``name``, else None."""
-        if name not in self.vocab or tensor.dim() != param.dim() or tensor.shape[1:] != param.shape[1:]:
-            return None
-        rows, first, end = self.vocab[name]
-        if tensor.shape[0] != rows or end - first > param.shape[0]:
-            return None
-        return param.narrow(0, 0, end - first), tensor.narrow(0, first, end - first)
-
     def own_piece(self, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
         """This worker's piece of ``tensor`` (a view) where it holds every rank's piece of ``param``, else None."""
         if self.tp == 1 or tensor.dim() != param.dim():
@@ -106,7 +107,7 @@ class KernelTarget:
             if param is None:
                 raise KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
             if tuple(param.shape) != tuple(tensor.shape):
-                padded = self.vocab_rows(name, tensor, param)
+                padded = vocab_rows(self.vocab, name, tensor, param)
                 if padded is not None and param.dtype == tensor.dtype:
                     param, tensor = padded
                 else:
@@ -215,13 +216,11 @@ class ResidentCopy:
             if param is None:
                 raise KeyError(f"resident IPC: {name!r} is not a parameter of the engine's model")
             parts = [self.rebuild(*local_args(h, uuid, index, "resident IPC")) for h in handles]
-            rows_of = vocab.get(name)
+            padded = vocab_rows(vocab, name, parts[0], param) if len(parts) == 1 else None
             if len(parts) == 1 and tuple(parts[0].shape) == tuple(param.shape):
                 views = [param]
-            elif (len(parts) == 1 and rows_of is not None and parts[0].shape[0] == rows_of[0]
-                    and parts[0].shape[1:] == param.shape[1:]):  # a padded vocabulary: this worker's rows
-                _, first, end = rows_of
-                views, parts = [param.narrow(0, 0, end - first)], [parts[0].narrow(0, first, end - first)]
+            elif padded is not None:  # a padded vocabulary: this worker's rows
+                views, parts = [padded[0]], [padded[1]]
             else:
                 rows = param.view(-1, *parts[0].shape[1:]) if parts[0].dim() > 0 else param.view(-1)
                 if sum(p.shape[0] for p in parts) != rows.shape[0]:
