@@ -56,6 +56,7 @@ class JobActors:
         self.trainer_pids: list[Any] = []
         self.trainer_threads: list[Any] = []  # each trainer's torch threads (OMP_NUM_THREADS, ``actor_env``)
         self.param_bytes = 0  # the policy's full weights (Trainer.info), beside an adapter sync's bytes
+        self.build_seconds: list[float] = []  # each engine's vLLM build (start_engines)
         self.replacements = {"engines": 0, "trainers": 0}
 
     def actor_env(self, a: ActorPlacement, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -158,24 +159,29 @@ class JobActors:
         return {"VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": "0", "VLLM_DP_SIZE": str(len(self.layout.engines)),
                 "VLLM_DP_MASTER_IP": address[0], "VLLM_DP_MASTER_PORT": str(address[1])}
 
-    def make_engine(self, i: int) -> Any:
-        """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle)."""
+    def make_engine(self, i: int, build: bool = True) -> Any:
+        """Engine actor ``i`` on its own placement bundle (a replacement takes the same bundle); with ``build``
+        False it only imports vLLM until ``build`` is called (``rollout.base``)."""
         import ray
 
         e = self.layout.engines[i]
         env = self.actor_env(e, self.dp_env(i, self.dp_address) if self.dp_address else None)
         return ray.remote(self.engine_class).options(
-            **self._options(e, env, max_concurrency=16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env)
+            **self._options(e, env, max_concurrency=16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env,
+                                                                                        build=build)
 
-    def start_engines(self) -> None:
-        """Every engine, created (``create_engines``, unless it was) and ready."""
+    def start_engines(self) -> list[float]:
+        """Every engine, created (``create_engines``, unless it was), built (unless it was) and ready; each one's
+        build seconds."""
         if not self.engines.actors:
             self.create_engines()
         # a DP group starts together
-        self.engines.call_step("ready", what=f"start of {self.engines.describe()}")
+        self.build_seconds = self.engines.call_step("build", what=f"start of {self.engines.describe()}")
+        return self.build_seconds
 
-    def create_engines(self) -> None:
-        """Every engine actor created: each starts loading vLLM at once; ``start_engines`` waits for them."""
+    def create_engines(self, build: bool = True) -> None:
+        """Every engine actor created: each starts importing vLLM at once and, with ``build``, building its
+        engine; ``start_engines`` builds those that did not and waits for them."""
         dp = self.placement.address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
         self.dp_address = dp
         for i, e in enumerate(self.layout.engines):
@@ -183,12 +189,13 @@ class JobActors:
             seed = self.spec.algorithm.seed + (0 if dp else i)
             self.engine_kwargs.append(rc.engine_kwargs(self.spec, self.spec.model.name, self.backend, e.executor,
                                                        self.gpu, seed=seed))
-            self.engines.append(self.make_engine(i))
+            self.engines.append(self.make_engine(i, build))
 
     @property
-    def engines_start_early(self) -> bool:
-        """Whether engines start beside the trainers rather than after them: always, except where they share
-        GPUs with the trainers (colocated placement on GPUs), whose memory vLLM measures as it starts."""
+    def engines_build_early(self) -> bool:
+        """Whether engines are built beside the trainers rather than after them: always, except where they share
+        GPUs with the trainers (colocated placement on GPUs), whose memory vLLM measures as it starts. Their
+        processes and vLLM imports start beside the trainers either way."""
         return not (self.gpu and self.spec.placement.mode == "colocated")
 
     def replace_engines(self, idx: list[int]) -> None:
@@ -205,7 +212,8 @@ class JobActors:
         """Which process serves which actor (progress file): for people reading a run, and for fault tests."""
         pids = self.engines.call("pid", what=f"pid of {self.engines.describe()}")
         return {"trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
-                "trainer_threads": self.trainer_threads}
+                "trainer_threads": self.trainer_threads,
+                "engine_build_seconds": [round(float(b), 3) for b in self.build_seconds]}
 
     def everyone(self) -> list[ActorGroup]:
         return [self.engines, self.trainers, *self.roles.values()]

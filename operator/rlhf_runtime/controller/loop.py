@@ -190,8 +190,7 @@ class Runtime:
         self.actors.placement.place()
         # everything that needs nothing from the trainers loads while they do
         self.actors.create_roles(None, only=("reward", "reference"))
-        if self.actors.engines_start_early:
-            self.actors.create_engines()
+        self.actors.create_engines(build=self.actors.engines_build_early)
         info = self.actors.start_trainers()
         self.done, self.resumed = int(info["step"]), info["resumed_from"]
         msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"

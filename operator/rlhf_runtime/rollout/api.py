@@ -29,6 +29,11 @@ ASYNC_ENGINES: tuple[str, ...] = ("asyncllm", "stepped")
 class RolloutEngine(Protocol):
     """What every engine actor serves (results as a Ray caller sees them)."""
 
+    def build(self) -> float:
+        """Build the vLLM engine of an actor made with ``build=False`` (a no-op once built); the seconds the
+        build took."""
+        ...
+
     def ready(self) -> float:
         """Seconds the engine took to start (returns once it is up)."""
         ...

@@ -4,10 +4,13 @@
 ``engines.AsyncEngine`` and ``stepped.SteppedEngine`` (async Ray actors: every method a coroutine, one event loop;
 Ray makes an actor async when any of its methods is one, so the sync base has none).
 
-* Start-up (``EngineBase.__init__`` and ``llm_args``): the actor's environment before vLLM is imported, the
-  supported-version check (``vllm.compat.require_supported_vllm``), the runtime's vLLM plugin (the ``gloo``
-  backend and the kernel-format worker engines) and vLLM's weight-transfer config; the subclass then builds its
-  vLLM engine and sets ``start_seconds``.
+* Start-up, in two phases: ``EngineBase.__init__`` sets the actor's environment and imports vLLM (the
+  process's slow part, ~20 s on a GPU node); ``build()`` (``_build_now``: the subclass's ``_make_engine`` with
+  ``llm_args``: the supported-version check ``vllm.compat.require_supported_vllm``, the runtime's vLLM plugin, i.e.
+  the ``gloo`` backend and the kernel-format worker engines, and vLLM's weight-transfer config) builds the vLLM
+  engine and sets ``start_seconds``. Built at once unless the actor is made with ``build=False``: a colocated
+  engine on GPUs is created beside the trainers (its imports overlap theirs) and built after them, since vLLM
+  sizes its KV cache from the GPU memory it sees free while it starts. ``build()`` is idempotent.
 * Queries (``ready``, ``pid``, ``world_size``, ``param_layout``, ``device_info``): computed here from two things a
   subclass provides, its ``_vllm_config()`` and its ``_collective_rpc(fn, args)`` (awaitable on the async ones);
   ``AsyncEngineBase`` serves the same answers as coroutines.
@@ -16,7 +19,7 @@ Ray makes an actor async when any of its methods is one, so the sync base has no
   ``generate``). ``AsyncEngineBase`` also holds the async engines' ``start_weight_update`` and
   ``update_weights_round``, and ``version``, bumped by ``resume()`` after a swap.
 
-Import only inside Ray actors (nothing heavy at import time; vLLM is imported when an engine is built).
+Import only inside Ray actors (nothing heavy at import time; vLLM is imported when an engine actor starts).
 """
 
 from __future__ import annotations
@@ -68,14 +71,40 @@ def sampled_logprobs(completion: Any) -> list[float] | None:
 
 class EngineBase:
     """The start-up, state and queries every engine actor shares (see the module's docstring). A subclass calls
-    ``EngineBase.__init__`` first, then builds its vLLM engine (with ``llm_args(kwargs)``) and sets
-    ``start_seconds``; it implements ``_vllm_config`` and ``_collective_rpc``."""
+    ``EngineBase.__init__`` first, sets up its own state, and ends its ``__init__`` with ``if build:
+    self._build_now()``; it implements ``_make_engine`` (build the vLLM engine from ``llm_args(kwargs)``),
+    ``_vllm_config`` and ``_collective_rpc``."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
         _prepare_env(kwargs, env)
-        self.start_seconds = 0.0  # how long the vLLM engine took to build (``ready``)
+        self._kwargs = kwargs
+        self.built = False
+        self.start_seconds = 0.0  # how long the vLLM engine took to build (``ready``, ``build``)
         self._kernel = False  # the kernel-format switch last sent to the workers
         self._stale_cache = False  # prefix-cache KV computed with weights that a sync has since replaced
+        t = time.perf_counter()
+        import vllm  # noqa: F401 - the slow imports now, while whatever the engine waits for loads
+        from vllm import LLM  # noqa: F401
+
+        self.import_seconds = time.perf_counter() - t
+
+    def _make_engine(self, kwargs: dict[str, Any]) -> None:
+        """Build the vLLM engine (the subclass's ``self.llm`` ...) from the runtime's engine arguments."""
+        raise NotImplementedError
+
+    def _build_now(self) -> float:
+        """The vLLM engine built, unless it is; ``start_seconds``."""
+        if not self.built:
+            t = time.perf_counter()
+            self._make_engine(self._kwargs)
+            self.start_seconds = time.perf_counter() - t
+            self.built = True
+        return self.start_seconds
+
+    def build(self) -> float:
+        """Build the vLLM engine of an actor made with ``build=False`` (a no-op on a built one); the seconds the
+        build took."""
+        return self._build_now()
 
     def _vllm_config(self) -> Any:
         """The engine's ``VllmConfig``."""
@@ -108,14 +137,17 @@ class AsyncEngineBase(EngineBase):
     the weight-update calls they share. A subclass implements ``_collective_rpc`` and ``_start_update`` as
     coroutines, and ``update_weights`` / ``finish_weight_update``."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        super().__init__(kwargs, env)
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
+        super().__init__(kwargs, env, build)
         self.version = 0  # bumped by resume() after a swap
         self._paused = False
 
     async def _start_update(self) -> None:
         """vLLM's ``start_weight_update()`` on this engine."""
         raise NotImplementedError
+
+    async def build(self) -> float:  # type: ignore[override]
+        return self._build_now()  # blocks the event loop: nothing else can run on an engine not built yet
 
     async def ready(self) -> float:  # type: ignore[override]
         return EngineBase.ready(self)

@@ -53,15 +53,17 @@ def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
 class Engine(EngineBase):
     """A vLLM ``LLM`` in a Ray actor (separate or colocated placement, sync weight sync)."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        super().__init__(kwargs, env)
-        from vllm import LLM
-
-        t = time.perf_counter()
-        self.llm = LLM(**llm_args(kwargs))
-        self.start_seconds = time.perf_counter() - t
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
+        super().__init__(kwargs, env, build)
         self._update_open = False  # between start_weight_update and finish_weight_update
         self.lora_request: Any = None  # LoRA: the adapter every generate uses (load_adapter)
+        if build:
+            self._build_now()
+
+    def _make_engine(self, kwargs: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(**llm_args(kwargs))
 
     def _vllm_config(self) -> Any:
         return self.llm.llm_engine.vllm_config
@@ -152,16 +154,18 @@ class Engine(EngineBase):
 class AsyncEngine(AsyncEngineBase):
     """A vLLM ``AsyncLLM`` in an async Ray actor: generation can be paused mid-request for a weight swap."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        super().__init__(kwargs, env)
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
+        super().__init__(kwargs, env, build)
+        self._live: dict[str, list[int]] = {}
+        self._swaps: dict[str, list[int]] = {}
+        if build:
+            self._build_now()
+
+    def _make_engine(self, kwargs: dict[str, Any]) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        t = time.perf_counter()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**llm_args(kwargs)))
-        self.start_seconds = time.perf_counter() - t
-        self._live: dict[str, list[int]] = {}
-        self._swaps: dict[str, list[int]] = {}
 
     def _vllm_config(self) -> Any:
         return self.llm.vllm_config

@@ -29,7 +29,6 @@ import asyncio
 import os
 import queue
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -72,18 +71,20 @@ class SteppedEngine(AsyncEngineBase):
     """An in-process vLLM ``LLM`` stepped by one background thread, in an async Ray actor; generation can be
     paused mid-request for a weight swap (the ``AsyncEngine`` surface)."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        super().__init__(kwargs, env)
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the whole point: the engine core in this process
+        super().__init__(kwargs, env, build)
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._live: dict[str, _Request] = {}
         self._pause_waiter: tuple[int, Future[None]] | None = None  # pause(after_tokens) not yet reached
         self._error: BaseException | None = None  # the engine failed in step(): nothing is stepped any more
         self._thread = threading.Thread(target=self._loop, name="vllm-stepped-engine", daemon=True)
         self._thread.start()
-        t = time.perf_counter()
+        if build:
+            self._build_now()
+
+    def _make_engine(self, kwargs: dict[str, Any]) -> None:
         self._submit(lambda: self._build(kwargs)).result()  # built on the thread that later drives it
-        self.start_seconds = time.perf_counter() - t
 
     # ------------------------------------------------------------------------ the engine thread
     def _build(self, kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,60 @@
+"""An engine actor's two-phase start on a real Ray and vLLM (CPU): made with ``build=False`` it imports vLLM and
+holds no engine, so a colocated GPU engine's process start and imports overlap the trainers' load while its vLLM
+engine, which sizes its KV cache from the GPU memory it sees free, is built only after them (``build()``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.conftest import job_config
+
+pytestmark = pytest.mark.runtime
+
+SCRIPT = r"""
+import json, sys
+
+import ray
+
+from rlhf_api.models import RLHFJobSpec
+from rlhf_runtime.infra import config as rc
+from rlhf_runtime.rollout.engines import Engine
+
+spec = RLHFJobSpec.model_validate(json.loads(sys.argv[1]))
+kw = rc.engine_kwargs(spec, spec.model.name, "gloo", "uni", gpu=False)
+env = rc.actor_env(spec, gpu=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+try:
+    actor = ray.remote(Engine).options(num_cpus=0, runtime_env={"env_vars": env}).remote(kw, env, build=False)
+    probe = lambda self: {"vllm_imported": "vllm.entrypoints.llm" in sys.modules, "has_llm": hasattr(self, "llm"),
+                          "import_seconds": self.import_seconds}
+    before = ray.get(actor.__ray_call__.remote(probe), timeout=300)
+    ready_before = ray.get(actor.ready.remote(), timeout=60)
+    built = ray.get(actor.build.remote(), timeout=300)
+    again = ray.get(actor.build.remote(), timeout=60)
+    after = ray.get(actor.__ray_call__.remote(probe), timeout=60)
+    outs = ray.get(actor.generate.remote([[3, 4, 5]], {"n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 0}),
+                   timeout=120)
+    print(json.dumps({"before": before, "ready_before": ready_before, "built": built, "again": again,
+                      "after": after, "samples": [len(s) for s in outs[0]["samples"]]}))
+finally:
+    ray.shutdown()
+"""
+
+
+def test_an_engine_made_without_build_imports_vllm_and_builds_on_request(tiny_model: Path) -> None:
+    spec = job_config(tiny_model)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # made: vLLM imported in the actor's process, no engine yet
+    assert out["before"]["vllm_imported"] and not out["before"]["has_llm"], out
+    assert out["before"]["import_seconds"] > 0 and out["ready_before"] == 0.0, out
+    # build(): the engine exists, its build time is what ready reports; a second build builds nothing
+    assert out["after"]["has_llm"] and out["built"] > 0 and out["again"] == out["built"], out
+    assert len(out["samples"]) == 2 and all(1 <= n <= 3 for n in out["samples"]), out  # n=2, max_tokens 3
