@@ -341,7 +341,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--only", default="", help="internal: lengths|legacy|rank")
-    p.add_argument("--model-dir", default="")
+    p.add_argument("--model-dir", default="", help="build the model here, or reuse the one an earlier run built here")
     p.add_argument("--profile", default="", help="write a kernel-time profile of one step of the first length here")
     p.add_argument("--compile-layers", action="store_true", help="trainer.compile: torch.compile every decoder layer")
     p.add_argument("--skip-mix", action="store_true", help="no long-tailed mix run")
@@ -366,9 +366,12 @@ def main() -> None:
         a.lengths = a.legacy_lengths
         print("RESULT " + json.dumps(run_lengths(a, Path(a.model_dir), info, legacy=True)), flush=True)
         return
-    model = tmp / a.model
-    info = gpu_sync.build_model(model, a.model, not a.cpu)
-    (model / "info.json").write_text(json.dumps(info))
+    model = Path(a.model_dir) if a.model_dir else tmp / a.model
+    if (model / "info.json").exists():  # --model-dir of an earlier run: the same random weights again
+        info = json.loads((model / "info.json").read_text())
+    else:
+        info = gpu_sync.build_model(model, a.model, not a.cpu)
+        (model / "info.json").write_text(json.dumps(info))
     result: dict[str, Any] = {"command": " ".join(sys.argv), "model": a.model, "params": info["params"],
                               "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu",
                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
