@@ -212,3 +212,36 @@ def test_varlen_attention_gets_each_sequences_boundaries(monkeypatch: pytest.Mon
     lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
     assert calls and calls[0] == ([0, *torch.tensor(lens).cumsum(0).tolist()], max(lens), (-1, 0), True)
     assert torch.allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_head_scores_gradient_equals_autograd_through_the_full_logits(temperature: float, with_bias: bool) -> None:
+    """``_HeadScores`` (the chunk's logits recomputed in its own backward) against autograd through the plain
+    computation, in float64: log-probs, entropies and the gradients of the hidden states, weight and bias."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 16, generator=gen, dtype=torch.float64)
+    w = torch.randn(40, 16, generator=gen, dtype=torch.float64) * 0.5
+    b = torch.randn(40, generator=gen, dtype=torch.float64) if with_bias else None
+    targets = torch.randint(0, 40, (7,), generator=gen)
+    coef = torch.linspace(-1, 2, 7, dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (h, w, *([b] if b is not None else []))]
+    logits = torch.nn.functional.linear(leaves[0], leaves[1], leaves[2] if b is not None else None) / temperature
+    lsm = torch.log_softmax(logits, -1)
+    want_lp = lsm.gather(-1, targets[:, None]).squeeze(-1)
+    want_ent = -(lsm.exp() * lsm).sum(-1)
+    (want_lp * coef).sum().backward()
+    mine = [x.clone().requires_grad_() for x in (h, w, *([b] if b is not None else []))]
+    lp, ent = batches._HeadScores.apply(mine[0], mine[1], mine[2] if b is not None else None, targets, temperature,
+                                        True)
+    (lp * coef).sum().backward()
+    assert torch.allclose(lp, want_lp.detach(), atol=1e-12) and torch.allclose(ent, want_ent.detach(), atol=1e-12)
+    assert not ent.requires_grad
+    for got, want in zip(mine, leaves, strict=True):
+        assert torch.allclose(got.grad, want.grad, atol=1e-12), (got.grad - want.grad).abs().max()
+    # a frozen output layer (LoRA) gets no gradient; the hidden states still do
+    frozen = w.clone()
+    hh = h.clone().requires_grad_()
+    lp2, _ = batches._HeadScores.apply(hh, frozen, None, targets, temperature, False)
+    (lp2 * coef).sum().backward()
+    assert frozen.grad is None and hh.grad is not None

@@ -19,8 +19,9 @@ A batch is the driver's: ``prompts`` and ``completions`` as token ids per sample
 ``token_logprobs`` is the one definition of a token's log-probability that the trainer, its reference and the
 reference actors share: the model's next-token distribution at the rollout's sampling temperature, for the
 completion tokens only. It never materialises the ``[L, vocab]`` float32 logits: the final hidden states of the
-completion positions go through the output layer ``LOGIT_CHUNK_ELEMENTS / vocab`` tokens at a time, each chunk
-recomputed in the backward pass (activation checkpointing) instead of kept, so peak memory grows with the chunk,
+completion positions go through the output layer ``LOGIT_CHUNK_ELEMENTS / vocab`` tokens at a time, each chunk's
+logits recomputed in the backward pass instead of kept (``_HeadScores``: one matrix multiplication and the softmax
+gradient in place; soft-capped heads checkpoint the chunk's whole forward), so peak memory grows with the chunk,
 not with the sequence. It can also give each token's entropy (no gradient; a metric).
 """
 
@@ -191,6 +192,50 @@ class OutputHead:
         return x / temperature if temperature > 0 and temperature != 1.0 else x
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 at least (float64 stays float64)."""
+    return x.float() if x.element_size() < 4 else x
+
+
+class _HeadScores(torch.autograd.Function):
+    """A chunk's log-probabilities (and entropies, no gradient) through the output layer ``h @ W.T + b`` at a
+    temperature, keeping only the chunk's log-sum-exp for the backward pass: there the logits are recomputed
+    once (one matrix multiplication) and their gradient is formed from the softmax in place, ``g * (onehot -
+    softmax) / T``. The same numbers as checkpointing ``_chunk_scores`` without redoing its whole forward in the
+    backward pass (the float32 casts, the log-sum-exp and the entropy's softmax over the vocabulary)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = 1.0 / temperature if temperature > 0 and temperature != 1.0 else 1.0
+        logits = _wide(torch.nn.functional.linear(h, weight, bias))
+        if scale != 1.0:
+            logits.mul_(scale)
+        lse = torch.logsumexp(logits, -1)
+        lp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1) if entropy else lp.new_zeros(())
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _g_ent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        grad = _wide(torch.nn.functional.linear(h, weight, bias))
+        if ctx.scale != 1.0:
+            grad.mul_(ctx.scale)
+        grad.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g * softmax
+        grad.scatter_add_(-1, targets[:, None], g[:, None].to(grad.dtype))  # + g at the sampled token
+        if ctx.scale != 1.0:
+            grad.mul_(ctx.scale)
+        grad = grad.to(h.dtype)
+        gh = grad @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.t() @ h if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return gh, gw, gb, None, None, None
+
+
 def _chunk_scores(head: OutputHead, h: torch.Tensor, targets: torch.Tensor, temperature: float,
                   entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     logits = head.logits(h, temperature)
@@ -218,7 +263,10 @@ def scores_from_hidden(head: OutputHead, hidden: torch.Tensor, packed: Packed, t
     lps, ents = [], []
     for i in range(0, len(where), step):
         args = (head, h[i : i + step], targets[i : i + step], temperature, entropy)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not head.softcap:
+            lp, ent = _HeadScores.apply(h[i : i + step], head.weight, head.bias, targets[i : i + step], temperature,
+                                        entropy)
+        elif torch.is_grad_enabled():  # soft-capped logits (Gemma-2): the chunk's whole forward again
             lp, ent = torch.utils.checkpoint.checkpoint(_chunk_scores, *args, use_reentrant=False)
         else:
             lp, ent = _chunk_scores(*args)
