@@ -155,7 +155,10 @@ class Trainer(Model):
         1, ge=0, le=16, description="GPUs per trainer pod; one FSDP2 worker runs per GPU. 0 = CPU only (tests)."
     )
     strategy: Literal["single", "fsdp2"] = Field(
-        "single", description="single: one process, one GPU. fsdp2: FSDP2 sharding over all trainer GPUs."
+        "single",
+        description="single: one process, one GPU. fsdp2: FSDP2 sharding over all trainer GPUs; the first "
+        "trainer worker loads the model once in its pod's host memory (4 bytes per parameter with float32 master "
+        "weights, else 2) and every GPU receives only its own shards.",
     )
     optimizer: Optimizer = sub(Optimizer, "Optimiser settings (the learning rate is in spec.algorithm).")
     resources: Resources = sub(Resources, "CPU and memory per trainer pod (GPUs come from gpusPerReplica).")

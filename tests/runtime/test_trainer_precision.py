@@ -7,7 +7,9 @@
   whole batch: the token mean is over the whole batch, not each rank's;
 * FSDP2 with bfloat16 compute over float32 shards (mixed precision over gloo) updates like one bfloat16 worker with
   masters, and its export is bfloat16;
-* ``trainer.compile`` (torch.compile per decoder layer) under FSDP2 updates like one eager worker.
+* ``trainer.compile`` (torch.compile per decoder layer) under FSDP2 updates like one eager worker;
+* FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
+  buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ for i, (name, cfg, steps) in enumerate(runs):
             return {k: m.detach().clone() for (k, _), (_, m) in zip(t.model.named_parameters(), t.master.pairs)}
         return {k: full(p) for k, p in t.model.named_parameters()}
     before = weights()
+    loaded = None
+    if world == 2 and rank == 0 and i == 0:  # the shards filled from rank 0's copy: the checkpoint's exact values
+        from transformers import AutoModelForCausalLM
+        ref = AutoModelForCausalLM.from_pretrained(t.spec.model.name, dtype=torch.float32)
+        ours = {**before, **{k: b.detach().float() for k, b in t.model.named_buffers()}}
+        theirs = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+        loaded = {"names": sorted(ours) == sorted(theirs), "buffers": len(list(ref.named_buffers())),
+                  "max_diff": max(float((ours[k] - theirs[k].detach().float()).abs().max()) for k in theirs)}
     micro = len(t.micro_batches(batch["prompts"], batch["completions"]))
     for _ in range(steps):
         t.train(batch)
@@ -62,7 +72,7 @@ for i, (name, cfg, steps) in enumerate(runs):
             with safe_open(f"{out}/{name}.export/model.safetensors", "pt") as f:
                 export = sorted({str(f.get_tensor(k).dtype) for k in f.keys()})
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
-                     "export": export,
+                     "export": export, "loaded": loaded,
                      "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()]}
     t.close()
     del t
@@ -163,3 +173,12 @@ def test_fsdp2_mixed_precision_updates_like_one_bfloat16_worker(trained: dict) -
     one, two = trained["updates"]["bf16"], trained["updates"]["two-bf16"]
     assert abs(float(two.abs().mean() / one.abs().mean()) - 1) < 0.01
     assert float(torch.nn.functional.cosine_similarity(one, two, dim=0)) > 0.99
+
+
+def test_fsdp2_shards_filled_from_rank_0s_copy_equal_the_checkpoint(trained: dict) -> None:
+    """Under FSDP2 the model is a meta-device skeleton until ``fully_shard``; rank 0 alone loads the checkpoint and
+    every rank keeps its shard of the broadcast (``FSDPWorker.fill_shards``). Gathered back, every parameter and
+    every buffer equals ``from_pretrained``'s, the rotary frequencies (not in the state dict) included."""
+    loaded = trained["ranks"][0]["two"]["loaded"]
+    assert loaded["names"] and loaded["buffers"] >= 1, loaded
+    assert loaded["max_diff"] == 0.0, loaded

@@ -44,7 +44,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -178,6 +178,9 @@ class FSDPWorker:
         self.compute_dtype = getattr(torch, self.spec.model.dtype)
         self.masters = precision.wants_masters(self.spec.trainer.master_weights, self.compute_dtype)
         self.master: precision.MasterWeights | None = None
+        #: FSDP2: loads the full model on rank 0's host (``self.model`` is then a skeleton on the meta device until
+        #: ``shard`` fills its shards, ``fill_shards``); None: ``self.model`` already holds its weights.
+        self.deferred: Callable[[], Any] | None = None
         self.owns_group = False
         if world_size > 1:
             init_process_group(self.spec, self.device, rank, world_size, dist_addr, dist_port)
@@ -229,6 +232,51 @@ class FSDPWorker:
         for layer in self.decoder_layers():
             fully_shard(layer, **kw)
         fully_shard(self.fsdp_root(), **kw)
+        if self.deferred is not None:
+            self.fill_shards(self.deferred)
+            self.deferred = None
+
+    def skeleton(self, cls: Any, source: str, kw: dict[str, Any], **config: Any) -> Any:
+        """``cls`` (an ``AutoModel...`` class) of ``source``'s config (``config``: attributes set on it) on the meta
+        device in ``train_dtype``: no memory, no weights; ``fill_shards`` gives it its weights after
+        ``fully_shard``."""
+        from transformers import AutoConfig
+
+        extra = {k: kw[k] for k in ("revision",) if k in kw}
+        config = AutoConfig.from_pretrained(source, trust_remote_code=kw.get("trust_remote_code", False), **extra,
+                                            **config)
+        with torch.device("meta"):
+            return cls.from_config(config, dtype=self.train_dtype, trust_remote_code=kw.get("trust_remote_code", False))
+
+    def fill_shards(self, load: Callable[[], Any]) -> None:
+        """Every rank's shards of the sharded skeleton ``self.model`` from one full copy: rank 0 loads the model
+        on its host (``load()``, in the spec's dtype) and broadcasts it tensor by tensor, each rank keeping its own
+        shard (``set_model_state_dict``, ``broadcast_from_rank0``). So a node holds one full copy in host memory
+        (in ``train_dtype``, so a float32 file loads exactly),
+        not one per rank, and a GPU never holds more than its shards plus one tensor - where each rank loading
+        the whole model in float32 and moving it to its GPU before sharding needed 16 bytes per parameter on
+        every GPU and 4 per rank on the host. Buffers outside the state dict (rotary frequencies) are rank 0's."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        other: dict[str, torch.Tensor] = {}
+        if self.rank == 0:
+            host = load()
+            full = host.state_dict()
+            other = {n: b for n, b in host.named_buffers() if n not in full}
+            del host
+        kept = set(self.model.state_dict())
+        self.model.to_empty(device=self.device)
+        set_model_state_dict(self.model, full,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, buf in self.model.named_buffers():
+            if name in kept:
+                continue
+            if self.rank == 0:
+                buf.copy_(other[name])
+            dist.broadcast(buf, 0)
+        del full, other
 
     def make_optimizer(self, params: Iterable[Any], lr: float, state: dict[str, Any] | None) -> None:
         """``self.opt``: AdamW over ``params`` (one worker with master weights: over their float32 masters) at

@@ -63,11 +63,11 @@ class CriticModel(FSDPWorker):
                                                                 else Path(c.path) / "critic")
         source, opt_state = self._resume(critic.model or spec.model.name, resume_step)
         self.model = self._load(source, critic)
-        if self.resumed_from is not None and isinstance(self.root, str):  # loaded: drop the downloaded copy
-            shutil.rmtree(Path(source).parent, ignore_errors=True)
         if spec.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.shard()
+        self.shard()  # FSDP2: the shards are filled here (``deferred``)
+        if self.resumed_from is not None and isinstance(self.root, str):  # loaded: drop the downloaded copy
+            shutil.rmtree(Path(source).parent, ignore_errors=True)
         lr = spec.algorithm.ppo_settings().critic_learning_rate
         self.make_optimizer(self.model.parameters(), lr, opt_state)
         self.updates = 0
@@ -105,7 +105,11 @@ class CriticModel(FSDPWorker):
 
         try:
             kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
-            model = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw).to(self.device)
+            if self.world_size > 1:  # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
+                model = self.skeleton(AutoModelForTokenClassification, source, kw, num_labels=1)
+                self.deferred = lambda: AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw)
+            else:
+                model = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw).to(self.device)
             model.config.dtype = self.compute_dtype  # float32 masters under FSDP2; checkpoints say model.dtype
             attention.use_varlen(model, self.device, self.compute_dtype)
             return model

@@ -104,11 +104,11 @@ class Trainer(FSDPWorker):
         opt_state = self._resume(*found) if found else None
         kw = load_kwargs(spec, revision=not found or bool(self.lora))
         self.model = self._load_policy(found[1] if found else None, kw)
-        if found and spec.checkpoint and spec.checkpoint.uri:  # loaded: the downloaded copy is not needed
-            shutil.rmtree(found[1], ignore_errors=True)
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
         self._load_reference(kw)
-        self.shard()
+        self.shard()  # FSDP2: the shards are filled here (``deferred``)
+        if found and spec.checkpoint and spec.checkpoint.uri:  # loaded: the downloaded copy is not needed
+            shutil.rmtree(found[1], ignore_errors=True)
         params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
         self.make_optimizer(params, spec.algorithm.learning_rate, opt_state)
         self.sender: Any = None
@@ -138,8 +138,12 @@ class Trainer(FSDPWorker):
         checkpointing = self.spec.trainer.gradient_checkpointing
         if not self.lora:
             source = str(saved / "model") if saved else self.spec.model.name
-            model = AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
-            model = model.to(self.device)
+            if self.world_size > 1:  # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
+                model = self.skeleton(AutoModelForCausalLM, source, kw)
+                self.deferred = lambda: AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
+                model = model.to(self.device)
             model.config.dtype = self.dtype  # float32 masters under FSDP2; exports and checkpoints say model.dtype
             attention.use_varlen(model, self.device, self.dtype)
             if checkpointing:
