@@ -65,6 +65,15 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # (b) 1 colocated pod (trainer worker + engine share its GPU), CUDA IPC, sleep/wake (the default)
     "colocated-ipc": {"placement": {"mode": "colocated", "gpusPerNode": 2}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
+    # (c) vLLM's rlhf_nccl example's layout (issue 33 item 6, 3 GPUs): a trainer pod x 1 GPU + one engine pod of
+    # 2 GPUs holding one TP=2 engine, NCCL in the kernel format (each TP worker its own shard)
+    "separate-nccl-tp2": {"placement": {"mode": "separate", "gpusPerNode": 2}, "weightSync": {"backend": "nccl"},
+                          "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
+    # (d) 4 GPUs: a trainer pod of 2 GPUs (FSDP2 x2) + two engine pods of 1 GPU (DP2, TP=1), NCCL
+    "separate-nccl-fsdp2-dp2": {"placement": {"mode": "separate", "gpusPerNode": 2},
+                                "weightSync": {"backend": "nccl"},
+                                "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                "rollout": {"engines": 2, "gpuMemoryUtilization": 0.5}},
     # CPU smoke test of this script (gloo backend, tiny model)
     "cpu-gloo": {"placement": {"mode": "separate"}, "trainer": {"gpusPerReplica": 0},
                  "rollout": {"gpuMemoryUtilization": 0.05}},

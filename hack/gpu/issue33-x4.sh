@@ -1,0 +1,47 @@
+#!/bin/bash
+# Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
+# (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
+#  --print-commands: 48 calls back to back, the last one installs). Usage, from the repository root:
+#     bash hack/gpu/issue33-x4.sh PART        # PART: moe | tp2-8b | rendered
+# Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
+# 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
+#   moe:      item 2, Qwen3-30B-A3B at full size (48 layers, 128 experts, 30.5 B parameters) in the
+#             rlhf_ipc_fsdp_ep seed's layout: FSDP2 x4 colocated with DP=4 expert-parallel engines, IPC; sync time
+#             and its stages, rollout tokens/s, one GRPO step (its out-of-memory error, if any, is the result).
+#   tp2-8b:   item 1 at the Qwen3-8B shape, the rlhf_nccl seed's layout: trainer GPU0 + one TP=2 engine on GPUs
+#             1-2, NCCL in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
+#   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
+#             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
+set -u
+part=${1:?part: moe | tp2-8b | rendered}
+T0=$(date +%s)
+left() { echo $(( 560 - ($(date +%s) - T0) )); }
+. benchmarks/gpu_env.sh /tmp/site-0.33.0
+set -o pipefail
+R=/tmp/issue33-$part
+mkdir -p $R
+nvidia-smi > $R/nvidia-smi.txt
+case $part in
+  moe)
+    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
+        --timeout $(( $(left) - 15 )) --deadline 60 colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
+    ;;
+  tp2-8b)
+    python3 -c "import sys,json;sys.path.insert(0,'benchmarks');from gpu_sync import nccl_floor;print(json.dumps([{k:v \
+for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,3)]))" > $R/floor_8b.txt 2>&1
+    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
+        --variants checkpoint-format,kernel-format-pipelined-rpc,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
+        --deadline 60 separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
+    ;;
+  rendered)
+    for layout in separate-nccl-tp2 separate-nccl-fsdp2-dp2; do
+      [ "$(left)" -lt 150 ] && { echo "skip $layout: $(left) s left" >> $R/order.txt; continue; }
+      echo "$(date +%T) $layout" >> $R/order.txt
+      python3 benchmarks/rendered_cluster.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-rendered \
+          --model qwen3-1.7b --steps 4 --timeout $(( $(left) - 30 )) $layout > $R/$layout.log 2>&1
+      echo "$(date +%T) $layout exit $?" >> $R/order.txt
+    done
+    ;;
+esac
+echo "exit $? after $(( $(date +%s) - T0 )) s" >> $R/order.txt
+tar czf $OUT/part-$part.tgz -C $R . && ls -la $OUT && tail -5 $R/order.txt
