@@ -406,6 +406,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     spec = merge(base_spec(str(model_path), gpu), over)
     if args.prompts:
         spec = merge(spec, {"algorithm": {"promptsPerStep": args.prompts}})
+    if args.max_tokens:  # longer samples (the context grows with them: the prompts are short)
+        spec = merge(spec, {"rollout": {"maxModelLen": max(spec["rollout"]["maxModelLen"], args.max_tokens + 128),
+                                        "sampling": {"maxTokens": args.max_tokens}}})
     result["spec"] = spec
     backend = spec["weightSync"]["backend"] if gpu else "gloo"
     cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
@@ -531,22 +534,12 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         print(f"[{layout}:{model_name}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
         save(result)
         if len(rt.actors.engines) > 1 and not rt.layout.dp_group:
-            # the same batch on the first k engines (independent replicas), k = 1..N: DP scaling
-            engines, scaling = rt.actors.engines.actors, []
-            try:
-                for k in range(1, len(engines) + 1):
-                    rt.actors.engines.actors = engines[:k]
-                    batch = step_batch(samples, 1, cfg.spec.algorithm.prompts_per_step, 0)
-                    ro = rt.experience.launch(tokenizer, batch, sampling, 0)
-                    outs = rt.experience.collect(ro)
-                    dt = time.perf_counter() - ro.t_launch
-                    tokens = sum(len(c) for o in outs for c in o["samples"])
-                    scaling.append({"engines": k, "seconds": dt, "tokens": tokens, "tokens_per_second": tokens / dt})
-                    print(f"[{layout}:{model_name}] rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
-            finally:
-                rt.actors.engines.actors = engines
-            result["rollout"]["scaling"] = scaling
-            save(result)
+            def keep(records: list[dict[str, Any]]) -> None:  # saved after every rollout: a cut run keeps them
+                result["rollout"]["scaling"] = records
+                result["rollout"]["scaling_summary"] = scaling_summary(records)
+                save(result)
+
+            dp_scaling(rt, samples, tokenizer, sampling, args.scaling_rounds, f"[{layout}:{model_name}]", keep)
 
         # one GRPO step on the last rollout, then the sync the driver would do
         if rt.sleeps:
@@ -571,6 +564,48 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
 
 #: What the runtime's last timed rollout ran (filled by ``run_one``), for ``bare_rollout``.
 BARE_INPUTS: dict[str, Any] = {}
+
+
+def scaling_order(n: int, rounds: int) -> list[int]:
+    """Engine counts 1..n for ``rounds`` rounds, interleaved: ascending in even rounds, descending in odd ones (so
+    no count always runs first or last, on a machine warming up or a batch cached)."""
+    ks = list(range(1, n + 1))
+    return [k for r in range(rounds) for k in (ks if r % 2 == 0 else ks[::-1])]
+
+
+def dp_scaling(rt: Any, samples: Any, tokenizer: Any, sampling: dict[str, Any], rounds: int, tag: str,
+               keep: Any) -> list[dict[str, Any]]:
+    """The same batch on the first k engines (independent replicas) for every k of ``scaling_order``: DP scaling.
+    One record per rollout (its round, k, seconds, tokens, tokens/s), handed to ``keep`` after each."""
+    from rlhf_runtime.algo.data import step_batch
+
+    engines, out = rt.actors.engines.actors, []
+    try:
+        for i, k in enumerate(scaling_order(len(engines), rounds)):
+            rt.actors.engines.actors = engines[:k]
+            batch = step_batch(samples, 1, rt.cfg.spec.algorithm.prompts_per_step, 0)
+            ro = rt.experience.launch(tokenizer, batch, sampling, 0)
+            outs = rt.experience.collect(ro)
+            dt = time.perf_counter() - ro.t_launch
+            tokens = sum(len(c) for o in outs for c in o["samples"])
+            out.append({"round": i // len(engines), "engines": k, "seconds": dt, "tokens": tokens,
+                        "tokens_per_second": tokens / dt})
+            print(f"{tag} rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
+            keep(out)
+    finally:
+        rt.actors.engines.actors = engines
+    return out
+
+
+def scaling_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per engine count: median tokens/s (min-max) over the rounds, and the median over k times the 1-engine
+    median (1.0 = linear)."""
+    by_k: dict[int, list[float]] = {}
+    for r in records:
+        by_k.setdefault(r["engines"], []).append(r["tokens_per_second"])
+    one = median(by_k.get(1, [0.0])) or 1.0
+    return [{"engines": k, "rounds": len(v), "tokens_per_second": median(v), "min": min(v), "max": max(v),
+             "x_linear": median(v) / (k * one)} for k, v in sorted(by_k.items())]
 
 
 def _bare_rollout_proc(inputs: dict[str, Any], gpu: bool, q: Any) -> None:
@@ -770,6 +805,9 @@ def main() -> int:
                    help="also time the last rollout batch on a bare vllm.LLM (the runtime's overhead)")
     p.add_argument("--rollouts", type=int, default=1, help="timed rollouts of the same batch after a warm-up")
     p.add_argument("--prompts", type=int, default=0, help="prompts per rollout (default: the base spec's 64)")
+    p.add_argument("--max-tokens", type=int, default=0, help="sampling.maxTokens (default: the base spec's 128)")
+    p.add_argument("--scaling-rounds", type=int, default=1,
+                   help="rounds of the DP scaling pass (engine counts interleaved, scaling_order)")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
@@ -803,6 +841,8 @@ def main() -> int:
         cmd += ["--no-variants"] if args.no_variants else []
         cmd += ["--variants", args.variants] if args.variants else []
         cmd += ["--prompts", str(args.prompts)] if args.prompts else []
+        cmd += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
+        cmd += ["--scaling-rounds", str(args.scaling_rounds)]
         cmd += ["--rollouts", str(args.rollouts)]
         cmd += ["--bare-rollout"] if args.bare_rollout else []
         cmd += ["--revalidate"] if args.revalidate else []

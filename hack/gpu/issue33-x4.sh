@@ -2,7 +2,7 @@
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
 #  --print-commands: 48 calls back to back, the last one installs). Usage, from the repository root:
-#     bash hack/gpu/issue33-x4.sh PART        # PART: moe | tp2-8b | rendered
+#     bash hack/gpu/issue33-x4.sh PART        # PART: moe | tp2-8b | rendered | dp
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
 #   moe:      item 2, Qwen3-30B-A3B at full size (48 layers, 128 experts, 30.5 B parameters) in the
@@ -12,8 +12,11 @@
 #             1-2, NCCL in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
 #             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
+#   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, one batch of
+#             128 prompts x 8 samples x up to 1,024 tokens on the first k engines, k = 1..3 interleaved over 5
+#             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done).
 set -u
-part=${1:?part: moe | tp2-8b | rendered}
+part=${1:?part: moe | tp2-8b | rendered | dp}
 T0=$(date +%s)
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
@@ -32,6 +35,11 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
         --variants checkpoint-format,kernel-format-pipelined-rpc,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
         --deadline 60 separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
+    ;;
+  dp)
+    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
+        --prompts 128 --max-tokens 1024 --scaling-rounds 5 --timeout $(( $(left) - 15 )) --deadline 60 \
+        separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   rendered)
     for layout in separate-nccl-tp2 separate-nccl-fsdp2-dp2; do

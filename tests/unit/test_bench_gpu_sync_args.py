@@ -14,3 +14,25 @@ def test_revalidate_without_variants_is_refused() -> None:
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "--revalidate needs the variants" in out.stderr, out.stderr
+
+
+def _gpu_sync():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_sync_under_test", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dp_scaling_interleaves_engine_counts_and_summarises_per_count() -> None:
+    g = _gpu_sync()
+    assert g.scaling_order(3, 2) == [1, 2, 3, 3, 2, 1]
+    assert g.scaling_order(2, 3) == [1, 2, 2, 1, 1, 2]
+    records = [{"engines": k, "tokens_per_second": v} for k, v in
+               [(1, 100.0), (2, 190.0), (1, 110.0), (2, 170.0), (1, 90.0), (2, 200.0)]]
+    one, two = g.scaling_summary(records)
+    assert (one["rounds"], one["tokens_per_second"], one["x_linear"]) == (3, 100.0, 1.0)
+    assert (two["min"], two["max"], two["tokens_per_second"]) == (170.0, 200.0, 190.0)
+    assert abs(two["x_linear"] - 0.95) < 1e-12
