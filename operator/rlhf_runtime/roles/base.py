@@ -250,12 +250,11 @@ class FSDPWorker:
 
     def fill_shards(self, load: Callable[[], Any]) -> None:
         """Every rank's shards of the sharded skeleton ``self.model`` from one full copy: rank 0 loads the model
-        on its host (``load()``, in the spec's dtype) and broadcasts it tensor by tensor, each rank keeping its own
-        shard (``set_model_state_dict``, ``broadcast_from_rank0``). So a node holds one full copy in host memory
-        (in ``train_dtype``, so a float32 file loads exactly),
-        not one per rank, and a GPU never holds more than its shards plus one tensor - where each rank loading
-        the whole model in float32 and moving it to its GPU before sharding needed 16 bytes per parameter on
-        every GPU and 4 per rank on the host. Buffers outside the state dict (rotary frequencies) are rank 0's."""
+        on its host (``load()``, in ``train_dtype``, so a float32 file loads exactly) and broadcasts it tensor by
+        tensor, each rank keeping its own shard (``set_model_state_dict``, ``broadcast_from_rank0``). So a node
+        holds one full copy in host memory, not one per rank, and a GPU never holds more than its shards plus one
+        tensor, where each rank used to load the whole model in float32 and move it to its GPU before sharding.
+        Buffers outside the state dict (rotary frequencies) are rank 0's."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
