@@ -1,0 +1,70 @@
+"""FSDP2 trainers start from a meta-device skeleton whose shards rank 0 fills from its one copy of the checkpoint
+(``FSDPWorker.fill_shards``), on the two cases where names and tensors differ between a checkpoint and the module:
+tied embeddings (one parameter under two names) and a Qwen3-MoE checkpoint, whose per-expert tensors Transformers
+fuses into stacked expert weights as it loads. Two real ranks over gloo (CPU), subprocesses that keep torch out of
+pytest; the untied dense case is in ``test_trainer_precision.py``."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.conftest import job_config, write_config
+
+pytestmark = pytest.mark.runtime
+
+WORKER = r"""
+import json, sys
+import torch
+from rlhf_runtime.roles.policy import Trainer
+
+rank, port, cfg, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
+full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+ours = {k: full(p) for k, p in t.model.named_parameters()}
+out = {"tied": t.model.get_input_embeddings().weight is t.model.get_output_embeddings().weight}
+if rank == 0:
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    theirs = {k: p.detach().float() for k, p in ref.named_parameters()}
+    bufs = dict(ref.named_buffers())
+    out.update(names=sorted(ours) == sorted(theirs), params=len(theirs),
+               max_diff=max(float((ours[k] - theirs[k]).abs().max()) for k in theirs),
+               buffer_diff=max(float((b.float() - bufs[n].float()).abs().max()) for n, b in t.model.named_buffers()))
+batch = {"prompts": [[5, 6, 7], [8, 9]], "completions": [[10, 11], [12, 13, 14]], "advantages": [1.0, -1.0]}
+out["grad_norm"] = t.train(batch)["grad_norm"]
+t.close()
+print(json.dumps(out))
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["tied", "moe"])
+def test_fsdp2_shards_of_tied_and_moe_checkpoints_equal_the_checkpoint(kind: str, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    build = (f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(model)!r}, seed=0, "
+             + ("tie_word_embeddings=True)" if kind == "tied" else "arch='qwen3_moe')"))
+    subprocess.run([sys.executable, "-c", build], check=True, timeout=180, capture_output=True)
+    spec = job_config(model, trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"})
+    cfg = write_config(tmp_path / "job.json", spec)
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(cfg), str(model)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    done = [p.communicate(timeout=300) for p in procs]
+    failed = [f"rank {r}: {e[-2500:]}" for r, (p, (_, e)) in enumerate(zip(procs, done)) if p.returncode]
+    assert not failed, "\n".join(failed)
+    rank0, rank1 = (json.loads(o.strip().splitlines()[-1]) for o, _ in done)
+    assert rank0["tied"] == rank1["tied"] == (kind == "tied"), (rank0, rank1)  # still one parameter, if it was
+    assert rank0["names"] and rank0["params"] > 0, rank0
+    assert rank0["max_diff"] == 0.0 and rank0["buffer_diff"] == 0.0, rank0
+    assert rank0["grad_norm"] == rank1["grad_norm"] > 0, (rank0, rank1)  # and the ranks train together
