@@ -27,18 +27,18 @@ nvidia-smi > $R/nvidia-smi.txt
 case $part in
   moe)
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
-        --timeout $(( $(left) - 15 )) --deadline 60 colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
+        --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
     ;;
   tp2-8b)
     python3 -c "import sys,json;sys.path.insert(0,'benchmarks');from gpu_sync import nccl_floor;print(json.dumps([{k:v \
 for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,3)]))" > $R/floor_8b.txt 2>&1
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
         --variants checkpoint-format,kernel-format-pipelined-rpc,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
-        --deadline 60 separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
+        separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
-        --prompts 128 --max-tokens 1024 --scaling-rounds 5 --timeout $(( $(left) - 15 )) --deadline 60 \
+        --prompts 128 --max-tokens 1024 --scaling-rounds 5 --timeout $(( $(left) - 15 )) \
         separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   rendered)
