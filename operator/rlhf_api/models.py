@@ -668,7 +668,8 @@ class Reference(RolePlacement):
     placement: Literal["trainer", "colocated", "separate"] = Field(
         "trainer",
         description="Where the frozen reference policy (loaded only when algorithm.klCoef > 0) computes its "
-        "log-probabilities. trainer: inside each trainer worker (no extra actor). colocated: an actor of its own "
+        "log-probabilities. trainer: inside each trainer worker (no extra actor; with trainer.strategy fsdp2 "
+        "sharded over the trainer GPUs like the policy). colocated: an actor of its own "
         "beside each trainer worker, on its GPU. separate: a worker group of its own.",
     )
 

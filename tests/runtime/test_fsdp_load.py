@@ -1,8 +1,9 @@
 """FSDP2 trainers start from a meta-device skeleton whose shards rank 0 fills from its one copy of the checkpoint
 (``FSDPWorker.fill_shards``), on the two cases where names and tensors differ between a checkpoint and the module:
 tied embeddings (one parameter under two names) and a Qwen3-MoE checkpoint, whose per-expert tensors Transformers
-fuses into stacked expert weights as it loads. Two real ranks over gloo (CPU), subprocesses that keep torch out of
-pytest; the untied dense case is in ``test_trainer_precision.py``."""
+fuses into stacked expert weights as it loads; and the in-trainer reference of a KL penalty, sharded the same way.
+Two real ranks over gloo (CPU), subprocesses that keep torch out of pytest; the untied dense policy alone is in
+``test_trainer_precision.py``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ rank, port, cfg, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
 full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
 ours = {k: full(p) for k, p in t.model.named_parameters()}
-out = {"tied": t.model.get_input_embeddings().weight is t.model.get_output_embeddings().weight}
+refs = {k: full(p) for k, p in t.ref.model.named_parameters()} if t.ref is not None else None  # collectives: all ranks
+out = {"tied": t.model.get_input_embeddings().weight is t.model.get_output_embeddings().weight,
+       "ref_sharded": None if t.ref is None else all(hasattr(p, "full_tensor") for p in t.ref.model.parameters())}
 if rank == 0:
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -36,8 +39,13 @@ if rank == 0:
     out.update(names=sorted(ours) == sorted(theirs), params=len(theirs),
                max_diff=max(float((ours[k] - theirs[k]).abs().max()) for k in theirs),
                buffer_diff=max(float((b.float() - bufs[n].float()).abs().max()) for n, b in t.model.named_buffers()))
+    if refs is not None:
+        out["ref_diff"] = max(float((refs[k] - theirs[k]).abs().max()) for k in theirs)
+        out["ref_buffer_diff"] = max(float((b.float() - bufs[n].float()).abs().max()) for n, b in t.ref.model.named_buffers())
 batch = {"prompts": [[5, 6, 7], [8, 9]], "completions": [[10, 11], [12, 13, 14]], "advantages": [1.0, -1.0]}
-out["grad_norm"] = t.train(batch)["grad_norm"]
+steps = [t.train(batch) for _ in range(2)]
+out["grad_norm"] = steps[0]["grad_norm"]
+out["kl"] = [s["kl"] for s in steps]
 t.close()
 print(json.dumps(out))
 """
@@ -49,13 +57,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["tied", "moe"])
-def test_fsdp2_shards_of_tied_and_moe_checkpoints_equal_the_checkpoint(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["tied", "moe", "kl"])
+def test_fsdp2_shards_of_tied_moe_and_reference_models_equal_the_checkpoint(kind: str, tmp_path: Path) -> None:
     model = tmp_path / "model"
     build = (f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(model)!r}, seed=0, "
-             + ("tie_word_embeddings=True)" if kind == "tied" else "arch='qwen3_moe')"))
+             + {"tied": "tie_word_embeddings=True)", "moe": "arch='qwen3_moe')", "kl": ")"}[kind])
     subprocess.run([sys.executable, "-c", build], check=True, timeout=180, capture_output=True)
-    spec = job_config(model, trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"})
+    spec = job_config(model, trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                      algorithm={"learningRate": 1e-2, "klCoef": 0.1 if kind == "kl" else 0.0})
     cfg = write_config(tmp_path / "job.json", spec)
     port = _port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(cfg), str(model)],
@@ -68,3 +77,12 @@ def test_fsdp2_shards_of_tied_and_moe_checkpoints_equal_the_checkpoint(kind: str
     assert rank0["names"] and rank0["params"] > 0, rank0
     assert rank0["max_diff"] == 0.0 and rank0["buffer_diff"] == 0.0, rank0
     assert rank0["grad_norm"] == rank1["grad_norm"] > 0, (rank0, rank1)  # and the ranks train together
+    if kind != "kl":
+        assert rank0["ref_sharded"] is None
+        return
+    # the in-trainer reference (reference.placement: trainer) is sharded too, holds the checkpoint, and gives the
+    # KL penalty: none while the policy still equals it, some after one update
+    assert rank0["ref_sharded"] and rank1["ref_sharded"], (rank0, rank1)
+    assert rank0["ref_diff"] == 0.0 and rank0["ref_buffer_diff"] == 0.0, rank0
+    assert abs(rank0["kl"][0]) < 1e-6 and rank0["kl"][1] > 1e-6, rank0
+    assert rank0["kl"] == rank1["kl"], (rank0, rank1)

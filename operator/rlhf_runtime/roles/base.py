@@ -207,9 +207,11 @@ class FSDPWorker:
         the masters), else ``model.dtype``."""
         return torch.float32 if self.masters and self.world_size > 1 else self.compute_dtype
 
-    def decoder_layers(self) -> Iterable[Any]:
-        """The blocks ``shard`` wraps one by one: the ``layers`` of the model's base (``base_model_prefix``)."""
-        base = getattr(self.model, self.model.base_model_prefix, self.model)
+    def decoder_layers(self, model: Any = None) -> Iterable[Any]:
+        """The blocks ``shard`` wraps one by one: the ``layers`` of the model's (``self.model``'s) base
+        (``base_model_prefix``)."""
+        model = self.model if model is None else model
+        base = getattr(model, model.base_model_prefix, model)
         return getattr(base, "layers", [])
 
     def fsdp_root(self) -> Any:
@@ -236,20 +238,22 @@ class FSDPWorker:
             self.fill_shards(self.deferred)
             self.deferred = None
 
-    def skeleton(self, cls: Any, source: str, kw: dict[str, Any], **config: Any) -> Any:
+    def skeleton(self, cls: Any, source: str, kw: dict[str, Any], dtype: torch.dtype | None = None,
+                 **config: Any) -> Any:
         """``cls`` (an ``AutoModel...`` class) of ``source``'s config (``config``: attributes set on it) on the meta
-        device in ``train_dtype``: no memory, no weights; ``fill_shards`` gives it its weights after
-        ``fully_shard``."""
+        device in ``dtype`` (default ``train_dtype``): no memory, no weights; ``fill_shards`` gives it its weights
+        after ``fully_shard``."""
         from transformers import AutoConfig
 
         extra = {k: kw[k] for k in ("revision",) if k in kw}
         config = AutoConfig.from_pretrained(source, trust_remote_code=kw.get("trust_remote_code", False), **extra,
                                             **config)
         with torch.device("meta"):
-            return cls.from_config(config, dtype=self.train_dtype, trust_remote_code=kw.get("trust_remote_code", False))
+            return cls.from_config(config, dtype=dtype or self.train_dtype,
+                                   trust_remote_code=kw.get("trust_remote_code", False))
 
-    def fill_shards(self, load: Callable[[], Any]) -> None:
-        """Every rank's shards of the sharded skeleton ``self.model`` from one full copy: rank 0 loads the model
+    def fill_shards(self, load: Callable[[], Any], module: Any = None) -> None:
+        """Every rank's shards of the sharded skeleton ``module`` (default ``self.model``) from one full copy: rank 0 loads the model
         on its host (``load()``, in ``train_dtype``, so a float32 file loads exactly) and broadcasts it tensor by
         tensor, each rank keeping its own shard (``set_model_state_dict``, ``broadcast_from_rank0``). So a node
         holds one full copy in host memory, not one per rank, and a GPU never holds more than its shards plus one
@@ -258,6 +262,7 @@ class FSDPWorker:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        module = self.model if module is None else module
         full: dict[str, torch.Tensor] = {}
         other: dict[str, torch.Tensor] = {}
         if self.rank == 0:
@@ -265,11 +270,10 @@ class FSDPWorker:
             full = host.state_dict()
             other = {n: b for n, b in host.named_buffers() if n not in full}
             del host
-        kept = set(self.model.state_dict())
-        self.model.to_empty(device=self.device)
-        set_model_state_dict(self.model, full,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for name, buf in self.model.named_buffers():
+        kept = set(module.state_dict())
+        module.to_empty(device=self.device)
+        set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, buf in module.named_buffers():
             if name in kept:
                 continue
             if self.rank == 0:

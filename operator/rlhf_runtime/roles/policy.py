@@ -64,6 +64,7 @@ from rlhf_runtime.roles.batches import (
     put,
     token_logprobs,
 )
+from rlhf_runtime.roles.reference import TrainerReference
 from rlhf_runtime.vllm import compat as vllm_compat
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -162,16 +163,18 @@ class Trainer(FSDPWorker):
 
     def _load_reference(self, kw: dict[str, Any]) -> None:
         """The reference inside the trainer (``own_ref``, placement ``trainer`` with a KL penalty): a model of its
-        own (``self.ref``, the initial policy, also after a resume), or (LoRA) the policy with its adapter
-        disabled (``self.ref`` None)."""
-        from transformers import AutoModelForCausalLM
-
-        self.ref = None
+        own (``self.ref``, ``reference.TrainerReference``: the initial policy, also after a resume), or (LoRA) the
+        policy with its adapter disabled (``self.ref`` None)."""
+        self.ref: TrainerReference | None = None
         self.own_ref = self.spec.reference_active() and self.spec.reference.placement == "trainer"
         if self.own_ref and not self.lora:
-            self.ref = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device).eval()
-            self.ref.requires_grad_(False)
-            attention.use_varlen(self.ref, self.device, self.dtype)
+            self.ref = TrainerReference(self, kw)
+
+    def shard(self) -> None:
+        """``FSDPWorker.shard`` of the policy, then of the in-trainer reference (``TrainerReference.shard``)."""
+        super().shard()
+        if self.ref is not None:
+            self.ref.shard()
 
     def _load_weight_transfer(self) -> None:
         """vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
@@ -287,7 +290,7 @@ class Trainer(FSDPWorker):
     def _ref_logprobs(self, micro: Packed, temp: float) -> torch.Tensor:
         """The in-trainer reference's token log-probabilities (LoRA: the base model, adapter disabled)."""
         if self.ref is not None:
-            return token_logprobs(self.ref, micro, temp)[0]
+            return self.ref.logprobs(micro, temp)
         with self.model.disable_adapter():
             return token_logprobs(self.scorer, micro, temp)[0]
 

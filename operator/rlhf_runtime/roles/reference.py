@@ -1,8 +1,9 @@
 """The frozen reference policy in Ray actors of its own (``spec.reference.placement`` colocated or separate).
 
 Where they run is ``placement.Layout.roles``: on the trainer's GPUs (colocated: one actor beside each trainer
-worker) or in a worker group of their own. (With placement ``trainer`` the reference lives inside each trainer
-worker instead, ``roles.policy``.)
+worker) or in a worker group of their own. With placement ``trainer`` it lives inside each trainer worker instead
+(``TrainerReference``, held by ``roles.policy.Trainer``): under FSDP2 sharded like the policy, its shards filled
+from rank 0's one copy (``FSDPWorker.fill_shards``), so each GPU holds 1/world of it.
 
 ``ReferenceModel.logprobs``: log-probabilities of each completion token under the initial policy (the base model,
 ``spec.model``), with the same alignment and temperature as the trainer's (``batches.token_logprobs``, in packed
@@ -20,8 +21,44 @@ import torch
 
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.roles import attention
-from rlhf_runtime.roles.base import load_kwargs, release_cached_gpu_memory, worker_device
-from rlhf_runtime.roles.batches import pack, plan, put, token_logprobs
+from rlhf_runtime.roles.base import FSDPWorker, load_kwargs, release_cached_gpu_memory, worker_device
+from rlhf_runtime.roles.batches import Packed, TokenScorer, pack, plan, put, token_logprobs
+
+
+class TrainerReference:
+    """The frozen initial policy inside a trainer worker (``reference.placement: trainer``): one worker holds it
+    whole; FSDP2 workers build a skeleton and shard it in ``shard`` (its decoder layers, then its scorer as the
+    root), in ``model.dtype`` since it is never trained."""
+
+    def __init__(self, worker: FSDPWorker, kw: dict[str, Any]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.worker, name = worker, worker.spec.model.name
+        self.deferred: Any = None  # FSDP2: loads it on rank 0's host; ``shard`` fills the shards
+        if worker.world_size > 1:
+            self.model = worker.skeleton(AutoModelForCausalLM, name, kw, dtype=worker.compute_dtype)
+            self.deferred = lambda: AutoModelForCausalLM.from_pretrained(name, **kw)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(name, **kw).to(worker.device)
+        self.model.eval().requires_grad_(False)
+        attention.use_varlen(self.model, worker.device, worker.compute_dtype)
+        self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
+
+    def shard(self) -> None:
+        """FSDP2: shard and fill (a collective: every rank calls it); one worker: nothing."""
+        if self.deferred is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.worker.decoder_layers(self.model):
+            fully_shard(layer)
+        fully_shard(self.scorer)
+        self.worker.fill_shards(self.deferred, module=self.model)
+        self.deferred = None
+
+    def logprobs(self, micro: Packed, temperature: float) -> torch.Tensor:
+        """Its log-probabilities of ``micro``'s completion tokens (``batches.token_logprobs``)."""
+        return token_logprobs(self.scorer, micro, temperature)[0]
 
 
 class ReferenceModel:
