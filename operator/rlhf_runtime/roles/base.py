@@ -253,12 +253,13 @@ class FSDPWorker:
                                    trust_remote_code=kw.get("trust_remote_code", False))
 
     def fill_shards(self, load: Callable[[], Any], module: Any = None) -> None:
-        """Every rank's shards of the sharded skeleton ``module`` (default ``self.model``) from one full copy: rank 0 loads the model
-        on its host (``load()``, in ``train_dtype``, so a float32 file loads exactly) and broadcasts it tensor by
-        tensor, each rank keeping its own shard (``set_model_state_dict``, ``broadcast_from_rank0``). So a node
-        holds one full copy in host memory, not one per rank, and a GPU never holds more than its shards plus one
-        tensor, where each rank used to load the whole model in float32 and move it to its GPU before sharding.
-        Buffers outside the state dict (rotary frequencies) are rank 0's."""
+        """Every rank's shards of the sharded skeleton ``module`` (default ``self.model``) from one full copy:
+        rank 0 loads the model on its host (``load()``: the policy and critic in ``train_dtype``, so a float32 file
+        loads exactly) and broadcasts it tensor by tensor, each rank keeping its own shard
+        (``set_model_state_dict``, ``broadcast_from_rank0``). So a node holds one full copy in host memory, not
+        one per rank, and a GPU never holds more than its shards plus one tensor, where each rank used to load the
+        whole model in float32 and move it to its GPU before sharding. Buffers outside the state dict (rotary
+        frequencies) are rank 0's."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
