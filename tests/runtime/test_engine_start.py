@@ -39,7 +39,7 @@ try:
     after = ray.get(actor.__ray_call__.remote(probe), timeout=60)
     outs = ray.get(actor.generate.remote([[3, 4, 5]], {"n": 2, "max_tokens": 3, "temperature": 1.0, "seed": 0}),
                    timeout=120)
-    print(json.dumps({"before": before, "ready_before": ready_before, "built": built, "again": again,
+    print("RESULT " + json.dumps({"before": before, "ready_before": ready_before, "built": built, "again": again,
                       "after": after, "samples": [len(s) for s in outs[0]["samples"]]}))
 finally:
     ray.shutdown()
@@ -51,7 +51,10 @@ def test_an_engine_made_without_build_imports_vllm_and_builds_on_request(tiny_mo
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(spec)], capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the actor's own log lines reach this stdout too (Ray's log_to_driver), also after the result at times
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (proc.stdout[-2000:], proc.stderr[-4000:])
+    out = json.loads(lines[-1][len("RESULT "):])
     # made: vLLM imported in the actor's process, no engine yet
     assert out["before"]["vllm_imported"] and not out["before"]["has_llm"], out
     assert out["before"]["import_seconds"] > 0 and out["ready_before"] == 0.0, out
