@@ -170,14 +170,13 @@ class JobActors:
             **self._options(e, env, max_concurrency=16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env,
                                                                                         build=build)
 
-    def start_engines(self) -> list[float]:
+    def start_engines(self) -> None:
         """Every engine, created (``create_engines``, unless it was), built (unless it was) and ready; each one's
-        build seconds."""
+        build seconds in ``build_seconds``."""
         if not self.engines.actors:
             self.create_engines()
         # a DP group starts together
         self.build_seconds = self.engines.call_step("build", what=f"start of {self.engines.describe()}")
-        return self.build_seconds
 
     def create_engines(self, build: bool = True) -> None:
         """Every engine actor created: each starts importing vLLM at once and, with ``build``, building its

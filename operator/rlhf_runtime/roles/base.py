@@ -238,19 +238,30 @@ class FSDPWorker:
             self.fill_shards(self.deferred)
             self.deferred = None
 
-    def skeleton(self, cls: Any, source: str, kw: dict[str, Any], dtype: torch.dtype | None = None,
-                 **config: Any) -> Any:
+    def load_model(self, cls: Any, source: str, kw: dict[str, Any],
+                   **config: Any) -> tuple[Any, Callable[[], Any] | None]:
+        """``cls.from_pretrained(source, **kw, **config)`` (``cls`` an ``AutoModel...`` class, ``kw`` holding the
+        dtype) and None with one worker, on its device. Under FSDP2 a skeleton of it (``skeleton``) and that call,
+        which ``fill_shards`` makes on rank 0's host once ``fully_shard`` has run."""
+
+        def load() -> Any:
+            return cls.from_pretrained(source, **kw, **config)
+
+        if self.world_size == 1:
+            return load().to(self.device), None
+        return self.skeleton(cls, source, kw, **config), load
+
+    def skeleton(self, cls: Any, source: str, kw: dict[str, Any], **config: Any) -> Any:
         """``cls`` (an ``AutoModel...`` class) of ``source``'s config (``config``: attributes set on it) on the meta
-        device in ``dtype`` (default ``train_dtype``): no memory, no weights; ``fill_shards`` gives it its weights
-        after ``fully_shard``."""
+        device in ``kw``'s dtype: no memory, no weights; ``fill_shards`` gives it its weights after
+        ``fully_shard``."""
         from transformers import AutoConfig
 
         extra = {k: kw[k] for k in ("revision",) if k in kw}
         config = AutoConfig.from_pretrained(source, trust_remote_code=kw.get("trust_remote_code", False), **extra,
                                             **config)
         with torch.device("meta"):
-            return cls.from_config(config, dtype=dtype or self.train_dtype,
-                                   trust_remote_code=kw.get("trust_remote_code", False))
+            return cls.from_config(config, dtype=kw["dtype"], trust_remote_code=kw.get("trust_remote_code", False))
 
     def fill_shards(self, load: Callable[[], Any], module: Any = None) -> None:
         """Every rank's shards of the sharded skeleton ``module`` (default ``self.model``) from one full copy:
@@ -280,7 +291,6 @@ class FSDPWorker:
             if self.rank == 0:
                 buf.copy_(other[name])
             dist.broadcast(buf, 0)
-        del full, other
 
     def make_optimizer(self, params: Iterable[Any], lr: float, state: dict[str, Any] | None) -> None:
         """``self.opt``: AdamW over ``params`` (one worker with master weights: over their float32 masters) at

@@ -105,11 +105,8 @@ class CriticModel(FSDPWorker):
 
         try:
             kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
-            if self.world_size > 1:  # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
-                model = self.skeleton(AutoModelForTokenClassification, source, kw, num_labels=1)
-                self.deferred = lambda: AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw)
-            else:
-                model = AutoModelForTokenClassification.from_pretrained(source, num_labels=1, **kw).to(self.device)
+            # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
+            model, self.deferred = self.load_model(AutoModelForTokenClassification, source, kw, num_labels=1)
             model.config.dtype = self.compute_dtype  # float32 masters under FSDP2; checkpoints say model.dtype
             attention.use_varlen(model, self.device, self.compute_dtype)
             return model

@@ -139,12 +139,8 @@ class Trainer(FSDPWorker):
         checkpointing = self.spec.trainer.gradient_checkpointing
         if not self.lora:
             source = str(saved / "model") if saved else self.spec.model.name
-            if self.world_size > 1:  # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
-                model = self.skeleton(AutoModelForCausalLM, source, kw)
-                self.deferred = lambda: AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
-            else:
-                model = AutoModelForCausalLM.from_pretrained(source, **{**kw, "dtype": self.train_dtype})
-                model = model.to(self.device)
+            # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
+            model, self.deferred = self.load_model(AutoModelForCausalLM, source, {**kw, "dtype": self.train_dtype})
             model.config.dtype = self.dtype  # float32 masters under FSDP2; exports and checkpoints say model.dtype
             attention.use_varlen(model, self.device, self.dtype)
             if checkpointing:

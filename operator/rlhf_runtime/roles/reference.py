@@ -33,13 +33,9 @@ class TrainerReference:
     def __init__(self, worker: FSDPWorker, kw: dict[str, Any]) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.worker, name = worker, worker.spec.model.name
-        self.deferred: Any = None  # FSDP2: loads it on rank 0's host; ``shard`` fills the shards
-        if worker.world_size > 1:
-            self.model = worker.skeleton(AutoModelForCausalLM, name, kw, dtype=worker.compute_dtype)
-            self.deferred = lambda: AutoModelForCausalLM.from_pretrained(name, **kw)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(name, **kw).to(worker.device)
+        self.worker = worker
+        # FSDP2: ``deferred`` loads it on rank 0's host; ``shard`` fills the shards
+        self.model, self.deferred = worker.load_model(AutoModelForCausalLM, worker.spec.model.name, kw)
         self.model.eval().requires_grad_(False)
         attention.use_varlen(self.model, worker.device, worker.compute_dtype)
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
