@@ -401,6 +401,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         (model_path / "info.json").write_text(json.dumps(result["model"]))
     result["model"]["build_s"] = time.perf_counter() - t
     print(f"[{layout}:{model_name}] model {result['model']['params'] / 1e9:.3f}B params {'reused' if result['model'].get('reused') else 'built'}", flush=True)
+    if args.build_only:  # the model alone, for a later call on the same machine (a 30B model's build and write
+        return            # take a call's 77 s of its 570)
 
     over, actor_env = layout_parts(layout)
     spec = merge(base_spec(str(model_path), gpu), over)
@@ -814,6 +816,9 @@ def main() -> int:
     p.add_argument("--engine-device-sync", action="store_true",
                    help="engine-side timers (start/receive/finish of the worker transfer engine) wait for the GPU "
                    "before stopping (device-complete times; adds one synchronize per step)")
+    p.add_argument("--build-only", action="store_true",
+                   help="build (or find) each run's model under --work and its floor, then stop: a later call on the "
+                   "same machine reuses the model")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -847,6 +852,7 @@ def main() -> int:
         cmd += ["--bare-rollout"] if args.bare_rollout else []
         cmd += ["--revalidate"] if args.revalidate else []
         cmd += ["--engine-device-sync"] if args.engine_device_sync else []
+        cmd += ["--build-only"] if args.build_only else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()
         with open(log, "ab") as f:

@@ -2,21 +2,24 @@
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
 #  --print-commands: 48 calls back to back, the last one installs). Usage, from the repository root:
-#     bash hack/gpu/issue33-x4.sh PART        # PART: moe | tp2-8b | rendered | dp
+#     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | rendered | dp
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
+#   moe-build: the 30B model alone (built on GPU0, written in 2 shards: 77 s on 2026-11-27) and its floor, for
+#             the moe part's call right after it on the same machine: in one call with the rest it did not fit
+#             (the build, the rank-0 load of 3 min and the validation's full gather ran past the call's limit).
 #   moe:      item 2, Qwen3-30B-A3B at full size (48 layers, 128 experts, 30.5 B parameters) in the
 #             rlhf_ipc_fsdp_ep seed's layout: FSDP2 x4 colocated with DP=4 expert-parallel engines, IPC; sync time
 #             and its stages, rollout tokens/s, one GRPO step (its out-of-memory error, if any, is the result).
-#   tp2-8b:   item 1 at the Qwen3-8B shape, the rlhf_nccl seed's layout: trainer GPU0 + one TP=2 engine on GPUs
-#             1-2, NCCL in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
+#   tp2-8b:   (ran 2026-11-27 15:47, benchmarks/README.md) item 1 at the Qwen3-8B shape, the rlhf_nccl
+#             seed's layout: trainer GPU0 + one TP=2 engine on GPUs 1-2, NCCL in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
 #             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
 #   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, one batch of
 #             128 prompts x 8 samples x up to 1,024 tokens on the first k engines, k = 1..3 interleaved over 5
 #             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done).
 set -u
-part=${1:?part: moe | tp2-8b | rendered | dp}
+part=${1:?part: moe-build | moe | tp2-8b | rendered | dp}
 T0=$(date +%s)
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
@@ -25,6 +28,10 @@ R=/tmp/issue33-$part
 mkdir -p $R
 nvidia-smi > $R/nvidia-smi.txt
 case $part in
+  moe-build)
+    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --build-only \
+        --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
+    ;;
   moe)
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
         --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
