@@ -6,7 +6,7 @@
   one rank runs empty micro-batches to keep the collectives in step) makes the same update as one worker on the
   whole batch: the token mean is over the whole batch, not each rank's;
 * FSDP2 with bfloat16 compute over float32 shards (mixed precision over gloo) updates like one bfloat16 worker with
-  masters, and its export is bfloat16;
+  masters, and its export is bfloat16: each trained weight rounded once;
 * ``trainer.compile`` (torch.compile per decoder layer) under FSDP2 updates like one eager worker;
 * FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
   buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
@@ -70,7 +70,11 @@ for i, (name, cfg, steps) in enumerate(runs):
         if world == 2:
             from safetensors import safe_open
             with safe_open(f"{out}/{name}.export/model.safetensors", "pt") as f:
-                export = sorted({str(f.get_tensor(k).dtype) for k in f.keys()})
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            # each exported tensor is the trained weight rounded once to the served dtype
+            export = {"dtypes": sorted({str(v.dtype) for v in tensors.values()}), "names": sorted(tensors),
+                      "max_diff": max(float((v.float() - after[k].to(v.dtype).float()).abs().max())
+                                      for k, v in tensors.items())}
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
                      "export": export, "loaded": loaded,
                      "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()]}
@@ -169,7 +173,10 @@ def test_fsdp2_mixed_precision_updates_like_one_bfloat16_worker(trained: dict) -
 
     ranks = trained["ranks"]
     assert all(r["two-bf16"]["dtypes"] == ["torch.float32"] for r in ranks)  # the shards are the float32 masters
-    assert ranks[0]["two-bf16"]["export"] == ["torch.bfloat16"]  # the served model is bfloat16
+    export = ranks[0]["two-bf16"]["export"]
+    # the served model is bfloat16: the float32 masters, gathered and rounded once on the way out (full_model_state)
+    assert export["dtypes"] == ["torch.bfloat16"] and export["max_diff"] == 0.0, export
+    assert ranks[0]["two"]["export"]["dtypes"] == ["torch.float32"] and ranks[0]["two"]["export"]["max_diff"] == 0.0
     one, two = trained["updates"]["bf16"], trained["updates"]["two-bf16"]
     assert abs(float(two.abs().mean() / one.abs().mean()) - 1) < 0.01
     assert float(torch.nn.functional.cosine_similarity(one, two, dim=0)) > 0.99

@@ -394,11 +394,11 @@ class Trainer(FSDPWorker):
         """The current policy as a loadable checkpoint (weights, config and tokenizer) at ``path``; with LoRA the
         merged weights (``lora.merged_state``), a plain HF model."""
         out = Path(path)
-        state = full_model_state(self.model, self.world_size)  # a collective under FSDP: the driver calls every rank
+        # a collective under FSDP: the driver calls every rank. FSDP2's float32 masters are cast to the served dtype
+        # on the GPU as they are gathered
+        state = full_model_state(self.model, self.world_size, self.dtype)
         if self.rank != 0:
             return str(out)
-        if state is not None:  # FSDP2 with master weights gathers float32: the model is served in its dtype
-            state = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
         if self.lora:
             self.model.get_base_model().save_pretrained(str(out), state_dict=lora_mod.merged_state(self.model,
                                                                                                  self.lora))
