@@ -86,3 +86,39 @@ def test_fsdp2_shards_of_tied_moe_and_reference_models_equal_the_checkpoint(kind
     assert rank0["ref_diff"] == 0.0 and rank0["ref_buffer_diff"] == 0.0, rank0
     assert abs(rank0["kl"][0]) < 1e-6 and rank0["kl"][1] > 1e-6, rank0
     assert rank0["kl"] == rank1["kl"], (rank0, rank1)
+
+
+CRITIC = r"""
+import sys
+from rlhf_runtime.roles.critic import CriticModel
+
+rank, world, port, cfg = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+try:
+    CriticModel(open(cfg).read(), rank, world, "127.0.0.1" if world > 1 else None, port if world > 1 else None)
+except ValueError as e:
+    print("ERROR", e)
+"""
+
+
+def test_critic_weights_that_cannot_load_name_the_field_under_fsdp2_too(tiny_model: Path, tmp_path: Path) -> None:
+    """spec.critic.model with a readable config but a corrupt weights file: the error names the field, for one
+    worker (weights loaded with the config) and under FSDP2, where the config builds every rank's skeleton and rank
+    0 alone reads the weights later, in ``shard``. Rank 1, left waiting in the broadcast, is stopped."""
+    import shutil
+
+    critic = tmp_path / "critic"
+    shutil.copytree(tiny_model, critic)
+    (critic / "model.safetensors").write_bytes(b"not a safetensors file")
+    spec = job_config(tiny_model, algorithm={"name": "ppo"}, critic={"model": str(critic)})
+    cfg = write_config(tmp_path / "job.json", spec)
+    for world in (1, 2):
+        port = _port()
+        procs = [subprocess.Popen([sys.executable, "-c", CRITIC, str(r), str(world), str(port), str(cfg)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+        try:
+            out, err = procs[0].communicate(timeout=180)
+        finally:
+            for p in procs[1:]:
+                p.kill()
+                p.communicate()
+        assert f"ERROR cannot load the critic from spec.critic.model {str(critic)!r}" in out, (world, out, err[-2000:])

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,20 +101,27 @@ class CriticModel(FSDPWorker):
         return str(saved / "model"), read_optimizer_state(saved)
 
     def _load(self, source: str, critic: Critic) -> Any:
-        """The value model from ``source`` (a token head with one output), or a ``ValueError`` naming the field."""
+        """The value model from ``source`` (a token head with one output), or a ``ValueError`` naming the field:
+        for the config (every rank) and, under FSDP2, for the weights too, which rank 0 loads later in ``shard``."""
+        from safetensors import SafetensorError
         from transformers import AutoModelForTokenClassification
 
-        try:
-            kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
-            # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
-            model, self.deferred = self.load_model(AutoModelForTokenClassification, source, kw, num_labels=1)
-            model.config.dtype = self.compute_dtype  # float32 masters under FSDP2; checkpoints say model.dtype
-            attention.use_varlen(model, self.device, self.compute_dtype)
-            return model
-        except (OSError, ValueError) as e:
-            field = "spec.critic.model" if critic.model else "spec.model.name"
-            raise ValueError(f"cannot load the critic from {field} {source!r} as a token-classification model "
-                             f"with one output: {e}") from e
+        field = "spec.critic.model" if critic.model else "spec.model.name"
+
+        def named(call: Callable[[], Any]) -> Any:
+            try:
+                return call()
+            except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a corrupt or truncated file
+                raise ValueError(f"cannot load the critic from {field} {source!r} as a token-classification model "
+                                 f"with one output: {e}") from e
+
+        kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
+        # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard`` (``deferred``)
+        model, deferred = named(lambda: self.load_model(AutoModelForTokenClassification, source, kw, num_labels=1))
+        self.deferred = None if deferred is None else (lambda: named(deferred))
+        model.config.dtype = self.compute_dtype  # float32 masters under FSDP2; checkpoints say model.dtype
+        attention.use_varlen(model, self.device, self.compute_dtype)
+        return model
 
     def info(self) -> dict[str, Any]:
         return {"device": str(self.device), "pid": os.getpid(), "rank": self.rank, "world": self.world_size,
