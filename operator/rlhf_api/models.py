@@ -157,8 +157,10 @@ class Trainer(Model):
     strategy: Literal["single", "fsdp2"] = Field(
         "single",
         description="single: one process, one GPU. fsdp2: FSDP2 sharding over all trainer GPUs; the first "
-        "trainer worker loads the model once in its pod's host memory (4 bytes per parameter with float32 master "
-        "weights, else 2) and every GPU receives only its own shards.",
+        "trainer worker loads the model once in its pod's host memory (in the checkpoint's own dtype where the "
+        "shards widen it exactly: 2 bytes per parameter for a bfloat16 checkpoint; 4 for a float32 one with "
+        "float32 master weights) and every GPU receives only its own shards. Exports gather the model in "
+        "model.dtype on that pod.",
     )
     optimizer: Optimizer = sub(Optimizer, "Optimiser settings (the learning rate is in spec.algorithm).")
     resources: Resources = sub(Resources, "CPU and memory per trainer pod (GPUs come from gpusPerReplica).")

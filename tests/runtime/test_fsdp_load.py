@@ -29,7 +29,9 @@ t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
 full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
 ours = {k: full(p) for k, p in t.model.named_parameters()}
 refs = {k: full(p) for k, p in t.ref.model.named_parameters()} if t.ref is not None else None  # collectives: all ranks
+from rlhf_runtime.roles.precision import host_load_dtype
 out = {"tied": t.model.get_input_embeddings().weight is t.model.get_output_embeddings().weight,
+       "shards": str(t.train_dtype), "host": str(host_load_dtype(model, t.train_dtype)),
        "ref_sharded": None if t.ref is None else all(hasattr(p, "full_tensor") for p in t.ref.model.parameters())}
 if rank == 0:
     from transformers import AutoModelForCausalLM
@@ -57,14 +59,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["tied", "moe", "kl"])
+@pytest.mark.parametrize("kind", ["tied", "moe", "kl", "moe-bf16"])
 def test_fsdp2_shards_of_tied_moe_and_reference_models_equal_the_checkpoint(kind: str, tmp_path: Path) -> None:
+    """``moe-bf16``: a bfloat16 file for float32 masters (``model.dtype: bfloat16``), which rank 0 loads as
+    bfloat16 (half the host memory) and the float32 shards widen exactly."""
     model = tmp_path / "model"
     build = (f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(model)!r}, seed=0, "
-             + {"tied": "tie_word_embeddings=True)", "moe": "arch='qwen3_moe')", "kl": ")"}[kind])
+             + {"tied": "tie_word_embeddings=True)", "moe": "arch='qwen3_moe')", "kl": ")",
+                "moe-bf16": "arch='qwen3_moe', dtype='bfloat16')"}[kind])
     subprocess.run([sys.executable, "-c", build], check=True, timeout=180, capture_output=True)
     spec = job_config(model, trainer={"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                       algorithm={"learningRate": 1e-2, "klCoef": 0.1 if kind == "kl" else 0.0})
+    if kind == "moe-bf16":
+        spec["model"] = {**spec["model"], "dtype": "bfloat16"}
     cfg = write_config(tmp_path / "job.json", spec)
     port = _port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(cfg), str(model)],
@@ -74,6 +81,9 @@ def test_fsdp2_shards_of_tied_moe_and_reference_models_equal_the_checkpoint(kind
     assert not failed, "\n".join(failed)
     rank0, rank1 = (json.loads(o.strip().splitlines()[-1]) for o, _ in done)
     assert rank0["tied"] == rank1["tied"] == (kind == "tied"), (rank0, rank1)  # still one parameter, if it was
+    # the host copy: the file's own bfloat16 for float32 shards; float32 files load as float32
+    assert (rank0["shards"], rank0["host"]) == ("torch.float32", "torch.bfloat16" if kind == "moe-bf16"
+                                                else "torch.float32"), rank0
     assert rank0["names"] and rank0["params"] > 0, rank0
     assert rank0["max_diff"] == 0.0 and rank0["buffer_diff"] == 0.0, rank0
     assert rank0["grad_norm"] == rank1["grad_norm"] > 0, (rank0, rank1)  # and the ranks train together

@@ -256,18 +256,22 @@ class FSDPWorker:
             self.fill_shards(self.deferred)
             self.deferred = None
 
-    def load_model(self, cls: Any, source: str, kw: dict[str, Any],
+    def load_model(self, cls: Any, source: str, kw: dict[str, Any], widen: bool = False,
                    **config: Any) -> tuple[Any, Callable[[], Any] | None]:
         """``cls.from_pretrained(source, **kw, **config)`` (``cls`` an ``AutoModel...`` class, ``kw`` holding the
         dtype) and None with one worker, on its device. Under FSDP2 a skeleton of it (``skeleton``) and that call,
-        which ``fill_shards`` makes on rank 0's host once ``fully_shard`` has run."""
+        which ``fill_shards`` makes on rank 0's host once ``fully_shard`` has run; with ``widen`` in the file's
+        own dtype where the shards' widens it exactly (``precision.host_load_dtype``: a bfloat16 file for float32
+        masters), which halves the host copy and leaves the casting to the shards' copies. Only for models whose
+        every parameter the file holds: a new head (the critic's) would start from another random draw."""
 
-        def load() -> Any:
-            return cls.from_pretrained(source, **kw, **config)
+        def load(dtype: torch.dtype = kw["dtype"]) -> Any:
+            return cls.from_pretrained(source, **{**kw, "dtype": dtype}, **config)
 
         if self.world_size == 1:
             return load().to(self.device), None
-        return self.skeleton(cls, source, kw, **config), load
+        host = precision.host_load_dtype(source, kw["dtype"]) if widen else kw["dtype"]
+        return self.skeleton(cls, source, kw, **config), lambda: load(host)
 
     def skeleton(self, cls: Any, source: str, kw: dict[str, Any], **config: Any) -> Any:
         """``cls`` (an ``AutoModel...`` class) of ``source``'s config (``config``: attributes set on it) on the meta
@@ -283,8 +287,9 @@ class FSDPWorker:
 
     def fill_shards(self, load: Callable[[], Any], module: Any = None) -> None:
         """Every rank's shards of the sharded skeleton ``module`` (default ``self.model``) from one full copy:
-        rank 0 loads the model on its host (``load()``: the policy and critic in ``train_dtype``, so a float32 file
-        loads exactly) and broadcasts it tensor by tensor, each rank keeping its own shard
+        rank 0 loads the model on its host (``load()``: the policy and critic in ``train_dtype``, or a policy's
+        bfloat16 file as it is, see ``load_model``; either way the shards get the file's exact values) and
+        broadcasts it tensor by tensor, each rank keeping its own shard
         (``set_model_state_dict``, ``broadcast_from_rank0``). So a node holds one full copy in host memory, not
         one per rank, and a GPU never holds more than its shards plus one tensor, where each rank used to load the
         whole model in float32 and move it to its GPU before sharding. Buffers outside the state dict (rotary

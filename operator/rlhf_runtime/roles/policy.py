@@ -140,7 +140,8 @@ class Trainer(FSDPWorker):
         if not self.lora:
             source = str(saved / "model") if saved else self.spec.model.name
             # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
-            model, self.deferred = self.load_model(AutoModelForCausalLM, source, {**kw, "dtype": self.train_dtype})
+            model, self.deferred = self.load_model(AutoModelForCausalLM, source, {**kw, "dtype": self.train_dtype},
+                                                   widen=True)
             model.config.dtype = self.dtype  # float32 masters under FSDP2; exports and checkpoints say model.dtype
             attention.use_varlen(model, self.device, self.dtype)
             if checkpointing:

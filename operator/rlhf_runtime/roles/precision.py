@@ -96,3 +96,42 @@ class MasterWeights:
                                  f"{list(m.shape)}")
             m.copy_(v.to(m.device))
         self.copy_to_model()
+
+
+#: safetensors' names of the floating dtypes a checkpoint may store
+_STORED = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+#: (stored, wanted) pairs where loading in the stored dtype and casting later gives exactly the same values
+_EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def stored_dtype(source: str) -> torch.dtype | None:
+    """The one floating dtype the safetensors files of the local model directory ``source`` hold (read from the
+    files' headers, not their tensors), or None: not a local directory, no safetensors files, several floating
+    dtypes, or one safetensors does not name."""
+    import json
+    import struct
+    from pathlib import Path
+
+    files = sorted(Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
+    found: set[str] = set()
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > 100 << 20:  # safetensors' own limit on a header: a corrupt file
+                    return None
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return None  # unreadable here: from_pretrained reports it
+        found |= {v["dtype"] for k, v in header.items()
+                  if k != "__metadata__" and (v["dtype"] in _STORED or v["dtype"].startswith("F8"))}
+    return _STORED.get(found.pop()) if len(found) == 1 else None
+
+
+def host_load_dtype(source: str, wanted: torch.dtype) -> torch.dtype:
+    """The dtype to load ``source`` in on a host before its tensors are copied into parameters of ``wanted``:
+    the checkpoint's own when that is narrower and widens exactly (a bfloat16 or float16 file for float32
+    masters), so the host holds half the bytes and casts nothing, the copies giving the same values; else
+    ``wanted``."""
+    stored = stored_dtype(source)
+    return stored if (stored, wanted) in _EXACT_WIDENING else wanted
