@@ -49,6 +49,9 @@ try:
         def read(self, name):
             return Path(self.dir, name).read_bytes()
 
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+
     @ray.remote(num_cpus=0)
     def digests(path):
         files = node_files.list_files(path) if os.path.isdir(path) else []
@@ -72,6 +75,9 @@ try:
     except Exception as e:
         out["failed"] = type(e).__name__
     out["engine_node_after"] = ray.get(listing.options(scheduling_strategy=on(1)).remote())
+    # where a copy would land: the validator copies only to another node than the staging one
+    out["nodes"] = [node_files.node_of(on(0)), node_files.node_of(on(1)), node_files.node_of(on(0))]
+    out["stager_node"] = ray.get(stager.node.remote())
     print(json.dumps(out))
 finally:
     ray.shutdown()
@@ -92,3 +98,5 @@ def test_copy_lands_on_the_target_node_and_is_removed(tmp_path: Path) -> None:
     assert out["removed"] is True and out["removed_again"] is False
     assert out["failed"] is not None
     assert out["engine_node_after"] == []  # neither the finished copy nor the failed one is left
+    trainer_node, engine_node, again = out["nodes"]
+    assert trainer_node == again == out["stager_node"] != engine_node, out

@@ -54,10 +54,12 @@ class Cluster:
             self.nodes[name] = (HEAD_IP if name == "head" else f"10.0.{len(self.nodes)}.1", tmp)
         return self.nodes[name]
 
+    one_pod = False  # every bundle on one node (a single pod holding trainer and engines)
+
     def node_of(self, strategy: Strategy | None) -> str:
         if strategy is None:
             return "head"
-        name = f"bundle-{strategy.group}-{strategy.bundle}"
+        name = "pod" if self.one_pod else f"bundle-{strategy.group}-{strategy.bundle}"
         self.add(name)
         return name
 
@@ -126,6 +128,7 @@ def fake_ray(cluster: Cluster) -> types.ModuleType:
         actor.killed = True
 
     ray.kill = kill  # type: ignore[attr-defined]
+    ray.get_runtime_context = lambda: types.SimpleNamespace(get_node_id=lambda: cluster.current)  # type: ignore[attr-defined]
     util = types.ModuleType("ray.util")
     util.get_node_ip_address = cluster.ip  # type: ignore[attr-defined]
     ray.util = util  # type: ignore[attr-defined]
@@ -143,13 +146,13 @@ class FakeTrainer:
     def info(self) -> dict[str, Any]:
         return {"step": 0, "resumed_from": None, "rank": self.rank, "addr": self.addr, "port": self.port}
 
-    def stage_weights(self) -> list[str] | None:
+    def stage_weights(self) -> tuple[str, list[str]] | None:
         if self.rank != 0:
             return None
         self.staged = tempfile.mkdtemp(prefix="rlhf-stage-")
         (Path(self.staged) / "config.json").write_text('{"step": 1}')
         (Path(self.staged) / "model.safetensors").write_bytes(b"\x00weights" * 100)
-        return node_files.list_files(self.staged)
+        return self.staged, node_files.list_files(self.staged)
 
     def read_staged(self, name: str) -> bytes:
         assert self.staged
@@ -284,6 +287,27 @@ def test_validation_weights_reach_each_fresh_engines_node_and_are_removed(cluste
                for path, tmp in FakeEngine.loaded)
     assert result["weights"] == [p for p, _ in FakeEngine.loaded]
     assert _leftovers(cluster) == []  # copies and the trainer's staging are gone
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_validation_on_the_staging_node_reads_the_staged_weights_without_copies(cluster: Cluster, fail: bool) -> None:
+    """Trainer and an expert-parallel group of two engines in one pod: both fresh engines load the directory trainer
+    rank 0 staged (no copy), which is removed after the check, whether it passed or a fresh engine failed."""
+    cluster.one_pod = True
+    rt = runtime({"rollout": {"engines": 2, "expertParallel": True}}, validate=True)
+    _start_for_validation(rt)
+    FakeEngine.fail = fail
+    if fail:
+        with pytest.raises(RuntimeError, match="engine died"):
+            rt.validator.validate(Tokenizer(), SAMPLES)
+    else:
+        assert rt.validator.validate(Tokenizer(), SAMPLES)["validated"]
+    pod = cluster.nodes["pod"][1]
+    assert len(FakeEngine.loaded) == 2 and len({p for p, _ in FakeEngine.loaded}) == 1, FakeEngine.loaded
+    assert all(Path(p).parent == pod and Path(p).name.startswith("rlhf-stage-") and Path(tmp) == pod
+               for p, tmp in FakeEngine.loaded), FakeEngine.loaded
+    assert not [c for c in cluster.calls if c[0] in ("write_file", "read_staged")]  # nothing copied
+    assert _leftovers(cluster) == []  # the staging is gone too
 
 
 def test_validation_removes_every_copy_when_the_fresh_engine_fails(cluster: Cluster) -> None:

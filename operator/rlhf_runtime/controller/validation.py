@@ -4,8 +4,8 @@ After the first sync, every engine's greedy output for the first prompts must eq
 a fresh engine of the same shape loaded from the trainer's weights; engines of an expert-parallel DP group are
 compared rank by rank with a fresh DP group of the same size (independent engines all with the one fresh
 engine). Otherwise the run fails with "weight-sync validation failed" (``ValidationError``). The weights reach
-each fresh engine's node through Ray's object store (``infra.node_files``: pods share no filesystem) and every
-copy is removed afterwards, also when validation fails. With ``path`` the fresh engines load that directory
+each fresh engine's node through Ray's object store (``infra.node_files``: pods share no filesystem), unless it is
+the node where trainer rank 0 staged them, and every copy is removed afterwards, also when validation fails. With ``path`` the fresh engines load that directory
 (the exported model, on a volume every pod mounts) instead.
 
 A fresh engine takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (its actor gets engine ``i``'s
@@ -100,34 +100,51 @@ class Validator:
     def _copy_weights(self, ranks: list[int]) -> list[tuple[Any, str]]:
         """The trainer's current weights as a directory on the node of engine ``i`` for each ``i`` in ``ranks``
         (where its fresh twin will run): staged by trainer rank 0 on its node (every FSDP rank takes part in
-        the gather), moved file by file through Ray's object store (``node_files``), the staging removed.
-        Returns ``(scheduling strategy, path)`` per copy; the caller removes them (``_remove_copies``)."""
+        the gather), and for an engine on another node moved there file by file through Ray's object store
+        (``node_files``). Engines on the staging node (in the trainer's pod, or a one-node run) read the staged
+        directory itself: no copy, whatever their number (a 30B model's DP=4 group: one 61 GB directory, not
+        four copies beside it). Returns ``(scheduling strategy, path)`` per engine, the strategy None for the
+        staged directory; the caller removes them (``_remove_copies``), the staging at once if nobody reads it."""
         trainers = self.actors.trainers
         source = trainers[0]
         copies: list[tuple[Any, str]] = []
         try:
-            names = trainers.call("stage_weights", what=f"validation: staging the weights on {trainers.describe()}")[0]
+            staged, names = trainers.call("stage_weights",
+                                          what=f"validation: staging the weights on {trainers.describe()}")[0]
+            home = node_files.node_of(self.actors.placement.strategy(self.actors.layout.trainers[0]), self.timeout_s)
             for i in ranks:
                 strategy = self.actors.placement.strategy(self.actors.layout.engines[i])
-                copies.append((strategy, node_files.copy_to(strategy, names, source.read_staged.remote,
-                                                            self.timeout_s)))
+                if node_files.node_of(strategy, self.timeout_s) == home:
+                    copies.append((None, staged))
+                else:
+                    copies.append((strategy, node_files.copy_to(strategy, names, source.read_staged.remote,
+                                                                self.timeout_s)))
         except BaseException:
             self._remove_copies(copies)
+            self._drop_staged()
             raise
-        finally:
-            try:
-                trainers.deadlines.get(source.drop_staged.remote(), "validation: removing the staged weights")
-            except Exception as e:  # noqa: BLE001 - do not hide the error that got us here
-                log.warning("could not remove the trainer's staged weights: %s", e)
+        if all(strategy is not None for strategy, _ in copies):
+            self._drop_staged()
         return copies
 
-    @staticmethod
-    def _remove_copies(copies: list[tuple[Any, str]]) -> None:
+    def _drop_staged(self) -> None:
+        trainers = self.actors.trainers
+        try:
+            trainers.deadlines.get(trainers[0].drop_staged.remote(), "validation: removing the staged weights")
+        except Exception as e:  # noqa: BLE001 - do not hide the error that got us here
+            log.warning("could not remove the trainer's staged weights: %s", e)
+
+    def _remove_copies(self, copies: list[tuple[Any, str]]) -> None:
+        """The copies removed, and the staged directory if one of them is it."""
         for strategy, path in copies:
+            if strategy is None:
+                continue
             try:
                 node_files.remove(strategy, path)
             except Exception as e:  # noqa: BLE001 - keep removing the others; the pod's disk goes with the pod
                 log.warning("could not remove validation weights %s: %s", path, e)
+        if any(strategy is None for strategy, _ in copies):
+            self._drop_staged()
 
     def _fresh_engine(self, i: int, path: str, dp: tuple[str, int] | None) -> Any:
         """A fresh engine shaped like engine ``i`` (rank ``i`` of a new DP group when ``dp``) that loads

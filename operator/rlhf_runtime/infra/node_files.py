@@ -6,7 +6,8 @@ them in a temporary directory on its own node (``Trainer.stage_weights``) and ha
 (``Trainer.read_staged``, an object reference); ``copy_to`` writes them into a fresh temporary directory on the
 node of a placement-group bundle, one file at a time (memory: one file), and ``remove`` deletes it there.
 Every step runs as a Ray task on the target bundle's node with ``num_cpus=0``; file contents never pass
-through the driver (it holds object references only).
+through the driver (it holds object references only). Where the target is the staging node itself (``node_of``:
+engines in the trainer's pod, or a one-node run) the validator uses the staged directory as it is.
 
 Guarantees: a copy that fails half-way is removed by ``copy_to`` itself; finished copies are removed by the
 caller with ``remove`` (in a ``finally``). Directories are named ``rlhf-validate-*`` in the node's temporary
@@ -60,6 +61,21 @@ def _on(strategy: Any, fn: Callable[..., Any]) -> Any:
     import ray
 
     return ray.remote(fn).options(num_cpus=0, scheduling_strategy=strategy)
+
+
+def node_id() -> str:
+    """(Ray task) The Ray node this runs on."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def node_of(strategy: Any, timeout: float | None = None) -> str:
+    """The Ray node ``strategy`` (a placement-group bundle's scheduling strategy) schedules to: where a copy
+    would land. A directory already on that node needs no copy."""
+    import ray
+
+    return str(ray.get(_on(strategy, node_id).remote(), timeout=timeout))
 
 
 def copy_to(strategy: Any, names: Iterable[str], read: Callable[[str], Any], timeout: float | None = None) -> str:

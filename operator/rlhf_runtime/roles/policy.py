@@ -465,10 +465,10 @@ class Trainer(FSDPWorker):
                 shutil.rmtree(tmp, ignore_errors=True)
         return uri
 
-    def stage_weights(self) -> list[str] | None:
-        """The current policy (``save_weights``) in a fresh temporary directory on this node, to be copied to
-        other nodes (``node_files.copy_to`` with ``read_staged``); rank 0 returns its files, other ranks (which
-        only take part in the FSDP gather) None. ``drop_staged`` removes the directory."""
+    def stage_weights(self) -> tuple[str, list[str]] | None:
+        """The current policy (``save_weights``) in a fresh temporary directory on this node, to be read there or
+        copied to other nodes (``node_files.copy_to`` with ``read_staged``); rank 0 returns the directory and its
+        files, other ranks (which only take part in the FSDP gather) None. ``drop_staged`` removes it."""
         self.drop_staged()
         path = tempfile.mkdtemp(prefix="rlhf-stage-") if self.rank == 0 else ""
         try:
@@ -480,7 +480,7 @@ class Trainer(FSDPWorker):
         if self.rank != 0:
             return None
         self.staged = path
-        return node_files.list_files(path)
+        return path, node_files.list_files(path)
 
     def read_staged(self, name: str) -> bytes:
         """One file of the staged weights (a name ``stage_weights`` returned)."""
