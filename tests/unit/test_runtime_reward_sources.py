@@ -230,3 +230,8 @@ def test_reward_model_errors(tmp_path: Path) -> None:
         RewardScorer(str(two), None, "float32", batch_size=4)
     with pytest.raises(FileNotFoundError, match=r"spec.reward.model.name .*nowhere does not exist"):
         RewardScorer(str(tmp_path / "nowhere"), None, "float32", batch_size=4)
+    corrupt = build_tiny_reward_model(tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")  # a truncated download, say
+    with pytest.raises(ValueError, match=r"cannot load the reward model spec.reward.model.name .*corrupt.* as a "
+                       r"sequence-classification model: .*header"):
+        RewardScorer(str(corrupt), None, "float32", batch_size=4)

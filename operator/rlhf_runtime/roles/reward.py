@@ -28,6 +28,7 @@ class RewardScorer:
     def __init__(self, name: str, revision: str | None, dtype: str, batch_size: int, device: str | None = None,
                  trust_remote_code: bool = False) -> None:
         import torch
+        from safetensors import SafetensorError
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         if batch_size < 1:
@@ -54,9 +55,10 @@ class RewardScorer:
         try:
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 name, dtype=torch_dtype, output_loading_info=True, **kw)
-        except (OSError, ValueError) as e:  # ValueError: no sequence-classification class for this architecture
-            raise type(e)(f"cannot load the reward model {FIELD} {name!r} as a sequence-classification "
-                          f"model: {e}") from e
+        except (OSError, ValueError, SafetensorError) as e:  # ValueError: no sequence-classification class for
+            # this architecture; SafetensorError: a corrupt or truncated weights file
+            raise (OSError if isinstance(e, OSError) else ValueError)(
+                f"cannot load the reward model {FIELD} {name!r} as a sequence-classification model: {e}") from e
         if info.get("missing_keys"):
             missing = sorted(info["missing_keys"])
             raise ValueError(
