@@ -93,7 +93,7 @@ def make_trainer(cfg: dict[str, Any], rank: int = 0, world: int = 1, port: int =
     class StepTrainer(Trainer):
         """The runtime's trainer without vLLM's weight-transfer modules (nothing is synced here)."""
 
-        def _load_weight_transfer(self) -> None:
+        def _load_weight_transfer(self) -> None:  # an older checkout's (TRAIN_STEP_OPERATOR) constructor calls it
             pass
 
     return StepTrainer(RuntimeConfig(name="bench", namespace="default", uid="u", spec=cfg).model_dump_json(

@@ -146,6 +146,9 @@ class FakeTrainer:
     def info(self) -> dict[str, Any]:
         return {"step": 0, "resumed_from": None, "rank": self.rank, "addr": self.addr, "port": self.port}
 
+    def load_weight_transfer(self) -> float:
+        return 0.0
+
     def stage_weights(self) -> tuple[str, list[str]] | None:
         if self.rank != 0:
             return None

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
@@ -57,6 +58,8 @@ class JobActors:
         self.trainer_threads: list[Any] = []  # each trainer's torch threads (OMP_NUM_THREADS, ``actor_env``)
         self.param_bytes = 0  # the policy's full weights (Trainer.info), beside an adapter sync's bytes
         self.build_seconds: list[float] = []  # each engine's vLLM build (start_engines)
+        self.trainer_start: dict[str, list[float]] = {}  # where the trainers' start went (start_trainers)
+        self.transfer_loads: list[Any] = []  # the trainers' load_weight_transfer calls, until await_transfer
         self.replacements = {"engines": 0, "trainers": 0}
 
     def actor_env(self, a: ActorPlacement, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -76,8 +79,11 @@ class JobActors:
         return self.placement.address_on(places[0]) if len(places) > 1 else (None, None)
 
     # -------------------------------------------------------------------------------------- trainers
-    def start_trainers(self) -> dict[str, Any]:
-        """Every trainer rank; returns rank 0's ``info`` (step, resumed_from, param_bytes, ...)."""
+    def start_trainers(self, defer_transfer: bool = False) -> dict[str, Any]:
+        """Every trainer rank; returns rank 0's ``info`` (step, resumed_from, param_bytes, ...). Then each loads
+        vLLM's weight-transfer modules (``Trainer.load_weight_transfer``), waited for here, or with
+        ``defer_transfer`` by ``await_transfer`` (before the weight-transfer group), so that the import runs
+        beside what the driver starts next."""
         import ray
 
         from rlhf_runtime.roles.policy import Trainer
@@ -86,6 +92,7 @@ class JobActors:
         cfg_json = self.cfg.model_dump_json(by_alias=True)
         places = self.layout.trainers
         addr, port = self._rendezvous(places)
+        created = time.time()
         for rank, a in enumerate(places):
             self.trainers.append(ray.remote(cls).options(**self._options(a, self.actor_env(a))).remote(
                 cfg_json, rank, len(places), addr, port))
@@ -93,7 +100,23 @@ class JobActors:
         self.trainer_pids = [i.get("pid") for i in infos]
         self.trainer_threads = [i.get("threads") for i in infos]
         self.param_bytes = int(infos[0].get("param_bytes") or 0)
+        # where each rank's start went (progress file): its constructor began this long after the driver asked
+        # for the actor (the worker process and imports), and took init_seconds (model load, shards, optimiser)
+        self.trainer_start = {"init_began_after_s": [round(float(i.get("started", created)) - created, 3)
+                                                     for i in infos],
+                              "init_seconds": [round(float(i.get("init_seconds") or 0), 3) for i in infos]}
+        self.transfer_loads = self.trainers.submit("load_weight_transfer")
+        if not defer_transfer:
+            self.await_transfer()
         return infos[0]
+
+    def await_transfer(self) -> None:
+        """Wait for the trainers' ``load_weight_transfer`` (``start_trainers``); its seconds in the record."""
+        if self.transfer_loads:
+            seconds = self.deadlines.get_step(self.transfer_loads,
+                                              f"vLLM's weight-transfer modules on {self.trainers.describe()}")
+            self.trainer_start["weight_transfer_import_seconds"] = [round(float(s), 3) for s in seconds]
+            self.transfer_loads = []
 
     def restart_trainers(self) -> dict[str, Any]:
         """Kill every trainer rank and start them again (they resume from the newest checkpoint)."""
@@ -212,7 +235,8 @@ class JobActors:
         pids = self.engines.call("pid", what=f"pid of {self.engines.describe()}")
         return {"trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
                 "trainer_threads": self.trainer_threads,
-                "engine_build_seconds": [round(float(b), 3) for b in self.build_seconds]}
+                "engine_build_seconds": [round(float(b), 3) for b in self.build_seconds],
+                "trainer_start": self.trainer_start}
 
     def everyone(self) -> list[ActorGroup]:
         return [self.engines, self.trainers, *self.roles.values()]

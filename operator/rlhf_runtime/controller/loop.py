@@ -191,7 +191,7 @@ class Runtime:
         # everything that needs nothing from the trainers loads while they do
         self.actors.create_roles(None, only=("reward", "reference"))
         self.actors.create_engines(build=self.actors.engines_build_early)
-        info = self.actors.start_trainers()
+        info = self.actors.start_trainers(defer_transfer=True)  # their vLLM imports beside the engines' start
         self.done, self.resumed = int(info["step"]), info["resumed_from"]
         msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
         self.reporter.report("Starting", step=self.done, message=msg, resumed_from_step=self.resumed)
@@ -199,6 +199,7 @@ class Runtime:
         if roles:
             self.reporter.write_progress({"time": time.time(), "roles": roles})
         self.actors.start_engines()
+        self.actors.await_transfer()
         self.record_actors()
         self.weights.init_group()
         self.weights.sync(self.done)  # engines start with dummy weights

@@ -14,9 +14,8 @@ Guarantees:
   clipping at ``maxGradNorm`` (0 disables it).
 * Loss: ``rlhf_runtime.algo.objectives.policy_loss`` (clipped policy gradient with ``clipRatio`` /
   ``clipRatioHigh``, optional k3 KL to the frozen initial policy when ``klCoef > 0`` and ``klMode`` loss),
-  aggregated per ``lossAggregation`` over the batch, ``epochsPerStep`` passes, micro-batches of
-  ``roles.batches.MICRO_BATCH`` sequences with gradient accumulation. Advantages come from the driver, per
-  sample or per token (PPO's GAE, KL in the reward).
+  aggregated per ``lossAggregation`` over the batch, ``epochsPerStep`` passes, packed micro-batches of at most
+  ``trainer.maxTokensPerMicroBatch`` tokens. Advantages (per sample; per token: PPO's GAE) come from the driver.
 * Checkpoints (``rlhf_runtime.infra.checkpoint``): the model (``save_pretrained``), the optimiser state and the
   step, written atomically; a new actor resumes from the newest one (the same step on every rank, chosen by
   rank 0), so the step counter continues; a checkpoint of the other kind (adapter or full model) than
@@ -93,6 +92,7 @@ class Trainer(FSDPWorker):
 
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
                  dist_addr: str | None = None, dist_port: int | None = None) -> None:
+        self.started = time.time()  # in ``info``: with the driver's times, where an actor's start goes
         match_engine_nccl_settings()
         super().__init__(config_json, rank, world_size, dist_addr, dist_port)
         spec = self.spec
@@ -114,11 +114,11 @@ class Trainer(FSDPWorker):
         self.make_optimizer(params, spec.algorithm.learning_rate, opt_state)
         self.sender: Any = None
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
-        self._load_weight_transfer()
         # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
                                if ".lora_" not in n)
         self.param_count = sum(p.numel() for n, p in self.model.named_parameters() if ".lora_" not in n)
+        self.init_seconds = time.time() - self.started
 
     def _resume(self, step: int, path: Path) -> dict[str, Any]:
         """Continue at checkpoint ``step`` (at ``path``): the step counter, and its optimiser state (returned).
@@ -173,9 +173,12 @@ class Trainer(FSDPWorker):
         if self.ref is not None:
             self.ref.shard()
 
-    def _load_weight_transfer(self) -> None:
-        """vLLM's weight-transfer modules load here, in the actor's start (bounded by the progress deadline), not
-        in the first init_weight_sync (bounded by weightSync.timeoutSeconds, which is for the transfer itself)."""
+    def load_weight_transfer(self) -> float:
+        """vLLM's weight-transfer modules, imported (seconds returned). The driver asks for it once the trainers
+        are up, beside the engines' start, so that a colocated engine, built only after the trainers, no longer
+        waits for this import too; bounded by the progress deadline, not by weightSync.timeoutSeconds (which is
+        for the transfer itself) as it would be in the first init_weight_sync."""
+        t = time.perf_counter()
         from rlhf_runtime import weight_sync  # noqa: F401 - loaded here, not in the first sync
         from rlhf_runtime.vllm import plugin as vllm_plugin
 
@@ -183,6 +186,7 @@ class Trainer(FSDPWorker):
         vllm_plugin.register()
         # vLLM's trainer-side weight-transfer engines, which the senders build (``weight_sync.senders``)
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: F401
+        return time.perf_counter() - t
 
     def _agreed_checkpoint(self) -> tuple[int, Path] | None:
         """The checkpoint every rank resumes from. Rank 0 picks the newest complete one (``checkpoint.latest``, or
@@ -214,7 +218,8 @@ class Trainer(FSDPWorker):
     # ------------------------------------------------------------------------------------------ info
     def info(self) -> dict[str, Any]:
         return {"step": self.step, "resumed_from": self.resumed_from, "param_bytes": self.param_bytes,
-                "device": str(self.device), "pid": os.getpid(), "threads": torch.get_num_threads()}
+                "device": str(self.device), "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "started": self.started, "init_seconds": self.init_seconds}
 
     def address(self) -> tuple[str, int]:
         """Where the engines reach this rank for the weight-transfer group: the address Ray knows this node
