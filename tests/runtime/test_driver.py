@@ -65,6 +65,11 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     want = min(8, max(1, len(os.sched_getaffinity(0))))  # one trainer and one engine, taking turns
     actors = [r["actors"] for r in records if "actors" in r]
     assert actors and actors[0]["trainer_threads"] == [want], actors
+    # where the trainer's start went: its constructor, then vLLM's weight-transfer modules, imported after it
+    # reported ready (beside the engines' start) and before the first sync
+    start = actors[0]["trainer_start"]
+    assert start["init_began_after_s"][0] >= 0 and start["init_seconds"][0] > 0, start
+    assert start["weight_transfer_import_seconds"][0] > 0, start
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:
