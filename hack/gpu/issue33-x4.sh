@@ -8,6 +8,8 @@
 #   moe-build: the 30B model alone (built on GPU0, written in 2 shards: 77 s on 2026-11-27) and its floor, for
 #             the moe part's call right after it on the same machine: in one call with the rest it did not fit
 #             (the build, the rank-0 load of 3 min and the validation's full gather ran past the call's limit).
+#             Since then rank 0 loads the bfloat16 file as it is (f9db669), the validation copy is gathered and
+#             cast on the GPUs (f3ca633) and the four fresh EP engines read the one staged directory (300cc06).
 #   moe:      item 2, Qwen3-30B-A3B at full size (48 layers, 128 experts, 30.5 B parameters) in the
 #             rlhf_ipc_fsdp_ep seed's layout: FSDP2 x4 colocated with DP=4 expert-parallel engines, IPC; sync time
 #             and its stages, rollout tokens/s, one GRPO step (its out-of-memory error, if any, is the result).
