@@ -2,7 +2,7 @@
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
 #  --print-commands: 48 calls back to back, the last one installs). Usage, from the repository root:
-#     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | rendered | dp
+#     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | ipc-8b | rendered | dp
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
 #   moe-build: the 30B model alone (built on GPU0, written in 2 shards: 77 s on 2026-11-27) and its floor, for
@@ -17,11 +17,15 @@
 #             seed's layout: trainer GPU0 + one TP=2 engine on GPUs 1-2, NCCL in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
 #             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
+#   ipc-8b:   item 3's two colocated 8B layouts not yet run (2 of the 4 GPUs; also runs on nvidia-h200-x2):
+#             FSDP2 x2 + two TP=1 engines over IPC (its first run failed at the first sync on vLLM's IPC buffer,
+#             sized since 769b0e3 to the largest tensor), then FSDP2 x2 + one TP=2 engine, kernel format (each
+#             trainer rank sends its GPU's TP shard), the second only while 200 s are left.
 #   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, one batch of
 #             128 prompts x 8 samples x up to 1,024 tokens on the first k engines, k = 1..3 interleaved over 5
 #             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done).
 set -u
-part=${1:?part: moe-build | moe | tp2-8b | rendered | dp}
+part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | rendered | dp}
 T0=$(date +%s)
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
@@ -44,6 +48,11 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
         --variants checkpoint-format,kernel-format-pipelined-rpc,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
         separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
+    ;;
+  ipc-8b)
+    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
+        --timeout 330 --deadline $(( $(left) - 15 )) colocated-ipc-fsdp2:qwen3-8b \
+        colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
