@@ -14,7 +14,8 @@
 #             rlhf_ipc_fsdp_ep seed's layout: FSDP2 x4 colocated with DP=4 expert-parallel engines, IPC; sync time
 #             and its stages, rollout tokens/s, one GRPO step (its out-of-memory error, if any, is the result).
 #   tp2-8b:   (ran 2026-11-27 15:47, benchmarks/README.md) item 1 at the Qwen3-8B shape, the rlhf_nccl
-#             seed's layout: trainer GPU0 + one TP=2 engine on GPUs 1-2, NCCL in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
+#             seed's layout: trainer GPU0 + one TP=2 engine on GPUs 1-2, NCCL in the kernel format, beside the
+#             raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
 #             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
 #   ipc-8b:   item 3's two colocated 8B layouts not yet run (2 of the 4 GPUs; also runs on nvidia-h200-x2):

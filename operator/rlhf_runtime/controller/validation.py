@@ -5,8 +5,8 @@ a fresh engine of the same shape loaded from the trainer's weights; engines of a
 compared rank by rank with a fresh DP group of the same size (independent engines all with the one fresh
 engine). Otherwise the run fails with "weight-sync validation failed" (``ValidationError``). The weights reach
 each fresh engine's node through Ray's object store (``infra.node_files``: pods share no filesystem), unless it is
-the node where trainer rank 0 staged them, and every copy is removed afterwards, also when validation fails. With ``path`` the fresh engines load that directory
-(the exported model, on a volume every pod mounts) instead.
+the node where trainer rank 0 staged them, and every copy is removed afterwards, also when validation fails.
+With ``path`` the fresh engines load that directory (the exported model, on a volume every pod mounts) instead.
 
 A fresh engine takes no Ray GPU of its own: TP=1 runs on engine ``i``'s GPU (its actor gets engine ``i``'s
 ``CUDA_VISIBLE_DEVICES`` explicitly); TP>1 workers take the ``VALIDATION_SHARE`` every bundle keeps free.

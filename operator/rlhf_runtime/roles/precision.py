@@ -106,8 +106,8 @@ _EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float3
 
 def stored_dtype(source: str) -> torch.dtype | None:
     """The one floating dtype the safetensors files of the local model directory ``source`` hold (read from the
-    files' headers, not their tensors), or None: not a local directory, no safetensors files, several floating
-    dtypes, or one safetensors does not name."""
+    files' headers, not their tensors), or None: not a local directory, no safetensors files, an unreadable
+    header, several floating dtypes, or one torch has no dtype for here (float8)."""
     import json
     import struct
     from pathlib import Path

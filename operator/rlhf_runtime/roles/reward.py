@@ -57,7 +57,7 @@ class RewardScorer:
                 name, dtype=torch_dtype, output_loading_info=True, **kw)
         except (OSError, ValueError, SafetensorError) as e:  # ValueError: no sequence-classification class for
             # this architecture; SafetensorError: a corrupt or truncated weights file
-            raise (OSError if isinstance(e, OSError) else ValueError)(
+            raise (type(e) if isinstance(e, (OSError, ValueError)) else ValueError)(
                 f"cannot load the reward model {FIELD} {name!r} as a sequence-classification model: {e}") from e
         if info.get("missing_keys"):
             missing = sorted(info["missing_keys"])
