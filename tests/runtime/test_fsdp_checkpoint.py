@@ -32,6 +32,7 @@ WORKER = r"""
 import json, sys
 import torch
 from rlhf_runtime.roles.policy import Trainer
+from rlhf_testing.ranks import exit_rank
 
 cfg, rank, port, shards, phase = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
@@ -70,6 +71,7 @@ else:
     print(json.dumps({"rank": rank, "step": t.step, "resumed_from": t.resumed_from, "keys": len(saved),
                       "differ": differ[:5], "nonzero_exp_avg": nonzero,
                       "checksum": float(sum(v.double().sum() for k, v in saved.items() if k.startswith("exp_avg/")))}))
+exit_rank()  # not a plain return: see rlhf_testing.ranks
 """
 
 

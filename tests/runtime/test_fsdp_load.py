@@ -23,6 +23,7 @@ WORKER = r"""
 import json, sys
 import torch
 from rlhf_runtime.roles.policy import Trainer
+from rlhf_testing.ranks import exit_rank
 
 rank, port, cfg, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
@@ -48,8 +49,8 @@ batch = {"prompts": [[5, 6, 7], [8, 9]], "completions": [[10, 11], [12, 13, 14]]
 steps = [t.train(batch) for _ in range(2)]
 out["grad_norm"] = steps[0]["grad_norm"]
 out["kl"] = [s["kl"] for s in steps]
-t.close()
 print(json.dumps(out))
+exit_rank()  # not a plain return: see rlhf_testing.ranks
 """
 
 
@@ -101,12 +102,14 @@ def test_fsdp2_shards_of_tied_moe_and_reference_models_equal_the_checkpoint(kind
 CRITIC = r"""
 import sys
 from rlhf_runtime.roles.critic import CriticModel
+from rlhf_testing.ranks import exit_rank
 
 rank, world, port, cfg = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 try:
     CriticModel(open(cfg).read(), rank, world, "127.0.0.1" if world > 1 else None, port if world > 1 else None)
 except ValueError as e:
     print("ERROR", e)
+exit_rank(barrier=False)  # rank 1, if any, waits in the weights' broadcast: no barrier
 """
 
 

@@ -30,6 +30,7 @@ WORKER = r"""
 import json, sys
 import torch
 from rlhf_runtime.roles.policy import Trainer
+from rlhf_testing.ranks import exit_rank
 
 rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 runs = json.loads(sys.argv[5])  # [[name, config path, steps], ...], in order (one process group at a time)
@@ -81,6 +82,7 @@ for i, (name, cfg, steps) in enumerate(runs):
     t.close()
     del t
 print(json.dumps(results))
+exit_rank()  # not a plain return: see rlhf_testing.ranks
 """
 
 
