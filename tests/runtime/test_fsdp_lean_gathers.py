@@ -38,20 +38,14 @@ build_tokenizer(sys.argv[1], 64)
 # qkv and gate_up split by rows per part, o and down by columns, vocabulary rows halved, norms whole, the tied
 # head not a parameter of its own), its tensors gathered, then with the agreed gathers only.
 #
-# How it ends matters. Its gloo process group runs collectives on C++ worker threads (``pt_gloo_runloop``); a
-# finished work is released on that thread, and with it the last reference to a tensor Python let go of, which
-# takes the GIL. Should that happen once the interpreter is finalizing (a loaded machine leaves the thread behind
-# the main one), CPython ends the thread with pthread_exit, whose unwinding through the noexcept
-# ``~AsyncWork`` calls std::terminate: "terminate called without an active exception", return code -6. Only the
-# group's destructor joins those threads, and in torch 2.13 it never runs once FSDP2 has used the group
-# (``destroy_process_group`` leaves it referenced; the backend's ``shutdown``/``abort`` join nothing). So each rank
-# waits for the other at a barrier (no collective of either is still running), tears the group down, and leaves
-# with ``os._exit`` after flushing its output: the interpreter is never finalized under live gloo threads.
+# How it ends matters: each rank waits for the other at a barrier (no collective of either is still running) and
+# leaves through ``rlhf_testing.ranks.exit_rank`` (why: its docstring; this test found it).
 WORKER = r"""
-import json, os, sys, traceback
+import json, sys, traceback
 import torch
 import torch.distributed as dist
 from rlhf_runtime.roles.policy import Trainer
+from rlhf_testing.ranks import exit_rank
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.producers import ParamSource
 from rlhf_runtime.weight_sync.senders import agreed_gathers
@@ -109,11 +103,7 @@ try:
 except BaseException:
     traceback.print_exc()
 finally:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter finalization under the group's threads (see above)
+    exit_rank(code, barrier=False)  # the barrier above, on success; no finalization under gloo threads (see above)
 """
 
 
