@@ -19,7 +19,10 @@ SXM).
 ``--profile FILE``: one more step of the first length under ``torch.profiler`` (CUDA time per kernel: the top
 kernels and a sum per kind, GEMM / attention / elementwise and normalisation / optimiser / copies) written to
 FILE, to see where the step's time goes. ``--compile-layers``: ``trainer.compile`` on (every decoder layer through
-``torch.compile``), timed the same way.
+``torch.compile``), timed the same way. With ``--world`` every rank steps once more and rank 0 profiles its
+step (NCCL kernels are the "collective" kind). Exploration knobs that are not trainer fields (``apply_knobs``):
+``--no-reshard`` (FSDP2 keeps each layer's gathered parameters from forward to backward) and
+``--logit-chunk-elements N`` (the output layer's logits per chunk).
 
 ``--legacy DIR``: the same batches through the trainer of another checkout (``DIR/operator``, e.g. the code before
 float32 masters and packing: ``git archive ef2188b operator | tar -x -C DIR``), run in a subprocess, for a before
@@ -150,7 +153,8 @@ def timed_steps(t: Any, b: dict[str, Any], repeats: int, flops: float) -> dict[s
             "loss": stats.get("loss"), "entropy": stats.get("entropy")}
 
 
-KINDS = (("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "ampere_", "sm80_")),
+KINDS = (("collective", ("nccl",)),
+         ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "ampere_", "sm80_")),
          ("attention", ("flash", "fmha", "attention")),
          ("optimiser", ("adam", "multi_tensor", "foreach")),
          ("copy / cast", ("copy", "memcpy", "memset", "cast", "fill")),
@@ -209,9 +213,34 @@ def varlen_check(t: Any, vocab: int) -> dict[str, Any]:
             "tokens": int(d.numel())}
 
 
+def apply_knobs(a: argparse.Namespace) -> dict[str, Any]:
+    """The exploration knobs that are not (yet) trainer fields, set in this process before the trainer is built:
+    ``--logit-chunk-elements`` (``roles.batches.LOGIT_CHUNK_ELEMENTS``: output-layer logits per chunk) and
+    ``--no-reshard`` (FSDP2 keeps each decoder layer's gathered parameters from its forward to its backward,
+    ``fully_shard(reshard_after_forward=False)``: one all-gather per layer per micro-batch instead of two, for the
+    bfloat16 copy of the whole model held through each micro-batch). Returns what was set, for the result rows."""
+    knobs: dict[str, Any] = {}
+    if getattr(a, "logit_chunk_elements", 0):
+        from rlhf_runtime.roles import batches
+
+        batches.LOGIT_CHUNK_ELEMENTS = knobs["logit_chunk_elements"] = a.logit_chunk_elements
+    if getattr(a, "no_reshard", False):
+        from torch.distributed import fsdp
+
+        plain = fsdp.fully_shard
+
+        def kept(module: Any, **kw: Any) -> Any:
+            return plain(module, **{"reshard_after_forward": False, **kw})
+
+        fsdp.fully_shard = kept
+        knobs["reshard_after_forward"] = False
+    return knobs
+
+
 def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy: bool) -> list[dict[str, Any]]:
     import torch
 
+    knobs = {} if legacy else apply_knobs(a)
     gpu = not a.cpu
     lengths = [int(x) for x in a.lengths.split(",")]
     budget = max(a.budget, max(lengths))
@@ -227,10 +256,15 @@ def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy
         row: dict[str, Any] = {"length": n, "samples": len(b["prompts"]), "budget": budget, "legacy": legacy,
                                "gradient_checkpointing": not a.no_checkpointing}
         row["compiled_layers"] = bool(getattr(a, "compile_layers", False))
+        row.update(knobs)
         try:
             row.update(timed_steps(t, b, a.repeats, step_flops(info, b)))
-            if getattr(a, "profile", "") and n == lengths[0] and a.rank == 0:
-                row["profile"] = profile_step(t, {k: v[:: a.world] for k, v in b.items()}, a.profile)
+            if getattr(a, "profile", "") and n == lengths[0]:  # every rank steps (collectives); rank 0 profiles
+                share = {k: v[a.rank :: a.world] for k, v in b.items()}
+                if a.rank == 0:
+                    row["profile"] = profile_step(t, share, a.profile)
+                else:
+                    t.train(share)
         except torch.OutOfMemoryError as e:
             row["error"] = str(e).splitlines()[0][:300]
             t.opt.zero_grad(set_to_none=True)
@@ -313,6 +347,9 @@ def run_ranks(a: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                str(a.step_tokens), "--budget", str(a.budget), "--repeats", str(a.repeats)]
         cmd += ["--no-checkpointing"] if a.no_checkpointing else []
         cmd += ["--compile-layers"] if a.compile_layers else []
+        cmd += ["--no-reshard"] if a.no_reshard else []
+        cmd += ["--logit-chunk-elements", str(a.logit_chunk_elements)] if a.logit_chunk_elements else []
+        cmd += ["--profile", a.profile] if a.profile else []
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(r)}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=1200) for p in procs]
@@ -345,6 +382,10 @@ def main() -> None:
     p.add_argument("--profile", default="", help="write a kernel-time profile of one step of the first length here")
     p.add_argument("--compile-layers", action="store_true", help="trainer.compile: torch.compile every decoder layer")
     p.add_argument("--skip-mix", action="store_true", help="no long-tailed mix run")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="FSDP2: keep each layer's gathered parameters from forward to backward")
+    p.add_argument("--logit-chunk-elements", type=int, default=0,
+                   help="output-layer logits per chunk (default: the runtime's LOGIT_CHUNK_ELEMENTS)")
     p.add_argument("--cpu", action="store_true", help="smoke run: the tiny model on CPU")
     p.add_argument("--out", default="")
     a = p.parse_args()
