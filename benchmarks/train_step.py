@@ -162,6 +162,9 @@ KINDS = (("collective", ("nccl",)),
          ("elementwise / norm", ("elementwise", "vectorized", "norm", "silu", "mul", "add", "pow", "rsqrt", "unrolled")))
 
 
+ANNOTATIONS = ("nccl:", "FSDP::", "Optimizer.", "ProfilerStep")
+
+
 def profile_step(t: Any, b: dict[str, Any], path: str) -> dict[str, Any]:
     """One training step under ``torch.profiler``: CUDA kernel time per kernel name, the top 40 and the sum per
     kind (``KINDS``: the first pattern that matches the kernel's name; the rest "other"), written to ``path``."""
@@ -175,7 +178,9 @@ def profile_step(t: Any, b: dict[str, Any], path: str) -> dict[str, Any]:
         dev = getattr(e, "self_device_time_total", None)
         if dev is None:
             dev = getattr(e, "self_cuda_time_total", 0)
-        if dev and e.device_type == torch.autograd.DeviceType.CUDA:
+        # kernels only: the profiler also gives device time to annotations around them ("nccl:_all_gather_base",
+        # "FSDP::post_backward_reduce", "Optimizer.step#AdamW.step"), which would count those kernels twice
+        if dev and e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith(ANNOTATIONS):
             rows.append((e.key, dev / 1e6, e.count))
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)

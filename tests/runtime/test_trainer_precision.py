@@ -8,6 +8,7 @@
 * FSDP2 with bfloat16 compute over float32 shards (mixed precision over gloo) updates like one bfloat16 worker with
   masters, and its export is bfloat16: each trained weight rounded once;
 * ``trainer.compile`` (torch.compile per decoder layer) under FSDP2 updates like one eager worker;
+* ``trainer.reshardAfterForward: false`` (FSDP2 keeps each layer gathered from forward to backward) too;
 * FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
   buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
 """
@@ -78,7 +79,10 @@ for i, (name, cfg, steps) in enumerate(runs):
                                       for k, v in tensors.items())}
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
                      "export": export, "loaded": loaded,
-                     "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()]}
+                     "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()],
+                     # FSDP2 re-shards a layer after its forward unless reshard_after_forward is false
+                     "kept": [l._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+                              for l in t.decoder_layers()] if world == 2 else None}
     t.close()
     del t
 print(json.dumps(results))
@@ -128,7 +132,10 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                           ("bf16-none", _spec(tiny_model, "bfloat16", masterWeights="none"), 10),
                           ("one", small_budget, 2)])[0]
     ranks = _train(tmp, [("two", _fsdp(small_budget), 2), ("two-bf16", _fsdp(_spec(tiny_model, "bfloat16")), 10),
-                         ("two-compiled", _fsdp(compiled), 2)], world=2)
+                         ("two-compiled", _fsdp(compiled), 2),
+                         ("two-kept", _fsdp({**small_budget, "trainer": {**small_budget["trainer"],
+                                                                         "reshardAfterForward": False}}), 2)],
+                   world=2)
     updates = {p.stem: torch.load(p) for p in tmp.glob("*.pt")}
     return {"single": single, "ranks": ranks, "updates": updates}
 
@@ -157,6 +164,17 @@ def test_compiled_layers_under_fsdp2_update_like_one_eager_worker(trained: dict)
     u = trained["updates"]
     assert float(u["one"].abs().max()) > 1e-4
     rel = float((u["two-compiled"] - u["one"]).norm() / u["one"].norm())
+    assert rel < 1e-3, rel
+
+
+def test_layers_kept_gathered_under_fsdp2_update_like_one_worker(trained: dict) -> None:
+    """``trainer.reshardAfterForward: false``: FSDP2 keeps each decoder layer's gathered parameters from its
+    forward to its backward (the default re-shards them), and the update is the same as one worker's."""
+    ranks = trained["ranks"]
+    assert all(r["two-kept"]["kept"] == [True, True] and r["two"]["kept"] == [False, False] for r in ranks), ranks
+    u = trained["updates"]
+    assert float(u["one"].abs().max()) > 1e-4
+    rel = float((u["two-kept"] - u["one"]).norm() / u["one"].norm())
     assert rel < 1e-3, rel
 
 

@@ -238,8 +238,9 @@ class FSDPWorker:
 
     def shard(self) -> None:
         """``trainer.compile``: each decoder layer through ``torch.compile`` first (per block, before FSDP2 wraps
-        it, as torchtitan does). FSDP2 over several workers: ``fully_shard`` of each decoder layer, then of
-        ``fsdp_root``; with master weights, computing in ``model.dtype`` over float32 shards
+        it, as torchtitan does). FSDP2 over several workers: ``fully_shard`` of each decoder layer (kept gathered
+        from forward to backward with ``trainer.reshardAfterForward`` false), then of ``fsdp_root``; with master
+        weights, computing in ``model.dtype`` over float32 shards
         (``precision.fsdp_policy``)."""
         if self.spec.trainer.compile:
             for layer in self.decoder_layers():
@@ -250,7 +251,7 @@ class FSDPWorker:
 
         kw = {"mp_policy": precision.fsdp_policy(self.compute_dtype)} if self.masters else {}
         for layer in self.decoder_layers():
-            fully_shard(layer, **kw)
+            fully_shard(layer, reshard_after_forward=self.spec.trainer.reshard_after_forward, **kw)
         fully_shard(self.fsdp_root(), **kw)
         if self.deferred is not None:
             self.fill_shards(self.deferred)
