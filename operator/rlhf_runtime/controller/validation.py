@@ -120,8 +120,9 @@ class Validator:
                     copies.append((strategy, node_files.copy_to(strategy, names, source.read_staged.remote,
                                                                 self.timeout_s)))
         except BaseException:
-            self._remove_copies(copies)
-            self._drop_staged()
+            self._remove_copies(copies)  # the staging too, where a copy is it
+            if all(strategy is not None for strategy, _ in copies):
+                self._drop_staged()
             raise
         if all(strategy is not None for strategy, _ in copies):
             self._drop_staged()
