@@ -113,8 +113,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated-ipc-fsdp2-ep2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                                 "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                                 "rollout": {"engines": 2, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
+    # the 30B-A3B step with the trainer's memory options: its forward without them (16k-token micro-batches, every
+    # layer's activations kept) ran out of the H200's memory at 135.7 GiB (2026-11-27, benchmarks/README.md)
     "colocated-ipc-fsdp4-ep4": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
-                                "trainer": {"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2"},
+                                "trainer": {"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2",
+                                            "gradientCheckpointing": True, "maxTokensPerMicroBatch": 4096},
                                 "rollout": {"engines": 4, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
     "separate-nccl-async": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "mode": "async"},
                             "rollout": {"gpuMemoryUtilization": 0.5}},

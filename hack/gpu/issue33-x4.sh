@@ -13,6 +13,9 @@
 #   moe:      item 2, Qwen3-30B-A3B at full size (48 layers, 128 experts, 30.5 B parameters) in the
 #             rlhf_ipc_fsdp_ep seed's layout: FSDP2 x4 colocated with DP=4 expert-parallel engines, IPC; sync time
 #             and its stages, rollout tokens/s, one GRPO step (its out-of-memory error, if any, is the result).
+#             Ran 2026-11-27 19:30 (499 s after moe-build's 111 s): validated, sync 1.148 s median of 5; the step
+#             ran out of memory in its forward (16k-token micro-batches, no checkpointing). The layout now trains
+#             with gradient checkpointing and 4k-token micro-batches: the next run's step is the open question.
 #   tp2-8b:   (ran 2026-11-27 15:47, benchmarks/README.md) item 1 at the Qwen3-8B shape, the rlhf_nccl
 #             seed's layout: trainer GPU0 + one TP=2 engine on GPUs 1-2, NCCL in the kernel format, beside the
 #             raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
