@@ -208,7 +208,9 @@ class Trainer(Model):
         "pass of the trainer, critic and reference: samples are packed end to end without padding into "
         "micro-batches of at most this many tokens (a longer sample runs alone), gradients accumulate over "
         "them. Peak activation memory grows with it; with FSDP2 every worker runs as many micro-batches as the "
-        "busiest one.",
+        "busiest one, and each micro-batch gathers the parameters and reduce-scatters the gradients (float32 "
+        "with master weights), so the largest budget that fits is the fastest (Qwen3-8B shape over 2 H200s, "
+        "checkpointing off: 4096 tokens 38.6% MFU, 8192 tokens 43.9%).",
     )
     lora: LoRA | None = Field(
         None,
