@@ -10,9 +10,11 @@ For each ``LAYOUT:MODEL`` (e.g. ``separate-nccl:qwen2-0.5b``) a child process
 3. starts the runtime exactly as the driver does (local Ray, placement groups, trainer and vLLM engine
    actors, ``init_sync``), syncs once (engines start with dummy weights) and runs the driver's validation
    (the synced engine's greedy tokens == a fresh engine loaded from the trainer's weights);
-4. times ``--syncs`` steady-state syncs per sender variant (colocated: the engine sleeps first, as after a
-   rollout, and the sync wakes it), with the engine-side ``load_weights`` time; before each variant the
-   engine's weights are scrambled and after it the greedy tokens must equal the validated ones again;
+4. times ``--syncs`` steady-state syncs with the default sender settings (colocated: the engine sleeps first, as
+   after a rollout, and the sync wakes it), with the engine-side ``load_weights`` time; then the default and the
+   sender variants interleaved, ``--syncs`` rounds, each settings once per round (``interleaved_variants``;
+   ``--sequential``: each variant's syncs one after another, the order of the results before 2026-11-28); for
+   each settings one sync into scrambled weights, after which the greedy tokens must equal the validated ones;
 5. times a rollout (tokens/s; after one warm-up rollout) and one GRPO training step followed by a sync.
 
 Writes ``<out>/gpu_<layout>_<model>.json`` (device kind, date, exact command, every number) and prints a
@@ -381,6 +383,92 @@ def save(result: dict[str, Any]) -> None:
         OUT_FILE.write_text(json.dumps(result, indent=1, default=str))
 
 
+def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The sender settings compared: the default (the job's own: ``RESET`` and its ``weightSync.format``) first,
+    then the ``VARIANTS`` of the backend that ``--variants`` selects (all by default), each as full settings."""
+    chosen = [(n, o) for n, o in VARIANTS.get(backend, []) if not args.variants or n in args.variants.split(",")]
+    return [("default", {**RESET, "format": spec["weightSync"].get("format", "auto")})] + \
+        [(n, {**RESET, **o}) for n, o in chosen]
+
+
+def _configure(rt: Any, options: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    return ray.get([t.configure_sync.remote(**options) for t in rt.actors.trainers])[0]
+
+
+def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> tuple[dict[str, Any], bool]:
+    """One sync into engines whose weights were scrambled, with the settings configured now: its record and
+    whether the greedy tokens after it equal the validated ones (``check``: prompts, max tokens, those tokens)."""
+    import ray
+
+    prompts, max_new, reference = check
+    ray.get([e.scramble_weights.remote(1234) for e in rt.actors.engines])
+    ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
+    sync = timed_sync(rt)
+    rt.weights.wake()
+    return sync, greedy(rt, prompts, max_new) == reference
+
+
+def sequential_variants(rt: Any, variants: list[tuple[str, dict[str, Any]]], syncs: int,
+                        check: tuple[list[Any], int, list[list[int]]], result: dict[str, Any], tag: str) -> None:
+    """``--sequential`` (the order of every result before 2026-11-28): each variant after the default's syncs,
+    its ``syncs`` syncs one after another, the first into scrambled weights; then its greedy tokens checked."""
+    import ray
+
+    prompts, max_new, reference = check
+    for name, options in variants:
+        try:
+            applied = _configure(rt, options)
+            ray.get([e.scramble_weights.remote(1234) for e in rt.actors.engines])
+            ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
+            timed = [timed_sync(rt) for _ in range(syncs)]
+            rt.weights.wake()
+            result["syncs"][name] = timed
+            result["summary"][name] = {**summarize(timed), "options": applied,
+                                       "greedy_equals_validated": greedy(rt, prompts, max_new) == reference}
+            print(f"[{tag}] {name} {result['summary'][name]}", flush=True)
+            save(result)
+        except Exception as e:  # noqa: BLE001 - a variant failing must not hide the others
+            result["summary"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print(f"[{tag}] {name} FAILED {traceback.format_exc()}", flush=True)
+            break  # the engine may be mid-update: later variants would only hang
+
+
+def interleaved_variants(rt: Any, arms: list[tuple[str, dict[str, Any]]], rounds: int,
+                         check: tuple[list[Any], int, list[list[int]]], result: dict[str, Any], tag: str) -> None:
+    """The default (already timed alone, ``syncs.default``) and the variants, interleaved: ``rounds`` rounds, each
+    settings once per round in an order rotated by one each round; per turn configure it, one settling sync
+    (untimed: a switch's first sync may build a plan) and one timed sync. Then per settings one sync into
+    scrambled weights and the greedy check. Results: ``syncs_interleaved`` / ``summary_interleaved`` (per
+    settings, ``rounds`` syncs), ``interleaved_order``; a failing turn ends the rounds (the engine may be
+    mid-update), keeping what was timed."""
+    names = [n for n, _ in arms]
+    timed: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    applied: dict[str, dict[str, Any]] = {}
+    result["interleaved_order"] = []
+    try:
+        for r in range(rounds):
+            for name, options in arms[r % len(arms):] + arms[: r % len(arms)]:
+                applied[name] = _configure(rt, options)
+                timed_sync(rt)  # settling
+                timed[name].append(timed_sync(rt))
+                result["interleaved_order"].append(name)
+        for name, options in arms:
+            _configure(rt, options)
+            _, same = restores_weights(rt, check)
+            result["summary_interleaved"] = result.get("summary_interleaved", {})
+            result["summary_interleaved"][name] = {**summarize(timed[name]), "options": applied[name],
+                                                   "greedy_equals_validated": same}
+    except Exception as e:  # noqa: BLE001 - keep what was timed
+        result["interleaved_error"] = f"{type(e).__name__}: {e}"[:2000]
+        print(f"[{tag}] interleaved FAILED {traceback.format_exc()}", flush=True)
+    result["syncs_interleaved"] = timed
+    for name, v in result.get("summary_interleaved", {}).items():
+        print(f"[{tag}] interleaved {name} {v}", flush=True)
+    save(result)
+
+
 def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
     import bench_actors
     import ray
@@ -472,29 +560,17 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         save(result)
         result["variant_checks"] = {}
         if not args.no_variants:
-            for name, options in VARIANTS.get(backend, []):
-                if args.variants and name not in args.variants.split(","):
-                    continue
-                try:
-                    applied = ray.get([t.configure_sync.remote(**{**RESET, **options})
-                                       for t in rt.actors.trainers])[0]
-                    ray.get([e.scramble_weights.remote(1234) for e in rt.actors.engines])
-                    ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
-                    syncs = [timed_sync(rt) for _ in range(args.syncs)]
-                    rt.weights.wake()
-                    same = greedy(rt, prompts, max_new) == reference
-                    result["syncs"][name] = syncs
-                    result["summary"][name] = {**summarize(syncs), "options": applied,
-                                               "greedy_equals_validated": same}
-                    print(f"[{layout}:{model_name}] {name} {result['summary'][name]}", flush=True)
-                    save(result)
-                except Exception as e:  # noqa: BLE001 - a variant failing must not hide the others
-                    result["summary"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-                    print(f"[{layout}:{model_name}] {name} FAILED {traceback.format_exc()}", flush=True)
-                    break  # the engine may be mid-update: later variants would only hang
+            arms = sender_arms(args, backend, spec)
+            if args.sequential or len(arms) < 2:
+                sequential_variants(rt, arms[1:], args.syncs, (prompts, max_new, reference), result,
+                                    f"{layout}:{model_name}")
+            else:
+                interleaved_variants(rt, arms, args.syncs, (prompts, max_new, reference), result,
+                                     f"{layout}:{model_name}")
             if args.revalidate:  # the fastest path again under the driver's fresh-engine validation
-                fastest = min((n for n, v in result["summary"].items() if v.get("greedy_equals_validated")),
-                              key=lambda n: result["summary"][n]["median_total_s"], default=None)
+                pool = result.get("summary_interleaved") or result["summary"]
+                fastest = min((n for n, v in pool.items() if v.get("greedy_equals_validated")),
+                              key=lambda n: pool[n]["median_total_s"], default=None)
                 options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
                 if options:
                     ray.get([t.configure_sync.remote(**{**RESET, **options}) for t in rt.actors.trainers])
@@ -783,7 +859,9 @@ def table(out: Path, names: list[str]) -> str:
         r = json.loads(f.read_text())
         s = r.get("summary", {})
         d = s.get("default", {})
-        best = min((v for v in s.values() if v.get("median_total_s")), key=lambda v: v["median_total_s"], default={})
+        arms = {**s, **r.get("summary_interleaved", {})}  # interleaved variants: their own summary
+        best = min((v for v in arms.values() if v.get("median_total_s")), key=lambda v: v["median_total_s"],
+                   default={})
         fl = r.get("floor", {})
         fg = fl.get("whole_gbps", fl.get("copy_gbps", 0))
         lines.append(
@@ -814,6 +892,9 @@ def main() -> int:
     p.add_argument("--scaling-rounds", type=int, default=1,
                    help="rounds of the DP scaling pass (engine counts interleaved, scaling_order)")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
+    p.add_argument("--sequential", action="store_true",
+                   help="time each variant's syncs one after another (the order before 2026-11-28) instead of "
+                   "interleaved with the default's")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
     p.add_argument("--engine-device-sync", action="store_true",
@@ -848,6 +929,7 @@ def main() -> int:
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--no-variants"] if args.no_variants else []
         cmd += ["--variants", args.variants] if args.variants else []
+        cmd += ["--sequential"] if args.sequential else []
         cmd += ["--prompts", str(args.prompts)] if args.prompts else []
         cmd += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
         cmd += ["--scaling-rounds", str(args.scaling_rounds)]

@@ -1,9 +1,9 @@
 """The engine calls of a weight sync (``TrainerEngineSender`` option ``rpc``) on real Ray, a real vLLM engine and a
 real trainer over gloo (CPU), through the benchmark that compares them on GPUs (``benchmarks/gpu_sync.py --cpu``):
-each mode's syncs land (the engine's weights are scrambled before a mode's syncs, and its greedy tokens after them
-equal those of the validated first sync), and each makes the engine calls and waits it promises: three calls
-waited on one by one, one ``update_weights_round`` call, or three calls submitted back to back and waited on
-twice (``EngineFanOut.pipelined``)."""
+the modes are timed interleaved (a round of each, the order rotated), each mode's sync lands (the engine's weights
+are scrambled, and its greedy tokens after the mode's sync equal those of the validated first sync), and each makes
+the engine calls and waits it promises: three calls waited on one by one, one ``update_weights_round`` call, or
+three calls submitted back to back and waited on twice (``EngineFanOut.pipelined``)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,15 @@ def test_each_rpc_mode_syncs_with_the_calls_and_waits_it_promises(tmp_path: Path
     r = json.loads(result_file.read_text())
     assert r["status"] == "ok", (r.get("error"), r.get("traceback"), proc.stdout[-3000:])
     assert r["validation"]["validated"], r["validation"]  # the first sync, against a fresh engine
-    s = r["summary"]
-    # the default: one call per sync from the group's second sync on
-    assert (s["default"]["engine_calls"], s["default"]["engine_waits"]) == (1, 1), s["default"]
-    for name, rpc, calls, waits in (("three-rpc", "three", 3, 3), ("pipelined-rpc", "pipelined", 3, 2)):
+    # the default alone first: one call per sync from the group's second sync on
+    assert (r["summary"]["default"]["engine_calls"], r["summary"]["default"]["engine_waits"]) == (1, 1), r["summary"]
+    # then the default and the variants interleaved: 3 rounds, the order rotated by one each round
+    assert r["interleaved_order"] == ["default", "three-rpc", "pipelined-rpc", "three-rpc", "pipelined-rpc",
+                                      "default", "pipelined-rpc", "default", "three-rpc"], r["interleaved_order"]
+    assert all(len(v) == 3 for v in r["syncs_interleaved"].values()), r["syncs_interleaved"]
+    s = r["summary_interleaved"]
+    for name, rpc, calls, waits in (("default", "one", 1, 1), ("three-rpc", "three", 3, 3),
+                                    ("pipelined-rpc", "pipelined", 3, 2)):
         v = s[name]
         assert v["options"]["rpc"] == rpc, v["options"]
         assert v["greedy_equals_validated"], v  # the scrambled engine has the trainer's weights again
