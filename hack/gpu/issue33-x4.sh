@@ -26,8 +26,13 @@
 #             sized since 769b0e3 to the largest tensor), then FSDP2 x2 + one TP=2 engine, kernel format (each
 #             trainer rank sends its GPU's TP shard), the second only while 200 s are left.
 #   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, one batch of
-#             128 prompts x 8 samples x up to 1,024 tokens on the first k engines, k = 1..3 interleaved over 5
-#             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done).
+#             128 prompts x 8 samples x up to 512 tokens on the first k engines, k = 1..3 interleaved over 5
+#             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done). 512, not
+#             1,024: a random-weight model samples to the limit, so 1,024 would be ~1M tokens a rollout, ~90 s a
+#             round at the 1-3 engine rates measured (20-65k tokens/s), and 5 rounds would not fit a call.
+# Left after 2026-11-27 19:48 (moe validated, tp2-8b done): moe (its step, now with checkpointing), dp, ipc-8b,
+# rendered. One session's 1,800 s hold staging (~400 s) + moe-build + moe + dp (~1,100 s); ipc-8b and rendered
+# (~900 s) need another.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | rendered | dp}
 T0=$(date +%s)
@@ -60,7 +65,7 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     ;;
   dp)
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
-        --prompts 128 --max-tokens 1024 --scaling-rounds 5 --timeout $(( $(left) - 15 )) \
+        --prompts 128 --max-tokens 512 --scaling-rounds 5 --timeout $(( $(left) - 15 )) \
         separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   rendered)
