@@ -13,7 +13,7 @@ For each ``LAYOUT:MODEL`` (e.g. ``separate-nccl:qwen2-0.5b``) a child process
 4. times ``--syncs`` steady-state syncs with the default sender settings (colocated: the engine sleeps first, as
    after a rollout, and the sync wakes it), with the engine-side ``load_weights`` time; then the default and the
    sender variants interleaved, ``--syncs`` rounds, each settings once per round (``interleaved_variants``;
-   ``--sequential``: each variant's syncs one after another, the order of the results before 2026-11-28); for
+   ``--sequential``: each variant's syncs one after another, the order of every result up to 2026-11-27); for
    each settings one sync into scrambled weights, after which the greedy tokens must equal the validated ones;
 5. times a rollout (tokens/s; after one warm-up rollout) and one GRPO training step followed by a sync.
 
@@ -412,7 +412,7 @@ def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> 
 
 def sequential_variants(rt: Any, variants: list[tuple[str, dict[str, Any]]], syncs: int,
                         check: tuple[list[Any], int, list[list[int]]], result: dict[str, Any], tag: str) -> None:
-    """``--sequential`` (the order of every result before 2026-11-28): each variant after the default's syncs,
+    """``--sequential`` (the order of every result up to 2026-11-27): each variant after the default's syncs,
     its ``syncs`` syncs one after another, the first into scrambled weights; then its greedy tokens checked."""
     import ray
 
@@ -893,7 +893,7 @@ def main() -> int:
                    help="rounds of the DP scaling pass (engine counts interleaved, scaling_order)")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--sequential", action="store_true",
-                   help="time each variant's syncs one after another (the order before 2026-11-28) instead of "
+                   help="time each variant's syncs one after another (the order of every result up to 2026-11-27) instead of "
                    "interleaved with the default's")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
