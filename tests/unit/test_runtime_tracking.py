@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,18 @@ def test_wandb_offline_run_files_hold_the_metrics_the_config_and_the_sample_tabl
                                                                                      "reward": 0.0}])
     t.close("Succeeded")
     (run_file,) = (tmp_path / "wb" / "job1" / "wandb").glob("offline-run-*-uid-abc/run-uid-abc.wandb")
-    history = wandb_history(run_file)
-    assert sorted(history) == [1, 2, 3]
+    # wandb's service may still be writing the file when finish() returns (once in a full suite the history read
+    # empty right after it): read it again until it holds every step, for at most 30 s
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            history, error = wandb_history(run_file), None
+        except Exception as e:  # noqa: BLE001 - a record cut mid-write; read again
+            history, error = {}, e
+        if sorted(history) == [1, 2, 3] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sorted(history) == [1, 2, 3], (error, t.errors, t.status, run_file.stat().st_size)
     assert [history[st]["reward/mean"] for st in (1, 2, 3)] == [0.25, 0.5, 0.75]
     assert history[3]["train/kl"] == pytest.approx(0.03)
     assert history[2]["samples/_type"] == "table-file" and history[2]["samples/nrows"] == 1
