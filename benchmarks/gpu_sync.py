@@ -397,17 +397,17 @@ def _configure(rt: Any, options: dict[str, Any]) -> dict[str, Any]:
     return ray.get([t.configure_sync.remote(**options) for t in rt.actors.trainers])[0]
 
 
-def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> tuple[dict[str, Any], bool]:
-    """One sync into engines whose weights were scrambled, with the settings configured now: its record and
-    whether the greedy tokens after it equal the validated ones (``check``: prompts, max tokens, those tokens)."""
+def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> bool:
+    """One sync into engines whose weights were scrambled, with the settings configured now: whether the greedy
+    tokens after it equal the validated ones (``check``: prompts, max tokens, those tokens)."""
     import ray
 
     prompts, max_new, reference = check
     ray.get([e.scramble_weights.remote(1234) for e in rt.actors.engines])
     ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
-    sync = timed_sync(rt)
+    timed_sync(rt)
     rt.weights.wake()
-    return sync, greedy(rt, prompts, max_new) == reference
+    return greedy(rt, prompts, max_new) == reference
 
 
 def sequential_variants(rt: Any, variants: list[tuple[str, dict[str, Any]]], syncs: int,
@@ -443,9 +443,9 @@ def interleaved_variants(rt: Any, arms: list[tuple[str, dict[str, Any]]], rounds
     scrambled weights and the greedy check. Results: ``syncs_interleaved`` / ``summary_interleaved`` (per
     settings, ``rounds`` syncs), ``interleaved_order``; a failing turn ends the rounds (the engine may be
     mid-update), keeping what was timed."""
-    names = [n for n, _ in arms]
-    timed: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    timed: dict[str, list[dict[str, Any]]] = {n: [] for n, _ in arms}
     applied: dict[str, dict[str, Any]] = {}
+    summary: dict[str, dict[str, Any]] = result.setdefault("summary_interleaved", {})
     result["interleaved_order"] = []
     try:
         for r in range(rounds):
@@ -456,15 +456,13 @@ def interleaved_variants(rt: Any, arms: list[tuple[str, dict[str, Any]]], rounds
                 result["interleaved_order"].append(name)
         for name, options in arms:
             _configure(rt, options)
-            _, same = restores_weights(rt, check)
-            result["summary_interleaved"] = result.get("summary_interleaved", {})
-            result["summary_interleaved"][name] = {**summarize(timed[name]), "options": applied[name],
-                                                   "greedy_equals_validated": same}
+            summary[name] = {**summarize(timed[name]), "options": applied[name],
+                             "greedy_equals_validated": restores_weights(rt, check)}
     except Exception as e:  # noqa: BLE001 - keep what was timed
         result["interleaved_error"] = f"{type(e).__name__}: {e}"[:2000]
         print(f"[{tag}] interleaved FAILED {traceback.format_exc()}", flush=True)
     result["syncs_interleaved"] = timed
-    for name, v in result.get("summary_interleaved", {}).items():
+    for name, v in summary.items():
         print(f"[{tag}] interleaved {name} {v}", flush=True)
     save(result)
 
@@ -560,20 +558,18 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         save(result)
         result["variant_checks"] = {}
         if not args.no_variants:
-            arms = sender_arms(args, backend, spec)
-            if args.sequential or len(arms) < 2:
-                sequential_variants(rt, arms[1:], args.syncs, (prompts, max_new, reference), result,
-                                    f"{layout}:{model_name}")
-            else:
-                interleaved_variants(rt, arms, args.syncs, (prompts, max_new, reference), result,
-                                     f"{layout}:{model_name}")
+            arms, tokens = sender_arms(args, backend, spec), (prompts, max_new, reference)
+            if args.sequential:
+                sequential_variants(rt, arms[1:], args.syncs, tokens, result, f"{layout}:{model_name}")
+            elif len(arms) > 1:
+                interleaved_variants(rt, arms, args.syncs, tokens, result, f"{layout}:{model_name}")
             if args.revalidate:  # the fastest path again under the driver's fresh-engine validation
                 pool = result.get("summary_interleaved") or result["summary"]
                 fastest = min((n for n, v in pool.items() if v.get("greedy_equals_validated")),
                               key=lambda n: pool[n]["median_total_s"], default=None)
                 options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
                 if options:
-                    ray.get([t.configure_sync.remote(**{**RESET, **options}) for t in rt.actors.trainers])
+                    _configure(rt, {**RESET, **options})
                     ray.get([e.scramble_weights.remote(99) for e in rt.actors.engines])
                     sync = timed_sync(rt)
                     t = time.perf_counter()
@@ -587,8 +583,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                     print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
                     save(result)
             # back on the sender's defaults (the job's format) for the training step's sync
-            ray.get([t.configure_sync.remote(**RESET, format=spec["weightSync"].get("format", "auto"))
-                     for t in rt.actors.trainers])
+            _configure(rt, arms[0][1])
 
         # rollout throughput (one warm-up), as the driver launches it
         rt.weights.wake()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 
 from rlhf_api.models import RLHFJobSpec
 from rlhf_runtime.infra.tracking import Tracker, flatten, step_metrics
+from tests.helpers import wait_for
 
 BASE = {"model": {"name": "m"}, "image": "i", "data": {"prompts": ["p"]}, "reward": {"rule": "contains", "target": "x"},
         "volumes": [{"name": "runs", "emptyDir": {}}]}
@@ -107,16 +107,14 @@ def test_wandb_offline_run_files_hold_the_metrics_the_config_and_the_sample_tabl
     (run_file,) = (tmp_path / "wb" / "job1" / "wandb").glob("offline-run-*-uid-abc/run-uid-abc.wandb")
     # wandb's service may still be writing the file when finish() returns (once in a full suite the history read
     # empty right after it): read it again until it holds every step, for at most 30 s
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            history, error = wandb_history(run_file), None
-        except Exception as e:  # noqa: BLE001 - a record cut mid-write; read again
-            history, error = {}, e
-        if sorted(history) == [1, 2, 3] or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert sorted(history) == [1, 2, 3], (error, t.errors, t.status, run_file.stat().st_size)
+
+    def every_step() -> dict[int, dict[str, Any]]:
+        history = wandb_history(run_file)
+        assert sorted(history) == [1, 2, 3], f"steps {sorted(history)} in {run_file.stat().st_size} bytes"
+        return history
+
+    history = wait_for(every_step, 30, f"the history of steps 1-3 (tracker errors: {t.errors})", interval=0.2)
+    assert sorted(history) == [1, 2, 3]
     assert [history[st]["reward/mean"] for st in (1, 2, 3)] == [0.25, 0.5, 0.75]
     assert history[3]["train/kl"] == pytest.approx(0.03)
     assert history[2]["samples/_type"] == "table-file" and history[2]["samples/nrows"] == 1
