@@ -20,9 +20,9 @@ SXM).
 kernels and a sum per kind, GEMM / attention / elementwise and normalisation / optimiser / copies) written to
 FILE, to see where the step's time goes. ``--compile-layers``: ``trainer.compile`` on (every decoder layer through
 ``torch.compile``), timed the same way. With ``--world`` every rank steps once more and rank 0 profiles its
-step (NCCL kernels are the "collective" kind). Exploration knobs that are not trainer fields (``apply_knobs``):
-``--no-reshard`` (FSDP2 keeps each layer's gathered parameters from forward to backward) and
-``--logit-chunk-elements N`` (the output layer's logits per chunk).
+step (NCCL kernels are the "collective" kind). ``--no-reshard``: ``trainer.reshardAfterForward: false`` (FSDP2
+keeps each layer's gathered parameters from forward to backward); ``--logit-chunk-elements N``: the output
+layer's logits per chunk, an exploration knob that is not a trainer field (``apply_knobs``).
 
 ``--legacy DIR``: the same batches through the trainer of another checkout (``DIR/operator``, e.g. the code before
 float32 masters and packing: ``git archive ef2188b operator | tar -x -C DIR``), run in a subprocess, for a before
@@ -72,13 +72,16 @@ PROMPT = 128  # prompt tokens per sample (CPU smoke: 16)
 
 
 def spec(model: Path, gpu: bool, budget: int, lr: float, dtype: str, master: str | None,
-         checkpointing: bool, world: int = 1, compile_layers: bool = False) -> dict[str, Any]:
+         checkpointing: bool, world: int = 1, compile_layers: bool = False,
+         keep_gathered: bool = False) -> dict[str, Any]:
     trainer: dict[str, Any] = {"replicas": 1, "gpusPerReplica": world if gpu or world > 1 else 0,
                                "gradientCheckpointing": checkpointing}
     if compile_layers:  # trainer.compile (a checkout before the field would refuse the key)
         trainer["compile"] = True
     if world > 1:
         trainer["strategy"] = "fsdp2"
+    if keep_gathered:  # trainer.reshardAfterForward false (likewise a newer field)
+        trainer["reshardAfterForward"] = False
     if master is not None:  # None: a checkout without these fields (--legacy)
         trainer.update(masterWeights=master, maxTokensPerMicroBatch=budget)
     return {
@@ -219,25 +222,16 @@ def varlen_check(t: Any, vocab: int) -> dict[str, Any]:
 
 
 def apply_knobs(a: argparse.Namespace) -> dict[str, Any]:
-    """The exploration knobs that are not (yet) trainer fields, set in this process before the trainer is built:
-    ``--logit-chunk-elements`` (``roles.batches.LOGIT_CHUNK_ELEMENTS``: output-layer logits per chunk) and
-    ``--no-reshard`` (FSDP2 keeps each decoder layer's gathered parameters from its forward to its backward,
-    ``fully_shard(reshard_after_forward=False)``: one all-gather per layer per micro-batch instead of two, for the
-    bfloat16 copy of the whole model held through each micro-batch). Returns what was set, for the result rows."""
+    """The exploration knob that is not a trainer field, set in this process before the trainer is built:
+    ``--logit-chunk-elements`` (``roles.batches.LOGIT_CHUNK_ELEMENTS``: output-layer logits per chunk); and, for
+    the result rows, ``--no-reshard`` (the spec's ``trainer.reshardAfterForward: false``, which ``spec`` sets).
+    Returns what was set."""
     knobs: dict[str, Any] = {}
     if getattr(a, "logit_chunk_elements", 0):
         from rlhf_runtime.roles import batches
 
         batches.LOGIT_CHUNK_ELEMENTS = knobs["logit_chunk_elements"] = a.logit_chunk_elements
     if getattr(a, "no_reshard", False):
-        from torch.distributed import fsdp
-
-        plain = fsdp.fully_shard
-
-        def kept(module: Any, **kw: Any) -> Any:
-            return plain(module, **{"reshard_after_forward": False, **kw})
-
-        fsdp.fully_shard = kept
         knobs["reshard_after_forward"] = False
     return knobs
 
@@ -251,7 +245,8 @@ def run_lengths(a: argparse.Namespace, model: Path, info: dict[str, Any], legacy
     budget = max(a.budget, max(lengths))
     t = make_trainer(spec(model, gpu, budget, 1e-6, "bfloat16" if gpu else "float32",
                           None if legacy else "float32", not a.no_checkpointing, a.world,
-                          getattr(a, "compile_layers", False)), a.rank, a.world, a.port)
+                          getattr(a, "compile_layers", False), "reshard_after_forward" in knobs),
+                     a.rank, a.world, a.port)
     out: list[dict[str, Any]] = []
     if not legacy and a.world == 1:
         out.append({"varlen_check": varlen_check(t, info["config"]["vocab_size"])})
@@ -388,7 +383,8 @@ def main() -> None:
     p.add_argument("--compile-layers", action="store_true", help="trainer.compile: torch.compile every decoder layer")
     p.add_argument("--skip-mix", action="store_true", help="no long-tailed mix run")
     p.add_argument("--no-reshard", action="store_true",
-                   help="FSDP2: keep each layer's gathered parameters from forward to backward")
+                   help="trainer.reshardAfterForward false: FSDP2 keeps each layer's gathered parameters from "
+                   "forward to backward")
     p.add_argument("--logit-chunk-elements", type=int, default=0,
                    help="output-layer logits per chunk (default: the runtime's LOGIT_CHUNK_ELEMENTS)")
     p.add_argument("--cpu", action="store_true", help="smoke run: the tiny model on CPU")
