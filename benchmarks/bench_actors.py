@@ -304,6 +304,21 @@ class BenchTrainer(_StackDumps, Trainer):
             _IPC_TRAINER_STATS.update({k: 0 for k in _IPC_TRAINER_STATS})
         return out
 
+    def memory(self) -> dict[str, float]:
+        """This rank's GPU memory in GiB: the allocator's peak since the actor started (or the last call) and
+        now, and the device's total; empty on CPU."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        gib = 1 << 30
+        out = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / gib,
+               "peak_reserved_gib": torch.cuda.max_memory_reserved() / gib,
+               "allocated_gib": torch.cuda.memory_allocated() / gib,
+               "total_gib": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / gib}
+        torch.cuda.reset_peak_memory_stats()
+        return out
+
 
 BENCH_CLASSES: dict[type, type] = {Engine: BenchEngine, AsyncEngine: BenchAsyncEngine,
                                    SteppedEngine: BenchSteppedEngine}

@@ -48,8 +48,9 @@ case $part in
         --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
     ;;
   moe)
+    # validated on 2026-11-27 (fifth session): $MOE_ARGS=--skip-validation leaves the call's time to the step
     python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
-        --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
+        ${MOE_ARGS:-} --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
     ;;
   tp2-8b)
     python3 -c "import sys,json;sys.path.insert(0,'benchmarks');from gpu_sync import nccl_floor;print(json.dumps([{k:v \
