@@ -218,6 +218,12 @@ for _base, _env in (("colocated-ipc", None), ("colocated-ipc-resident", None), (
                                        | ({"_env": _env} if _env else {}))
 
 
+#: Trainer settings a model's GRPO step needs beside the layout's: Qwen3-8B in FSDP2x2 colocated with its engines
+#: ran out of the H200's memory in its forward without checkpointing (16k-token micro-batches: 136.25 GiB
+#: allocated, 2026-11-27, benchmarks/README.md); train_step.py fits its 16k-token sequences with checkpointing.
+MODEL_TRAINER: dict[str, dict[str, Any]] = {"qwen3-8b": {"gradientCheckpointing": True}}
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
@@ -495,6 +501,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
 
     over, actor_env = layout_parts(layout)
     spec = merge(base_spec(str(model_path), gpu), over)
+    if model_name in MODEL_TRAINER and gpu:
+        spec = merge(spec, {"trainer": MODEL_TRAINER[model_name]})
     if args.prompts:
         spec = merge(spec, {"algorithm": {"promptsPerStep": args.prompts}})
     if args.max_tokens:  # longer samples (the context grows with them: the prompts are short)

@@ -33,6 +33,11 @@
 # Left after 2026-11-27 19:48 (moe validated, tp2-8b done): moe (its step, now with checkpointing), dp, ipc-8b,
 # rendered. One session's 1,800 s hold staging (~400 s) + moe-build + moe + dp (~1,100 s); ipc-8b and rendered
 # (~900 s) need another.
+# 2026-11-27 23:00 (4-GPU kinds no longer lent; on nvidia-h200-x2, the same gpu_sync command with --kind
+# nvidia-h200-x2): ipc-8b's first layout validated (714.6 ms a sync) and its step ran out of memory (checkpointing
+# was off: gpu_sync.MODEL_TRAINER turns it on for qwen3-8b since); the TP=2 layout validated at its first sync and
+# hung at the next (benchmarks/README.md, sixth session). Left: moe (with MOE_ARGS=--skip-validation, the fused
+# optimiser since 4ef234b), dp, rendered, and ipc-8b again (its step; the TP=2 hang).
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | rendered | dp}
 T0=$(date +%s)
