@@ -1,0 +1,79 @@
+"""vLLM's flat log-prob container (``SamplingParams.flat_logprobs``) against its per-token dicts (the default, what
+the runtime asks for), on the runtime's own request (``logprobs`` 0: the sampled token's log-prob).
+
+One ``vllm.LLM`` in this process (a random tiny Qwen2, built locally), 64 prompts x 8 samples x 128 tokens
+(``ignore_eos``), the two settings interleaved per round (order alternating): tokens/s of ``generate``, and the
+milliseconds to read the sampled tokens' log-probs out of its outputs (per-token dicts: as
+``rollout.base.sampled_logprobs`` does; flat: its list taken whole); medians with min-max.
+
+    PYTHONPATH=operator .venv/bin/python benchmarks/flat_logprobs.py --rounds 6 --out benchmarks/results/flat_logprobs_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
+    from rlhf_testing.tiny import build_tiny_model
+    from vllm import LLM, SamplingParams
+
+
+    model = build_tiny_model(Path(tempfile.mkdtemp()) / "m", vocab_size=a.vocab, hidden_size=64, layers=1)
+    llm = LLM(model=str(model), enforce_eager=True, max_model_len=256, seed=0, skip_tokenizer_init=True,
+              max_num_seqs=512, logprobs_mode="processed_logprobs")
+    prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 60 for j in range(20)]} for i in range(64)]
+
+    def run(flat: bool) -> dict[str, float]:
+        sp = SamplingParams(n=8, temperature=1.0, max_tokens=128, logprobs=0, ignore_eos=True, detokenize=False,
+                            flat_logprobs=flat)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t
+        t = time.perf_counter()
+        for o in outs:
+            for c in o.outputs:
+                if flat:
+                    assert len(c.logprobs.logprobs) == len(c.token_ids)  # one entry per sampled token
+                    [float(x) for x in c.logprobs.logprobs]
+                else:
+                    [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
+        return {"tokens_per_second": sum(len(c.token_ids) for o in outs for c in o.outputs) / dt,
+                "read_ms": (time.perf_counter() - t) * 1e3}
+
+    run(False), run(True)  # warm-up
+    runs: dict[str, list[dict[str, float]]] = {"dicts": [], "flat": []}
+    for r in range(a.rounds):
+        for name in (("dicts", "flat") if r % 2 == 0 else ("flat", "dicts")):
+            runs[name].append(run(name == "flat"))
+
+    def stat(xs: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "vllm": vllm.__version__,
+              "date": time.strftime("%Y-%m-%d"), "device": "cpu", "cpus": len(os.sched_getaffinity(0)),
+              "runs": runs, "summary": {k: {m: stat([x[m] for x in v]) for m in ("tokens_per_second", "read_ms")}
+                                        for k, v in runs.items()},
+              "flat_faster_rounds": sum(f["tokens_per_second"] > d["tokens_per_second"]
+                                        for f, d in zip(runs["flat"], runs["dicts"]))}
+    print(json.dumps(result["summary"], indent=1), f"flat faster in {result['flat_faster_rounds']}/{a.rounds} rounds")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
