@@ -99,17 +99,16 @@ def init_process_group(spec: RLHFJobSpec, device: torch.device, rank: int, world
 
 def full_model_state(model: Any, world_size: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
     """FSDP2: the full (unsharded) state dict on rank 0's CPU (the other ranks get an empty one), gathered by every
-    rank (a collective); None without FSDP. With ``dtype`` each floating tensor is cast to it on the device, one
-    tensor at a time, before it reaches host memory: rank 0 then holds the model once, in ``dtype``, instead of its
-    float32 masters plus a cast copy (a 30B model: 61 GB, not 122 + 61 GB), and the host does no casting."""
+    rank one tensor at a time (a collective); None without FSDP. With ``dtype`` each floating tensor is cast to it
+    on the device before it reaches host memory: rank 0 then holds the model once, in ``dtype``, instead of its
+    float32 masters plus a cast copy (a 30B model: 61 GB, not 122 + 61 GB), and the host does no casting; without,
+    the tensors keep theirs (checkpoints: the float32 masters)."""
     if world_size == 1:
         return None
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    if dtype is None:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}  # tied parameters: gathered once, one tensor under both names
     rank0 = dist.get_rank() == 0
@@ -117,7 +116,7 @@ def full_model_state(model: Any, world_size: int, dtype: torch.dtype | None = No
     for name, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)).items():
         if id(v) not in done:
             full = v.full_tensor() if isinstance(v, DTensor) else v
-            full = full.detach().to(dtype) if full.is_floating_point() else full.detach()
+            full = full.detach().to(dtype) if dtype is not None and full.is_floating_point() else full.detach()
             done[id(v)] = full.cpu() if rank0 else torch.empty(0)
         if rank0:
             out[name] = done[id(v)]
