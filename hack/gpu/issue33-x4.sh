@@ -21,6 +21,7 @@
 #             raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
 #             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
+#   ipc-8b-tp2: the second of them alone, with torch's collective checks (its hang, below).
 #   ipc-8b:   item 3's two colocated 8B layouts not yet run (2 of the 4 GPUs; also runs on nvidia-h200-x2):
 #             FSDP2 x2 + two TP=1 engines over IPC (its first run failed at the first sync on vLLM's IPC buffer,
 #             sized since 769b0e3 to the largest tensor), then FSDP2 x2 + one TP=2 engine, kernel format (each
@@ -39,7 +40,8 @@
 # hung at the next (benchmarks/README.md, sixth session). Left: moe (with MOE_ARGS=--skip-validation, the fused
 # optimiser since 4ef234b), dp, rendered, and ipc-8b again (its step; the TP=2 hang).
 set -u
-part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | rendered | dp}
+part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
+KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
 T0=$(date +%s)
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
@@ -49,28 +51,37 @@ mkdir -p $R
 nvidia-smi > $R/nvidia-smi.txt
 case $part in
   moe-build)
-    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --build-only \
+    python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --build-only \
         --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
     ;;
   moe)
     # validated on 2026-11-27 (fifth session): $MOE_ARGS=--skip-validation leaves the call's time to the step
-    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
+    python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
         ${MOE_ARGS:-} --timeout $(( $(left) - 15 )) colocated-ipc-fsdp4-ep4:qwen3-30b-a3b > $R/driver.log 2>&1
     ;;
   tp2-8b)
     python3 -c "import sys,json;sys.path.insert(0,'benchmarks');from gpu_sync import nccl_floor;print(json.dumps([{k:v \
 for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,3)]))" > $R/floor_8b.txt 2>&1
-    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
+    python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
         --variants checkpoint-format,kernel-format-pipelined-rpc,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
         separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   ipc-8b)
-    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
+    python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
         --timeout 330 --deadline $(( $(left) - 15 )) colocated-ipc-fsdp2:qwen3-8b \
         colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
+  ipc-8b-tp2)
+    # FSDP2 x2 + one TP=2 engine at 8B hung at its second sync, the first after the engine's sleep and wake
+    # (2026-11-27, sixth session: both trainer ranks in vLLM's _all_gather_and_merge_handles, one at the data
+    # all_gather, one waiting on the sizes'). TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch check that both ranks call
+    # the same collectives with the same shapes (a mismatch raises, naming both sides, instead of hanging).
+    TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=WARN python3 benchmarks/gpu_sync.py --kind $KIND --out $R \
+        --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants --timeout $(( $(left) - 15 )) \
+        colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
+    ;;
   dp)
-    python3 benchmarks/gpu_sync.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
+    python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
         --prompts 128 --max-tokens 512 --scaling-rounds 5 --timeout $(( $(left) - 15 )) \
         separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
@@ -78,7 +89,7 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     for layout in separate-nccl-tp2 separate-nccl-fsdp2-dp2; do
       [ "$(left)" -lt 150 ] && { echo "skip $layout: $(left) s left" >> $R/order.txt; continue; }
       echo "$(date +%T) $layout" >> $R/order.txt
-      python3 benchmarks/rendered_cluster.py --kind nvidia-h200-x4 --out $R --work /tmp/rlhf-rendered \
+      python3 benchmarks/rendered_cluster.py --kind $KIND --out $R --work /tmp/rlhf-rendered \
           --model qwen3-1.7b --steps 4 --timeout $(( $(left) - 30 )) $layout > $R/$layout.log 2>&1
       echo "$(date +%T) $layout exit $?" >> $R/order.txt
     done
