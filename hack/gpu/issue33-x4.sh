@@ -2,7 +2,7 @@
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
 #  --print-commands: 48 calls back to back, the last one installs). Usage, from the repository root:
-#     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | ipc-8b | rendered | dp
+#     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
 #   moe-build: the 30B model alone (built on GPU0, written in 2 shards: 77 s on 2026-11-27) and its floor, for
