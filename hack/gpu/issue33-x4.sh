@@ -21,11 +21,11 @@
 #             raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   rendered: item 6, the operator's rendered RayJob on this host for the seed's layout (trainer pod x1 GPU +
 #             one TP=2 engine pod) and a 4-GPU one (FSDP2 x2 trainer pod + two engine pods), Qwen3-1.7B shape.
-#   ipc-8b-tp2: the second of them alone, with torch's collective checks (its hang, below).
 #   ipc-8b:   item 3's two colocated 8B layouts not yet run (2 of the 4 GPUs; also runs on nvidia-h200-x2):
 #             FSDP2 x2 + two TP=1 engines over IPC (its first run failed at the first sync on vLLM's IPC buffer,
 #             sized since 769b0e3 to the largest tensor), then FSDP2 x2 + one TP=2 engine, kernel format (each
 #             trainer rank sends its GPU's TP shard), the second only while 200 s are left.
+#   ipc-8b-tp2: ipc-8b's second layout alone, with torch's collective checks (its hang, below).
 #   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, one batch of
 #             128 prompts x 8 samples x up to 512 tokens on the first k engines, k = 1..3 interleaved over 5
 #             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done). 512, not
