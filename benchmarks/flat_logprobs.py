@@ -32,7 +32,6 @@ def main() -> None:
     from rlhf_testing.tiny import build_tiny_model
     from vllm import LLM, SamplingParams
 
-
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "m", vocab_size=a.vocab, hidden_size=64, layers=1)
     llm = LLM(model=str(model), enforce_eager=True, max_model_len=256, seed=0, skip_tokenizer_init=True,
               max_num_seqs=512, logprobs_mode="processed_logprobs")
@@ -51,7 +50,7 @@ def main() -> None:
                     assert len(c.logprobs.logprobs) == len(c.token_ids)  # one entry per sampled token
                     [float(x) for x in c.logprobs.logprobs]
                 else:
-                    [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
+                    [float(d[tok].logprob) for tok, d in zip(c.token_ids, c.logprobs)]
         return {"tokens_per_second": sum(len(c.token_ids) for o in outs for c in o.outputs) / dt,
                 "read_ms": (time.perf_counter() - t) * 1e3}
 
