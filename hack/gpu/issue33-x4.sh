@@ -76,8 +76,18 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     # (2026-11-27, sixth session: both trainer ranks in vLLM's _all_gather_and_merge_handles, one at the data
     # all_gather, one waiting on the sizes'). TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch check that both ranks call
     # the same collectives with the same shapes (a mismatch raises, naming both sides, instead of hanging).
+    # With the py-spy wheel carried (.stage/pyspy, pip download py-spy), native stacks of every process of the
+    # run (trainers, the engine and its TP workers, which gpu_sync's own dump does not reach) 40 s before the
+    # run's limit: where a host thread blocks inside NCCL, and what the engine's workers do meanwhile.
+    lim=$(( ${TP2_LIMIT:-$(( $(left) - 15 ))} ))
+    if ls .stage/pyspy/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl
+      ( sleep $(( lim - 40 )); for pid in $(pgrep -f 'ray::|RayWorkerProc|gpu_sync'); do
+          echo "=== pid $pid: $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)"
+          timeout 20 /tmp/pyspy/bin/py-spy dump --native --pid $pid 2>&1; done > $R/pyspy.txt ) &
+    fi
     TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=WARN python3 benchmarks/gpu_sync.py --kind $KIND --out $R \
-        --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants --timeout $(( $(left) - 15 )) \
+        --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants --timeout $lim \
         colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)
@@ -86,7 +96,7 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
         separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   rendered)
-    for layout in separate-nccl-tp2 separate-nccl-fsdp2-dp2; do
+    for layout in ${LAYOUTS:-separate-nccl-tp2 separate-nccl-fsdp2-dp2}; do
       [ "$(left)" -lt 150 ] && { echo "skip $layout: $(left) s left" >> $R/order.txt; continue; }
       echo "$(date +%T) $layout" >> $R/order.txt
       python3 benchmarks/rendered_cluster.py --kind $KIND --out $R --work /tmp/rlhf-rendered \
