@@ -1208,7 +1208,8 @@ class Throughput(Model):
     mfu: float | None = Field(
         None,
         description="Model FLOPs utilisation of the last training step: 6 x parameters x tokens plus causal "
-        "attention, over the trainer GPUs' dense bfloat16 peak (GPUs of known peak only).",
+        "attention, where a mixture of experts counts the routed experts a token goes to (top-k of them), over "
+        "the trainer GPUs' dense bfloat16 peak (GPUs of known peak only).",
     )
     mismatch_kl: float | None = Field(
         None,
