@@ -626,7 +626,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                 result["rollout"]["scaling_summary"] = scaling_summary(records)
                 save(result)
 
-            dp_scaling(rt, samples, tokenizer, sampling, args.scaling_rounds, f"[{layout}:{model_name}]", keep)
+            dp_scaling(rt, samples, tokenizer, sampling, args.scaling_rounds, f"[{layout}:{model_name}]", keep,
+                       args.scaling_per_engine)
 
         # one GRPO step on the last rollout, then the sync the driver would do
         if rt.sleeps:
@@ -662,22 +663,31 @@ def scaling_order(n: int, rounds: int) -> list[int]:
     return [k for r in range(rounds) for k in (ks if r % 2 == 0 else ks[::-1])]
 
 
+def scaling_prompts(k: int, per_engine: int, prompts_per_step: int) -> int:
+    """The prompts of a DP-scaling rollout on k engines: k times ``per_engine`` (weak scaling), or with
+    ``per_engine`` 0 the job's ``promptsPerStep`` at every k (strong scaling)."""
+    return per_engine * k if per_engine else prompts_per_step
+
+
 def dp_scaling(rt: Any, samples: Any, tokenizer: Any, sampling: dict[str, Any], rounds: int, tag: str,
-               keep: Any) -> list[dict[str, Any]]:
-    """The same batch on the first k engines (independent replicas) for every k of ``scaling_order``: DP scaling.
-    One record per rollout (its round, k, seconds, tokens, tokens/s), handed to ``keep`` after each."""
+               keep: Any, per_engine: int = 0) -> list[dict[str, Any]]:
+    """A batch on the first k engines (independent replicas) for every k of ``scaling_order``: DP scaling. The
+    same batch (``promptsPerStep`` prompts) for every k (strong scaling: each engine's share, and with it its
+    decoding batch, shrinks as k grows), or with ``per_engine`` k times that many prompts (weak scaling: every
+    engine decodes as many sequences at every k, so linear is what the runtime's fan-out can reach). One record
+    per rollout (its round, k, prompts, seconds, tokens, tokens/s), handed to ``keep`` after each."""
     from rlhf_runtime.algo.data import step_batch
 
     engines, out = rt.actors.engines.actors, []
     try:
         for i, k in enumerate(scaling_order(len(engines), rounds)):
             rt.actors.engines.actors = engines[:k]
-            batch = step_batch(samples, 1, rt.cfg.spec.algorithm.prompts_per_step, 0)
+            batch = step_batch(samples, 1, scaling_prompts(k, per_engine, rt.cfg.spec.algorithm.prompts_per_step), 0)
             ro = rt.experience.launch(tokenizer, batch, sampling, 0)
             outs = rt.experience.collect(ro)
             dt = time.perf_counter() - ro.t_launch
             tokens = sum(len(c) for o in outs for c in o["samples"])
-            out.append({"round": i // len(engines), "engines": k, "seconds": dt, "tokens": tokens,
+            out.append({"round": i // len(engines), "engines": k, "prompts": len(batch), "seconds": dt, "tokens": tokens,
                         "tokens_per_second": tokens / dt})
             print(f"{tag} rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
             keep(out)
@@ -899,6 +909,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=0, help="sampling.maxTokens (default: the base spec's 128)")
     p.add_argument("--scaling-rounds", type=int, default=1,
                    help="rounds of the DP scaling pass (engine counts interleaved, scaling_order)")
+    p.add_argument("--scaling-per-engine", type=int, default=0,
+                   help="DP scaling with this many prompts per engine (weak scaling: k engines get k times as "
+                        "many); 0: the same batch of promptsPerStep prompts at every engine count")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--sequential", action="store_true",
                    help="time each variant's syncs one after another (the order of every result up to 2026-11-27) instead of "
@@ -943,7 +956,7 @@ def main() -> int:
         cmd += ["--sequential"] if args.sequential else []
         cmd += ["--prompts", str(args.prompts)] if args.prompts else []
         cmd += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
-        cmd += ["--scaling-rounds", str(args.scaling_rounds)]
+        cmd += ["--scaling-rounds", str(args.scaling_rounds), "--scaling-per-engine", str(args.scaling_per_engine)]
         cmd += ["--rollouts", str(args.rollouts)]
         cmd += ["--bare-rollout"] if args.bare_rollout else []
         cmd += ["--revalidate"] if args.revalidate else []

@@ -39,6 +39,10 @@
 # was off: gpu_sync.MODEL_TRAINER turns it on for qwen3-8b since); the TP=2 layout validated at its first sync and
 # hung at the next (benchmarks/README.md, sixth session). Left: moe (with MOE_ARGS=--skip-validation, the fused
 # optimiser since 4ef234b), dp, rendered, and ipc-8b again (its step; the TP=2 hang).
+# 2026-11-28 (4xH200, seventh session): moe ran whole with --skip-validation (the 30B GRPO step fits: 113.8 GiB
+# peak; 11.6 s), ipc-8b-tp2 did not hang under TORCH_DISTRIBUTED_DEBUG=DETAIL (6 syncs; cut by its limit in the
+# greedy check after them), dp gave 0.63x / 0.49x linear with the one batch split (strong scaling). Left: dp as
+# weak scaling (below), rendered, ipc-8b-tp2 without DETAIL (does it hang again?), ipc-8b's first layout's step.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
@@ -91,9 +95,11 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
         colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)
+    # weak scaling (2026-11-28: the one batch split over k engines gave 0.63x / 0.49x linear at 2 / 3 engines,
+    # each engine's decoding batch shrinking from 1,024 sequences to 341): 128 prompts per engine at every k
     python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
-        --prompts 128 --max-tokens 512 --scaling-rounds 5 --timeout $(( $(left) - 15 )) \
-        separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
+        --skip-validation --prompts 128 --max-tokens 256 --scaling-per-engine 128 --scaling-rounds 5 \
+        --timeout $(( $(left) - 15 )) separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   rendered)
     for layout in ${LAYOUTS:-separate-nccl-tp2 separate-nccl-fsdp2-dp2}; do

@@ -36,3 +36,6 @@ def test_dp_scaling_interleaves_engine_counts_and_summarises_per_count() -> None
     assert (one["rounds"], one["tokens_per_second"], one["x_linear"]) == (3, 100.0, 1.0)
     assert (two["min"], two["max"], two["tokens_per_second"]) == (170.0, 200.0, 190.0)
     assert abs(two["x_linear"] - 0.95) < 1e-12
+    # weak scaling: every engine decodes as many prompts at every count; strong: the one batch is split
+    assert [g.scaling_prompts(k, 128, 64) for k in (1, 2, 3)] == [128, 256, 384]
+    assert [g.scaling_prompts(k, 0, 64) for k in (1, 2, 3)] == [64, 64, 64]
