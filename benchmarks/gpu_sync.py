@@ -843,6 +843,40 @@ def actor_stacks(pids: list[int], polls: dict[str, str] | None = None) -> str:
     return text
 
 
+def ray_processes(run_pid: int) -> list[int]:
+    """The run ``run_pid`` and every Ray process on this machine (process title ``ray::...``: actors, vLLM's
+    engine workers, Ray's own), for ``native_stacks``."""
+    pids = [run_pid]
+    for d in sorted(Path("/proc").iterdir(), key=lambda d: d.name):
+        if d.name.isdigit() and int(d.name) != run_pid:
+            try:
+                if (d / "cmdline").read_bytes().startswith(b"ray::"):
+                    pids.append(int(d.name))
+            except OSError:  # gone meanwhile
+                continue
+    return pids
+
+
+def native_stacks(py_spy: str, pids: list[int], timeout_s: float = 20.0) -> str:
+    """``py-spy dump --native`` of each of ``pids``: every thread's Python and native frames, read from outside
+    the process (no signal handler needed, so vLLM's engine workers too; where a host thread blocks inside NCCL or
+    CUDA). One section per process, its command line first."""
+    parts = []
+    for pid in pids:
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            continue
+        try:
+            out = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                 timeout=timeout_s, check=False)
+            text = out.stdout + out.stderr
+        except subprocess.TimeoutExpired:
+            text = f"(py-spy took over {timeout_s:.0f} s)\n"
+        parts.append(f"\n=== native stacks of pid {pid}: {title}\n{text}")
+    return "".join(parts)
+
+
 def stack_dump(run_pid: int) -> list[int]:
     """Ask a run past its limit (``run_pid``, which registered the dump in ``child``) and every benchmark actor
     (process title ``ACTOR_TITLE``...: they register it when they start) for the stacks of their threads; the pids
@@ -921,6 +955,9 @@ def main() -> int:
     p.add_argument("--engine-device-sync", action="store_true",
                    help="engine-side timers (start/receive/finish of the worker transfer engine) wait for the GPU "
                    "before stopping (device-complete times; adds one synchronize per step)")
+    p.add_argument("--py-spy", default="",
+                   help="path of a py-spy executable: a run past its limit also gets the native stacks of every "
+                        "Ray process (native_stacks_<layout>_<model>.txt in --out)")
     p.add_argument("--skip-validation", action="store_true",
                    help="no fresh-engine validation after the first sync (a layout validated before, when the call "
                         "has no time for it); the later greedy checks compare with the tokens after the first sync")
@@ -981,6 +1018,9 @@ def main() -> int:
                             print("   ", line[:400], flush=True)
                     time.sleep(0.5)
                 if proc.poll() is None:
+                    if args.py_spy:  # before the signals below: the stacks as the run hung
+                        (out / f"native_stacks_{name.replace(':', '_')}.txt").write_text(
+                            native_stacks(args.py_spy, ray_processes(proc.pid)))
                     asked = stack_dump(proc.pid)
                     print(f"TIMEOUT {name} after {limit:.0f}s; stacks of {len(asked)} processes in {log}", flush=True)
                     until = time.time() + STACK_WAIT_S  # the run's own goes to its output, the actors' to Ray's logs

@@ -78,21 +78,17 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
   ipc-8b-tp2)
     # FSDP2 x2 + one TP=2 engine at 8B hung at its second sync, the first after the engine's sleep and wake
     # (2026-11-27, sixth session: both trainer ranks in vLLM's _all_gather_and_merge_handles, one at the data
-    # all_gather, one waiting on the sizes'). TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch check that both ranks call
-    # the same collectives with the same shapes (a mismatch raises, naming both sides, instead of hanging).
-    # With the py-spy wheel carried (.stage/pyspy, pip download py-spy), native stacks of every process of the
-    # run (trainers, the engine and its TP workers, which gpu_sync's own dump does not reach) 40 s before the
-    # run's limit: where a host thread blocks inside NCCL, and what the engine's workers do meanwhile.
-    lim=$(( ${TP2_LIMIT:-$(( $(left) - 15 ))} ))
+    # all_gather, one waiting on the sizes'); under TORCH_DISTRIBUTED_DEBUG=DETAIL (DETAIL=1 here) it ran all six
+    # syncs (2026-11-28). With the py-spy wheel carried (.stage/pyspy: pip download py-spy), a run past its limit
+    # also leaves the native stacks of every Ray process, vLLM's engine workers too (gpu_sync.py --py-spy).
+    spy=()
     if ls .stage/pyspy/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl
-      ( sleep $(( lim - 40 )); for pid in $(pgrep -f 'ray::|RayWorkerProc|gpu_sync'); do
-          echo "=== pid $pid: $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-120)"
-          timeout 20 /tmp/pyspy/bin/py-spy dump --native --pid $pid 2>&1; done > $R/pyspy.txt ) &
+      python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl && spy=(--py-spy /tmp/pyspy/bin/py-spy)
     fi
-    TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=WARN python3 benchmarks/gpu_sync.py --kind $KIND --out $R \
-        --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants --timeout $lim \
-        colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
+    debug=(); [ "${DETAIL:-0}" = 1 ] && debug=(TORCH_DISTRIBUTED_DEBUG=DETAIL)
+    env "${debug[@]}" NCCL_DEBUG=WARN python3 benchmarks/gpu_sync.py --kind $KIND --out $R \
+        --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants "${spy[@]}" \
+        --timeout ${TP2_LIMIT:-$(( $(left) - 15 ))} colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)
     # weak scaling (2026-11-28: the one batch split over k engines gave 0.63x / 0.49x linear at 2 / 3 engines,
