@@ -247,7 +247,7 @@ class BenchSteppedEngine(_StackDumps, SteppedEngine):
 
 #: The sender settings a variant may change (``TrainerEngineSender`` attributes; ``format`` is its
 #: ``requested_format``). ``None`` for ``rpc`` or ``lean_gathers``: the sender's default.
-SYNC_OPTIONS = ("format", "ipc_resident", "lean_gathers", "rpc")
+SYNC_OPTIONS = ("format", "ipc_resident", "lean_gathers", "rpc", "ipc_exchange")
 
 
 def configure_sender(sender: Any, **options: Any) -> dict[str, Any]:
@@ -271,6 +271,8 @@ def configure_sender(sender: Any, **options: Any) -> dict[str, Any]:
         sender.lean_gathers = senders.LEAN_GATHERS_DEFAULT if lean is None else bool(lean)
     if "rpc" in options:
         sender.rpc = senders.default_rpc(sender.backend) if rpc is None else rpc
+    if "ipc_exchange" in options:  # apply_settings refuses an unknown value
+        sender.ipc_exchange = options["ipc_exchange"]
     sender.apply_settings()
     return sender_settings(sender)
 
@@ -285,7 +287,8 @@ def sender_settings(sender: Any) -> dict[str, Any]:
             "ipc_resident": sender.resident_active,
             "rpc": "one" if client.one_round else "pipelined" if client.pipelined else "three",
             "local_shards": len(sender.source.local), "skipped": len(sender.source.drop),
-            "ipc_resident_reason": None if sender.resident is None else sender.resident.reason}
+            "ipc_resident_reason": None if sender.resident is None else sender.resident.reason,
+            "ipc_exchange": sender.ipc_exchange}
 
 
 class BenchTrainer(_StackDumps, Trainer):

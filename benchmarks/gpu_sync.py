@@ -155,6 +155,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # (the default since 2026-11-26), and every parameter gathered (before)
         ("kernel-format-lean-gathers", {"format": "auto", "lean_gathers": True}),
         ("kernel-format-full-gathers", {"format": "auto", "lean_gathers": False}),
+        # several trainer ranks: the IPC handles and barriers over a gloo group, not NCCL (weight_sync.ipc_exchange)
+        ("kernel-format-handles-over-gloo", {"format": "auto", "ipc_exchange": "gloo"}),
     ],
     # CPU (vLLM's trainer engine, checkpoint format only): one engine call per sync (default) vs three, and three
     # submitted back to back
@@ -167,7 +169,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 #: Settings every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
 #: engine calls per sync and the lean gathers, which differ by backend).
-RESET: dict[str, Any] = {"rpc": None, "ipc_resident": True, "lean_gathers": None}
+RESET: dict[str, Any] = {"rpc": None, "ipc_resident": True, "lean_gathers": None, "ipc_exchange": "nccl"}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -533,6 +535,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         t = time.perf_counter()
         rt.weights.init_group()
         stages["init_sync_s"] = time.perf_counter() - t
+        if args.sender_options:  # the sender's settings from the start (the variants reset them to the default)
+            result["sender_options"] = _configure(rt, json.loads(args.sender_options))
         # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
         ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.actors.engines])
         ray.get(rt.actors.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
@@ -955,6 +959,9 @@ def main() -> int:
     p.add_argument("--engine-device-sync", action="store_true",
                    help="engine-side timers (start/receive/finish of the worker transfer engine) wait for the GPU "
                    "before stopping (device-complete times; adds one synchronize per step)")
+    p.add_argument("--sender-options", default="",
+                   help="JSON of sender settings (bench_actors.SYNC_OPTIONS) in force from the first sync, e.g. "
+                        "'{\"ipc_exchange\": \"gloo\"}'")
     p.add_argument("--py-spy", default="",
                    help="path of a py-spy executable: a run past its limit also gets the native stacks of every "
                         "Ray process (native_stacks_<layout>_<model>.txt in --out)")
@@ -1000,6 +1007,7 @@ def main() -> int:
         cmd += ["--engine-device-sync"] if args.engine_device_sync else []
         cmd += ["--build-only"] if args.build_only else []
         cmd += ["--skip-validation"] if args.skip_validation else []
+        cmd += ["--sender-options", args.sender_options] if args.sender_options else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()
         with open(log, "ab") as f:

@@ -85,9 +85,12 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     if ls .stage/pyspy/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl && spy=(--py-spy /tmp/pyspy/bin/py-spy)
     fi
+    # EXCHANGE=gloo: the trainer ranks exchange the IPC handles over gloo (weight_sync.ipc_exchange), the candidate
+    # fix; the default (nccl) is vLLM's own exchange, the one that hung
     debug=(); [ "${DETAIL:-0}" = 1 ] && debug=(TORCH_DISTRIBUTED_DEBUG=DETAIL)
     env "${debug[@]}" NCCL_DEBUG=WARN python3 benchmarks/gpu_sync.py --kind $KIND --out $R \
         --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants "${spy[@]}" \
+        --sender-options "{\"ipc_exchange\": \"${EXCHANGE:-nccl}\"}" \
         --timeout ${TP2_LIMIT:-$(( $(left) - 15 ))} colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)

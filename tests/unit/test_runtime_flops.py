@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rlhf_runtime.infra.flops import active_params, peak_flops, routed_fraction, train_flops
+from rlhf_runtime.infra.flops import (
+    active_params,
+    model_active_params,
+    peak_flops,
+    routed_fraction,
+    train_flops,
+)
 
 
 def test_train_flops_count_the_body_the_scored_head_and_causal_attention() -> None:
@@ -39,7 +45,7 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_to() -> None:
     named = [(n, p.numel()) for n, p in model.named_parameters()]
     total = sum(n for _, n in named)
     experts = 2 * 8 * (2 * 16 * 32 + 32 * 16)  # layers x experts x (gate and up, down)
-    assert active_params(named, cfg) == total - experts + experts * 2 // 8
+    assert active_params(named, cfg) == model_active_params(model, cfg) == total - experts + experts * 2 // 8
     assert routed_fraction(cfg) == 0.25
     # Qwen3-30B-A3B's published shapes: 48 layers of 128 experts (768 x 2048, top-8) in 30,532,122,624 parameters
     big = SimpleNamespace(num_experts=128, num_experts_per_tok=8)
@@ -50,5 +56,6 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_to() -> None:
     mixtral = SimpleNamespace(num_local_experts=4, num_experts_per_tok=2)
     assert active_params([("m.block_sparse_moe.experts.3.w1.weight", 400), ("m.mlp.shared_expert.up_proj.weight", 10),
                           ("m.block_sparse_moe.gate.weight", 4)], mixtral) == 200 + 10 + 4
+    assert active_params([("m.q_proj.lora_A.default.weight", 8), ("m.q_proj.base_layer.weight", 16)], mixtral) == 16
     dense = SimpleNamespace(vocab_size=64)
     assert active_params(named, dense) == total and routed_fraction(dense) == 1.0

@@ -61,6 +61,12 @@ def is_routed_expert(name: str) -> bool:
 
 def active_params(named_sizes: Iterable[tuple[str, int]], config: Any) -> int:
     """``N`` of ``train_flops``: the parameters one token passes through. ``named_sizes``: (name, element count)
-    of every parameter; routed experts count with ``routed_fraction``."""
+    of every parameter; routed experts count with ``routed_fraction``, LoRA adapters (``.lora_``) not at all (the
+    base model's FLOPs are the ones counted)."""
     fraction = routed_fraction(config)
-    return round(sum(n * fraction if is_routed_expert(name) else n for name, n in named_sizes))
+    return round(sum(n * fraction if is_routed_expert(name) else n for name, n in named_sizes if ".lora_" not in name))
+
+
+def model_active_params(model: Any, config: Any) -> int:
+    """``active_params`` of a torch module's parameters (FSDP2's DTensors count whole)."""
+    return active_params(((n, p.numel()) for n, p in model.named_parameters()), config)

@@ -117,9 +117,7 @@ class Trainer(FSDPWorker):
         # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)
         self.param_bytes = sum(p.numel() * self.dtype.itemsize for n, p in self.model.named_parameters()
                                if ".lora_" not in n)
-        # the parameters a token passes through (a mixture of experts: its top-k routed experts), for MFU
-        self.param_count = flops.active_params(((n, p.numel()) for n, p in self.model.named_parameters()
-                                                if ".lora_" not in n), causal_lm(self.model).config)
+        self.param_count = flops.model_active_params(self.model, causal_lm(self.model).config)  # MFU's N
         self.init_seconds = time.time() - self.started
 
     def _resume(self, step: int, path: Path) -> dict[str, Any]:

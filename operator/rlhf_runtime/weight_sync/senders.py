@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_runtime.vllm import compat as vllm_compat
+from rlhf_runtime.weight_sync import ipc_exchange
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import KernelPlan, effective_format
 from rlhf_runtime.weight_sync.producers import ParamSource, ResidentExport
@@ -203,6 +204,8 @@ class TrainerEngineSender(Sender):
         self.lean_gathers = LEAN_GATHERS_DEFAULT  # see LEAN_GATHERS_DEFAULT
         self.agreed: tuple[set[str], set[str]] | None = None  # agreed_gathers of the kernel plan (_agree)
         self.rpc = default_rpc(backend)  # one of RPC_MODES (NCCL and gloo)
+        self.ipc_exchange = ipc_exchange.EXCHANGE_DEFAULT  # IPC with several trainer ranks: see ipc_exchange
+        self._exchange: tuple[str, Any] = (ipc_exchange.EXCHANGE_DEFAULT, None)  # in use, and its gloo group
         self._resolve(fmt)
         if backend == "ipc":  # vLLM's packed IPC producer (0.33) refuses a tensor larger than its buffer
             init = {**init, "bucket_bytes": max(int(init["bucket_bytes"]), self.largest_tensor_bytes())}
@@ -263,7 +266,27 @@ class TrainerEngineSender(Sender):
                 self._agree()  # the plan's agreement, once (made at plan time where the setting was on then)
             self._applied_lean = self.lean_gathers
             self._use_agreed_gathers()
+        if self.ipc_exchange != self._exchange[0]:
+            self._use_exchange()
         self._set_rounds()
+
+    def _use_exchange(self) -> None:
+        """The trainer engine exchanges IPC handles as ``ipc_exchange`` says (``ipc_exchange.install``); the gloo
+        group is made the first time (a collective: every rank changes the setting alike). Only IPC with several
+        trainer ranks exchanges anything."""
+        if self.ipc_exchange not in ipc_exchange.EXCHANGES:
+            raise ValueError(f"ipc_exchange must be one of {', '.join(ipc_exchange.EXCHANGES)}, "
+                             f"not {self.ipc_exchange!r}")
+        group = self._exchange[1]
+        if self.backend == "ipc" and self.trainer_world > 1 and self.ipc_exchange == "gloo":
+            if group is None:
+                import torch.distributed as dist
+
+                group = dist.new_group(backend="gloo")
+            ipc_exchange.install(self.engine, group)
+        else:
+            ipc_exchange.uninstall(self.engine)
+        self._exchange = (self.ipc_exchange, group)
 
     def _set_rounds(self) -> None:
         """NCCL and gloo trainer engines call ``update_weights`` once per sync: with ``rpc="one"`` the client
