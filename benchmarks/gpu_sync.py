@@ -691,8 +691,8 @@ def dp_scaling(rt: Any, samples: Any, tokenizer: Any, sampling: dict[str, Any], 
             outs = rt.experience.collect(ro)
             dt = time.perf_counter() - ro.t_launch
             tokens = sum(len(c) for o in outs for c in o["samples"])
-            out.append({"round": i // len(engines), "engines": k, "prompts": len(batch), "seconds": dt, "tokens": tokens,
-                        "tokens_per_second": tokens / dt})
+            out.append({"round": i // len(engines), "engines": k, "prompts": len(batch), "seconds": dt,
+                        "tokens": tokens, "tokens_per_second": tokens / dt})
             print(f"{tag} rollout on {k} engine(s): {tokens / dt:.0f} tokens/s", flush=True)
             keep(out)
     finally:

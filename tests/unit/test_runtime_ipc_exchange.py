@@ -39,10 +39,15 @@ def test_the_sending_rank_gets_every_ranks_handles_merged_per_chunk() -> None:
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:  # a rank that failed leaves the other waiting in the rendezvous
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     assert got[0] == [{"GPU-0": ("chunk", 0, 0), "GPU-1": ("chunk", 0, 1)},
                       {"GPU-0": ("chunk", 1, 0), "GPU-1": ("chunk", 1, 1)}]
     assert got[1] == [{}, {}]  # the other rank sends nothing

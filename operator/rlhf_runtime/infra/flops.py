@@ -5,10 +5,11 @@ Model FLOPs of one optimiser pass over a batch (the recomputation of gradient ch
     6 * (N - V*H) * T  +  6 * V*H * S  +  6 * layers * heads * head_dim * sum_i(len_i^2)
 
 ``N`` the model's parameters that one token passes through (``active_params``: of a mixture of experts' routed
-experts only the ``top-k`` of ``E`` a token is sent to, so Qwen3-30B-A3B counts 3.3B of its 30.5B), ``V*H`` its output layer (and its input embedding too when the two are untied:
-a lookup, not a matmul), ``T`` every token of the batch, ``S`` the scored (completion) tokens (the output layer
-runs on those only, ``roles.batches.token_logprobs``), and the last term causal attention: ``QK^T`` and ``AV``
-over half the square of each sequence, forward and backward (3x forward). MFU divides the FLOPs per second by
+experts only the ``top-k`` of ``E`` a token is sent to, so Qwen3-30B-A3B counts 3.35B of its 30.5B), ``V*H`` its
+output layer (and its input embedding too when the two are untied: a lookup, not a matmul), ``T`` every token
+of the batch, ``S`` the scored (completion) tokens (the output layer runs on those only,
+``roles.batches.token_logprobs``), and the last term causal attention: ``QK^T`` and ``AV`` over half the square of
+each sequence, forward and backward (3x forward). MFU divides the FLOPs per second by
 the GPUs' dense bfloat16 peak (``PEAK_BF16``, from the vendors' data sheets; a GPU not listed has no MFU).
 """
 
