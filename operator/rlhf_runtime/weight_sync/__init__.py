@@ -9,6 +9,8 @@ Runs in the trainer process (rank 0 sends). ``make_sender(...)`` returns a ``Sen
 * ``senders``: ``TrainerEngineSender`` (vLLM's trainer engine of the backend, plus the kernel format and the
   resident sync) and ``make_sender``;
 * ``fanout``: ``EngineFanOut``, the control plane over the engine actors;
+* ``ipc_exchange``: where several trainer ranks of an IPC sync exchange their buffers' handles (vLLM's NCCL
+  exchange, or a gloo group: opt-in);
 * ``gloo`` (the CPU backend, both sides) and ``kernel`` (the kernel-format worker engines), loaded by vLLM
   through the plugin (``rlhf_runtime.vllm.plugin``).
 
