@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
-#  --print-commands: 48 calls back to back, the last one installs). Usage, from the repository root:
+#  --part-mib 55 --print-commands: 50 calls back to back, the last one installs). Usage, from the repository root:
 #     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
@@ -25,12 +25,13 @@
 #             FSDP2 x2 + two TP=1 engines over IPC (its first run failed at the first sync on vLLM's IPC buffer,
 #             sized since 769b0e3 to the largest tensor), then FSDP2 x2 + one TP=2 engine, kernel format (each
 #             trainer rank sends its GPU's TP shard), the second only while 200 s are left.
-#   ipc-8b-tp2: ipc-8b's second layout alone, with torch's collective checks (its hang, below).
-#   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, one batch of
-#             128 prompts x 8 samples x up to 512 tokens on the first k engines, k = 1..3 interleaved over 5
-#             rounds (scaling_order), each rollout saved as it ends (a cut call keeps the rounds done). 512, not
-#             1,024: a random-weight model samples to the limit, so 1,024 would be ~1M tokens a rollout, ~90 s a
-#             round at the 1-3 engine rates measured (20-65k tokens/s), and 5 rounds would not fit a call.
+#   ipc-8b-tp2: ipc-8b's second layout alone (its hang, below): DETAIL=1 with torch's collective checks,
+#             EXCHANGE=gloo with the IPC handles exchanged over gloo; native stacks at the limit with .stage/pyspy.
+#   dp:       item 4, DP scaling with the rounds the first runs lacked: trainer GPU0 + 3 TP=1 engines, k = 1..3
+#             engines interleaved over 5 rounds (scaling_order), each rollout saved as it ends (a cut call keeps
+#             the rounds done). Since 2026-11-28 weak scaling: k x 128 prompts x 8 samples x up to 256 tokens on
+#             the first k engines (the one batch split, strong scaling, measured vLLM's batch-size curve: 0.49x).
+#             A random-weight model samples to the limit: ~262k tokens per engine, ~15 s a rollout.
 # Left after 2026-11-27 19:48 (moe validated, tp2-8b done): moe (its step, now with checkpointing), dp, ipc-8b,
 # rendered. One session's 1,800 s hold staging (~400 s) + moe-build + moe + dp (~1,100 s); ipc-8b and rendered
 # (~900 s) need another.
