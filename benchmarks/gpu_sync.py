@@ -847,18 +847,24 @@ def actor_stacks(pids: list[int], polls: dict[str, str] | None = None) -> str:
     return text
 
 
-def ray_processes(run_pid: int) -> list[int]:
-    """The run ``run_pid`` and every Ray process on this machine (process title ``ray::...``: actors, vLLM's
-    engine workers, Ray's own), for ``native_stacks``."""
+def titled_processes(run_pid: int, title: bytes) -> list[int]:
+    """The run ``run_pid`` first, then every other process on this machine whose command line starts with
+    ``title`` (a process title such as ``ray::``)."""
     pids = [run_pid]
-    for d in sorted(Path("/proc").iterdir(), key=lambda d: d.name):
+    for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != run_pid:
             try:
-                if (d / "cmdline").read_bytes().startswith(b"ray::"):
+                if (d / "cmdline").read_bytes().startswith(title):
                     pids.append(int(d.name))
             except OSError:  # gone meanwhile
                 continue
     return pids
+
+
+def ray_processes(run_pid: int) -> list[int]:
+    """The run ``run_pid`` and every Ray process on this machine (process title ``ray::...``: actors, vLLM's
+    engine workers, Ray's own), for ``native_stacks``."""
+    return titled_processes(run_pid, b"ray::")
 
 
 def native_stacks(py_spy: str, pids: list[int], timeout_s: float = 20.0) -> str:
@@ -886,16 +892,8 @@ def stack_dump(run_pid: int) -> list[int]:
     (process title ``ACTOR_TITLE``...: they register it when they start) for the stacks of their threads; the pids
     asked, the run's first. Other processes are left alone: the signal would end a process that did not register
     it."""
-    pids = [run_pid]
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != run_pid:
-            try:
-                if (d / "cmdline").read_bytes().startswith(ACTOR_TITLE.encode()):
-                    pids.append(int(d.name))
-            except OSError:  # gone meanwhile
-                continue
     asked = []
-    for pid in pids:
+    for pid in titled_processes(run_pid, ACTOR_TITLE.encode()):
         try:
             os.kill(pid, STACK_SIGNAL)
             asked.append(pid)
