@@ -44,6 +44,9 @@
 # peak; 11.6 s), ipc-8b-tp2 did not hang under TORCH_DISTRIBUTED_DEBUG=DETAIL (6 syncs; cut by its limit in the
 # greedy check after them), dp gave 0.63x / 0.49x linear with the one batch split (strong scaling). Left: dp as
 # weak scaling (below), rendered, ipc-8b-tp2 without DETAIL (does it hang again?), ipc-8b's first layout's step.
+# 2026-11-28 (2xH200, eighth session): ipc-8b-tp2 (nccl, no checks) ran whole: 7 syncs after sleep/wake, 517.9 ms,
+# the step 10.48 s; ipc-8b's first layout's step fits with checkpointing (10.74 s, 61.1 GiB). EXCHANGE=gloo not run
+# (the machine went back while idle). Left: EXCHANGE=gloo, dp (weak scaling), rendered.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
