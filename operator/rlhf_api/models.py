@@ -256,6 +256,17 @@ class Rollout(Model):
         0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may use (in colocated mode the trainer has the rest)."
     )
     max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len (prompt + generation).")
+    kv_cache_memory_gib: float | None = Field(
+        None,
+        alias="kvCacheMemoryGiB",
+        gt=0,
+        le=4096,
+        description="KV cache per engine GPU in GiB (vLLM's kv_cache_memory_bytes) instead of what "
+        "gpuMemoryUtilization leaves once the engine has measured its GPU. Colocated on GPUs this lets the engines "
+        "start beside the trainers rather than after them (a shorter start: they no longer measure the memory "
+        "the trainer leaves); the trainer, the engine's weights, its activations and this cache must then fit each "
+        "GPU. vLLM still checks at its start that gpuMemoryUtilization of the GPU is free.",
+    )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
     expert_parallel: bool = Field(
         False,

@@ -424,3 +424,32 @@ def test_colocated_roles_release_the_gpu_cache_only_on_gpus(monkeypatch: pytest.
     assert not release_cached_gpu_memory(separate, gpu)
     assert not release_cached_gpu_memory(colocated, cpu)
     assert released == [True]
+
+
+def test_explicit_kv_cache_size_goes_to_vllm_and_lets_colocated_engines_build_beside_the_trainers() -> None:
+    from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime.controller.deadlines import Deadlines
+    from rlhf_runtime.controller.job_actors import JobActors
+
+    colocated = {"trainer": {"gpusPerReplica": 1}, "placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"}}
+    sized = spec(**colocated, rollout={"kvCacheMemoryGiB": 1.5})
+    assert engine_kwargs(sized, "m", "ipc", "uni", True)["kv_cache_memory_bytes"] == 1_610_612_736
+    assert "kv_cache_memory_bytes" not in engine_kwargs(spec(**colocated), "m", "ipc", "uni", True)
+    assert sized.wire()["rollout"]["kvCacheMemoryGiB"] == 1.5
+    # vLLM's CPU platform would let its env variable override the size
+    from rlhf_runtime.infra.config import actor_env
+    assert "VLLM_CPU_KVCACHE_SPACE" not in actor_env(spec(rollout={"kvCacheMemoryGiB": 2}), gpu=False)
+    assert actor_env(spec(), gpu=False)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    with pytest.raises(ValueError, match="kvCacheMemoryGiB"):
+        spec(rollout={"kvCacheMemoryGiB": 0})
+
+    def build_early(s: RLHFJobSpec) -> bool:
+        cfg = RuntimeConfig(name="j", namespace="ns", spec=s)
+        return JobActors(cfg, compute_layout(s), Deadlines(60.0, lambda: 600, None), None, local=True)\
+            .engines_build_early  # type: ignore[arg-type]
+
+    # vLLM measures the GPU memory the trainer leaves unless the size is given: then it need not wait for it
+    assert not build_early(spec(**colocated))
+    assert build_early(sized)
+    assert build_early(spec(trainer={"gpusPerReplica": 1}))  # separate GPUs
+    assert build_early(spec(trainer={"gpusPerReplica": 0}, placement={"mode": "colocated"}))  # CPU

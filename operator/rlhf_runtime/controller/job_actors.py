@@ -216,9 +216,11 @@ class JobActors:
     @property
     def engines_build_early(self) -> bool:
         """Whether engines are built beside the trainers rather than after them: always, except where they share
-        GPUs with the trainers (colocated placement on GPUs), whose memory vLLM measures as it starts. Their
-        processes and vLLM imports start beside the trainers either way."""
-        return not (self.gpu and self.spec.placement.mode == "colocated")
+        GPUs with the trainers (colocated placement on GPUs) and size their KV cache from the memory vLLM measures
+        as it starts (no ``rollout.kvCacheMemoryGiB``). Their processes and vLLM imports start beside the trainers
+        either way."""
+        shared = self.gpu and self.spec.placement.mode == "colocated"
+        return not shared or self.spec.rollout.kv_cache_memory_gib is not None
 
     def replace_engines(self, idx: list[int]) -> None:
         """Engines ``idx`` killed and started again on their bundles; waits until they are ready."""

@@ -100,8 +100,13 @@ def spec_env(spec: RLHFJobSpec) -> dict[str, str]:
 
 
 def actor_env(spec: RLHFJobSpec, gpu: bool) -> dict[str, str]:
-    """The environment of every actor: ``ACTOR_ENV`` (+ ``CPU_ENV`` without GPUs), then ``spec.env``."""
-    return {**ACTOR_ENV, **({} if gpu else CPU_ENV), **spec_env(spec)}
+    """The environment of every actor: ``ACTOR_ENV`` (+ ``CPU_ENV`` without GPUs), then ``spec.env``. vLLM's CPU
+    platform lets ``VLLM_CPU_KVCACHE_SPACE`` override ``kv_cache_memory_bytes``, so a CPU job with
+    ``rollout.kvCacheMemoryGiB`` does not get it."""
+    cpu = {} if gpu else dict(CPU_ENV)
+    if spec.rollout.kv_cache_memory_gib is not None:
+        cpu.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return {**ACTOR_ENV, **cpu, **spec_env(spec)}
 
 
 def validation_enabled(spec: RLHFJobSpec, flag: bool) -> bool:
@@ -158,6 +163,8 @@ def engine_kwargs(
         kw["trust_remote_code"] = True
     if r.max_model_len:
         kw["max_model_len"] = r.max_model_len
+    if r.kv_cache_memory_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(r.kv_cache_memory_gib * 2**30)
     if engines_sleep(spec, gpu):
         kw["enable_sleep_mode"] = True
     if r.expert_parallel:

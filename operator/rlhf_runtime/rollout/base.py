@@ -10,7 +10,8 @@ Ray makes an actor async when any of its methods is one, so the sync base has no
   the ``gloo`` backend and the kernel-format worker engines, and vLLM's weight-transfer config) builds the vLLM
   engine and sets ``start_seconds``. Built at once unless the actor is made with ``build=False``: a colocated
   engine on GPUs is created beside the trainers (its imports overlap theirs) and built after them, since vLLM
-  sizes its KV cache from the GPU memory it sees free while it starts. ``build()`` is idempotent.
+  sizes its KV cache from the GPU memory it sees free while it starts (unless ``rollout.kvCacheMemoryGiB`` gives
+  the size: then it is built at once). ``build()`` is idempotent.
 * Queries (``ready``, ``pid``, ``world_size``, ``param_layout``, ``device_info``): computed here from two things a
   subclass provides, its ``_vllm_config()`` and its ``_collective_rpc(fn, args)`` (awaitable on the async ones);
   ``AsyncEngineBase`` serves the same answers as coroutines.
