@@ -33,6 +33,7 @@ date, the supervised history, every run's per-step records, the runtime's start-
     python3 benchmarks/gpu_learning.py --cpu --out /tmp/learning                  # smoke test on CPU
     . benchmarks/gpu_env.sh /tmp/site-0.31.0 && python3 benchmarks/gpu_learning.py --out $OUT \
         --variants float32 --resident --trl-python python3 --grpo-steps 30 --seeds 0,1,2   # beside TRL
+    # the same with the engine built beside the trainer (an explicit KV cache size): --kv-cache-gib 1
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: s
         "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "masterWeights": master},
         "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 32, "enforceEager": not a.cuda_graphs,
                     "gpuMemoryUtilization": 0.25 if gpu else 0.05,
+                    **({"kvCacheMemoryGiB": a.kv_cache_gib} if a.kv_cache_gib else {}),
                     "sampling": {"temperature": 1.0, "maxTokens": a.digits + 2, "samplesPerPrompt": a.samples}},
         "placement": {"mode": "colocated" if gpu else "separate",
                       **({"colocatedSleep": False} if gpu and a.resident else {})},
@@ -339,6 +341,10 @@ def main() -> None:
     p.add_argument("--run-timeout", type=float, default=900)
     p.add_argument("--resident", action="store_true",
                    help="placement.colocatedSleep: false (the engine stays resident, as TRL's colocate mode keeps it)")
+    p.add_argument("--kv-cache-gib", type=float, default=0,
+                   help="rollout.kvCacheMemoryGiB of the runtime's runs: a colocated engine given its KV cache size "
+                        "is built beside the trainer instead of after it (0: vLLM sizes it from "
+                        "gpuMemoryUtilization, as TRL's engine does)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="rollout.enforceEager: false (the engine compiles and captures CUDA graphs; default eager)")
     p.add_argument("--trl-python", default="", help="also run TRL's GRPOTrainer per seed under this Python")

@@ -1,0 +1,42 @@
+#!/bin/bash
+# Issue 32's last target, the whole run at >= 1.5x TRL per wall-clock second: the runtime's start with the colocated
+# engine built beside the trainer (rollout.kvCacheMemoryGiB, gpu_learning.py --kv-cache-gib) against the start as
+# it is (the engine built after the trainer, sizing its KV cache from the memory left), and TRL 1.16.0 beside both,
+# per seed, the order rotating from seed to seed. The work is the 2026-11-27 comparison's (benchmarks/README.md,
+# "Beside TRL's GRPOTrainer"): 30 GRPO steps from the same supervised checkpoint, engines resident.
+#
+# On nvidia-h200 after staging vLLM 0.31.0 + trl 1.16.0 (python3 hack/gpu-stage.py --vllm 0.31.0 --image-packages
+# hack/gpu/image-freeze.txt --with trl==1.16.0 --kind nvidia-h200 --print-commands: 43 calls, the last installs),
+# from the repository root, one device call each (~200 s a seed, so 2 seeds a call):
+#     bash hack/gpu/issue32-startup.sh 0 1      # then: bash hack/gpu/issue32-startup.sh 2 3
+# Leaves one tarball in $OUT (seeds-<first seed>.tgz: every JSON, log and the order); a call returns <= 8 files.
+# KV cache: 1 GiB is ~30x what 512 sequences of at most 32 tokens of this 4-layer model need; without the field the
+# engine takes what gpuMemoryUtilization 0.25 leaves (~34 GiB on an H200). The size does not change the rollout here.
+set -u
+. benchmarks/gpu_env.sh /tmp/site-0.31.0
+T0=$(date +%s)
+KV=${KV:-1}
+nvidia-smi > $OUT/nvidia-smi.txt
+common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps 30 --variants float32
+        --resident --run-timeout 200)
+i=0
+for S in "$@"; do
+  # A: the runtime as it starts today, then TRL (the earlier runs' order); B: the runtime with the explicit KV cache
+  if [ $(( i % 2 )) = 0 ]; then order="A B"; else order="B A"; fi
+  for part in $order; do
+    left=$(( 585 - ($(date +%s) - T0) ))
+    if [ $left -lt 120 ]; then echo "SKIP seed $S $part: $left s left" >> $OUT/order.txt; continue; fi
+    echo "$(date +%T) seed $S $part" >> $OUT/order.txt
+    if [ $part = A ]; then
+      timeout $(( left - 10 )) python3 benchmarks/gpu_learning.py --out $OUT/s$S-A "${common[@]}" \
+          --trl-python python3 --seeds $S > $OUT/s$S-A.log 2>&1
+    else
+      timeout $(( left - 10 )) python3 benchmarks/gpu_learning.py --out $OUT/s$S-B "${common[@]}" \
+          --kv-cache-gib $KV --seeds $S > $OUT/s$S-B.log 2>&1
+    fi
+    echo "$(date +%T) seed $S $part exit $?" >> $OUT/order.txt
+  done
+  i=$(( i + 1 ))
+done
+cd $OUT && find . -name "*.json" -o -name "*.log" -o -name "*.txt" -o -name "*.jsonl" | grep -v safetensors \
+  | tar czf /tmp/seeds.tgz -T - && rm -rf s[0-9]* && mv /tmp/seeds.tgz $OUT/seeds-$1.tgz; ls -la $OUT; cat order.txt
