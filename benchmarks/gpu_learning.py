@@ -249,8 +249,10 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
     # the driver's start-up, phase by phase (its progress records before the first step), from the launch
     phases = [{"since_launch": round(r["time"] - launched, 2), "state": (r.get("runtime") or {}).get("state"),
                "message": (r.get("runtime") or {}).get("message") or ",".join(k for k in r if k != "time"),
-               # the actors record: each engine's build, and where the trainers' start went (job_actors)
-               **({k: r["actors"].get(k) for k in ("engine_build_seconds", "trainer_start")} if "actors" in r else {})}
+               # the actors record: each engine's build, and where the trainers' and engines' starts went
+               # (job_actors: process created, constructor begun, imports, built)
+               **({k: r["actors"].get(k) for k in ("engine_build_seconds", "trainer_start", "engine_start")}
+                  if "actors" in r else {})}
               for r in records if not r.get("throughput") and not r.get("step")]
     out = {"side": "runtime", "variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
            "eval": [{"step": s, "exact_match": v, "since_launch": t} for s, (v, t) in sorted(evals_seen.items())],

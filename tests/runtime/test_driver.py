@@ -70,6 +70,16 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     start = actors[0]["trainer_start"]
     assert start["init_began_after_s"][0] >= 0 and start["init_seconds"][0] > 0, start
     assert start["weight_transfer_import_seconds"][0] > 0, start
+    # its process began before its constructor did (the imports in between); the kernel's clock ticks are 10 ms
+    assert start["spawned_after_s"][0] <= start["init_began_after_s"][0] + 0.011, start
+    # and each engine's: its process, its constructor, vLLM's imports in it, then its build, all before the
+    # record that reports them (the run's first record is older than any actor)
+    eng = actors[0]["engine_start"]
+    recorded = next(r["time"] for r in records if "actors" in r) - records[0]["time"]
+    assert eng["spawned_after_s"][0] <= eng["init_began_after_s"][0] + 0.011, eng
+    assert eng["import_seconds"][0] > 0, eng
+    assert eng["init_began_after_s"][0] + eng["import_seconds"][0] <= eng["built_after_s"][0], eng
+    assert eng["asked_after_s"] + eng["built_after_s"][0] <= recorded, (eng, recorded)
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:

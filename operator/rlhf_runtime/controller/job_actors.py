@@ -58,7 +58,9 @@ class JobActors:
         self.trainer_threads: list[Any] = []  # each trainer's torch threads (OMP_NUM_THREADS, ``actor_env``)
         self.param_bytes = 0  # the policy's full weights (Trainer.info), beside an adapter sync's bytes
         self.build_seconds: list[float] = []  # each engine's vLLM build (start_engines)
-        self.trainer_start: dict[str, list[float]] = {}  # where the trainers' start went (start_trainers)
+        self.trainer_start: dict[str, Any] = {}  # where the trainers' start went (start_trainers)
+        self.first_asked: float | None = None  # when the driver first asked Ray for an actor of this run (``asked``)
+        self.engines_asked: float | None = None  # when it asked for the engines (``create_engines``)
         self.transfer_loads: list[Any] = []  # the trainers' load_weight_transfer calls, until await_transfer
         self.replacements = {"engines": 0, "trainers": 0}
 
@@ -73,6 +75,12 @@ class JobActors:
     def _options(self, a: ActorPlacement, env: dict[str, str], **extra: Any) -> dict[str, Any]:
         return {"num_cpus": a.num_cpus, "num_gpus": a.num_gpus, "scheduling_strategy": self.placement.strategy(a),
                 "runtime_env": {"env_vars": env}, **extra}
+
+    def asked(self) -> float:
+        """Now: the driver asks Ray for actors (``first_asked`` set the first time)."""
+        now = time.time()
+        self.first_asked = self.first_asked or now
+        return now
 
     def _rendezvous(self, places: list[ActorPlacement]) -> tuple[str | None, int | None]:
         """torch.distributed rendezvous of several ranks: rank 0 listens on its own node."""
@@ -92,7 +100,7 @@ class JobActors:
         cfg_json = self.cfg.model_dump_json(by_alias=True)
         places = self.layout.trainers
         addr, port = self._rendezvous(places)
-        created = time.time()
+        created = self.asked()
         for rank, a in enumerate(places):
             self.trainers.append(ray.remote(cls).options(**self._options(a, self.actor_env(a))).remote(
                 cfg_json, rank, len(places), addr, port))
@@ -100,9 +108,12 @@ class JobActors:
         self.trainer_pids = [i.get("pid") for i in infos]
         self.trainer_threads = [i.get("threads") for i in infos]
         self.param_bytes = int(infos[0].get("param_bytes") or 0)
-        # where each rank's start went (progress file): its constructor began this long after the driver asked
-        # for the actor (the worker process and imports), and took init_seconds (model load, shards, optimiser)
-        self.trainer_start = {"init_began_after_s": [round(float(i.get("started", created)) - created, 3)
+        # where each rank's start went (progress file), after the driver asked for the actor (itself asked_after_s
+        # after the run's first actor): its process created (Ray's worker start; negative: a process started
+        # earlier), its constructor begun (the imports in between), init_seconds in it (model, shards, optimiser)
+        self.trainer_start = {"asked_after_s": round(created - (self.first_asked or created), 3),
+                              "spawned_after_s": [_after(i.get("spawned"), created) for i in infos],
+                              "init_began_after_s": [round(float(i.get("started", created)) - created, 3)
                                                      for i in infos],
                               "init_seconds": [round(float(i.get("init_seconds") or 0), 3) for i in infos]}
         self.transfer_loads = self.trainers.submit("load_weight_transfer")
@@ -133,6 +144,7 @@ class JobActors:
         for role, places in self.layout.roles.items():
             if role in self.roles or (only is not None and role not in only):
                 continue
+            self.asked()
             group = ActorGroup(role, self.deadlines)
             addr, port = self._rendezvous(places) if role == "critic" else (None, None)
             for rank, a in enumerate(places):
@@ -206,6 +218,7 @@ class JobActors:
         engine; ``start_engines`` builds those that did not and waits for them."""
         dp = self.placement.address_on(self.layout.engines[0], DP_PORTS) if self.layout.dp_group else None
         self.dp_address = dp
+        self.engines_asked = self.asked()
         for i, e in enumerate(self.layout.engines):
             # one vLLM DP group (expert parallel): same seed on every rank, they step together
             seed = self.spec.algorithm.seed + (0 if dp else i)
@@ -238,7 +251,19 @@ class JobActors:
         return {"trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
                 "trainer_threads": self.trainer_threads,
                 "engine_build_seconds": [round(float(b), 3) for b in self.build_seconds],
-                "trainer_start": self.trainer_start}
+                "trainer_start": self.trainer_start, "engine_start": self.engine_start()}
+
+    def engine_start(self) -> dict[str, Any]:
+        """Where each engine's start went (``RolloutEngine.startup``), in seconds after the driver asked for the
+        engines (itself ``asked_after_s`` after the run's first actor): its process created, its constructor
+        begun, vLLM's imports (``import_seconds``), its engine built (None: not yet)."""
+        starts = self.engines.call("startup", what=f"start-up times of {self.engines.describe()}")
+        t = self.engines_asked or time.time()
+        return {"asked_after_s": round(t - (self.first_asked or t), 3),
+                "spawned_after_s": [_after(s.get("spawned"), t) for s in starts],
+                "init_began_after_s": [_after(s.get("init_began"), t) for s in starts],
+                "import_seconds": [round(float(s.get("import_seconds") or 0), 3) for s in starts],
+                "built_after_s": [_after(s.get("built_at"), t) for s in starts]}
 
     def everyone(self) -> list[ActorGroup]:
         return [self.engines, self.trainers, *self.roles.values()]
@@ -248,3 +273,8 @@ class JobActors:
         for g in self.everyone():
             g.kill()
         self.placement.remove()
+
+
+def _after(at: Any, origin: float) -> float | None:
+    """``at`` (a Unix time, or None) as seconds after ``origin``, to the millisecond."""
+    return None if at is None else round(float(at) - origin, 3)

@@ -54,7 +54,7 @@ import torch
 
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
 from rlhf_runtime.infra import checkpoint as ckpt
-from rlhf_runtime.infra import storage
+from rlhf_runtime.infra import startup, storage
 from rlhf_runtime.roles import precision
 from rlhf_runtime.roles.batches import Packed, micro_share, pack, plan
 
@@ -187,6 +187,7 @@ class FSDPWorker:
 
     def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
                  dist_port: int | None = None) -> None:
+        self.spawned = startup.process_started()  # when Ray started this actor's process (``info``)
         self.spec = RuntimeConfig.model_validate_json(config_json).spec
         self.rank, self.world_size = rank, world_size
         self.check_spec()

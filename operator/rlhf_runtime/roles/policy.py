@@ -219,7 +219,7 @@ class Trainer(FSDPWorker):
     def info(self) -> dict[str, Any]:
         return {"step": self.step, "resumed_from": self.resumed_from, "param_bytes": self.param_bytes,
                 "device": str(self.device), "pid": os.getpid(), "threads": torch.get_num_threads(),
-                "started": self.started, "init_seconds": self.init_seconds}
+                "spawned": self.spawned, "started": self.started, "init_seconds": self.init_seconds}
 
     def address(self) -> tuple[str, int]:
         """Where the engines reach this rank for the weight-transfer group: the address Ray knows this node

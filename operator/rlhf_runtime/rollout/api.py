@@ -38,6 +38,11 @@ class RolloutEngine(Protocol):
         """Seconds the engine took to start (returns once it is up)."""
         ...
 
+    def startup(self) -> dict[str, Any]:
+        """Where the actor's start went (Unix times and seconds): ``spawned``, ``init_began``,
+        ``import_seconds``, ``built_at``, ``start_seconds`` (``rollout.base.EngineBase.startup``)."""
+        ...
+
     def pid(self) -> int:
         """The actor's process id."""
         ...

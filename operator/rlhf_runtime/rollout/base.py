@@ -14,7 +14,8 @@ Ray makes an actor async when any of its methods is one, so the sync base has no
   the size: then it is built at once). ``build()`` is idempotent.
 * Queries (``ready``, ``pid``, ``world_size``, ``param_layout``, ``device_info``): computed here from two things a
   subclass provides, its ``_vllm_config()`` and its ``_collective_rpc(fn, args)`` (awaitable on the async ones);
-  ``AsyncEngineBase`` serves the same answers as coroutines.
+  ``AsyncEngineBase`` serves the same answers as coroutines. ``startup``: where the actor's start went (its
+  process created, vLLM imported, the engine built), for the progress file's actors record.
 * The kernel-format switch: ``_kernel`` is what the engine's workers were last told (``workers.format_rpc``);
   ``_stale_cache`` marks prefix-cache KV computed with weights a sync has since replaced (reset before the next
   ``generate``). ``AsyncEngineBase`` also holds the async engines' ``start_weight_update`` and
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rlhf_runtime.infra import startup
 from rlhf_runtime.rollout import workers
 
 
@@ -77,6 +79,10 @@ class EngineBase:
     ``_vllm_config`` and ``_collective_rpc``."""
 
     def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
+        # where this actor's start went (``startup``): its process created, this constructor begun, vLLM
+        # imported (``import_seconds``), the engine built (``built_at``, after ``start_seconds``)
+        self.spawned, self.init_began = startup.process_started(), time.time()
+        self.built_at: float | None = None
         _prepare_env(kwargs, env)
         self._kwargs = kwargs
         self.built = False
@@ -99,7 +105,7 @@ class EngineBase:
             t = time.perf_counter()
             self._make_engine(self._kwargs)
             self.start_seconds = time.perf_counter() - t
-            self.built = True
+            self.built, self.built_at = True, time.time()
         return self.start_seconds
 
     def build(self) -> float:
@@ -117,6 +123,13 @@ class EngineBase:
 
     def ready(self) -> float:
         return self.start_seconds
+
+    def startup(self) -> dict[str, Any]:
+        """Where this actor's start went, as Unix times and seconds: ``spawned`` (its process created; None where
+        ``/proc`` does not say), ``init_began`` (its constructor), ``import_seconds`` (vLLM's imports, in the
+        constructor), ``built_at`` (the engine built; None until it is) and ``start_seconds`` (the build)."""
+        return {"spawned": self.spawned, "init_began": self.init_began, "import_seconds": self.import_seconds,
+                "built_at": self.built_at, "start_seconds": self.start_seconds}
 
     def pid(self) -> int:
         """The actor's process id (reported in the progress file: which process serves which engine)."""
@@ -152,6 +165,9 @@ class AsyncEngineBase(EngineBase):
 
     async def ready(self) -> float:  # type: ignore[override]
         return EngineBase.ready(self)
+
+    async def startup(self) -> dict[str, Any]:  # type: ignore[override]
+        return EngineBase.startup(self)
 
     async def pid(self) -> int:  # type: ignore[override]
         return EngineBase.pid(self)
