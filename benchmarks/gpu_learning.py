@@ -252,7 +252,9 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
                # the actors record: each engine's build, and where the trainers' and engines' starts went
                # (job_actors: process created, constructor begun, imports, built)
                **({k: r["actors"].get(k) for k in ("engine_build_seconds", "trainer_start", "engine_start")}
-                  if "actors" in r else {})}
+                  if "actors" in r else {}),
+               **({"first_actor_since_launch": round(r["actors"]["first_asked"] - launched, 2)}
+                  if (r.get("actors") or {}).get("first_asked") else {})}
               for r in records if not r.get("throughput") and not r.get("step")]
     out = {"side": "runtime", "variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
            "eval": [{"step": s, "exact_match": v, "since_launch": t} for s, (v, t) in sorted(evals_seen.items())],
@@ -317,6 +319,30 @@ def trl(a: argparse.Namespace, tmp: Path, model: Path, train_rows: list[tuple[st
           " ".join(f"{e['step']}:{e['exact_match']:.3f}" for e in res["eval"]) +
           (f"; error {res['error'][:300]}" if "error" in res else ""), flush=True)
     return res
+
+
+def startup_line(run: dict[str, Any]) -> str:
+    """One line of where a runtime run's start went, in seconds since launch: the first actor asked for, the
+    trainer's process, constructor and ready, vLLM's weight-transfer import, the engine's process, vLLM import and
+    build end, the first step (from the progress file's actors record, ``controller.job_actors``)."""
+    rec = next((p for p in run.get("startup") or [] if p.get("first_actor_since_launch") is not None), None)
+    steps = run.get("steps") or []
+    first = f"first step {steps[0]['since_launch']}" if steps else "no step"
+    if rec is None:
+        return f"start-up {run['variant']} seed {run['seed']}: no actors record; {first}"
+    t0, tr, en = rec["first_actor_since_launch"], rec.get("trainer_start") or {}, rec.get("engine_start") or {}
+
+    def at(origin: float, after: float | None) -> str:
+        return "?" if after is None else f"{origin + after:.1f}"
+
+    t_ask, e_ask = t0 + tr.get("asked_after_s", 0), t0 + en.get("asked_after_s", 0)
+    ready = [t_ask + b + s for b, s in zip(tr.get("init_began_after_s", []), tr.get("init_seconds", []))]
+    return (f"start-up {run['variant']} seed {run['seed']} (s since launch): actors asked {t0:.1f}; trainer 0 "
+            f"process {at(t_ask, (tr.get('spawned_after_s') or [None])[0])}, constructor "
+            f"{at(t_ask, (tr.get('init_began_after_s') or [None])[0])}, ready {ready[0] if ready else float('nan'):.1f}"
+            f", vLLM transfer import {(tr.get('weight_transfer_import_seconds') or ['?'])[0]} s; engine 0 process "
+            f"{at(e_ask, (en.get('spawned_after_s') or [None])[0])}, vLLM import {(en.get('import_seconds') or ['?'])[0]}"
+            f" s, built {at(e_ask, (en.get('built_after_s') or [None])[0])}; {first}")
 
 
 def main() -> None:
@@ -431,6 +457,9 @@ def main() -> None:
         last = [r["eval"][-1]["exact_match"] for r in result["runs"] if r["variant"] == master and r["eval"]]
         if last:
             print(f"{master}: last eval median {statistics.median(last):.3f} (min {min(last):.3f}, max {max(last):.3f})")
+    for r in result["runs"]:
+        if r["side"] == "runtime":
+            print(startup_line(r))
     if a.trl_python:
         print("same scorer (greedy_accuracy, bfloat16 weights) per step:")
         for r in result["runs"]:

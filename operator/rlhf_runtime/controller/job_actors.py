@@ -251,7 +251,8 @@ class JobActors:
         return {"trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
                 "trainer_threads": self.trainer_threads,
                 "engine_build_seconds": [round(float(b), 3) for b in self.build_seconds],
-                "trainer_start": self.trainer_start, "engine_start": self.engine_start()}
+                "trainer_start": self.trainer_start, "engine_start": self.engine_start(),
+                "first_asked": self.first_asked}  # the Unix time the *_start records' asked_after_s count from
 
     def engine_start(self) -> dict[str, Any]:
         """Where each engine's start went (``RolloutEngine.startup``), in seconds after the driver asked for the
