@@ -246,7 +246,9 @@ class JobActors:
 
     # ------------------------------------------------------------------------------------------ misc
     def record(self) -> dict[str, Any]:
-        """Which process serves which actor (progress file): for people reading a run, and for fault tests."""
+        """Which process serves which actor (progress file): for people reading a run, and for fault tests; and
+        where the trainers' and engines' starts went (``trainer_start``, ``engine_start``), counted from
+        ``first_asked``."""
         pids = self.engines.call("pid", what=f"pid of {self.engines.describe()}")
         return {"trainers": self.trainer_pids, "engines": pids, "replacements": dict(self.replacements),
                 "trainer_threads": self.trainer_threads,
