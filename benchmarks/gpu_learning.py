@@ -332,17 +332,21 @@ def startup_line(run: dict[str, Any]) -> str:
         return f"start-up {run['variant']} seed {run['seed']}: no actors record; {first}"
     t0, tr, en = rec["first_actor_since_launch"], rec.get("trainer_start") or {}, rec.get("engine_start") or {}
 
+    def rank0(d: dict[str, Any], key: str, missing: Any = None) -> Any:
+        """Rank 0's value of a per-rank list in the record (``missing`` when absent)."""
+        return (d.get(key) or [missing])[0]
+
     def at(origin: float, after: float | None) -> str:
         return "?" if after is None else f"{origin + after:.1f}"
 
     t_ask, e_ask = t0 + tr.get("asked_after_s", 0), t0 + en.get("asked_after_s", 0)
-    ready = [t_ask + b + s for b, s in zip(tr.get("init_began_after_s", []), tr.get("init_seconds", []))]
+    began, init = rank0(tr, "init_began_after_s"), rank0(tr, "init_seconds")
+    ready = "?" if began is None or init is None else f"{t_ask + began + init:.1f}"
     return (f"start-up {run['variant']} seed {run['seed']} (s since launch): actors asked {t0:.1f}; trainer 0 "
-            f"process {at(t_ask, (tr.get('spawned_after_s') or [None])[0])}, constructor "
-            f"{at(t_ask, (tr.get('init_began_after_s') or [None])[0])}, ready {ready[0] if ready else float('nan'):.1f}"
-            f", vLLM transfer import {(tr.get('weight_transfer_import_seconds') or ['?'])[0]} s; engine 0 process "
-            f"{at(e_ask, (en.get('spawned_after_s') or [None])[0])}, vLLM import {(en.get('import_seconds') or ['?'])[0]}"
-            f" s, built {at(e_ask, (en.get('built_after_s') or [None])[0])}; {first}")
+            f"process {at(t_ask, rank0(tr, 'spawned_after_s'))}, constructor {at(t_ask, began)}, ready {ready}, "
+            f"vLLM transfer import {rank0(tr, 'weight_transfer_import_seconds', '?')} s; engine 0 process "
+            f"{at(e_ask, rank0(en, 'spawned_after_s'))}, vLLM import {rank0(en, 'import_seconds', '?')} s, built "
+            f"{at(e_ask, rank0(en, 'built_after_s'))}; {first}")
 
 
 def main() -> None:
