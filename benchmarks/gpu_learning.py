@@ -323,8 +323,9 @@ def trl(a: argparse.Namespace, tmp: Path, model: Path, train_rows: list[tuple[st
 
 def startup_line(run: dict[str, Any]) -> str:
     """One line of where a runtime run's start went, in seconds since launch: the first actor asked for, the
-    trainer's process, constructor and ready, vLLM's weight-transfer import, the engine's process, vLLM import and
-    build end, the first step (from the progress file's actors record, ``controller.job_actors``)."""
+    driver's check of the tokenizer and the model's config (where recorded), the trainer's process, constructor
+    and ready, vLLM's weight-transfer import, the engine's process, vLLM import and build end, the first step
+    (from the progress file's actors record, ``controller.job_actors``)."""
     rec = next((p for p in run.get("startup") or [] if p.get("first_actor_since_launch") is not None), None)
     steps = run.get("steps") or []
     first = f"first step {steps[0]['since_launch']}" if steps else "no step"
@@ -342,8 +343,10 @@ def startup_line(run: dict[str, Any]) -> str:
     t_ask, e_ask = t0 + tr.get("asked_after_s", 0), t0 + en.get("asked_after_s", 0)
     began, init = rank0(tr, "init_began_after_s"), rank0(tr, "init_seconds")
     ready = "?" if began is None or init is None else f"{t_ask + began + init:.1f}"
-    return (f"start-up {run['variant']} seed {run['seed']} (s since launch): actors asked {t0:.1f}; trainer 0 "
-            f"process {at(t_ask, rank0(tr, 'spawned_after_s'))}, constructor {at(t_ask, began)}, ready {ready}, "
+    checked = rec.get("inputs_checked_after_s")
+    inputs = "" if checked is None else f", tokenizer and config checked {t0 + checked:.1f}"
+    return (f"start-up {run['variant']} seed {run['seed']} (s since launch): actors asked {t0:.1f}{inputs}; "
+            f"trainer 0 process {at(t_ask, rank0(tr, 'spawned_after_s'))}, constructor {at(t_ask, began)}, ready {ready}, "
             f"vLLM transfer import {rank0(tr, 'weight_transfer_import_seconds', '?')} s; engine 0 process "
             f"{at(e_ask, rank0(en, 'spawned_after_s'))}, vLLM import {rank0(en, 'import_seconds', '?')} s, built "
             f"{at(e_ask, rank0(en, 'built_after_s'))}; {first}")

@@ -80,6 +80,10 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     assert eng["import_seconds"][0] > 0, eng
     assert eng["init_began_after_s"][0] + eng["import_seconds"][0] <= eng["built_after_s"][0], eng
     assert eng["asked_after_s"] + eng["built_after_s"][0] <= recorded, (eng, recorded)
+    # the driver asked for the engines and the trainers before it had loaded the tokenizer and checked the model's
+    # config and the samples (those imports run beside the actors' start, not before it)
+    checked = actors[0]["inputs_checked_after_s"]
+    assert 0 <= eng["asked_after_s"] <= checked and start["asked_after_s"] <= checked, (actors[0], checked)
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ class JobActors:
         self.trainer_start: dict[str, Any] = {}  # where the trainers' start went (start_trainers)
         self.first_asked: float | None = None  # when the driver first asked Ray for an actor of this run (``asked``)
         self.engines_asked: float | None = None  # when it asked for the engines (``create_engines``)
+        self.trainers_asked: float | None = None  # when it asked for the trainers (``create_trainers``)
         self.transfer_loads: list[Any] = []  # the trainers' load_weight_transfer calls, until await_transfer
         self.replacements = {"engines": 0, "trainers": 0}
 
@@ -87,11 +88,9 @@ class JobActors:
         return self.placement.address_on(places[0]) if len(places) > 1 else (None, None)
 
     # -------------------------------------------------------------------------------------- trainers
-    def start_trainers(self, defer_transfer: bool = False) -> dict[str, Any]:
-        """Every trainer rank; returns rank 0's ``info`` (step, resumed_from, param_bytes, ...). Then each loads
-        vLLM's weight-transfer modules (``Trainer.load_weight_transfer``), waited for here, or with
-        ``defer_transfer`` by ``await_transfer`` (before the weight-transfer group), so that the import runs
-        beside what the driver starts next."""
+    def create_trainers(self) -> None:
+        """Every trainer rank's actor created: each starts importing and loading at once; ``start_trainers``
+        waits for them."""
         import ray
 
         from rlhf_runtime.roles.policy import Trainer
@@ -100,10 +99,19 @@ class JobActors:
         cfg_json = self.cfg.model_dump_json(by_alias=True)
         places = self.layout.trainers
         addr, port = self._rendezvous(places)
-        created = self.asked()
+        self.trainers_asked = self.asked()
         for rank, a in enumerate(places):
             self.trainers.append(ray.remote(cls).options(**self._options(a, self.actor_env(a))).remote(
                 cfg_json, rank, len(places), addr, port))
+
+    def start_trainers(self, defer_transfer: bool = False) -> dict[str, Any]:
+        """Every trainer rank, created (``create_trainers``, unless it was) and started; returns rank 0's
+        ``info`` (step, resumed_from, param_bytes, ...). Then each loads vLLM's weight-transfer modules
+        (``Trainer.load_weight_transfer``), waited for here, or with ``defer_transfer`` by ``await_transfer``
+        (before the weight-transfer group), so that the import runs beside what the driver starts next."""
+        if not self.trainers.actors:
+            self.create_trainers()
+        created = self.trainers_asked or time.time()
         infos = self.trainers.call_step("info", what=f"start of {self.trainers.describe()}")
         self.trainer_pids = [i.get("pid") for i in infos]
         self.trainer_threads = [i.get("threads") for i in infos]

@@ -139,6 +139,7 @@ class Runtime:
         self.output: dict[str, Any] | None = None  # status.output: the newest export
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
+        self.inputs_checked: float | None = None  # when ``inputs`` had checked the tokenizer, config and samples
 
     # ------------------------------------------------------------------------------------------ start
     def connect(self) -> None:
@@ -158,8 +159,10 @@ class Runtime:
         ray.init(address="local", num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
 
     def inputs(self) -> Inputs:
-        """What every step reads, checked (a bad input fails before any actor starts), and Ray connected: the
-        tokenizer loads while Ray starts."""
+        """What every step reads, checked, with Ray connected and the actors asked for: the prompts, the reward
+        and the storage before Ray (a bad input fails before any actor starts); the tokenizer and the model's
+        config (``load_tokenizer``: seconds of imports) while Ray starts and the actors begin theirs (engines and
+        trainers are independent until the first sync), checked before the driver waits for any of them."""
         samples, eval_samples, reward_fn = check_inputs(self.spec)  # before Ray
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, self.spec)
@@ -167,10 +170,22 @@ class Runtime:
             self.reporter.report("Starting", message="starting Ray actors")
             self.watchdog.doing("connecting to Ray and placing actors")
             self.connect()
+            self.create_actors()
+            self.watchdog.doing("loading the tokenizer and the model's config")
             tok, context = tokenizer.result()
         samples = self.check_samples(samples, tok, context)
+        self.inputs_checked = time.time()
         return Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
                       self.spec.rollout.sampling.samples_per_prompt)
+
+    def create_actors(self) -> None:
+        """Placement groups, then every actor that needs nothing from another asked for, so that each starts
+        importing and loading at once: the roles beside the policy that do not resume (reward, reference), the
+        engines (built now where they can be: ``JobActors.engines_build_early``) and the trainer ranks."""
+        self.actors.placement.place()
+        self.actors.create_roles(None, only=("reward", "reference"))
+        self.actors.create_engines(build=self.actors.engines_build_early)
+        self.actors.create_trainers()
 
     def check_samples(self, samples: Any, tokenizer: Any, context: int | None) -> Any:
         """``data.check_samples`` before the first step: the samples the run can take (``data.invalidSamples``),
@@ -185,12 +200,8 @@ class Runtime:
         return kept
 
     def start(self, job: Inputs) -> None:
-        """Placement groups, trainers (resuming from the newest checkpoint), roles, engines, the
-        weight-transfer group and the first sync (validated when asked), on the connected Ray."""
-        self.actors.placement.place()
-        # everything that needs nothing from the trainers loads while they do
-        self.actors.create_roles(None, only=("reward", "reference"))
-        self.actors.create_engines(build=self.actors.engines_build_early)
+        """The actors (``create_actors``) started: trainers (resuming from the newest checkpoint), roles,
+        engines, then the weight-transfer group and the first sync (validated when asked)."""
         info = self.actors.start_trainers(defer_transfer=True)  # their vLLM imports beside the engines' start
         self.done, self.resumed = int(info["step"]), info["resumed_from"]
         msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
@@ -208,7 +219,13 @@ class Runtime:
             self.validator.validate(job.tokenizer, job.samples)
 
     def record_actors(self) -> None:
-        self.reporter.write_progress({"time": time.time(), "actors": self.actors.record()})
+        """``JobActors.record``, and when the driver had checked the tokenizer, the model's config and the samples
+        (``inputs``), in seconds after the run's first actor was asked for."""
+        rec = self.actors.record()
+        first = rec.get("first_asked")
+        if first is not None and self.inputs_checked is not None:
+            rec["inputs_checked_after_s"] = round(self.inputs_checked - first, 3)
+        self.reporter.write_progress({"time": time.time(), "actors": rec})
 
     # ------------------------------------------------------------------------------------------- run
     def run(self) -> None:
