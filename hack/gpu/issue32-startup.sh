@@ -16,9 +16,12 @@ set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
 T0=$(date +%s)
 KV=${KV:-1}
+# STEPS: the GRPO steps of every run (30 as the 2026-11-27 comparison; more to weigh the start-up less, e.g.
+# STEPS=100 for the horizon where the loop's 2.3-2.9x should carry the whole run past 1.5x: then one seed a call)
+STEPS=${STEPS:-30}
 nvidia-smi > $OUT/nvidia-smi.txt
-common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps 30 --variants float32
-        --resident --run-timeout 200)
+common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants float32
+        --resident --run-timeout $(( 170 + STEPS )))
 i=0
 for S in "$@"; do
   # A: the runtime as it starts today, then TRL (the earlier runs' order); B: the runtime with the explicit KV cache
