@@ -346,8 +346,8 @@ def startup_line(run: dict[str, Any]) -> str:
     checked = rec.get("inputs_checked_after_s")
     inputs = "" if checked is None else f", tokenizer and config checked {t0 + checked:.1f}"
     return (f"start-up {run['variant']} seed {run['seed']} (s since launch): actors asked {t0:.1f}{inputs}; "
-            f"trainer 0 process {at(t_ask, rank0(tr, 'spawned_after_s'))}, constructor {at(t_ask, began)}, ready {ready}, "
-            f"vLLM transfer import {rank0(tr, 'weight_transfer_import_seconds', '?')} s; engine 0 process "
+            f"trainer 0 process {at(t_ask, rank0(tr, 'spawned_after_s'))}, constructor {at(t_ask, began)}, "
+            f"ready {ready}, vLLM transfer import {rank0(tr, 'weight_transfer_import_seconds', '?')} s; engine 0 process "
             f"{at(e_ask, rank0(en, 'spawned_after_s'))}, vLLM import {rank0(en, 'import_seconds', '?')} s, built "
             f"{at(e_ask, rank0(en, 'built_after_s'))}; {first}")
 
