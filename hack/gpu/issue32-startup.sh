@@ -19,18 +19,28 @@ KV=${KV:-1}
 # STEPS: the GRPO steps of every run (30 as the 2026-11-27 comparison; more to weigh the start-up less, e.g.
 # STEPS=100 for the horizon where the loop's 2.3-2.9x should carry the whole run past 1.5x: then one seed a call)
 STEPS=${STEPS:-30}
+# MODE=pairs: per seed one invocation with the explicit KV cache (B) and TRL, the sides' order alternating from seed
+# to seed (runtime first, then TRL first): the >= 5 interleaved repeats of B against TRL (~170 s a seed, 3 a call):
+#     MODE=pairs bash hack/gpu/issue32-startup.sh 0 1 2      # then: MODE=pairs bash hack/gpu/issue32-startup.sh 3 4 5
+MODE=${MODE:-ab}
 nvidia-smi > $OUT/nvidia-smi.txt
 common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants float32
         --resident --run-timeout $(( 170 + STEPS )))
 i=0
 for S in "$@"; do
   # A: the runtime as it starts today, then TRL (the earlier runs' order); B: the runtime with the explicit KV cache
-  if [ $(( i % 2 )) = 0 ]; then order="A B"; else order="B A"; fi
+  if [ $(( i % 2 )) = 0 ]; then order="A B"; sides=runtime,trl; else order="B A"; sides=trl,runtime; fi
+  need=120
+  if [ $MODE = pairs ]; then order=P; need=170; fi
   for part in $order; do
     left=$(( 585 - ($(date +%s) - T0) ))
-    if [ $left -lt 120 ]; then echo "SKIP seed $S $part: $left s left" >> $OUT/order.txt; continue; fi
+    if [ $left -lt $need ]; then echo "SKIP seed $S $part: $left s left" >> $OUT/order.txt; continue; fi
     echo "$(date +%T) seed $S $part" >> $OUT/order.txt
-    if [ $part = A ]; then
+    if [ $part = P ]; then
+      echo "  sides $sides" >> $OUT/order.txt
+      timeout $(( left - 10 )) python3 benchmarks/gpu_learning.py --out $OUT/s$S-P "${common[@]}" \
+          --kv-cache-gib $KV --trl-python python3 --sides $sides --seeds $S > $OUT/s$S-P.log 2>&1
+    elif [ $part = A ]; then
       timeout $(( left - 10 )) python3 benchmarks/gpu_learning.py --out $OUT/s$S-A "${common[@]}" \
           --trl-python python3 --seeds $S > $OUT/s$S-A.log 2>&1
     else
