@@ -212,6 +212,28 @@ def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: s
     }
 
 
+# the actors record's keys a start-up phase keeps (controller.job_actors.record, controller.loop.record_actors)
+STARTUP_KEYS = ("engine_build_seconds", "trainer_start", "engine_start", "inputs_checked_after_s",
+                "ray_connect_seconds", "placement_seconds")
+
+
+def startup_phases(records: list[dict[str, Any]], launched: float) -> list[dict[str, Any]]:
+    """The driver's start-up, phase by phase (its progress records before the first step), in seconds since the
+    launch; the actors record with each engine's build and where the trainers' and engines' starts went (process
+    created, constructor begun, imports, built), the driver's Ray start and placement, and its first actor."""
+    phases = []
+    for r in records:
+        if r.get("throughput") or r.get("step"):
+            continue
+        actors = r.get("actors") or {}
+        phases.append({"since_launch": round(r["time"] - launched, 2), "state": (r.get("runtime") or {}).get("state"),
+                       "message": (r.get("runtime") or {}).get("message") or ",".join(k for k in r if k != "time"),
+                       **{k: actors[k] for k in STARTUP_KEYS if k in actors},
+                       **({"first_actor_since_launch": round(actors["first_asked"] - launched, 2)}
+                          if actors.get("first_asked") else {})})
+    return phases
+
+
 def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path, master: str, seed: int,
          scorer: Any = None) -> dict[str, Any]:
     """One run of the runtime's driver. With ``scorer`` (``path -> exact match``), the run exports every
@@ -246,16 +268,7 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
                           "reward_mean": tp.get("rewardMean"), "step_seconds": tp.get("stepSeconds"),
                           **{k: train_stats[k] for k in ("loss", "entropy", "mismatch_kl", "grad_norm")
                              if k in train_stats}})
-    # the driver's start-up, phase by phase (its progress records before the first step), from the launch
-    phases = [{"since_launch": round(r["time"] - launched, 2), "state": (r.get("runtime") or {}).get("state"),
-               "message": (r.get("runtime") or {}).get("message") or ",".join(k for k in r if k != "time"),
-               # the actors record: each engine's build, and where the trainers' and engines' starts went
-               # (job_actors: process created, constructor begun, imports, built)
-               **({k: r["actors"].get(k) for k in ("engine_build_seconds", "trainer_start", "engine_start")}
-                  if "actors" in r else {}),
-               **({"first_actor_since_launch": round(r["actors"]["first_asked"] - launched, 2)}
-                  if (r.get("actors") or {}).get("first_asked") else {})}
-              for r in records if not r.get("throughput") and not r.get("step")]
+    phases = startup_phases(records, launched)
     out = {"side": "runtime", "variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
            "eval": [{"step": s, "exact_match": v, "since_launch": t} for s, (v, t) in sorted(evals_seen.items())],
            "startup": phases, "steps": steps}
@@ -345,7 +358,9 @@ def startup_line(run: dict[str, Any]) -> str:
     ready = "?" if began is None or init is None else f"{t_ask + began + init:.1f}"
     checked = rec.get("inputs_checked_after_s")
     inputs = "" if checked is None else f", tokenizer and config checked {t0 + checked:.1f}"
-    return (f"start-up {run['variant']} seed {run['seed']} (s since launch): actors asked {t0:.1f}{inputs}; "
+    ray = "".join(f"{name} {rec[key]} s, " for name, key in (("Ray connect", "ray_connect_seconds"),
+                                                                ("placement", "placement_seconds")) if key in rec)
+    return (f"start-up {run['variant']} seed {run['seed']} (s since launch): {ray}actors asked {t0:.1f}{inputs}; "
             f"trainer 0 process {at(t_ask, rank0(tr, 'spawned_after_s'))}, constructor {at(t_ask, began)}, "
             f"ready {ready}, vLLM transfer import {rank0(tr, 'weight_transfer_import_seconds', '?')} s; engine 0 process "
             f"{at(e_ask, rank0(en, 'spawned_after_s'))}, vLLM import {rank0(en, 'import_seconds', '?')} s, built "

@@ -140,6 +140,9 @@ class Runtime:
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
         self.inputs_checked: float | None = None  # when ``inputs`` had checked the tokenizer, config and samples
+        # where the driver's start went before its first actor (``inputs``; the actors record): Ray's connect or
+        # local start, then the placement groups
+        self.start_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ start
     def connect(self) -> None:
@@ -169,7 +172,9 @@ class Runtime:
             self.refresh_spec()
             self.reporter.report("Starting", message="starting Ray actors")
             self.watchdog.doing("connecting to Ray and placing actors")
+            t = time.perf_counter()
             self.connect()
+            self.start_seconds["ray_connect_seconds"] = round(time.perf_counter() - t, 3)
             self.create_actors()
             self.watchdog.doing("loading the tokenizer and the model's config")
             tok, context = tokenizer.result()
@@ -182,7 +187,9 @@ class Runtime:
         """Placement groups, then every actor that needs nothing from another asked for, so that each starts
         importing and loading at once: the roles beside the policy that do not resume (reward, reference), the
         engines (built now where they can be: ``JobActors.engines_build_early``) and the trainer ranks."""
+        t = time.perf_counter()
         self.actors.placement.place()
+        self.start_seconds["placement_seconds"] = round(time.perf_counter() - t, 3)
         self.actors.create_roles(None, only=("reward", "reference"))
         self.actors.create_engines(build=self.actors.engines_build_early)
         self.actors.create_trainers()
@@ -220,8 +227,9 @@ class Runtime:
 
     def record_actors(self) -> None:
         """``JobActors.record``, and when the driver had checked the tokenizer, the model's config and the samples
-        (``inputs``), in seconds after the run's first actor was asked for."""
-        rec = self.actors.record()
+        (``inputs``), in seconds after the run's first actor was asked for; how long Ray's connect (or local
+        start) and the placement groups took before it (``ray_connect_seconds``, ``placement_seconds``)."""
+        rec = {**self.actors.record(), **self.start_seconds}
         first = rec.get("first_asked")
         if first is not None and self.inputs_checked is not None:
             rec["inputs_checked_after_s"] = round(self.inputs_checked - first, 3)
