@@ -1,5 +1,8 @@
 """Fixtures for the real-pod tier: the product as a user runs it, in real containers.
 
+The frozen-driver scenario (``frozen_run``) starts with the tier's first test and plays out beside the others;
+the test that checks it runs last (``pytest_collection_modifyitems``).
+
 A real control plane with real nodes (containerd + runc + CNI + kubelet, ``hack/realnodes.py``), cluster DNS
 and Service routing; KubeRay as a pod; our operator installed from its Helm chart with the locally built
 operator image; RLHFJobs whose head, trainer and engine pods run the locally built CPU runtime image. A tiny
@@ -12,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -125,3 +130,99 @@ def diagnostics(cluster: localcluster.Cluster, ns: str) -> str:
         log = cluster.kubectl("logs", "-n", ns, pod, "--all-containers", "--tail=60", check=False)
         parts.append(f"--- {pod}\n{(log.stdout or log.stderr)[-3000:]}")
     return "\n".join(parts)
+
+
+def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int) -> dict:
+    job = cpu_job(cluster, shared, name, steps)
+    ckpt = shared / "ckpt" / ns / name
+    ckpt.mkdir(parents=True, mode=0o777)
+    for p in (shared / "ckpt", shared / "ckpt" / ns, ckpt):
+        p.chmod(0o777)
+    job["spec"]["checkpoint"] = {"volume": "shared", "path": f"/shared/ckpt/{ns}/{name}", "everyNSteps": 3}
+    job["spec"]["backoffLimit"] = retries
+    # these tests are about a run lost with its pod and KubeRay's retry on a new cluster; repairs inside a run
+    # (an engine replaced, trainers restarted) are the runtime tier's (tests/runtime/test_runtime_faults.py)
+    job["spec"]["inRunRecoveries"] = 0
+    return job
+
+
+def _wait(cluster, api, ns, what, check, timeout):
+    try:
+        return wait_for(check, timeout, what, interval=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diagnostics(cluster, ns)}") from None
+
+
+FROZEN_STEPS = 60
+#: the test that checks what the frozen-driver scenario saw (tests/pods/test_faults.py)
+FROZEN_TEST = "test_frozen_driver_is_ended_and_the_run_retried"
+
+
+def _frozen_scenario(cluster, api, ns: str, job: dict, out: dict) -> None:
+    """The frozen-driver run from its start to its end (``test_frozen_driver_is_ended_and_the_run_retried``),
+    what it saw in ``out``; an error is kept there for the test to raise."""
+    try:
+        _wait(cluster, api, ns, "step >= 4 (a checkpoint at step 3)",
+              lambda: (status(api, ns, "frozen").get("step") or 0) >= 4, 900)
+        head = next(p for p in pods(api, ns, "ray.io/node-type=head") if p.status.phase == "Running")
+        # every process of the driver (not this shell, whose own command line names it too)
+        stop = ('for p in /proc/[0-9]*; do n=${p#/proc/}; [ "$n" = "$$" ] && continue; '
+                "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in *'for p in'*) ;; "
+                '*rlhf_runtime.driver*) kill -STOP $n && echo stopped $n;; esac; done')
+        r = cluster.kubectl("exec", "-n", ns, head.metadata.name, "-c", "ray-head", "--", "sh", "-c", stop)
+        out["stopped"] = r.stdout + r.stderr
+        t0 = time.monotonic()
+        # the retried run has a few steps left (a live edit: the frozen driver cannot adopt it, the retry reads it)
+        out["steps"] = (status(api, ns, "frozen").get("step") or 0) + 6
+        job["spec"]["algorithm"]["steps"] = out["steps"]
+        apply(cluster, job, ns)
+
+        def stalled() -> bool:
+            st = status(api, ns, "frozen")
+            c = next((c for c in st.get("conditions") or [] if c["type"] == "Stalled"), {})
+            return c.get("status") == "True" and c.get("reason") in ("ProgressDeadlineExceeded", "RuntimeUnresponsive")
+
+        _wait(cluster, api, ns, "Stalled (ProgressDeadlineExceeded)", stalled, 600)
+        out["stalled_s"] = time.monotonic() - t0
+        _wait(cluster, api, ns, "Succeeded after the retry",
+              lambda: status(api, ns, "frozen").get("phase") in ("Succeeded", "Failed"), 1500)
+        out["ended_s"] = time.monotonic() - t0
+    except BaseException as e:  # noqa: BLE001 - raised by the test
+        out["error"] = e
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """``FROZEN_TEST`` moved to the end of this tier's tests: what it waits for (the frozen run's deadline, the
+    operator's grace, KubeRay's retry) then overlaps every other test of the tier (``frozen_run``)."""
+    frozen = next((i for i in items if i.name == FROZEN_TEST), None)
+    if frozen is None:
+        return
+    items.remove(frozen)
+    here = Path(__file__).parent
+    last = max(k for k, i in enumerate(items) if here in Path(str(i.path)).parents) if len(items) else -1
+    items.insert(last + 1, frozen)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def frozen_run(request):
+    """The frozen-driver scenario, started with the tier's first test when ``FROZEN_TEST`` was collected (None
+    otherwise) and played out beside the tier's other tests: most of it is waiting (for the progress deadline,
+    the operator's grace and KubeRay's retry), which then overlaps their runs. ``FROZEN_TEST`` checks what it saw:
+    (namespace, thread, what it saw)."""
+    if not any(item.name == FROZEN_TEST for item in request.session.items):
+        yield None
+        return
+    cluster, api = request.getfixturevalue("real_cluster"), request.getfixturevalue("rapi")
+    request.getfixturevalue("operator_release")
+    ns = new_namespace(api)
+    job = checkpointed_job(cluster, request.getfixturevalue("shared_dir"), ns, "frozen", FROZEN_STEPS, retries=1)
+    # the retried run must start its engines within it while another test's job runs beside it
+    job["spec"]["progressDeadlineSeconds"] = 150
+    apply(cluster, job, ns)
+    out: dict = {}
+    thread = threading.Thread(target=_frozen_scenario, args=(cluster, api, ns, job, out), daemon=True,
+                              name="frozen-driver-scenario")
+    thread.start()
+    yield ns, thread, out
+    thread.join(timeout=60)
+    drop_namespace(api, ns)

@@ -8,38 +8,16 @@ has a deadline, and the recovery time is printed (the closing note's fault table
 from __future__ import annotations
 
 import re
-import threading
 import time
 
 import pytest
 import realnodes
 from kubernetes import client
 
-from tests.helpers import events_until, wait_for
-from tests.pods.conftest import apply, cpu_job, diagnostics, drop_namespace, new_namespace, pods, status
+from tests.helpers import events_until
+from tests.pods.conftest import _wait, apply, checkpointed_job, diagnostics, pods, status
 
 pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
-
-
-def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int) -> dict:
-    job = cpu_job(cluster, shared, name, steps)
-    ckpt = shared / "ckpt" / ns / name
-    ckpt.mkdir(parents=True, mode=0o777)
-    for p in (shared / "ckpt", shared / "ckpt" / ns, ckpt):
-        p.chmod(0o777)
-    job["spec"]["checkpoint"] = {"volume": "shared", "path": f"/shared/ckpt/{ns}/{name}", "everyNSteps": 3}
-    job["spec"]["backoffLimit"] = retries
-    # these tests are about a run lost with its pod and KubeRay's retry on a new cluster; repairs inside a run
-    # (an engine replaced, trainers restarted) are the runtime tier's (tests/runtime/test_runtime_faults.py)
-    job["spec"]["inRunRecoveries"] = 0
-    return job
-
-
-def _wait(cluster, api, ns, what, check, timeout):
-    try:
-        return wait_for(check, timeout, what, interval=1)
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n{diagnostics(cluster, ns)}") from None
 
 
 def _delete_pod(api, ns: str, selector: str) -> str:
@@ -156,67 +134,12 @@ def test_lost_worker_without_retries_fails_with_a_clear_condition(real_cluster, 
     _events(rapi, ns, "noretry", r"^Failed: \S")  # a Warning that says why
 
 
-FROZEN_STEPS = 60
-
-
-def _frozen_scenario(cluster, api, ns: str, job: dict, out: dict) -> None:
-    """The frozen-driver run from its start to its end (``test_frozen_driver_is_ended_and_the_run_retried``),
-    what it saw in ``out``; an error is kept there for the test to raise."""
-    try:
-        _wait(cluster, api, ns, "step >= 4 (a checkpoint at step 3)",
-              lambda: (status(api, ns, "frozen").get("step") or 0) >= 4, 900)
-        head = next(p for p in pods(api, ns, "ray.io/node-type=head") if p.status.phase == "Running")
-        # every process of the driver (not this shell, whose own command line names it too)
-        stop = ('for p in /proc/[0-9]*; do n=${p#/proc/}; [ "$n" = "$$" ] && continue; '
-                "c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); case \"$c\" in *'for p in'*) ;; "
-                '*rlhf_runtime.driver*) kill -STOP $n && echo stopped $n;; esac; done')
-        r = cluster.kubectl("exec", "-n", ns, head.metadata.name, "-c", "ray-head", "--", "sh", "-c", stop)
-        out["stopped"] = r.stdout + r.stderr
-        t0 = time.monotonic()
-        # the retried run has a few steps left (a live edit: the frozen driver cannot adopt it, the retry reads it)
-        out["steps"] = (status(api, ns, "frozen").get("step") or 0) + 6
-        job["spec"]["algorithm"]["steps"] = out["steps"]
-        apply(cluster, job, ns)
-
-        def stalled() -> bool:
-            st = status(api, ns, "frozen")
-            c = next((c for c in st.get("conditions") or [] if c["type"] == "Stalled"), {})
-            return c.get("status") == "True" and c.get("reason") in ("ProgressDeadlineExceeded", "RuntimeUnresponsive")
-
-        _wait(cluster, api, ns, "Stalled (ProgressDeadlineExceeded)", stalled, 600)
-        out["stalled_s"] = time.monotonic() - t0
-        _wait(cluster, api, ns, "Succeeded after the retry",
-              lambda: status(api, ns, "frozen").get("phase") in ("Succeeded", "Failed"), 1500)
-        out["ended_s"] = time.monotonic() - t0
-    except BaseException as e:  # noqa: BLE001 - raised by the test
-        out["error"] = e
-
-
-@pytest.fixture(scope="module", autouse=True)
-def frozen_run(real_cluster, rapi, operator_release, shared_dir):
-    """The frozen-driver scenario, started before this module's first test and played out beside the others: most
-    of it is waiting (for the progress deadline, the operator's grace and KubeRay's retry), which then overlaps
-    their runs. ``test_frozen_driver_is_ended_and_the_run_retried`` (the module's last) checks what it saw."""
-    ns = new_namespace(rapi)
-    job = checkpointed_job(real_cluster, shared_dir, ns, "frozen", FROZEN_STEPS, retries=1)
-    # the retried run must start its engines within it while another test's job runs beside it
-    job["spec"]["progressDeadlineSeconds"] = 150
-    apply(real_cluster, job, ns)
-    out: dict = {}
-    thread = threading.Thread(target=_frozen_scenario, args=(real_cluster, rapi, ns, job, out), daemon=True,
-                              name="frozen-driver-scenario")
-    thread.start()
-    yield ns, thread, out
-    thread.join(timeout=60)
-    drop_namespace(rapi, ns)
-
-
 def test_frozen_driver_is_ended_and_the_run_retried(frozen_run, real_cluster, rapi) -> None:
     """A driver that cannot act (SIGSTOP: no step, no heartbeat, its own watchdog frozen too): past
     spec.progressDeadlineSeconds the job is Stalled; past the grace the operator deletes the run's head pod and
     KubeRay retries (backoffLimit 1), resuming from the newest checkpoint. This is also the lost-head-pod case
-    (the head pod deleted through the API, the job retried on a new cluster). The run started with the module
-    (``frozen_run``)."""
+    (the head pod deleted through the API, the job retried on a new cluster). The run started with the tier's
+    first test (``tests/pods/conftest.frozen_run``)."""
     ns, thread, out = frozen_run
     thread.join(timeout=2000)
     assert not thread.is_alive(), f"the frozen-driver scenario did not end: {out}\n{diagnostics(real_cluster, ns)}"

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.pods.conftest import apply, pods, status
-from tests.pods.test_faults import _events, _wait, checkpointed_job
+from tests.pods.conftest import _wait, apply, checkpointed_job, pods, status
+from tests.pods.test_faults import _events
 
 pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
 
