@@ -24,6 +24,17 @@ STEPS=${STEPS:-30}
 #     MODE=pairs bash hack/gpu/issue32-startup.sh 0 1 2      # then: MODE=pairs bash hack/gpu/issue32-startup.sh 3 4 5
 MODE=${MODE:-ab}
 nvidia-smi > $OUT/nvidia-smi.txt
+# whether imports compile from source (no cached bytecode and none written: hack/gpu-stage.py compiles since
+# 2026-11-28 evening), and with PROBE=N where the engine's start goes in a bare process (benchmarks/engine_start.py;
+# N repeats alone and N beside another importing process, ~40 s each on an H200; needs the supervised checkpoint,
+# which the machine's first gpu_learning.py run makes: so on a later call)
+{ echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+  for d in /tmp/site-0.31.0/vllm /tmp/site-0.31.0/torch $(python3 -c "import transformers, os; print(os.path.dirname(transformers.__file__))"); do
+    echo "$d: $(find $d -name '*.py' | wc -l) .py, $(find $d -name '*.pyc' | wc -l) .pyc"; done; } > $OUT/bytecode.txt 2>&1
+if [ "${PROBE:-0}" -gt 0 ] && [ -f /tmp/learn-model/config.json ]; then
+  timeout 300 python3 benchmarks/engine_start.py --model /tmp/learn-model --kv-cache-gib $KV --repeats $PROBE \
+      --beside-import --no-bytecode --importtime --out $OUT/engine_start.json > $OUT/engine_start.log 2>&1
+fi
 common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants float32
         --resident --run-timeout $(( 170 + STEPS )))
 i=0
