@@ -85,7 +85,7 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
     checked = actors[0]["inputs_checked_after_s"]
     assert 0 <= eng["asked_after_s"] <= checked and start["asked_after_s"] <= checked, (actors[0], checked)
     # and before its first actor: its own local Ray's start, then the placement groups (the record splits them)
-    assert actors[0]["ray_connect_seconds"] > 0 and actors[0]["placement_seconds"] > 0, actors[0]
+    assert actors[0]["ray_connect_seconds"] > 0 and actors[0]["placement_seconds"] >= 0, actors[0]
 
 
 def test_corrupted_sync_fails_validation(tiny_model: Path, tmp_path: Path) -> None:
