@@ -25,7 +25,7 @@ STEPS=${STEPS:-30}
 MODE=${MODE:-ab}
 nvidia-smi > $OUT/nvidia-smi.txt
 # whether imports compile from source (no cached bytecode and none written: hack/gpu-stage.py compiles since
-# 2026-11-28 evening), and with PROBE=N where the engine's start goes in a bare process (benchmarks/engine_start.py;
+# 2026-11-28 afternoon), and with PROBE=N where the engine's start goes in a bare process (benchmarks/engine_start.py;
 # N repeats alone and N beside another importing process, ~40 s each on an H200; needs the supervised checkpoint,
 # which the machine's first gpu_learning.py run makes: so on a later call)
 { echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
