@@ -10,11 +10,12 @@ and one greedy generate. ``--beside-import`` also starts a second process that i
 vLLM at the same moment (as the trainer and the driver's tokenizer do beside the engine in the runtime's start).
 ``--no-bytecode`` adds runs whose Python finds no cached bytecode and writes none (``PYTHONPYCACHEPREFIX``
 an empty folder, ``PYTHONDONTWRITEBYTECODE=1``): what every import costs where packages were installed without
-bytecode on a machine that sets ``PYTHONDONTWRITEBYTECODE``. ``--importtime`` adds one ``python -X importtime -c "from vllm import LLM"`` and lists the packages whose imports
-took longest (self time summed per top-level package). Prints one JSON document; ``--out`` also writes it.
+bytecode on a machine that sets ``PYTHONDONTWRITEBYTECODE``. ``--importtime`` adds one ``python -X importtime -c
+"from vllm import LLM"`` and lists the packages whose imports took longest (self time summed per top-level
+package). Prints one JSON document; ``--out`` also writes it.
 
     . benchmarks/gpu_env.sh /tmp/site-0.31.0 && python3 benchmarks/engine_start.py --model /tmp/learn-model \
-        --kv-cache-gib 1 --repeats 5 --importtime --beside-import --out $OUT/engine_start.json
+        --kv-cache-gib 1 --repeats 5 --importtime --beside-import --no-bytecode --out $OUT/engine_start.json
     .venv/bin/python benchmarks/engine_start.py --model <tiny model> --cpu --repeats 1 --importtime   # smoke
 """
 
@@ -32,7 +33,7 @@ import time
 from typing import Any
 
 CHILD = r"""
-import json, os, sys, time
+import json, sys, time
 t = {"first_line": time.time()}
 import torch
 t["torch"] = time.time()

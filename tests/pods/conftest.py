@@ -197,9 +197,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     frozen = next((i for i in items if i.name == FROZEN_TEST), None)
     if frozen is None:
         return
-    items.remove(frozen)
-    here = Path(__file__).parent
-    last = max(k for k, i in enumerate(items) if here in Path(str(i.path)).parents) if len(items) else -1
+    at = items.index(frozen)
+    items.pop(at)
+    here = Path(__file__).parent  # after this tier's last other test; where it was when it is the tier's only one
+    last = max((k for k, i in enumerate(items) if here in Path(str(i.path)).parents), default=at - 1)
     items.insert(last + 1, frozen)
 
 
