@@ -50,7 +50,7 @@
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
-T0=$(date +%s)
+T0=${T0:-$(date +%s)}   # T0=<the call's start> when something ran before this part in the same call
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
 set -o pipefail
