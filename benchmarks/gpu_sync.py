@@ -373,9 +373,9 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     out["gbps"] = out["bytes"] / out["median_total_s"] / 1e9 if out["median_total_s"] else 0.0
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
     out["ipc"] = syncs[0].get("ipc") if syncs else None  # IPC: resident or vllm
-    # the last sync's engine calls and waits for the engines (rpc), trainer rank 0's FSDP2 gathers, tensors sent
-    # as its own shard and parameters left out (lean_gathers)
-    for k in ("engine_calls", "engine_waits", "gathers", "local_shards", "skipped"):
+    # the last sync's engine calls and waits for the engines (rpc), trainer rank 0's FSDP2 gathers (tensors, and
+    # the all-gathers that moved them), tensors sent as its own shard and parameters left out (lean_gathers)
+    for k in ("engine_calls", "engine_waits", "gathers", "gather_collectives", "local_shards", "skipped"):
         if syncs and k in syncs[-1]:
             out[k] = syncs[-1][k]
     return out

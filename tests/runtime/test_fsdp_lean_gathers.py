@@ -47,7 +47,7 @@ import torch.distributed as dist
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
 from rlhf_runtime.weight_sync.formats import KernelPlan
-from rlhf_runtime.weight_sync.producers import ParamSource
+from rlhf_runtime.weight_sync.producers import GATHER_BUCKET_BYTES, ParamSource
 from rlhf_runtime.weight_sync.senders import agreed_gathers
 
 
@@ -82,13 +82,25 @@ def main(cfg, rank, port, worker):
     plan = KernelPlan.build(source, layout, tp_rank=worker)
     assert plan.ok, plan.reason
     local_ok, unused = agreed_gathers(plan, source)  # a collective: both ranks call it here
+    # the stream's gathers: one all-gather per tensor (full_tensor), per bucket of 4 KiB, then the default bucket
+    source.gather_bucket_bytes = 0
+    single = {n: x.clone() for n, x in plan.iterate(source)}
+    collectives = [source.collectives]
+    source.gather_bucket_bytes = 4096
+    small = {n: x.clone() for n, x in plan.iterate(source)}
+    collectives.append(source.collectives)
+    source.gather_bucket_bytes = GATHER_BUCKET_BYTES
     gathered = {n: x.clone() for n, x in plan.iterate(source)}
+    collectives.append(source.collectives)
     full_gathers = source.gathers
     source.local, source.drop = set(local_ok), set(unused)
     local = {n: x.clone() for n, x in plan.iterate(source)}
     return {
         "rank": rank, "worker": worker, "local": sorted(local_ok), "unused": sorted(unused), "names": len(hf),
-        "gathers": [full_gathers, source.gathers],
+        "gathers": [full_gathers, source.gathers], "collectives": collectives + [source.collectives],
+        "bucketed_differ": sorted(n for n in single if not (torch.equal(single[n], gathered[n])
+                                                          and torch.equal(single[n], small[n]))),
+        "sizes": {n: x.numel() * x.element_size() for n, x in single.items()},
         "differ": sorted(n for n in gathered if n not in local or not torch.equal(gathered[n], local[n])),
         "shapes_ok": all(list(local[n].shape) == s for n, s in params),
     }
@@ -142,6 +154,14 @@ def test_each_rank_sends_its_own_shard_where_it_is_its_workers(job: Path, tmp_pa
         assert r["differ"] == [] and r["shapes_ok"], r
         full, lean = r["gathers"]
         assert full == r["names"] and lean == r["names"] - len(want) - 1, r["gathers"]
+        assert r["bucketed_differ"] == [], r["bucketed_differ"]
+        # every parameter is a dim-0 shard over the one 2-rank mesh: per tensor, one all-gather each; in 4 KiB
+        # buckets, fewer (a tensor of more than 4 KiB has one of its own); by default the whole tiny model in one;
+        # lean, the runs between the shards sent ungathered
+        per_tensor, small, whole, lean_runs = r["collectives"]
+        assert per_tensor == r["names"] and whole == 1, r["collectives"]
+        assert sum(1 for b in r["sizes"].values() if b > 4096) <= small < per_tensor, (r["collectives"], r["sizes"])
+        assert 1 < lean_runs < lean, r["collectives"]
 
 
 @pytest.mark.parametrize("workers", [[1, 0], [0, 0]], ids=["swapped", "disagreeing"])
@@ -154,3 +174,4 @@ def test_ranks_whose_shards_are_not_their_workers_gather_everything(job: Path, t
         assert r["local"] == [] and r["unused"] == ["lm_head.weight"], r
         assert r["differ"] == [] and r["shapes_ok"], r
         assert r["gathers"] == [r["names"], r["names"] - 1], r
+        assert r["bucketed_differ"] == [] and r["collectives"][2:] == [1, 1], r

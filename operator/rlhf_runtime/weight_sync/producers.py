@@ -3,7 +3,8 @@
 * ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF)
   format with matching metadata: ``named_parameters(remove_duplicate=False)``, so a tied ``lm_head.weight``
   goes out under its second name too (vLLM's layerwise reload would otherwise keep the engine's old value),
-  FSDP2 shards gathered (``full_tensor()``, a collective: every rank iterates), fused HF MoE experts split per
+  FSDP2 shards gathered (collectives: every rank iterates; consecutive dim-0 shards of one mesh in one all-gather
+  per ``gather_bucket_bytes``, ``gather_shard0``; others by ``full_tensor()``), fused HF MoE experts split per
   expert (``rlhf_runtime.infra.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
   option); ``local`` names go out as this rank's FSDP2 shard, ungathered (``local_candidates``: where the shard is
   the piece a tensor-parallel engine worker on this rank's GPU holds), ``drop`` names not at all (``unneeded``).
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,13 +36,101 @@ class FusedParts(list):
         self.shape = shape
 
 
+#: Gathered bytes (in the sync's dtype) per all-gather of FSDP2 shards: ~2 decoder layers of Qwen3-1.7B. One
+#: ``full_tensor()`` per tensor cost 0.5-0.9 ms each on 2xH200 (310 of them: 160-266 ms of a 277 ms sync, FSDP2 x2
+#: into two engines, benchmarks/README.md "Rendered cluster on GPUs", 2026-11-28); the bucket is what the gather
+#: adds to the trainer's memory while it runs (the gathered copy, then the tensors handed out).
+GATHER_BUCKET_BYTES = 256 << 20
+
+
+def shard0_layout(shapes: list[tuple[int, ...]], world: int) -> list[tuple[int, int, int]]:
+    """Where each tensor's dim-0 shard sits in one rank's all-gather buffer: ``(offset, padded elements, rows per
+    rank)`` per tensor, offsets in elements. A tensor of ``n`` rows sharded over ``world`` ranks the way DTensor's
+    ``Shard(0)`` (and FSDP2) does it (``torch.chunk``: rank ``r`` holds rows ``[r*c, min((r+1)*c, n))`` with
+    ``c = ceil(n / world)``, possibly none) takes ``c`` rows in every rank's buffer, so all buffers have the same
+    size and the gathered buffer holds rank after rank."""
+    out, offset = [], 0
+    for shape in shapes:
+        rows, inner = -(-shape[0] // world), math.prod(shape[1:])
+        out.append((offset, rows * inner, rows))
+        offset += rows * inner
+    return out
+
+
+def shard0_rows(n: int, world: int, rank: int) -> int:
+    """Rows of an ``n``-row tensor that rank ``rank`` holds under ``Shard(0)`` (``torch.chunk``)."""
+    c = -(-n // world)
+    return max(0, min(c, n - rank * c))
+
+
+def pack_shard0(shards: list[torch.Tensor], layout: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """One rank's all-gather input: its ``shards`` cast to ``dtype`` (in the copy) at their ``layout`` offsets; the
+    padding rows are left as they are (never read)."""
+    total = layout[-1][0] + layout[-1][1] if layout else 0
+    device = shards[0].device if shards else None
+    buf = torch.empty(total, dtype=dtype, device=device)
+    for shard, (offset, _, _) in zip(shards, layout, strict=True):
+        if shard.numel():
+            buf.narrow(0, offset, shard.numel()).view(shard.shape).copy_(shard)
+    return buf
+
+
+def unpack_shard0(gathered: torch.Tensor, shapes: list[tuple[int, ...]], layout: list[tuple[int, int, int]],
+                  world: int) -> list[torch.Tensor]:
+    """The full tensors from the gathered buffer (``world`` rank buffers one after another): each a fresh contiguous
+    tensor (one copy), its rows rank after rank with the padding left out."""
+    per_rank = gathered.view(world, -1)
+    out = []
+    for shape, (offset, padded, rows) in zip(shapes, layout, strict=True):
+        inner = tuple(shape[1:])
+        pieces = per_rank.narrow(1, offset, padded).reshape(world * rows, *inner)  # a copy where strided
+        out.append(pieces.narrow(0, 0, shape[0]).contiguous())  # (one row per rank: reshape keeps the view)
+    return out
+
+
+def shard0_mesh(p: Any) -> Any:
+    """The one-dimensional device mesh ``p`` (a DTensor) is sharded over on dim 0, else None. Depends only on the
+    placements and the mesh, the same on every rank, so the ranks agree which tensors go through
+    ``gather_shard0``."""
+    placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
+    if placements is None or mesh is None or mesh.ndim != 1 or len(placements) != 1:
+        return None
+    if not placements[0].is_shard(0) or len(p.shape) == 0:
+        return None
+    return mesh
+
+
+def gather_shard0(params: list[Any], mesh: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The full tensors of ``params`` (DTensors sharded on dim 0 over ``mesh``, ``shard0_mesh``) in ``dtype``, with
+    one all-gather for all of them instead of one per tensor (``full_tensor()``). A collective: every rank of the
+    mesh calls it with the same tensors in the same order."""
+    import torch.distributed as dist
+
+    world, rank = mesh.size(), mesh.get_local_rank()
+    shapes = [tuple(p.shape) for p in params]
+    shards = [p.to_local() for p in params]
+    for p, s in zip(params, shards, strict=True):
+        if s.shape[0] != shard0_rows(p.shape[0], world, rank) or tuple(s.shape[1:]) != tuple(p.shape[1:]):
+            raise RuntimeError(f"an FSDP2 shard of {list(p.shape)} on rank {rank} of {world} is {list(s.shape)}, "
+                               "not the torch.chunk piece of Shard(0)")
+    layout = shard0_layout(shapes, world)
+    send = pack_shard0(shards, layout, dtype)
+    gathered = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+    dist.all_gather_into_tensor(gathered, send, group=mesh.get_group())
+    return unpack_shard0(gathered, shapes, layout, world)
+
+
 class ParamSource:
     """The trainer's weights as a re-iterable ``(name, tensor)`` stream with matching ``metadata()``."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, skip: set[str] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, skip: set[str] | None = None,
+                 gather_bucket_bytes: int = GATHER_BUCKET_BYTES) -> None:
         self.model = model
         self.dtype = dtype
         self.skip = skip or set()
+        #: bytes per all-gather of consecutive dim-0 shards (``gather_shard0``); 0: one ``full_tensor()`` each
+        self.gather_bucket_bytes = gather_bucket_bytes
+        self.collectives = 0  # all-gathers of the last iteration (``gathers`` counts the tensors gathered)
         #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered: every rank must hold the
         #: same set (the gathers of the others are collectives); ``senders.agreed_gathers`` decides it
         self.local: set[str] = set()
@@ -86,9 +176,39 @@ class ParamSource:
         return {n for n, p in self._named() if not any(w in used for w, _ in moe.unfused_shapes(n, tuple(p.shape)))}
 
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream in ``_named`` order. Runs of consecutive dim-0 shards of one mesh are gathered together
+        (``gather_shard0``) up to ``gather_bucket_bytes`` each; the run ends at any other tensor, so the bucket
+        boundaries depend only on names, shapes and placements, the same on every rank."""
+        bucket: list[tuple[str, Any]] = []
+        bucket_mesh, bucket_bytes = None, 0
+        element = torch.empty((), dtype=self.dtype).element_size()
+
+        def flush() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal bucket, bucket_mesh, bucket_bytes
+            if not bucket:
+                return
+            t = time.perf_counter()
+            with torch.no_grad():
+                fulls = gather_shard0([p for _, p in bucket], bucket_mesh, self.dtype)
+            self.collectives += 1
+            self.gathers += len(bucket)
+            self.gather_s += time.perf_counter() - t
+            names = [n for n, _ in bucket]
+            bucket, bucket_mesh, bucket_bytes = [], None, 0
+            yield from zip(names, fulls, strict=True)
+
         for name, p in self._named():
             if name in self.drop:
                 continue
+            mesh = shard0_mesh(p) if self.gather_bucket_bytes > 0 and name not in self.local else None
+            if mesh is not None:
+                size = p.numel() * element
+                if bucket and (mesh != bucket_mesh or bucket_bytes + size > self.gather_bucket_bytes):
+                    yield from flush()
+                bucket.append((name, p))
+                bucket_mesh, bucket_bytes = mesh, bucket_bytes + size
+                continue
+            yield from flush()
             t = time.perf_counter()
             if name in self.local:
                 full = p.to_local()
@@ -96,14 +216,16 @@ class ParamSource:
                 # cast the shard, then gather: float32 masters travel in the sync's dtype (half the bytes)
                 full = p.detach().to(self.dtype).full_tensor()
                 self.gathers += 1
+                self.collectives += 1
             else:
                 full = p
             tensor = full.detach().to(self.dtype).contiguous()
             self.gather_s += time.perf_counter() - t
             yield name, tensor
+        yield from flush()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self.gather_s, self.bytes, self.gathers = 0.0, 0, 0
+        self.gather_s, self.bytes, self.gathers, self.collectives = 0.0, 0, 0, 0
         for name, tensor in moe.unfuse(self._gathered()):
             self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -390,7 +390,8 @@ class TrainerEngineSender(Sender):
         """vLLM's trainer engine sends the source (``t``: when the sync began)."""
         self.engine.send_weights()
         r = self._result(time.perf_counter() - t)
-        r.update(gathers=float(self.source.gathers), local_shards=float(len(self.source.local)),
+        r.update(gathers=float(self.source.gathers), gather_collectives=float(self.source.collectives),
+                 local_shards=float(len(self.source.local)),
                  skipped=float(len(self.source.drop)))
         return r
 
