@@ -69,6 +69,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # 2 GPUs holding one TP=2 engine, NCCL in the kernel format (each TP worker its own shard)
     "separate-nccl-tp2": {"placement": {"mode": "separate", "gpusPerNode": 2}, "weightSync": {"backend": "nccl"},
                           "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
+    # (c') the same with vLLM's own custom all-reduce instead of FlashInfer's (whose module a fresh container
+    # compiles on first use: 91 s on 4xH200, 2026-11-28); run it before (c) on a fresh machine to see both starts
+    "separate-nccl-tp2-custom-ar": {"placement": {"mode": "separate", "gpusPerNode": 2},
+                                    "weightSync": {"backend": "nccl"},
+                                    "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5},
+                                    "env": [{"name": "VLLM_ALLREDUCE_USE_FLASHINFER", "value": "0"}]},
     # (d) 4 GPUs: a trainer pod of 2 GPUs (FSDP2 x2) + two engine pods of 1 GPU (DP2, TP=1), NCCL
     "separate-nccl-fsdp2-dp2": {"placement": {"mode": "separate", "gpusPerNode": 2},
                                 "weightSync": {"backend": "nccl"},

@@ -47,6 +47,12 @@
 # 2026-11-28 (2xH200, eighth session): ipc-8b-tp2 (nccl, no checks) ran whole: 7 syncs after sleep/wake, 517.9 ms,
 # the step 10.48 s; ipc-8b's first layout's step fits with checkpointing (10.74 s, 61.1 GiB). EXCHANGE=gloo not run
 # (the machine went back while idle). Left: EXCHANGE=gloo, dp (weak scaling), rendered.
+# 2026-11-28 (4xH200, ninth session): rendered ran both layouts in the install's call (T0=<call start>
+# LAYOUTS="separate-nccl-fsdp2-dp2 separate-nccl-tp2"): (d) 4/4 steps, validated, sync 277 ms (310 per-tensor
+# FSDP2 gathers: bucketed since a871e45); the TP=2 seed layout validated and was cut after step 1 (its engine's
+# first start compiled FlashInfer's all-reduce for 91 s). The machine went back before dp. Next 4-GPU session:
+# the install's call with LAYOUTS=separate-nccl-fsdp2-dp2 (the bucketed gather), then a call with
+# LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2" (custom all-reduce first, on the cold cache), then dp.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
@@ -105,7 +111,7 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
         --timeout $(( $(left) - 15 )) separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   rendered)
-    for layout in ${LAYOUTS:-separate-nccl-tp2 separate-nccl-fsdp2-dp2}; do
+    for layout in ${LAYOUTS:-separate-nccl-fsdp2-dp2 separate-nccl-tp2-custom-ar separate-nccl-tp2}; do
       [ "$(left)" -lt 150 ] && { echo "skip $layout: $(left) s left" >> $R/order.txt; continue; }
       echo "$(date +%T) $layout" >> $R/order.txt
       python3 benchmarks/rendered_cluster.py --kind $KIND --out $R --work /tmp/rlhf-rendered \
