@@ -191,7 +191,7 @@ def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: s
          export: Path | None = None) -> dict[str, Any]:
     gpu = not a.cpu
     return {
-        "model": {"name": str(model), "dtype": "bfloat16" if gpu else "float32"},
+        "model": {"name": str(model), "dtype": a.model_dtype or ("bfloat16" if gpu else "float32")},
         "image": "local",
         "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "masterWeights": master},
         "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 32, "enforceEager": not a.cuda_graphs,
@@ -269,7 +269,9 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
                           **{k: train_stats[k] for k in ("loss", "entropy", "mismatch_kl", "grad_norm")
                              if k in train_stats}})
     phases = startup_phases(records, launched)
-    out = {"side": "runtime", "variant": master, "seed": seed, "exit_code": rc, "wall_seconds": round(wall, 1),
+    out = {"side": "runtime", "variant": master, "seed": seed, "model_dtype": spec(a, model, train, evals, master,
+                                                                                   seed)["model"]["dtype"],
+           "exit_code": rc, "wall_seconds": round(wall, 1),
            "eval": [{"step": s, "exact_match": v, "since_launch": t} for s, (v, t) in sorted(evals_seen.items())],
            "startup": phases, "steps": steps}
     if scorer and export and export.exists():
@@ -385,6 +387,10 @@ def main() -> None:
     p.add_argument("--eval-prompts", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--variants", default="float32,none", help="trainer.masterWeights values")
+    p.add_argument("--model-dtype", default="", choices=["", "bfloat16", "float32"],
+                   help="model.dtype of the runtime's runs (default bfloat16 on a GPU, float32 on CPU); float32 on a "
+                        "GPU tells whether precision explains the runtime's step-30 gap to TRL (whose trainer keeps "
+                        "float32 weights under bfloat16 autocast), the engine then sampling in float32 too")
     p.add_argument("--seeds", default="0,1", help="algorithm.seed of the GRPO runs")
     p.add_argument("--model-dir", default="", help="the supervised checkpoint's folder: made there unless it holds "
                    "one already (then reused; the data are the same for the same --digits)")

@@ -35,8 +35,10 @@ if [ "${PROBE:-0}" -gt 0 ] && [ -f /tmp/learn-model/config.json ]; then
   timeout 300 python3 benchmarks/engine_start.py --model /tmp/learn-model --kv-cache-gib $KV --repeats $PROBE \
       --beside-import --no-bytecode --importtime --out $OUT/engine_start.json > $OUT/engine_start.log 2>&1
 fi
+# DTYPE=float32: the runtime's model.dtype (trainer and engine in float32; TRL unchanged): does precision explain the
+# runtime's ~0.8-point step-30 gap to TRL over 14 seeds (benchmarks/README.md, "Six interleaved pairs")?
 common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants float32
-        --resident --run-timeout $(( 170 + STEPS )))
+        --resident --run-timeout $(( 170 + STEPS )) ${DTYPE:+--model-dtype $DTYPE})
 i=0
 for S in "$@"; do
   # A: the runtime as it starts today, then TRL (the earlier runs' order); B: the runtime with the explicit KV cache
