@@ -289,6 +289,7 @@ class Cluster:
         log(f"node images from the seeded containerd root {seed.parent.name} in {time.time() - t0:.0f}s")
         self._import_images(nodes)  # finds them there
         for n in nodes:
+            self._wait(f"the CRI of {n.name}'s containerd", lambda n=n: realnodes.cri_ready(n.socket), timeout=60)
             self._start(f"kubelet-{n.index}", [
                 str(b / "kubelet"), f"--config={n.dir / 'kubelet.json'}", f"--kubeconfig={self.kubeconfig}",
                 f"--hostname-override={n.name}", f"--node-ip={n.ip}", f"--root-dir={n.dir / 'kubelet'}",

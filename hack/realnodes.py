@@ -287,6 +287,24 @@ def remove_cgroup(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ lifecycle
+def cri_ready(socket: Path) -> bool:
+    """Whether the containerd at ``socket`` serves the CRI (``runtime.v1.RuntimeService/Version`` answers). Its gRPC
+    answers ``ctr version`` before the CRI plugin has initialised; a kubelet started then checks the CRI once and
+    exits ("validate CRI v1 runtime API ...: server is not initialized yet", seen 2026-11-28: the node never
+    registered and every pod test errored). Without grpc (a Python with no Ray), ``ctr version`` only."""
+    try:
+        import grpc
+    except ImportError:
+        return sh("ctr", "--address", str(socket), "version", check=False).returncode == 0
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        version = channel.unary_unary("/runtime.v1.RuntimeService/Version")  # bytes in, bytes out
+        try:
+            version(b"", timeout=5)  # an empty VersionRequest
+        except grpc.RpcError:
+            return False
+    return True
+
+
 def prepare(n: Node, pause_ref: str) -> None:
     for sub in ("containerd", "cni/net.d", "cni/ipam", "kubelet", "pki", "pod-logs"):
         (n.dir / sub).mkdir(parents=True, exist_ok=True)
