@@ -37,8 +37,8 @@ class FusedParts(list):
 
 
 #: Gathered bytes (in the sync's dtype) per all-gather of FSDP2 shards: ~2 decoder layers of Qwen3-1.7B. One
-#: ``full_tensor()`` per tensor cost 0.5-0.9 ms each on 2xH200 (310 of them: 160-266 ms of a 277 ms sync, FSDP2 x2
-#: into two engines, benchmarks/README.md "Rendered cluster on GPUs", 2026-11-28); the bucket is what the gather
+#: ``full_tensor()`` per tensor cost 0.5-0.9 ms each on H200s (310 of them: 160-266 ms of a 277 ms sync, FSDP2 x2
+#: into two engines on 4xH200, benchmarks/README.md "Rendered cluster on GPUs", 2026-11-28); the bucket is what the gather
 #: adds to the trainer's memory while it runs (the gathered copy, then the tensors handed out).
 GATHER_BUCKET_BYTES = 256 << 20
 
@@ -190,12 +190,25 @@ class ParamSource:
             t = time.perf_counter()
             with torch.no_grad():
                 fulls = gather_shard0([p for _, p in bucket], bucket_mesh, self.dtype)
+                # the copies out are on this stream; a consumer may take later tensors of the bucket on another
+                # (vLLM's packed producers pack each chunk on a stream of its own): it waits for them there, and
+                # the allocator keeps their memory until that stream is done with it
+                made_on = torch.cuda.current_stream() if fulls[0].is_cuda else None
+                ready = torch.cuda.Event() if made_on is not None else None
+                if ready is not None:
+                    ready.record(made_on)
             self.collectives += 1
             self.gathers += len(bucket)
             self.gather_s += time.perf_counter() - t
             names = [n for n, _ in bucket]
             bucket, bucket_mesh, bucket_bytes = [], None, 0
-            yield from zip(names, fulls, strict=True)
+            for name, full in zip(names, fulls, strict=True):
+                if ready is not None:
+                    now = torch.cuda.current_stream()
+                    if now != made_on:
+                        now.wait_event(ready)
+                        full.record_stream(now)
+                yield name, full
 
         for name, p in self._named():
             if name in self.drop:
