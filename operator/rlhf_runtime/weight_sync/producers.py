@@ -120,6 +120,24 @@ def gather_shard0(params: list[Any], mesh: Any, dtype: torch.dtype) -> list[torc
     return unpack_shard0(gathered, shapes, layout, world)
 
 
+def across_streams(names: list[str], fulls: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of one gathered bucket, for a consumer that may take later ones on another CUDA
+    stream than the one their copies ran on (vLLM's packed producers pack each chunk on a stream of its own): there
+    it waits for them, and the allocator keeps their memory until that stream is done. Start it on the stream the
+    copies ran on (it records their event at the first ``next``)."""
+    made_on = torch.cuda.current_stream() if fulls and fulls[0].is_cuda else None
+    ready = torch.cuda.Event() if made_on is not None else None
+    if ready is not None:
+        ready.record(made_on)
+    for name, full in zip(names, fulls, strict=True):
+        if ready is not None:
+            now = torch.cuda.current_stream()
+            if now != made_on:
+                now.wait_event(ready)
+                full.record_stream(now)
+        yield name, full
+
+
 class ParamSource:
     """The trainer's weights as a re-iterable ``(name, tensor)`` stream with matching ``metadata()``."""
 
@@ -190,25 +208,12 @@ class ParamSource:
             t = time.perf_counter()
             with torch.no_grad():
                 fulls = gather_shard0([p for _, p in bucket], bucket_mesh, self.dtype)
-                # the copies out are on this stream; a consumer may take later tensors of the bucket on another
-                # (vLLM's packed producers pack each chunk on a stream of its own): it waits for them there, and
-                # the allocator keeps their memory until that stream is done with it
-                made_on = torch.cuda.current_stream() if fulls[0].is_cuda else None
-                ready = torch.cuda.Event() if made_on is not None else None
-                if ready is not None:
-                    ready.record(made_on)
             self.collectives += 1
             self.gathers += len(bucket)
             self.gather_s += time.perf_counter() - t
             names = [n for n, _ in bucket]
             bucket, bucket_mesh, bucket_bytes = [], None, 0
-            for name, full in zip(names, fulls, strict=True):
-                if ready is not None:
-                    now = torch.cuda.current_stream()
-                    if now != made_on:
-                        now.wait_event(ready)
-                        full.record_stream(now)
-                yield name, full
+            yield from across_streams(names, fulls)
 
         for name, p in self._named():
             if name in self.drop:
