@@ -243,8 +243,8 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
     name = f"grpo-{master}-seed{seed}"
     cfg = tmp / f"{name}.json"
     export = tmp / f"{name}-export" if scorer else None
-    cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name,
-                                 spec=spec(a, model, train, evals, master, seed, export)).model_dump_json(by_alias=True))
+    job = spec(a, model, train, evals, master, seed, export)
+    cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name, spec=job).model_dump_json(by_alias=True))
     progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
            "--progress-file", str(progress)]
@@ -269,8 +269,7 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, train: Path, evals: Path
                           **{k: train_stats[k] for k in ("loss", "entropy", "mismatch_kl", "grad_norm")
                              if k in train_stats}})
     phases = startup_phases(records, launched)
-    out = {"side": "runtime", "variant": master, "seed": seed, "model_dtype": spec(a, model, train, evals, master,
-                                                                                   seed)["model"]["dtype"],
+    out = {"side": "runtime", "variant": master, "seed": seed, "model_dtype": job["model"]["dtype"],
            "exit_code": rc, "wall_seconds": round(wall, 1),
            "eval": [{"step": s, "exact_match": v, "since_launch": t} for s, (v, t) in sorted(evals_seen.items())],
            "startup": phases, "steps": steps}

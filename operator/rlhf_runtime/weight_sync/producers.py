@@ -177,10 +177,8 @@ class ParamSource:
         ranks agree on a set before using it (``senders.agreed_gathers``)."""
         out = set()
         for name, p in self._named():
-            placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
-            if placements is None or mesh is None or mesh.ndim != 1 or mesh.size() != tp:
-                continue
-            if len(placements) != 1 or not placements[0].is_shard(0) or p.shape[0] % tp:
+            mesh = shard0_mesh(p)
+            if mesh is None or mesh.size() != tp or p.shape[0] % tp:
                 continue
             if moe.is_fused_expert(name, len(p.shape)):
                 continue
