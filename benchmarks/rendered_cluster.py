@@ -13,8 +13,9 @@ For each layout (``separate-nccl``, ``colocated-ipc``; ``cpu-gloo`` as a CPU smo
    runs it on this host with the pod's container ``env`` (``spec.env`` + the operator's ``BASE_ENV`` + KubeRay's
    own variables) and ``CUDA_VISIBLE_DEVICES`` = the next ``nvidia.com/gpu`` GPUs of the host. One-host
    adaptations, recorded per pod: distinct metrics / agent / worker ports, a 10 GB object store, no ``--block``
-   (``ray start`` returns; ``ray stop --force`` ends every node), and ConfigMap volume mounts mapped to local
-   directories (``/etc/rlhf/job.json`` -> ``<work>/mounts/rlhf-config/job.json``);
+   (``ray start`` returns; ``ray stop --force`` ends every node), ConfigMap volume mounts mapped to local
+   directories (``/etc/rlhf/job.json`` -> ``<work>/mounts/rlhf-config/job.json``), and ``RAY_AUTH_MODE=disabled``
+   unless the rendered env sets it (a pod has no ``~/.ray/auth_token``; this host may: ``one_host_env``);
 4. checks that the nodes Ray registered offer what the runtime's placement groups ask for
    (``rlhf_runtime.infra.placement.compute_layout(spec).totals()``), then runs the RayJob's entrypoint as KubeRay
    would (``python -m rlhf_runtime.driver --config <job.json>`` on the "head pod": its env, no GPU,
@@ -392,6 +393,13 @@ def run_layout(layout: str, args: argparse.Namespace, command: str, out: Path) -
     host_env.pop("RAY_ADDRESS", None)
     host_env.pop("CUDA_VISIBLE_DEVICES", None)
     host_env["PATH"] = f"{ray_shim(work)}:{host_env.get('PATH', '')}"
+    # A pod starts without ~/.ray/auth_token; this host may hold one left by any earlier `ray.init()` (Ray 2.60
+    # writes it and turns token auth on for local clusters). With RAY_AUTH_MODE unset, `ray start --head` turns
+    # token auth on when that file exists while a worker's `ray start --address` stays 'disabled', so no worker
+    # could join (InvalidAuthToken; 4xH200, 2026-11-28, after a gpu_sync.py run on the same machine). What a fresh
+    # pod's head does: disabled. The rendered env (spec.env) still wins where it sets RAY_AUTH_MODE.
+    host_env.setdefault("RAY_AUTH_MODE", "disabled")
+    result["one_host_env"] = {"RAY_AUTH_MODE": host_env["RAY_AUTH_MODE"]}
     stages: dict[str, float] = {}
     result["stages_s"] = stages
     started_ray = False
