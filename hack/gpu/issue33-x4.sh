@@ -53,6 +53,10 @@
 # first start compiled FlashInfer's all-reduce for 91 s). The machine went back before dp. Next 4-GPU session:
 # the install's call with LAYOUTS=separate-nccl-fsdp2-dp2 (the bucketed gather), then a call with
 # LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2" (custom all-reduce first, on the cold cache), then dp.
+# 2026-11-28 (4xH200, tenth session): rendered (d) with the bucketed gather (sync 32-41 ms, was 277-287), dp as weak
+# scaling (0.98x linear at 3 engines), ipc-8b (381 / 309 ms, was 797 / 518 on 2xH200). The TP=2 rendered layouts
+# failed at `ray start` (InvalidAuthToken: dp's ray.init() had left ~/.ray/auth_token; fixed in rendered_cluster.py
+# since 882a9f9). Left: LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2" rendered, ipc-8b-tp2 EXCHANGE=gloo.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
