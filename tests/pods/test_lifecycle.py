@@ -19,9 +19,11 @@ pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test als
 
 def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, rapi, operator_release, shared_dir,
                                                                  ns) -> None:
-    # 0.3-1 s a step: the suspension (applied at step 4, taking effect ~30 s later) must land mid-run (at 100
-    # steps a quiet machine had finished them all before it landed); the resumed run is cut short by an edit
-    job = checkpointed_job(real_cluster, shared_dir, ns, "pause", 200, retries=0)
+    # 0.1-1 s a step: the suspension (applied at step 4, taking effect ~20-30 s later) must land mid-run (at 100
+    # and at 200 steps a quiet machine had finished them all before it landed, and this test passed without
+    # suspending a run); the first run's length costs nothing, the resumed run is cut short by an edit
+    first_steps = 5000
+    job = checkpointed_job(real_cluster, shared_dir, ns, "pause", first_steps, retries=0)
     apply(real_cluster, job, ns)
     phases: list[str] = []
 
@@ -57,7 +59,7 @@ def test_suspend_and_resume_continue_from_the_newest_checkpoint(real_cluster, ra
         phases[phases.index("Running"):][:3] == ["Running", "Suspended", "Running"], phases
     assert "Running" in phases[phases.index("Suspended"):], phases
     assert st["step"] == steps
-    assert at < steps, f"the suspension landed after the last step ({at}): nothing was left to resume"
+    assert at < first_steps, f"the suspension landed after the last step ({at}): nothing was left to resume"
     # the newest checkpoint before the suspension (every 3 steps), not step 0
     assert resumed is not None and resumed >= 3 and resumed <= at, (resumed, at)
     _events(rapi, ns, "pause", "^Suspended: ", "^Resumed: ")
