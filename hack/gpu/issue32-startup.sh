@@ -14,7 +14,7 @@
 # engine takes what gpuMemoryUtilization 0.25 leaves (~34 GiB on an H200). The size does not change the rollout here.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
-T0=$(date +%s)
+T0=${T0:-$(date +%s)}  # the call's start where the caller gives it (an install before this in the same call)
 KV=${KV:-1}
 # STEPS: the GRPO steps of every run (30 as the 2026-11-27 comparison; more to weigh the start-up less, e.g.
 # STEPS=100 for the horizon where the loop's 2.3-2.9x should carry the whole run past 1.5x: then one seed a call)
