@@ -1,8 +1,6 @@
 """The driver under the name the operator renders (``python -m rlhf_runtime.driver``): ``rlhf_runtime.main``."""
 
-import sys
-
-from rlhf_runtime.main import main
+from rlhf_runtime.main import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

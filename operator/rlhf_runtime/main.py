@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -216,5 +217,28 @@ def _bounded_shutdown(runtime: Runtime, code: int) -> None:
         os._exit(code)
 
 
+def exit_process(code: int) -> None:
+    """End the driver's process with ``code`` once ``main`` returned: threads that are not daemons are waited
+    for and the atexit handlers, the log handlers and the output streams run and flush as in a normal exit; the
+    interpreter's teardown after them does not (freeing torch's, transformers' and Ray's modules: 0.5-1.2 s on the
+    2-core CPU machine, doing nothing a finished run needs)."""
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # what a normal exit runs first
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to flush
+            pass
+    os._exit(code)
+
+
+def cli() -> None:
+    """The console script and ``python -m``: ``main``, then ``exit_process`` with its exit status."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

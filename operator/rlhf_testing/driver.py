@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from rlhf_runtime.controller.actors import ActorClasses
 from rlhf_runtime.roles.policy import Trainer
@@ -71,4 +70,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_runtime.main import exit_process
+
+    exit_process(main())
