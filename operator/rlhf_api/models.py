@@ -142,6 +142,12 @@ class Trainer(Model):
                     fieldPath=".strategy",
                 ),
                 cel(
+                    "!self.autocast || self.masterWeights == 'float32'",
+                    "trainer.autocast keeps the trained weights in float32 (they are the master weights): use "
+                    "trainer.masterWeights 'float32', or drop trainer.autocast",
+                    fieldPath=".autocast",
+                ),
+                cel(
                     "!has(self.lora) || self.strategy == 'single'",
                     "trainer.lora trains the adapter in one process: use trainer.strategy 'single' (FSDP2 sharding "
                     "of a LoRA policy is not supported), or drop trainer.lora for full fine-tuning",
@@ -199,6 +205,21 @@ class Trainer(Model):
         "(8 bytes per parameter in bfloat16): bfloat16 drops updates below ~0.4% of a weight, so at RL learning "
         "rates most are lost (measured: 1.9% of the weights changed after 10 AdamW steps at lr 1e-6). No effect "
         "when model.dtype is float32.",
+    )
+    autocast: bool = Field(
+        False,
+        description="Compute the way Hugging Face Trainer's bf16/fp16 option and TRL do: the policy, critic and "
+        "reference keep float32 weights and every forward (and its backward) runs under torch.autocast to "
+        "model.dtype: matrix multiplications and attention in model.dtype, normalisation, softmax, losses and "
+        "the residual stream in float32. false (default): forward and backward run wholly in model.dtype over "
+        "float32 master weights (veRL's and OpenRLHF's mixed precision). Same optimiser state and update "
+        "precision either way; autocast rounds less in the forward pass (closer to a float32 model's "
+        "log-probabilities) for a cast of every weight per forward; with FSDP2 it gathers float32 parameters "
+        "(twice the bytes of model.dtype). Memory per trained parameter: 16 bytes (no model.dtype copy beside the "
+        "masters); the reference inside the trainer is float32 (4 bytes per parameter instead of 2). Weight syncs "
+        "and exports still send model.dtype (cast on the way out: the resident IPC sync, which maps the trainer's "
+        "model.dtype parameters, falls back to the packed copy). Needs masterWeights float32; no effect when "
+        "model.dtype is float32; with LoRA the frozen base stays in model.dtype.",
     )
     max_tokens_per_micro_batch: int = Field(
         16384,
@@ -1330,6 +1351,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("trainer", "maxTokensPerMicroBatch"), 16384),
     (("trainer", "compile"), False),
     (("trainer", "reshardAfterForward"), True),
+    (("trainer", "autocast"), False),
     (("reward", "mathTimeoutSeconds"), 5),
     (("data", "promptField"), "prompt"),
     (("data", "invalidSamples"), "drop"),

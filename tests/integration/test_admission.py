@@ -133,6 +133,8 @@ INVALID = [
     ("negative temperature", with_spec(rollout__sampling__temperature=-1), "spec.rollout.sampling.temperature: Invalid value: -1"),
     ("lora with fsdp2", with_spec(trainer__strategy="fsdp2", trainer__gpusPerReplica=2, trainer__lora={}),
      "trainer.lora trains the adapter in one process: use trainer.strategy 'single'"),
+    ("autocast without master weights", with_spec(trainer__autocast=True, trainer__masterWeights="none"),
+     "trainer.autocast keeps the trained weights in float32"),
     ("lora with async", with_spec(trainer__lora={}, weightSync__mode="async"),
      "trainer.lora needs weightSync.mode 'sync'"),
     ("lora with expert parallel", with_spec(trainer__lora={}, rollout__expertParallel=True),

@@ -9,6 +9,10 @@
   masters, and its export is bfloat16: each trained weight rounded once;
 * ``trainer.compile`` (torch.compile per decoder layer) under FSDP2 updates like one eager worker;
 * ``trainer.reshardAfterForward: false`` (FSDP2 keeps each layer gathered from forward to backward) too;
+* ``trainer.autocast`` (float32 weights, forward passes under autocast to bfloat16), one worker and FSDP2: updates
+  like float32, computes log-probabilities closer to a float32 model's than bfloat16 compute over masters does,
+  its in-trainer reference computes exactly as the initial policy (the KL starts at 0) and its exports are
+  bfloat16, each weight rounded once;
 * FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
   buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
 """
@@ -61,15 +65,17 @@ for i, (name, cfg, steps) in enumerate(runs):
         loaded = {"names": sorted(ours) == sorted(theirs), "buffers": len(list(ref.named_buffers())),
                   "max_diff": max(float((ours[k] - theirs[k].detach().float()).abs().max()) for k in theirs)}
     micro = len(t.micro_batches(batch["prompts"], batch["completions"]))
+    start = t.logprobs(batch)  # before any update: the policy's (and the in-trainer reference's) log-probabilities
     for _ in range(steps):
         t.train(batch)
     after = weights()
     export = None
-    if world == 2:
+    exported = world == 2 or "autocast" in name
+    if exported:
         t.export(f"{out}/{name}.export")
     if rank == 0:
         torch.save(torch.cat([(after[k] - before[k]).flatten() for k in before]), f"{out}/{name}.pt")
-        if world == 2:
+        if exported:
             from safetensors import safe_open
             with safe_open(f"{out}/{name}.export/model.safetensors", "pt") as f:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -78,6 +84,7 @@ for i, (name, cfg, steps) in enumerate(runs):
                       "max_diff": max(float((v.float() - after[k].to(v.dtype).float()).abs().max())
                                       for k, v in tensors.items())}
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
+                     "logp": start["logp"], "ref": start["ref"], "masters": t.master is not None,
                      "export": export, "loaded": loaded,
                      "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()],
                      # FSDP2 re-shards a layer after its forward unless reshard_after_forward is false
@@ -130,9 +137,13 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     compiled = _spec(tiny_model, "float32", lr=1e-3, maxTokensPerMicroBatch=16, compile=True)
     single = _train(tmp, [("fp32", _spec(tiny_model, "float32"), 10), ("bf16", _spec(tiny_model, "bfloat16"), 10),
                           ("bf16-none", _spec(tiny_model, "bfloat16", masterWeights="none"), 10),
+                          ("bf16-autocast", _spec(tiny_model, "bfloat16", autocast=True), 10),
+                          ("ref-autocast", {**_spec(tiny_model, "bfloat16", autocast=True),
+                                            "algorithm": {"learningRate": 1e-6, "klCoef": 0.05}}, 0),
                           ("one", small_budget, 2)])[0]
     ranks = _train(tmp, [("two", _fsdp(small_budget), 2), ("two-bf16", _fsdp(_spec(tiny_model, "bfloat16")), 10),
                          ("two-compiled", _fsdp(compiled), 2),
+                         ("two-autocast", _fsdp(_spec(tiny_model, "bfloat16", autocast=True)), 10),
                          ("two-kept", _fsdp({**small_budget, "trainer": {**small_budget["trainer"],
                                                                          "reshardAfterForward": False}}), 2)],
                    world=2)
@@ -209,3 +220,52 @@ def test_fsdp2_shards_filled_from_rank_0s_copy_equal_the_checkpoint(trained: dic
     loaded = trained["ranks"][0]["two"]["loaded"]
     assert loaded["names"] and loaded["buffers"] >= 1, loaded
     assert loaded["max_diff"] == 0.0, loaded
+
+
+def _flat(logp: list[list[float]]) -> torch.Tensor:  # noqa: F821 - torch is imported inside the tests
+    import torch
+
+    return torch.tensor([x for row in logp for x in row], dtype=torch.float64)
+
+
+def test_autocast_updates_like_float32_and_computes_closer_to_it(trained: dict) -> None:
+    """``trainer.autocast`` on one worker: the weights are float32 themselves (no separate masters), 10 steps at lr
+    1e-6 update like float32, the log-probabilities before training are closer to the float32 model's than
+    bfloat16 compute over float32 masters gives (the default), and the export is bfloat16: each trained weight
+    rounded once."""
+    import torch
+
+    single, u = trained["single"], trained["updates"]
+    ac = single["bf16-autocast"]
+    assert ac["dtypes"] == ["torch.float32"] and not ac["masters"], ac["dtypes"]
+    assert single["bf16"]["dtypes"] == ["torch.bfloat16"] and single["bf16"]["masters"]
+    ref = u["fp32"]
+    assert abs(float(u["bf16-autocast"].abs().mean() / ref.abs().mean()) - 1) < 0.01
+    assert float(torch.nn.functional.cosine_similarity(u["bf16-autocast"], ref, dim=0)) > 0.99
+    fp32 = _flat(single["fp32"]["logp"])
+    err_autocast = float((_flat(ac["logp"]) - fp32).abs().mean())
+    err_bf16 = float((_flat(single["bf16"]["logp"]) - fp32).abs().mean())
+    assert 0 < err_autocast < err_bf16, (err_autocast, err_bf16)
+    export = ac["export"]
+    assert export["dtypes"] == ["torch.bfloat16"] and export["max_diff"] == 0.0, export
+
+
+def test_autocast_reference_computes_as_the_initial_policy(trained: dict) -> None:
+    """With ``trainer.autocast`` the in-trainer reference is float32 under autocast like the policy: before any
+    update both give the same log-probabilities (the KL penalty starts at exactly 0)."""
+    run = trained["single"]["ref-autocast"]
+    assert run["ref"] is not None and run["ref"] == run["logp"]
+
+
+def test_fsdp2_autocast_updates_like_one_autocast_worker(trained: dict) -> None:
+    """FSDP2 with ``trainer.autocast``: float32 shards gathered in float32, forward under autocast; the update
+    matches one autocast worker's on the whole batch and the export is bfloat16, rounded once."""
+    import torch
+
+    ranks = trained["ranks"]
+    assert all(r["two-autocast"]["dtypes"] == ["torch.float32"] for r in ranks)
+    export = ranks[0]["two-autocast"]["export"]
+    assert export["dtypes"] == ["torch.bfloat16"] and export["max_diff"] == 0.0, export
+    one, two = trained["updates"]["bf16-autocast"], trained["updates"]["two-autocast"]
+    assert abs(float(two.abs().mean() / one.abs().mean()) - 1) < 0.01
+    assert float(torch.nn.functional.cosine_similarity(one, two, dim=0)) > 0.99

@@ -245,3 +245,80 @@ def test_head_scores_gradient_equals_autograd_through_the_full_logits(temperatur
     lp2, _ = batches._HeadScores.apply(hh, frozen, None, targets, temperature, False)
     (lp2 * coef).sum().backward()
     assert frozen.grad is None and hh.grad is not None
+
+
+def test_head_scores_under_autocast_equal_autograd_under_autocast() -> None:
+    """``trainer.autocast``: the forward runs ``_HeadScores`` inside ``torch.autocast`` (the logits' matrix
+    multiplication in bfloat16), its backward outside. The backward recomputes the logits in the forward's
+    autocast state, so the gradients are autograd's through the plain computation under the same autocast
+    (recomputed in float32 instead they were 0.45% off, and the output layer's matrix multiplications ran in
+    float32)."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 64, generator=gen)
+    w = torch.randn(500, 64, generator=gen) * 0.3
+    targets = torch.randint(0, 500, (64,), generator=gen)
+    coef = torch.linspace(-1, 2, 64)
+
+    def plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        lsm = torch.log_softmax(torch.nn.functional.linear(a, b).float(), -1)
+        return lsm.gather(-1, targets[:, None]).squeeze(-1)
+
+    def mine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return batches._HeadScores.apply(a, b, None, targets, 1.0, False)[0]
+
+    got = []
+    for fn in (plain, mine):
+        a, b = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp = fn(a, b)
+        (lp * coef).sum().backward()
+        got.append((lp.detach(), a.grad, b.grad))
+    (want_lp, want_h, want_w), (lp, gh, gw) = got
+    assert gh.dtype == gw.dtype == torch.float32
+    assert torch.allclose(lp, want_lp, atol=1e-6)
+    for g, want in ((gh, want_h), (gw, want_w)):
+        assert float((g - want).norm() / want.norm()) < 1e-5
+
+
+def test_varlen_attention_under_autocast_gets_the_autocast_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float32 model under ``torch.autocast`` (``trainer.autocast``) leaves the rotary embedding's queries and keys
+    in float32; FlashAttention's kernel (replaced here by causal SDPA per segment) receives them in the autocast
+    dtype, and the log-probabilities stay those of SDPA with its mask under the same autocast."""
+    from rlhf_runtime.roles import attention
+
+    dtypes = []
+
+    def segmentwise(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        dtypes.append({q.dtype, k.dtype, v.dtype})
+        out = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                                 enable_gqa=enable_gqa)
+            out.append(o.transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(attention, "_kernel", lambda: segmentwise)
+    model = tiny_lm()
+    prompts, completions = samples(4)
+    m = pack(prompts, completions, [0, 1, 2, 3], "cpu")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = token_logprobs(model, m)[0]
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+        got = token_logprobs(model, m)[0]
+    assert dtypes and all(d == {torch.bfloat16} for d in dtypes), dtypes
+    assert float((got - want).abs().max()) < 0.05
+
+
+def test_served_state_casts_float32_weights_once_and_keeps_tied_ones_tied() -> None:
+    """One worker's float32 weights (``trainer.autocast``) written in the served dtype: every floating tensor cast,
+    a tied output layer still the embedding's tensor; None where the model already is in that dtype."""
+    from rlhf_runtime.roles.base import served_state
+
+    model = tiny_lm(tie=True)
+    state = served_state(model, torch.bfloat16)
+    assert state is not None and {v.dtype for v in state.values()} == {torch.bfloat16}
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    assert torch.equal(state["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
+    assert served_state(model.to(torch.bfloat16), torch.bfloat16) is None

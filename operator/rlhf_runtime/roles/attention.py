@@ -9,7 +9,8 @@ causal) over the sequences' boundaries (``cu_seq_lens_q``/``max_length_q``, whic
 through the model's forward), so a micro-batch costs the sum of its sequences' squares, and no mask is built.
 
 Used (``use_varlen``) on CUDA devices of compute capability 8.0 or later whose torch has the module, computing in
-bfloat16 or float16, for models without attention logit soft-capping or sliding-window layers (the others keep
+bfloat16 or float16 (also under ``trainer.autocast``: float32 queries, keys and values are cast to the autocast
+dtype), for models without attention logit soft-capping or sliding-window layers (the others keep
 SDPA and its mask); CPU runs keep SDPA.
 """
 
@@ -117,5 +118,10 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         cu = torch.tensor([0, length], dtype=torch.int32, device=query.device)
     max_len = int(kwargs.get("max_length_q") or length)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, heads, head_dim]
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        # trainer.autocast: float32 weights and residual stream, so the rotary embedding left q and k in float32;
+        # FlashAttention takes the autocast dtype (as Hugging Face's own flash-attention path casts them)
+        low = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(low), k.to(low), v.to(low)
     out = _call(_kernel(), q, k, v, cu.to(torch.int32), max_len, scaling)
     return out[None], None

@@ -10,7 +10,9 @@
   instead of blocking them. ``close`` destroys the group (idempotent).
 * Precision (``roles.precision``, ``trainer.masterWeights``): float32 master weights, gradients and optimiser
   state, compute in ``model.dtype``. Under FSDP2 the model is loaded in float32 (``train_dtype``) and sharded
-  with a mixed-precision policy; one worker keeps the model in its dtype beside ``MasterWeights``.
+  with a mixed-precision policy; one worker keeps the model in its dtype beside ``MasterWeights``. With
+  ``trainer.autocast`` the model is float32 itself (no policy, no masters) and every forward pass and its loss run
+  in ``computing`` (``torch.autocast`` to ``model.dtype``).
 * Sharding (``shard``): FSDP2's ``fully_shard`` of every decoder layer, then of ``fsdp_root`` (the model, or a
   module around it whose forward must gather the parameters outside the layers); nothing with one worker.
 * Optimiser (``make_optimizer``): AdamW at the role's learning rate with ``trainer.optimizer``'s betas and weight
@@ -102,9 +104,9 @@ def full_model_state(model: Any, world_size: int, dtype: torch.dtype | None = No
     rank one tensor at a time (a collective); None without FSDP. With ``dtype`` each floating tensor is cast to it
     on the device before it reaches host memory: rank 0 then holds the model once, in ``dtype``, instead of its
     float32 masters plus a cast copy (a 30B model: 61 GB, not 122 + 61 GB), and the host does no casting; without,
-    the tensors keep theirs (checkpoints: the float32 masters)."""
+    the tensors keep theirs (checkpoints: the float32 masters). One worker with ``dtype``: ``served_state``."""
     if world_size == 1:
-        return None
+        return None if dtype is None else served_state(model, dtype)
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -121,6 +123,23 @@ def full_model_state(model: Any, world_size: int, dtype: torch.dtype | None = No
         if rank0:
             out[name] = done[id(v)]
     return out
+
+
+def served_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """One worker's state dict with its floating tensors in ``dtype`` where some are not (``trainer.autocast``:
+    float32 weights, a bfloat16 model served), each cast once (tied tensors stay one tensor under both names);
+    None where they all are already (``save_pretrained`` then writes the model as it is)."""
+    state = model.state_dict()
+    if all(v.dtype == dtype or not v.is_floating_point() for v in state.values()):
+        return None
+    def where(v: torch.Tensor) -> tuple[Any, ...]:  # the state dict's entries are fresh views: compare their memory
+        return v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride())
+
+    cast: dict[tuple[Any, ...], torch.Tensor] = {}
+    for v in state.values():
+        if where(v) not in cast:
+            cast[where(v)] = v.detach().to(dtype) if v.is_floating_point() else v
+    return {k: cast[where(v)] for k, v in state.items()}
 
 
 def full_optimizer_state(model: Any, opt: Any, world_size: int) -> dict[str, Any]:
@@ -194,7 +213,10 @@ class FSDPWorker:
         self.device = worker_device(self.spec)
         torch.manual_seed(self.spec.algorithm.seed + self.seed_offset)
         self.compute_dtype = getattr(torch, self.spec.model.dtype)
-        self.masters = precision.wants_masters(self.spec.trainer.master_weights, self.compute_dtype)
+        #: ``trainer.autocast``: float32 weights, forward passes under autocast (``computing``); no separate masters
+        self.autocast = precision.uses_autocast(self.spec.trainer.autocast, self.compute_dtype)
+        self.masters = not self.autocast and precision.wants_masters(self.spec.trainer.master_weights,
+                                                                     self.compute_dtype)
         self.master: precision.MasterWeights | None = None
         #: FSDP2: loads the full model on rank 0's host (``self.model`` is then a skeleton on the meta device until
         #: ``shard`` fills its shards, ``fill_shards``); None: ``self.model`` already holds its weights.
@@ -222,8 +244,13 @@ class FSDPWorker:
     @property
     def train_dtype(self) -> torch.dtype:
         """The dtype the trained model is loaded in: float32 under FSDP2 with master weights (the shards are
-        the masters), else ``model.dtype``."""
-        return torch.float32 if self.masters and self.world_size > 1 else self.compute_dtype
+        the masters) and with ``trainer.autocast``, else ``model.dtype``."""
+        return torch.float32 if self.autocast or (self.masters and self.world_size > 1) else self.compute_dtype
+
+    def computing(self) -> Any:
+        """The context of every forward pass and the loss built from it (``precision.compute_context``):
+        ``torch.autocast`` to ``model.dtype`` with ``trainer.autocast``, else none. Backward runs outside it."""
+        return precision.compute_context(self.autocast, self.device, self.compute_dtype)
 
     def decoder_layers(self, model: Any = None) -> Iterable[Any]:
         """The blocks ``shard`` wraps one by one: the ``layers`` of the model's (``self.model``'s) base
@@ -369,7 +396,7 @@ class FSDPWorker:
     def prepare(self, batch: dict[str, Any]) -> list[MicroBatch]:
         """The batch's micro-batches on the device (``micro_inputs`` included)."""
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.computing():
             return [MicroBatch(m, self.micro_inputs(batch, m))
                     for m in self.micro_batches(batch["prompts"], batch["completions"])]
 
@@ -398,7 +425,8 @@ class FSDPWorker:
         for _ in range(a.epochs_per_step):
             self.opt.zero_grad(set_to_none=True)
             for micro in prepared:
-                loss, st = self.micro_loss(micro)
+                with self.computing():
+                    loss, st = self.micro_loss(micro)
                 share = micro_share(micro.packed, tokens, int(rows), a.loss_aggregation)
                 (loss * share * scale).backward()
                 for k in self.loss_stats:  # not the grad norm, set per pass below

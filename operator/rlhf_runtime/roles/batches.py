@@ -199,12 +199,25 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.element_size() < 4 else x
 
 
+def autocast_state(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes in on ``device_type`` now, or None where it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def restored_autocast(device_type: str, dtype: torch.dtype | None) -> Any:
+    """The autocast state ``autocast_state`` returned, for a backward pass (which runs outside the forward's
+    autocast region): on with ``dtype``, else off."""
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype is not None)
+
+
 class _HeadScores(torch.autograd.Function):
     """A chunk's log-probabilities (and entropies, no gradient) through the output layer ``h @ W.T + b`` at a
     temperature, keeping only the chunk's log-sum-exp for the backward pass: there the logits are recomputed
     once (one matrix multiplication) and their gradient is formed from the softmax in place, ``g * (onehot -
     softmax) / T``. The same numbers as checkpointing ``_chunk_scores`` without redoing its whole forward in the
-    backward pass (the float32 casts, the log-sum-exp and the entropy's softmax over the vocabulary)."""
+    backward pass (the float32 casts, the log-sum-exp and the entropy's softmax over the vocabulary). Under
+    ``torch.autocast`` (``trainer.autocast``) the backward recomputes the logits in the forward's autocast state,
+    so they match the log-sum-exp kept and its matrix multiplications run in the autocast dtype too."""
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
@@ -218,12 +231,19 @@ class _HeadScores(torch.autograd.Function):
         ent = lse - (torch.softmax(logits, -1) * logits).sum(-1) if entropy else lp.new_zeros(())
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.scale = scale
+        ctx.cast = autocast_state(h.device.type)  # the backward recomputes the logits as this forward did
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _g_ent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, targets, lse = ctx.saved_tensors
+        with restored_autocast(h.device.type, ctx.cast):
+            return _HeadScores._grads(ctx, g, h, weight, bias, targets, lse)
+
+    @staticmethod
+    def _grads(ctx: Any, g: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               targets: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad = _wide(torch.nn.functional.linear(h, weight, bias))
         if ctx.scale != 1.0:
             grad.mul_(ctx.scale)

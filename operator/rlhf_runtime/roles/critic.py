@@ -146,7 +146,8 @@ class CriticModel(FSDPWorker):
         self.model.eval()
         out: list[list[float]] = [[] for _ in batch["prompts"]]
         for micro in self.micro_batches(batch["prompts"], batch["completions"]):
-            put(out, self._values(micro), micro)
+            with self.computing():
+                put(out, self._values(micro), micro)
         release_cached_gpu_memory(self.spec, self.device)
         return {"values": out, "seconds": time.perf_counter() - t0}
 

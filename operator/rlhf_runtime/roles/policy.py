@@ -164,8 +164,8 @@ class Trainer(FSDPWorker):
         policy with its adapter disabled (``self.ref`` None)."""
         self.ref: TrainerReference | None = None
         self.own_ref = self.spec.reference_active() and self.spec.reference.placement == "trainer"
-        if self.own_ref and not self.lora:
-            self.ref = TrainerReference(self, kw)
+        if self.own_ref and not self.lora:  # float32 like the policy with trainer.autocast: the KL starts at 0
+            self.ref = TrainerReference(self, {**kw, "dtype": torch.float32} if self.autocast else kw)
 
     def shard(self) -> None:
         """``FSDPWorker.shard`` of the policy, then of the in-trainer reference (``TrainerReference.shard``)."""
@@ -284,9 +284,10 @@ class Trainer(FSDPWorker):
         ref: list[list[float]] | None = [[] for _ in range(n)] if self.own_ref else None
         self.model.eval()
         for micro in self.micro_batches(batch["prompts"], batch["completions"]):
-            put(logp, token_logprobs(self.scorer, micro, temp)[0], micro)
-            if ref is not None:
-                put(ref, self._ref_logprobs(micro, temp), micro)
+            with self.computing():
+                put(logp, token_logprobs(self.scorer, micro, temp)[0], micro)
+                if ref is not None:
+                    put(ref, self._ref_logprobs(micro, temp), micro)
         return {"logp": logp, "ref": ref, "seconds": time.perf_counter() - t0}
 
     def _ref_logprobs(self, micro: Packed, temp: float) -> torch.Tensor:
@@ -401,7 +402,7 @@ class Trainer(FSDPWorker):
         merged weights (``lora.merged_state``), a plain HF model."""
         out = Path(path)
         # a collective under FSDP: the driver calls every rank. FSDP2's float32 masters are cast to the served dtype
-        # on the GPU as they are gathered
+        # on the GPU as they are gathered; one worker's float32 weights (trainer.autocast) as they are written
         state = full_model_state(self.model, self.world_size, self.dtype)
         if self.rank != 0:
             return str(out)
@@ -421,8 +422,6 @@ class Trainer(FSDPWorker):
         config and the base model's tokenizer, written to a temporary sibling and renamed into place, so
         ``path`` is either the previous export or the complete new one. A collective under FSDP: every rank
         calls it; rank 0 writes and returns the path."""
-        from transformers import AutoTokenizer
-
         if storage.is_remote(path):
             return self._export_remote(path)
         out = Path(path)
@@ -434,10 +433,7 @@ class Trainer(FSDPWorker):
             self.save_weights(str(tmp))
             if self.rank != 0:
                 return None
-            kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
-            if self.spec.model.revision:
-                kw["revision"] = self.spec.model.revision
-            AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(str(tmp))
+            self._save_tokenizer(str(tmp))
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             if out.exists():
                 out.rename(old)
@@ -449,21 +445,25 @@ class Trainer(FSDPWorker):
             raise
         return str(out)
 
+    def _save_tokenizer(self, directory: str) -> None:
+        """The base model's tokenizer (``spec.model``, its revision) into an export's ``directory``."""
+        from transformers import AutoTokenizer
+
+        kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
+        if self.spec.model.revision:
+            kw["revision"] = self.spec.model.revision
+        AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(directory)
+
     def _export_remote(self, uri: str) -> str | None:
         """``export`` to an object store (``spec.output.uri``): written into a local temporary directory, then
         published at ``uri`` (``storage.publish``: the previous export's marker removed, the files uploaded, the
         ``_COMPLETE`` marker last). A collective under FSDP; rank 0 returns the URI."""
-        from transformers import AutoTokenizer
-
         tmp = tempfile.mkdtemp(prefix="rlhf-export-") if self.rank == 0 else ""
         try:
             self.save_weights(tmp)  # a collective under FSDP
             if self.rank != 0:
                 return None
-            kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
-            if self.spec.model.revision:
-                kw["revision"] = self.spec.model.revision
-            AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(tmp)
+            self._save_tokenizer(tmp)
             storage.publish(tmp, uri)
         finally:
             if tmp:

@@ -17,6 +17,13 @@ layout, both with float32 gradients accumulated over the micro-batches and float
   dtype. Checkpoints keep the copies in the optimiser state (``state_dict``), so a resumed run continues from
   the exact float32 weights.
 
+``trainer.autocast`` computes the other common way (Hugging Face Trainer's ``bf16=True``, TRL): the weights *are*
+float32 (loaded so, one worker or FSDP2 shards gathered in float32, no ``MasterWeights`` and no mixed-precision
+policy) and the roles' forward passes run under ``torch.autocast`` to the model's dtype (``compute_context``):
+matrix multiplications in bfloat16, normalisation, softmax and the residual stream in float32. The update is as
+precise as with master weights; the forward pass rounds less (its log-probabilities are closer to a float32
+model's), for a cast of every weight per forward. Syncs and exports cast to the model's dtype on the way out.
+
 Memory per trained parameter: 16 bytes (float32 weights 4, gradients 4, AdamW moments 8) plus, with one worker,
 the model's own copy (2 in bfloat16); ``masterWeights: none`` is 8 bytes in bfloat16 (weights, gradients and
 moments in the model's dtype) and loses small updates. A float32 model needs neither.
@@ -33,6 +40,21 @@ import torch
 def wants_masters(master_weights: str, dtype: torch.dtype) -> bool:
     """Whether float32 master weights apply: asked for (``float32``) and the model's dtype is lower."""
     return master_weights == "float32" and dtype != torch.float32
+
+
+def uses_autocast(autocast: bool, dtype: torch.dtype) -> bool:
+    """Whether ``trainer.autocast`` applies: asked for and the model's dtype is lower than float32."""
+    return autocast and dtype != torch.float32
+
+
+def compute_context(autocast: bool, device: torch.device, dtype: torch.dtype) -> Any:
+    """Where the roles' forward passes (and the losses built from them) run: under ``torch.autocast`` to ``dtype``
+    on ``device``'s type with ``autocast`` (``uses_autocast``), else as they are (a no-op context)."""
+    import contextlib
+
+    if not autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def fsdp_policy(compute: torch.dtype) -> Any:

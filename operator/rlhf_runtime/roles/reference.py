@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime.roles import attention
+from rlhf_runtime.roles import attention, precision
 from rlhf_runtime.roles.base import FSDPWorker, load_kwargs, release_cached_gpu_memory, worker_device
 from rlhf_runtime.roles.batches import Packed, TokenScorer, pack, plan, put, token_logprobs
 
@@ -28,7 +28,7 @@ from rlhf_runtime.roles.batches import Packed, TokenScorer, pack, plan, put, tok
 class TrainerReference:
     """The frozen initial policy inside a trainer worker (``reference.placement: trainer``): one worker holds it
     whole; FSDP2 workers build a skeleton and shard it in ``shard`` (its decoder layers, then its scorer as the
-    root), in ``model.dtype`` since it is never trained."""
+    root), in ``model.dtype`` since it is never trained (in float32 with ``trainer.autocast``, as the policy)."""
 
     def __init__(self, worker: FSDPWorker, kw: dict[str, Any]) -> None:
         from transformers import AutoModelForCausalLM
@@ -65,7 +65,11 @@ class ReferenceModel:
 
         self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
         self.device = worker_device(spec)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **load_kwargs(spec)).to(self.device)
+        dtype = getattr(torch, spec.model.dtype)
+        # trainer.autocast: float32 weights under autocast, computing as the policy does (the KL starts at 0)
+        self.autocast = precision.uses_autocast(spec.trainer.autocast, dtype)
+        kw = load_kwargs(spec, dtype=torch.float32 if self.autocast else None)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device)
         self.model.eval().requires_grad_(False)
         attention.use_varlen(self.model, self.device, getattr(torch, spec.model.dtype))
 
@@ -82,6 +86,7 @@ class ReferenceModel:
         out: list[list[float]] = [[] for _ in p]
         for idx in plan([len(a) + len(b) for a, b in zip(p, c)], self.spec.trainer.max_tokens_per_micro_batch):
             micro = pack(p, c, idx, self.device)
-            put(out, token_logprobs(self.model, micro, temp)[0], micro)
+            with precision.compute_context(self.autocast, self.device, getattr(torch, self.spec.model.dtype)):
+                put(out, token_logprobs(self.model, micro, temp)[0], micro)
         release_cached_gpu_memory(self.spec, self.device)
         return {"logp": out, "seconds": time.perf_counter() - t0}
