@@ -16,7 +16,9 @@ No hub download. The benchmark
 
 Variants share the checkpoint, data, seeds, hyperparameters and steps and differ in one field:
 ``trainer.masterWeights`` ``float32`` (float32 master weights, the default since 2026-11-26) vs ``none``
-(AdamW updates the bfloat16 weights in place: the trainer before). Runs are interleaved (seed by seed).
+(AdamW updates the bfloat16 weights in place: the trainer before); the variant ``autocast`` is ``float32`` with
+``trainer.autocast`` (float32 weights, forward passes under bfloat16 autocast: TRL's own precision). Runs are
+interleaved (seed by seed).
 
 With ``--trl-python PY`` every seed also runs TRL's ``GRPOTrainer`` (vLLM colocate) from the same checkpoint,
 prompts (in the driver's order), reward, batch, sampling, hyperparameters and steps, through
@@ -193,7 +195,9 @@ def spec(a: argparse.Namespace, model: Path, train: Path, evals: Path, master: s
     return {
         "model": {"name": str(model), "dtype": a.model_dtype or ("bfloat16" if gpu else "float32")},
         "image": "local",
-        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "masterWeights": master},
+        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0,
+                    **({"masterWeights": "float32", "autocast": True} if master == "autocast"
+                       else {"masterWeights": master})},
         "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 32, "enforceEager": not a.cuda_graphs,
                     "gpuMemoryUtilization": 0.25 if gpu else 0.05,
                     **({"kvCacheMemoryGiB": a.kv_cache_gib} if a.kv_cache_gib else {}),
@@ -385,7 +389,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-5, help="algorithm.learningRate")
     p.add_argument("--eval-prompts", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--variants", default="float32,none", help="trainer.masterWeights values")
+    p.add_argument("--variants", default="float32,none", help="trainer.masterWeights values, or autocast (float32 with trainer.autocast)")
     p.add_argument("--model-dtype", default="", choices=["", "bfloat16", "float32"],
                    help="model.dtype of the runtime's runs (default bfloat16 on a GPU, float32 on CPU); float32 on a "
                         "GPU tells whether precision explains the runtime's step-30 gap to TRL (whose trainer keeps "

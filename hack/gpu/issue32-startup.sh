@@ -37,7 +37,8 @@ if [ "${PROBE:-0}" -gt 0 ] && [ -f /tmp/learn-model/config.json ]; then
 fi
 # DTYPE=float32: the runtime's model.dtype (trainer and engine in float32; TRL unchanged): does precision explain the
 # runtime's ~0.8-point step-30 gap to TRL over 14 seeds (benchmarks/README.md, "Six interleaved pairs")?
-common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants float32
+# VARIANT=autocast: trainer.autocast (float32 weights, bfloat16 autocast: TRL's precision) instead of master weights
+common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants ${VARIANT:-float32}
         --resident --run-timeout $(( 170 + STEPS )) ${DTYPE:+--model-dtype $DTYPE})
 i=0
 for S in "$@"; do
