@@ -11,8 +11,8 @@
 * Precision (``roles.precision``, ``trainer.masterWeights``): float32 master weights, gradients and optimiser
   state, compute in ``model.dtype``. Under FSDP2 the model is loaded in float32 (``train_dtype``) and sharded
   with a mixed-precision policy; one worker keeps the model in its dtype beside ``MasterWeights``. With
-  ``trainer.autocast`` the model is float32 itself (no policy, no masters) and every forward pass and its loss run
-  in ``computing`` (``torch.autocast`` to ``model.dtype``).
+  ``trainer.autocast`` the model is float32 itself (no policy; masters only for trainable parameters PEFT left in
+  ``model.dtype``) and every forward pass and its loss run in ``computing`` (``torch.autocast`` to ``model.dtype``).
 * Sharding (``shard``): FSDP2's ``fully_shard`` of every decoder layer, then of ``fsdp_root`` (the model, or a
   module around it whose forward must gather the parameters outside the layers); nothing with one worker.
 * Optimiser (``make_optimizer``): AdamW at the role's learning rate with ``trainer.optimizer``'s betas and weight
@@ -213,10 +213,11 @@ class FSDPWorker:
         self.device = worker_device(self.spec)
         torch.manual_seed(self.spec.algorithm.seed + self.seed_offset)
         self.compute_dtype = getattr(torch, self.spec.model.dtype)
-        #: ``trainer.autocast``: float32 weights, forward passes under autocast (``computing``); no separate masters
+        #: ``trainer.autocast``: float32 weights, forward passes under autocast (``computing``), no FSDP2 policy;
+        #: one worker's ``MasterWeights`` then hold only trainable parameters left in model.dtype (a LoRA adapter
+        #: PEFT did not widen), none of a full model
         self.autocast = precision.uses_autocast(self.spec.trainer.autocast, self.compute_dtype)
-        self.masters = not self.autocast and precision.wants_masters(self.spec.trainer.master_weights,
-                                                                     self.compute_dtype)
+        self.masters = precision.wants_masters(self.spec.trainer.master_weights, self.compute_dtype)
         self.master: precision.MasterWeights | None = None
         #: FSDP2: loads the full model on rank 0's host (``self.model`` is then a skeleton on the meta device until
         #: ``shard`` fills its shards, ``fill_shards``); None: ``self.model`` already holds its weights.
@@ -276,7 +277,7 @@ class FSDPWorker:
             return
         from torch.distributed.fsdp import fully_shard
 
-        kw = {"mp_policy": precision.fsdp_policy(self.compute_dtype)} if self.masters else {}
+        kw = {"mp_policy": precision.fsdp_policy(self.compute_dtype)} if self.masters and not self.autocast else {}
         for layer in self.decoder_layers():
             fully_shard(layer, reshard_after_forward=self.spec.trainer.reshard_after_forward, **kw)
         fully_shard(self.fsdp_root(), **kw)
