@@ -132,6 +132,7 @@ def served_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor] | No
     state = model.state_dict()
     if all(v.dtype == dtype or not v.is_floating_point() for v in state.values()):
         return None
+
     def where(v: torch.Tensor) -> tuple[Any, ...]:  # the state dict's entries are fresh views: compare their memory
         return v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride())
 

@@ -18,8 +18,9 @@ layout, both with float32 gradients accumulated over the micro-batches and float
   the exact float32 weights.
 
 ``trainer.autocast`` computes the other common way (Hugging Face Trainer's ``bf16=True``, TRL): the weights *are*
-float32 (loaded so, one worker or FSDP2 shards gathered in float32, no ``MasterWeights`` and no mixed-precision
-policy) and the roles' forward passes run under ``torch.autocast`` to the model's dtype (``compute_context``):
+float32 (loaded so, one worker or FSDP2 shards gathered in float32, no mixed-precision policy; one worker's
+``MasterWeights`` keep only trainable parameters still in the model's dtype, e.g. a LoRA adapter PEFT did not
+widen) and the roles' forward passes run under ``torch.autocast`` to the model's dtype (``compute_context``):
 matrix multiplications in bfloat16, normalisation, softmax and the residual stream in float32. The update is as
 precise as with master weights; the forward pass rounds less (its log-probabilities are closer to a float32
 model's), for a cast of every weight per forward. Syncs and exports cast to the model's dtype on the way out.
@@ -31,6 +32,7 @@ moments in the model's dtype) and loses small updates. A float32 model needs nei
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,8 +52,6 @@ def uses_autocast(autocast: bool, dtype: torch.dtype) -> bool:
 def compute_context(autocast: bool, device: torch.device, dtype: torch.dtype) -> Any:
     """Where the roles' forward passes (and the losses built from them) run: under ``torch.autocast`` to ``dtype``
     on ``device``'s type with ``autocast`` (``uses_autocast``), else as they are (a no-op context)."""
-    import contextlib
-
     if not autocast:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)

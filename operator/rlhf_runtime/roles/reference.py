@@ -65,13 +65,13 @@ class ReferenceModel:
 
         self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
         self.device = worker_device(spec)
-        dtype = getattr(torch, spec.model.dtype)
+        self.dtype = dtype = getattr(torch, spec.model.dtype)
         # trainer.autocast: float32 weights under autocast, computing as the policy does (the KL starts at 0)
         self.autocast = precision.uses_autocast(spec.trainer.autocast, dtype)
         kw = load_kwargs(spec, dtype=torch.float32 if self.autocast else None)
         self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device)
         self.model.eval().requires_grad_(False)
-        attention.use_varlen(self.model, self.device, getattr(torch, spec.model.dtype))
+        attention.use_varlen(self.model, self.device, dtype)
 
     def info(self) -> dict[str, Any]:
         return {"device": str(self.device), "pid": os.getpid(),
@@ -86,7 +86,7 @@ class ReferenceModel:
         out: list[list[float]] = [[] for _ in p]
         for idx in plan([len(a) + len(b) for a, b in zip(p, c)], self.spec.trainer.max_tokens_per_micro_batch):
             micro = pack(p, c, idx, self.device)
-            with precision.compute_context(self.autocast, self.device, getattr(torch, self.spec.model.dtype)):
+            with precision.compute_context(self.autocast, self.device, self.dtype):
                 put(out, token_logprobs(self.model, micro, temp)[0], micro)
         release_cached_gpu_memory(self.spec, self.device)
         return {"logp": out, "seconds": time.perf_counter() - t0}
