@@ -389,7 +389,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-5, help="algorithm.learningRate")
     p.add_argument("--eval-prompts", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--variants", default="float32,none", help="trainer.masterWeights values, or autocast (float32 with trainer.autocast)")
+    p.add_argument("--variants", default="float32,none",
+                   help="trainer.masterWeights values, or autocast (float32 with trainer.autocast)")
     p.add_argument("--model-dtype", default="", choices=["", "bfloat16", "float32"],
                    help="model.dtype of the runtime's runs (default bfloat16 on a GPU, float32 on CPU); float32 on a "
                         "GPU tells whether precision explains the runtime's step-30 gap to TRL (whose trainer keeps "

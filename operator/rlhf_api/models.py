@@ -209,18 +209,19 @@ class Trainer(Model):
     autocast: bool = Field(
         False,
         description="Compute the way Hugging Face Trainer's bf16/fp16 option and TRL do: the policy, critic and "
-        "reference keep float32 weights and every forward pass runs under torch.autocast to model.dtype (its "
-        "backward follows the forward's dtypes): matrix multiplications and attention in model.dtype, normalisation, softmax, losses and "
-        "the residual stream in float32. false (default): forward and backward run wholly in model.dtype over "
-        "float32 master weights (veRL's and OpenRLHF's mixed precision). Same optimiser state and update "
-        "precision either way; autocast rounds less in the forward pass (closer to a float32 model's "
-        "log-probabilities) for a cast of every weight per forward; with FSDP2 it gathers float32 parameters "
-        "(twice the bytes of model.dtype). Memory per trained parameter: 16 bytes (no model.dtype copy beside the "
-        "masters); the reference (any placement) is float32 too (4 bytes per parameter instead of 2), so it computes as "
-        "the initial policy. Weight syncs "
-        "and exports still send model.dtype (cast on the way out: the resident IPC sync, which maps the trainer's "
-        "model.dtype parameters, falls back to the packed copy). Needs masterWeights float32; no effect when "
-        "model.dtype is float32; with LoRA the frozen base stays in model.dtype.",
+        "reference keep float32 weights and every forward pass runs under torch.autocast to model.dtype "
+        "(its backward follows the forward's dtypes): matrix multiplications and attention in "
+        "model.dtype, normalisation, softmax, losses and the residual stream in float32. false (default):"
+        " forward and backward run wholly in model.dtype over float32 master weights (veRL's and "
+        "OpenRLHF's mixed precision). Same optimiser state and update precision either way; autocast "
+        "rounds less in the forward pass (closer to a float32 model's log-probabilities) for a cast of "
+        "every weight per forward; with FSDP2 it gathers float32 parameters (twice the bytes of "
+        "model.dtype). Memory per trained parameter: 16 bytes (no model.dtype copy beside the masters); "
+        "the reference (any placement) is float32 too (4 bytes per parameter instead of 2), so it "
+        "computes as the initial policy. Weight syncs and exports still send model.dtype (cast on the way"
+        " out: the resident IPC sync, which maps the trainer's model.dtype parameters, falls back to the "
+        "packed copy). Needs masterWeights float32; no effect when model.dtype is float32; with LoRA the "
+        "frozen base stays in model.dtype.",
     )
     max_tokens_per_micro_batch: int = Field(
         16384,
