@@ -3,6 +3,8 @@ replace, and the float32 master weights (``roles.precision``); a tiny random Qwe
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -182,16 +184,18 @@ def test_master_weights_keep_the_updates_bfloat16_loses() -> None:
     assert float(lost.abs().mean() / ref.abs().mean()) < 0.2
 
 
-def test_varlen_attention_gets_each_sequences_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``roles.attention``'s function through a Hugging Face model: the kernel (CUDA-only, replaced here by causal
-    SDPA over each segment, with the kernel's signature) receives the packed row's boundaries and the causal
-    window, and the log-probabilities equal SDPA's with its block-diagonal mask."""
+def varlen_against_sdpa(monkeypatch: pytest.MonkeyPatch,
+                        context) -> tuple[list, list[int], torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` of 4 packed samples under ``context`` with SDPA and its mask (``want``) and with
+    ``roles.attention``'s function (``got``), whose kernel (CUDA-only) is replaced by causal SDPA over each segment
+    with the kernel's signature. Returns the kernel's calls (boundaries, max length, window, GQA, the dtypes of
+    q/k/v), the samples' lengths, ``got`` and ``want``."""
     from rlhf_runtime.roles import attention
 
     calls = []
 
     def segmentwise(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        calls.append((cu_q.tolist(), max_q, window_size, enable_gqa))
+        calls.append((cu_q.tolist(), max_q, window_size, enable_gqa, {q.dtype, k.dtype, v.dtype}))
         out = []
         for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
             qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
@@ -204,13 +208,20 @@ def test_varlen_attention_gets_each_sequences_boundaries(monkeypatch: pytest.Mon
     model = tiny_lm()
     prompts, completions = samples(4)
     m = pack(prompts, completions, [0, 1, 2, 3], "cpu")
-    with torch.no_grad():
+    with torch.no_grad(), context:
         want = token_logprobs(model, m)[0]
         attention.register()
         model.set_attn_implementation(attention.NAME)
         got = token_logprobs(model, m)[0]
-    lens = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    assert calls and calls[0] == ([0, *torch.tensor(lens).cumsum(0).tolist()], max(lens), (-1, 0), True)
+    return calls, [len(p) + len(c) for p, c in zip(prompts, completions)], got, want
+
+
+def test_varlen_attention_gets_each_sequences_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``roles.attention``'s function through a Hugging Face model: the kernel (CUDA-only, replaced here by causal
+    SDPA over each segment, with the kernel's signature) receives the packed row's boundaries and the causal
+    window, and the log-probabilities equal SDPA's with its block-diagonal mask."""
+    calls, lens, got, want = varlen_against_sdpa(monkeypatch, contextlib.nullcontext())
+    assert calls and calls[0][:4] == ([0, *torch.tensor(lens).cumsum(0).tolist()], max(lens), (-1, 0), True)
     assert torch.allclose(got, want, atol=2e-5)
 
 
@@ -284,29 +295,8 @@ def test_varlen_attention_under_autocast_gets_the_autocast_dtype(monkeypatch: py
     """A float32 model under ``torch.autocast`` (``trainer.autocast``) leaves the rotary embedding's queries and keys
     in float32; FlashAttention's kernel (replaced here by causal SDPA per segment) receives them in the autocast
     dtype, and the log-probabilities stay those of SDPA with its mask under the same autocast."""
-    from rlhf_runtime.roles import attention
-
-    dtypes = []
-
-    def segmentwise(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        dtypes.append({q.dtype, k.dtype, v.dtype})
-        out = []
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-            qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
-            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
-                                                                 enable_gqa=enable_gqa)
-            out.append(o.transpose(0, 1))
-        return torch.cat(out)
-
-    monkeypatch.setattr(attention, "_kernel", lambda: segmentwise)
-    model = tiny_lm()
-    prompts, completions = samples(4)
-    m = pack(prompts, completions, [0, 1, 2, 3], "cpu")
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        want = token_logprobs(model, m)[0]
-        attention.register()
-        model.set_attn_implementation(attention.NAME)
-        got = token_logprobs(model, m)[0]
+    calls, _, got, want = varlen_against_sdpa(monkeypatch, torch.autocast("cpu", dtype=torch.bfloat16))
+    dtypes = [c[4] for c in calls]
     assert dtypes and all(d == {torch.bfloat16} for d in dtypes), dtypes
     assert float((got - want).abs().max()) < 0.05
 
