@@ -403,7 +403,7 @@ class Trainer(FSDPWorker):
         out = Path(path)
         # a collective under FSDP: the driver calls every rank. FSDP2's float32 masters are cast to the served dtype
         # on the GPU as they are gathered; one worker's float32 weights (trainer.autocast) as they are written
-        state = full_model_state(self.model, self.world_size, self.dtype)
+        state = None if self.lora else full_model_state(self.model, self.world_size, self.dtype)  # LoRA: merged
         if self.rank != 0:
             return str(out)
         if self.lora:
