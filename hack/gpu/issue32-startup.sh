@@ -6,7 +6,8 @@
 # "Beside TRL's GRPOTrainer"): 30 GRPO steps from the same supervised checkpoint, engines resident.
 #
 # On nvidia-h200 after staging vLLM 0.31.0 + trl 1.16.0 (python3 hack/gpu-stage.py --vllm 0.31.0 --image-packages
-# hack/gpu/image-freeze.txt --with trl==1.16.0 --kind nvidia-h200 --print-commands: 43 calls, the last installs),
+# hack/gpu/image-freeze.txt --with trl==1.16.0 --kind nvidia-h200 --print-commands: 45 calls, the last installs;
+# run the first seeds in that last call: T0=<call start> ... after the install),
 # from the repository root, one device call each (~200 s a seed, so 2 seeds a call):
 #     bash hack/gpu/issue32-startup.sh 0 1      # then: bash hack/gpu/issue32-startup.sh 2 3
 # Leaves one tarball in $OUT (seeds-<first seed>.tgz: every JSON, log and the order); a call returns <= 8 files.
@@ -37,7 +38,10 @@ if [ "${PROBE:-0}" -gt 0 ] && [ -f /tmp/learn-model/config.json ]; then
 fi
 # DTYPE=float32: the runtime's model.dtype (trainer and engine in float32; TRL unchanged): does precision explain the
 # runtime's ~0.8-point step-30 gap to TRL over 14 seeds (benchmarks/README.md, "Six interleaved pairs")?
-# VARIANT=autocast: trainer.autocast (float32 weights, bfloat16 autocast: TRL's precision) instead of master weights
+# VARIANT=autocast: trainer.autocast (float32 weights, bfloat16 autocast: TRL's precision) instead of master weights;
+# VARIANT=float32,autocast: both from the one checkpoint, per seed (~165 s a seed). The machine is released ~30 s
+# after a call ends, which a 400-s call's result can outlast before the next call is sent: put every run of a
+# machine into its install call where it fits (2026-11-29: the second call found a bare machine)
 common=(--model-dir /tmp/learn-model --sft-eval-every 20 --sft-target 0.3 --grpo-steps $STEPS --variants ${VARIANT:-float32}
         --resident --run-timeout $(( 170 + STEPS )) ${DTYPE:+--model-dtype $DTYPE})
 i=0
