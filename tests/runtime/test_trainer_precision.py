@@ -13,6 +13,7 @@
   like float32, computes log-probabilities closer to a float32 model's than bfloat16 compute over masters does,
   its in-trainer reference computes exactly as the initial policy (the KL starts at 0) and its exports are
   bfloat16, each weight rounded once;
+* a checkpoint resumed with ``trainer.autocast`` switched (either way) continues from its exact float32 weights;
 * FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
   buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
 """
@@ -69,6 +70,11 @@ for i, (name, cfg, steps) in enumerate(runs):
     for _ in range(steps):
         t.train(batch)
     after = weights()
+    if "ckpt" in name:  # a checkpoint of the trained weights, and (below) a trainer of the other precision on it
+        t.save_checkpoint()
+    if "ckpt" in name or "resumed" in name:
+        kept = after if "ckpt" in name else before
+        torch.save(torch.cat([kept[k].flatten() for k in kept]), f"{out}/{name}.weights.pt")
     export = None
     exported = world == 2 or "autocast" in name
     if exported:
@@ -84,6 +90,7 @@ for i, (name, cfg, steps) in enumerate(runs):
                       "max_diff": max(float((v.float() - after[k].to(v.dtype).float()).abs().max())
                                       for k, v in tensors.items())}
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
+                     "resumed_from": t.resumed_from,
                      "logp": start["logp"], "ref": start["ref"],
                      "masters": len(t.master.pairs) if t.master is not None else None,
                      "export": export, "loaded": loaded,
@@ -124,6 +131,11 @@ def _spec(model: Path, dtype: str, lr: float = 1e-6, **trainer: object) -> dict:
     return spec
 
 
+def _saved(spec: dict, root: Path) -> dict:
+    return {**spec, "checkpoint": {"volume": "ckpt", "path": str(root), "everyNSteps": 1},
+            "volumes": [{"name": "ckpt", "emptyDir": {}}]}
+
+
 def _fsdp(spec: dict) -> dict:
     return {**spec, "trainer": {**spec["trainer"], "gpusPerReplica": 2, "strategy": "fsdp2"}}
 
@@ -141,7 +153,13 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                           ("bf16-autocast", _spec(tiny_model, "bfloat16", autocast=True), 10),
                           ("ref-autocast", {**_spec(tiny_model, "bfloat16", autocast=True),
                                             "algorithm": {"learningRate": 1e-6, "klCoef": 0.05}}, 0),
-                          ("one", small_budget, 2)])[0]
+                          ("one", small_budget, 2),
+                          # trainer.autocast switched on a checkpoint, both ways
+                          ("masters-ckpt", _saved(_spec(tiny_model, "bfloat16", lr=1e-3), tmp / "m"), 2),
+                          ("autocast-resumed", _saved(_spec(tiny_model, "bfloat16", autocast=True), tmp / "m"), 0),
+                          ("autocast-ckpt", _saved(_spec(tiny_model, "bfloat16", lr=1e-3, autocast=True),
+                                                   tmp / "a"), 2),
+                          ("masters-resumed", _saved(_spec(tiny_model, "bfloat16"), tmp / "a"), 0)])[0]
     ranks = _train(tmp, [("two", _fsdp(small_budget), 2), ("two-bf16", _fsdp(_spec(tiny_model, "bfloat16")), 10),
                          ("two-compiled", _fsdp(compiled), 2),
                          ("two-autocast", _fsdp(_spec(tiny_model, "bfloat16", autocast=True)), 10),
@@ -270,3 +288,20 @@ def test_fsdp2_autocast_updates_like_one_autocast_worker(trained: dict) -> None:
     one, two = trained["updates"]["bf16-autocast"], trained["updates"]["two-autocast"]
     assert abs(float(two.abs().mean() / one.abs().mean()) - 1) < 0.01
     assert float(torch.nn.functional.cosine_similarity(one, two, dim=0)) > 0.99
+
+
+def test_a_checkpoint_resumed_with_autocast_switched_keeps_its_exact_float32_weights(trained: dict) -> None:
+    """Master weights -> trainer.autocast: the float32 parameters are the checkpoint's masters; autocast -> master
+    weights: the masters are the checkpoint's float32 files. (Before, either switch failed the trainer's start:
+    "ValueError: the checkpoint holds 27 float32 master weights, this model has 0 lower-precision trainable
+    parameters", and "holds 0 ..., has 27" the other way.)"""
+    import torch
+
+    u, single = trained["updates"], trained["single"]
+    for saved, resumed in (("masters-ckpt", "autocast-resumed"), ("autocast-ckpt", "masters-resumed")):
+        assert single[resumed]["resumed_from"] == 2, resumed
+        before, after = u[f"{resumed}.weights"], u[f"{saved}.weights"]
+        assert float((after - after.bfloat16().float()).abs().max()) > 0  # not representable in bfloat16
+        assert torch.equal(before, after), resumed
+    assert single["autocast-resumed"]["dtypes"] == ["torch.float32"]
+    assert single["masters-resumed"]["dtypes"] == ["torch.bfloat16"] and single["masters-resumed"]["masters"] > 0

@@ -345,11 +345,15 @@ class FSDPWorker:
                 buf.copy_(other[name])
             dist.broadcast(buf, 0)
 
-    def make_optimizer(self, params: Iterable[Any], lr: float, state: dict[str, Any] | None) -> None:
+    def make_optimizer(self, params: Iterable[Any], lr: float, state: dict[str, Any] | None,
+                       saved: str | None = None) -> None:
         """``self.opt``: AdamW over ``params`` (one worker with master weights: over their float32 masters) at
-        ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's."""
+        ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's, ``saved`` its model directory (one worker
+        takes its exact float32 weights whichever precision wrote it: ``precision.resume_weights``)."""
         o = self.spec.trainer.optimizer
         params = list(params)
+        ids = {id(p) for p in params}
+        named = [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
         if self.masters and self.world_size == 1:
             self.master = precision.MasterWeights(params)
             params = self.master.params
@@ -362,8 +366,11 @@ class FSDPWorker:
         if state is not None:
             masters = state.pop("master_weights", None)
             load_optimizer_state(self.model, self.opt, state, self.world_size)
-            if self.master is not None and masters is not None:
-                self.master.load_state_dict(masters)
+            why = (precision.resume_weights(self.master, named, masters, saved) if self.world_size == 1 else
+                   None if masters is None else "FSDP2 takes its float32 shards from the model files")
+            if why:
+                log.warning("checkpoint %s: %s; the run goes on from its weights in %s", saved, why,
+                            self.compute_dtype)
 
     # ---------------------------------------------------------------------------------------- training
     def micro_batches(self, prompts: list[list[int]], completions: list[list[int]]) -> list[Packed]:

@@ -67,10 +67,10 @@ class CriticModel(FSDPWorker):
         if spec.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shard()  # FSDP2: the shards are filled here (``deferred``)
+        lr = spec.algorithm.ppo_settings().critic_learning_rate
+        self.make_optimizer(self.model.parameters(), lr, opt_state, source if self.resumed_from is not None else None)
         if self.resumed_from is not None and isinstance(self.root, str):  # loaded: drop the downloaded copy
             shutil.rmtree(Path(source).parent, ignore_errors=True)
-        lr = spec.algorithm.ppo_settings().critic_learning_rate
-        self.make_optimizer(self.model.parameters(), lr, opt_state)
         self.updates = 0
 
     def check_spec(self) -> None:

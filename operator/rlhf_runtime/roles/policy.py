@@ -17,11 +17,10 @@ Guarantees:
   aggregated per ``lossAggregation`` over the batch, ``epochsPerStep`` passes, packed micro-batches of at most
   ``trainer.maxTokensPerMicroBatch`` tokens. Advantages (per sample; per token: PPO's GAE) come from the driver.
 * Checkpoints (``rlhf_runtime.infra.checkpoint``): the model (``save_pretrained``), the optimiser state and the
-  step, written atomically; a new actor resumes from the newest one (the same step on every rank, chosen by
-  rank 0), so the step counter continues; a checkpoint of the other kind (adapter or full model) than
-  ``trainer.lora`` asks for is refused. Under FSDP2 both are gathered to full tensors
-  (``torch.distributed.checkpoint.state_dict``) and every rank takes its own shards back on resume. FSDP2 also
-  runs on CPU over gloo (tests).
+  step, written atomically; a new actor resumes from the newest one (the same step on every rank, chosen by rank 0),
+  so the step counter continues; a checkpoint of the other kind (adapter or full model) than ``trainer.lora`` asks
+  for is refused. Under FSDP2 both are gathered to full tensors (``torch.distributed.checkpoint.state_dict``) and
+  every rank takes its own shards back on resume. FSDP2 also runs on CPU over gloo (tests).
 * LoRA (``trainer.lora``, ``rlhf_runtime.infra.lora``): the base model is frozen and wrapped with a PEFT adapter;
   the optimiser holds the adapter's parameters only. The in-trainer reference is the same model with the
   adapter disabled (no second copy of the base). A sync is ``adapter_payload`` (the adapter files, handed to
@@ -108,10 +107,11 @@ class Trainer(FSDPWorker):
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
         self._load_reference(kw)
         self.shard()  # FSDP2: the shards are filled here (``deferred``)
+        params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
+        self.make_optimizer(params, spec.algorithm.learning_rate, opt_state,
+                            str(found[1] / "model") if found and not self.lora else None)
         if found and spec.checkpoint and spec.checkpoint.uri:  # loaded: the downloaded copy is not needed
             shutil.rmtree(found[1], ignore_errors=True)
-        params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
-        self.make_optimizer(params, spec.algorithm.learning_rate, opt_state)
         self.sender: Any = None
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
         # the policy's full weights (a LoRA model's base weights; its adapter is adapter_bytes)

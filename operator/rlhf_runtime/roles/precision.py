@@ -24,6 +24,8 @@ widen) and the roles' forward passes run under ``torch.autocast`` to the model's
 matrix multiplications in bfloat16, normalisation, softmax and the residual stream in float32. The update is as
 precise as with master weights; the forward pass rounds less (its log-probabilities are closer to a float32
 model's), for a cast of every weight per forward. Syncs and exports cast to the model's dtype on the way out.
+A run resumed with the other of the two (``trainer.autocast`` switched on a checkpoint) continues from the exact
+float32 weights too (``resume_weights``).
 
 Memory per trained parameter: 16 bytes (float32 weights 4, gradients 4, AdamW moments 8) plus, with one worker,
 the model's own copy (2 in bfloat16); ``masterWeights: none`` is 8 bytes in bfloat16 (weights, gradients and
@@ -157,3 +159,52 @@ def host_load_dtype(source: str, wanted: torch.dtype) -> torch.dtype:
     ``wanted``."""
     stored = stored_dtype(source)
     return stored if (stored, wanted) in _EXACT_WIDENING else wanted
+
+
+def float32_tensors(source: str, names: list[str]) -> list[torch.Tensor] | None:
+    """The tensors ``names`` of the local model directory ``source`` (its safetensors files) when it holds every
+    one of them and stores float32 only (written from float32 weights: ``trainer.autocast``'s or FSDP2's
+    checkpoints), else None."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    if stored_dtype(source) != torch.float32:
+        return None
+    found: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(source).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in set(names).intersection(fh.keys()):
+                found[name] = fh.get_tensor(name)
+    return [found[n] for n in names] if len(found) == len(set(names)) else None
+
+
+@torch.no_grad()
+def resume_weights(master: MasterWeights | None, named: list[tuple[str, torch.nn.Parameter]],
+                   masters: list[torch.Tensor] | None, source: str | None) -> str | None:
+    """A checkpoint's exact float32 weights for one worker, whichever of the two precisions wrote it (``named``:
+    the model's trainable parameters; ``masters``: the checkpoint's ``MasterWeights`` values, if it has them;
+    ``source``: its model directory). Masters go into this worker's masters, or under ``trainer.autocast`` (no
+    lower-precision parameters left) into the float32 parameters they stood for, in the same order; a checkpoint
+    without masters but with float32 files (``trainer.autocast``'s) gives its files' values to the masters.
+    Returns why the weights stay as the files held them (rounded once to the model's dtype), or None."""
+    masters = masters or None  # trainer.autocast's checkpoints hold an empty list (no lower-precision parameters)
+    if masters is not None and master is not None and master.pairs:
+        master.load_state_dict(masters)
+        return None
+    if masters is not None:
+        wide = [p for _, p in named if p.dtype == torch.float32]
+        if [tuple(v.shape) for v in masters] != [tuple(p.shape) for p in wide]:
+            return (f"its {len(masters)} float32 master weights do not match this model's {len(wide)} float32 "
+                    "trainable parameters")
+        for p, v in zip(wide, masters):
+            p.copy_(v.to(p.device))
+        return None
+    if master is None or not master.pairs or source is None:
+        return None
+    names = {id(p): n for n, p in named}
+    values = float32_tensors(source, [names[id(p)] for p, _ in master.pairs])
+    if values is None:
+        return "it holds no master weights and its model files are not float32"
+    master.load_state_dict(values)
+    return None
