@@ -13,7 +13,8 @@
   like float32, computes log-probabilities closer to a float32 model's than bfloat16 compute over masters does,
   its in-trainer reference computes exactly as the initial policy (the KL starts at 0) and its exports are
   bfloat16, each weight rounded once;
-* a checkpoint resumed with ``trainer.autocast`` switched (either way) continues from its exact float32 weights;
+* a checkpoint resumed with ``trainer.autocast`` switched (either way), or one worker's on two FSDP2 ranks,
+  continues from its exact float32 weights (and its optimiser state);
 * FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
   buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
 """
@@ -72,7 +73,7 @@ for i, (name, cfg, steps) in enumerate(runs):
     after = weights()
     if "ckpt" in name:  # a checkpoint of the trained weights, and (below) a trainer of the other precision on it
         t.save_checkpoint()
-    if "ckpt" in name or "resumed" in name:
+    if rank == 0 and ("ckpt" in name or "resumed" in name):
         kept = after if "ckpt" in name else before
         torch.save(torch.cat([kept[k].flatten() for k in kept]), f"{out}/{name}.weights.pt")
     export = None
@@ -91,6 +92,7 @@ for i, (name, cfg, steps) in enumerate(runs):
                                       for k, v in tensors.items())}
     results[name] = {"micro": micro, "dtypes": sorted({str(p.dtype) for p in t.model.parameters()}),
                      "resumed_from": t.resumed_from,
+                     "opt_steps": sorted({float(s["step"]) for s in t.opt.state.values()}),
                      "logp": start["logp"], "ref": start["ref"],
                      "masters": len(t.master.pairs) if t.master is not None else None,
                      "export": export, "loaded": loaded,
@@ -164,7 +166,9 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                          ("two-compiled", _fsdp(compiled), 2),
                          ("two-autocast", _fsdp(_spec(tiny_model, "bfloat16", autocast=True)), 10),
                          ("two-kept", _fsdp({**small_budget, "trainer": {**small_budget["trainer"],
-                                                                         "reshardAfterForward": False}}), 2)],
+                                                                         "reshardAfterForward": False}}), 2),
+                         # one worker's checkpoint, resumed on two FSDP2 ranks
+                         ("two-resumed", _fsdp(_saved(_spec(tiny_model, "bfloat16"), tmp / "m")), 0)],
                    world=2)
     updates = {p.stem: torch.load(p) for p in tmp.glob("*.pt")}
     return {"single": single, "ranks": ranks, "updates": updates}
@@ -288,6 +292,19 @@ def test_fsdp2_autocast_updates_like_one_autocast_worker(trained: dict) -> None:
     one, two = trained["updates"]["bf16-autocast"], trained["updates"]["two-autocast"]
     assert abs(float(two.abs().mean() / one.abs().mean()) - 1) < 0.01
     assert float(torch.nn.functional.cosine_similarity(one, two, dim=0)) > 0.99
+
+
+def test_one_workers_checkpoint_resumes_on_fsdp2_ranks_with_its_exact_weights_and_optimiser_state(
+        trained: dict) -> None:
+    """A job resized from one trainer GPU to FSDP2 over two goes on from its checkpoint: the shards are its float32
+    masters, the AdamW state its own. (Before, every rank failed its start in ``set_optimizer_state_dict`` with
+    "KeyError: 'state.0.step'": one worker numbers its parameters, FSDP2's full state names them.)"""
+    import torch
+
+    u, resumed = trained["updates"], trained["ranks"][0]["two-resumed"]
+    assert resumed["resumed_from"] == 2 and resumed["opt_steps"] == [2.0]
+    assert trained["single"]["masters-ckpt"]["opt_steps"] == [2.0]
+    assert torch.equal(u["two-resumed.weights"], u["masters-ckpt.weights"])
 
 
 def test_a_checkpoint_resumed_with_autocast_switched_keeps_its_exact_float32_weights(trained: dict) -> None:

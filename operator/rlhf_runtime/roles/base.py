@@ -59,6 +59,7 @@ from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import startup, storage
 from rlhf_runtime.roles import precision
 from rlhf_runtime.roles.batches import Packed, micro_share, pack, plan
+from rlhf_runtime.roles.optim_state import full_optimizer_state, load_optimizer_state
 
 log = logging.getLogger("rlhf_runtime")
 
@@ -141,31 +142,6 @@ def served_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor] | No
         if where(v) not in cast:
             cast[where(v)] = v.detach().to(dtype) if v.is_floating_point() else v
     return {k: cast[where(v)] for k, v in state.items()}
-
-
-def full_optimizer_state(model: Any, opt: Any, world_size: int) -> dict[str, Any]:
-    """The optimiser state to checkpoint. FSDP2: the *full* state (every rank's shards gathered, keyed by
-    parameter name, on rank 0's CPU; a collective, every rank calls it); else the plain state dict."""
-    if world_size == 1:
-        return opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(model: Any, opt: Any, state: dict[str, Any], world_size: int) -> None:
-    """Inverse of ``full_optimizer_state``; FSDP2: every rank reads the full state and keeps its own shards."""
-    if world_size == 1:
-        opt.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
-
-
-def read_optimizer_state(step_dir: Path) -> dict[str, Any]:
-    """The optimiser state a checkpoint step directory holds (``optimizer.pt``, on the CPU)."""
-    return torch.load(step_dir / "optimizer.pt", map_location="cpu", weights_only=False)
 
 
 def load_kwargs(spec: RLHFJobSpec, revision: bool = True, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -366,8 +342,8 @@ class FSDPWorker:
         if state is not None:
             masters = state.pop("master_weights", None)
             load_optimizer_state(self.model, self.opt, state, self.world_size)
-            why = (precision.resume_weights(self.master, named, masters, saved) if self.world_size == 1 else
-                   None if masters is None else "FSDP2 takes its float32 shards from the model files")
+            why = precision.resume_weights(self.master, named, masters, saved,
+                                           self.model if self.world_size > 1 else None)
             if why:
                 log.warning("checkpoint %s: %s; the run goes on from its weights in %s", saved, why,
                             self.compute_dtype)

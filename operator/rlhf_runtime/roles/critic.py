@@ -38,10 +38,10 @@ from rlhf_runtime.roles.base import (
     FSDPWorker,
     MicroBatch,
     load_kwargs,
-    read_optimizer_state,
     release_cached_gpu_memory,
 )
 from rlhf_runtime.roles.batches import Packed, from_lists, put
+from rlhf_runtime.roles.optim_state import read_optimizer_state
 
 log = logging.getLogger("rlhf_runtime")
 

@@ -50,7 +50,6 @@ from rlhf_runtime.roles.base import (
     MicroBatch,
     full_model_state,
     load_kwargs,
-    read_optimizer_state,
     release_cached_gpu_memory,
 )
 from rlhf_runtime.roles.batches import (
@@ -62,6 +61,7 @@ from rlhf_runtime.roles.batches import (
     put,
     token_logprobs,
 )
+from rlhf_runtime.roles.optim_state import read_optimizer_state
 from rlhf_runtime.roles.reference import TrainerReference
 from rlhf_runtime.vllm import compat as vllm_compat
 

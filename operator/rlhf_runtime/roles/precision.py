@@ -181,23 +181,31 @@ def float32_tensors(source: str, names: list[str]) -> list[torch.Tensor] | None:
 
 @torch.no_grad()
 def resume_weights(master: MasterWeights | None, named: list[tuple[str, torch.nn.Parameter]],
-                   masters: list[torch.Tensor] | None, source: str | None) -> str | None:
-    """A checkpoint's exact float32 weights for one worker, whichever of the two precisions wrote it (``named``:
-    the model's trainable parameters; ``masters``: the checkpoint's ``MasterWeights`` values, if it has them;
-    ``source``: its model directory). Masters go into this worker's masters, or under ``trainer.autocast`` (no
-    lower-precision parameters left) into the float32 parameters they stood for, in the same order; a checkpoint
-    without masters but with float32 files (``trainer.autocast``'s) gives its files' values to the masters.
-    Returns why the weights stay as the files held them (rounded once to the model's dtype), or None."""
+                   masters: list[torch.Tensor] | None, source: str | None, sharded: Any = None) -> str | None:
+    """A checkpoint's exact float32 weights, whichever precision or layout wrote it (``named``: the model's
+    trainable parameters; ``masters``: the checkpoint's ``MasterWeights`` values, if one worker with master
+    weights wrote it; ``source``: its model directory; ``sharded``: the FSDP2 model, else None). Masters go into
+    this worker's masters, or where no lower-precision parameters are left (``trainer.autocast``; FSDP2's float32
+    shards, each rank keeping its own) into the float32 parameters they stood for, in the same order; a
+    checkpoint without masters but with float32 files (``trainer.autocast``'s, FSDP2's) gives its files' values
+    to one worker's masters. Returns why the weights stay as the files held them (rounded once to the model's
+    dtype), or None."""
     masters = masters or None  # trainer.autocast's checkpoints hold an empty list (no lower-precision parameters)
     if masters is not None and master is not None and master.pairs:
         master.load_state_dict(masters)
         return None
     if masters is not None:
-        wide = [p for _, p in named if p.dtype == torch.float32]
-        if [tuple(v.shape) for v in masters] != [tuple(p.shape) for p in wide]:
+        wide = [(n, p) for n, p in named if p.dtype == torch.float32]
+        if [tuple(v.shape) for v in masters] != [tuple(p.shape) for _, p in wide]:
             return (f"its {len(masters)} float32 master weights do not match this model's {len(wide)} float32 "
                     "trainable parameters")
-        for p, v in zip(wide, masters):
+        if sharded is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            full = {n: v for (n, _), v in zip(wide, masters)}  # every rank read them all
+            set_model_state_dict(sharded, full, options=StateDictOptions(full_state_dict=True, strict=False))
+            return None
+        for (_, p), v in zip(wide, masters):
             p.copy_(v.to(p.device))
         return None
     if master is None or not master.pairs or source is None:
