@@ -13,8 +13,8 @@
   like float32, computes log-probabilities closer to a float32 model's than bfloat16 compute over masters does,
   its in-trainer reference computes exactly as the initial policy (the KL starts at 0) and its exports are
   bfloat16, each weight rounded once;
-* a checkpoint resumed with ``trainer.autocast`` switched (either way), or one worker's on two FSDP2 ranks,
-  continues from its exact float32 weights (and its optimiser state);
+* a checkpoint resumed with ``trainer.autocast`` switched (either way), or one worker's on two FSDP2 ranks and
+  back, continues from its exact float32 weights (and its optimiser state);
 * FSDP2 ranks start from a skeleton whose shards rank 0 fills from its one copy of the model: every parameter and
   buffer (the rotary frequencies, outside the state dict) equals the checkpoint's.
 """
@@ -167,9 +167,11 @@ def trained(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                          ("two-autocast", _fsdp(_spec(tiny_model, "bfloat16", autocast=True)), 10),
                          ("two-kept", _fsdp({**small_budget, "trainer": {**small_budget["trainer"],
                                                                          "reshardAfterForward": False}}), 2),
-                         # one worker's checkpoint, resumed on two FSDP2 ranks
-                         ("two-resumed", _fsdp(_saved(_spec(tiny_model, "bfloat16"), tmp / "m")), 0)],
+                         # one worker's checkpoint, resumed on two FSDP2 ranks; and two ranks' for one worker
+                         ("two-resumed", _fsdp(_saved(_spec(tiny_model, "bfloat16"), tmp / "m")), 0),
+                         ("two-ckpt", _fsdp(_saved(_spec(tiny_model, "bfloat16", lr=1e-3), tmp / "f")), 2)],
                    world=2)
+    single |= _train(tmp, [("one-resumed", _saved(_spec(tiny_model, "bfloat16"), tmp / "f"), 0)])[0]
     updates = {p.stem: torch.load(p) for p in tmp.glob("*.pt")}
     return {"single": single, "ranks": ranks, "updates": updates}
 
@@ -305,6 +307,18 @@ def test_one_workers_checkpoint_resumes_on_fsdp2_ranks_with_its_exact_weights_an
     assert resumed["resumed_from"] == 2 and resumed["opt_steps"] == [2.0]
     assert trained["single"]["masters-ckpt"]["opt_steps"] == [2.0]
     assert torch.equal(u["two-resumed.weights"], u["masters-ckpt.weights"])
+
+
+def test_fsdp2_checkpoint_resumes_on_one_worker_with_its_exact_weights_and_optimiser_state(trained: dict) -> None:
+    """The other way: FSDP2's checkpoint (float32 files, AdamW state keyed by name) on one worker with master
+    weights: the masters are the files' float32 values, not the bfloat16 model's."""
+    import torch
+
+    u, resumed = trained["updates"], trained["single"]["one-resumed"]
+    assert resumed["resumed_from"] == 2 and resumed["opt_steps"] == [2.0] and resumed["masters"] > 0
+    after = u["two-ckpt.weights"]
+    assert float((after - after.bfloat16().float()).abs().max()) > 0
+    assert torch.equal(u["one-resumed.weights"], after)
 
 
 def test_a_checkpoint_resumed_with_autocast_switched_keeps_its_exact_float32_weights(trained: dict) -> None:
