@@ -32,7 +32,8 @@ Usage (from the repository root):
 vLLM 0.24 with TRL for the peer benchmark (benchmarks/trl_peer.py; TRL 1.16.0 supports vLLM 0.22-0.31), 2026-11-24
 (the runtime supports vLLM >= 0.28 since 2026-11-26: the peer now needs a version in 0.28-0.31, e.g.
 `--vllm 0.31.0 --with trl==1.16.0`: 108 wheels, 2,511 MB, 43 parts with `--image-packages
-hack/gpu/image-freeze.txt --kind nvidia-h200`, staged and run 2026-11-27 for benchmarks/gpu_learning.py --trl-python;
+hack/gpu/image-freeze.txt --kind nvidia-h200`, staged and run 2026-11-27 for benchmarks/gpu_learning.py --trl-python
+(45 parts of 54 MiB since the tracked tree grew, 2026-11-29: ~240 s of device time for the 44 copy calls);
 0.28-0.31 all pin torch 2.13.0, so none uses the image's torch). Before that:
 96 wheels, 557 MB, 9 parts (torch 2.11.0 is the image's: `--image-packages` gives its version, which meets the pin):
     python3 hack/gpu-stage.py --vllm 0.24.0 --image-packages hack/gpu/image-freeze.txt --with trl==1.16.0 \
