@@ -327,9 +327,7 @@ class FSDPWorker:
         ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's, ``saved`` its model directory (one worker
         takes its exact float32 weights whichever precision wrote it: ``precision.resume_weights``)."""
         o = self.spec.trainer.optimizer
-        params = list(params)
-        ids = {id(p) for p in params}
-        named = [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
+        params = given = list(params)
         if self.masters and self.world_size == 1:
             self.master = precision.MasterWeights(params)
             params = self.master.params
@@ -342,6 +340,8 @@ class FSDPWorker:
         if state is not None:
             masters = state.pop("master_weights", None)
             load_optimizer_state(self.model, self.opt, state, self.world_size)
+            ids = {id(p) for p in given}
+            named = [(n, p) for n, p in self.model.named_parameters() if id(p) in ids]
             why = precision.resume_weights(self.master, named, masters, saved,
                                            self.model if self.world_size > 1 else None)
             if why:
