@@ -149,6 +149,22 @@ def _worker_scramble(worker: Any, seed: int = 0) -> int:
     return n
 
 
+def engine_facts(llm: Any) -> dict[str, Any]:
+    """What sizes a ``vllm.LLM``'s throughput beside its arguments: its KV cache (blocks x block size = tokens it
+    can hold), the scheduler's limits, async scheduling, and whether its engine core runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING``) - so that two engines compared on one batch can be shown alike."""
+    from vllm import envs
+
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    cache, sched = getattr(cfg, "cache_config", None), getattr(cfg, "scheduler_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    return {"kv_cache_tokens": blocks * size if blocks and size else None,
+            "max_num_seqs": getattr(sched, "max_num_seqs", None),
+            "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+            "async_scheduling": getattr(sched, "async_scheduling", None),
+            "engine_core_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING}
+
+
 def time_generate(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, float]:
     """``llm.generate`` (a ``vllm.LLM``) on token-id prompts with the runtime's sampling arguments, timed around
     the call alone: seconds and generated tokens."""
@@ -206,6 +222,9 @@ class BenchEngine(_StackDumps, Engine):
         if self._stale_cache:  # as generate does
             self._stale_cache = not self.llm.reset_prefix_cache()
         return time_generate(self.llm, prompts, sampling)
+
+    def engine_facts(self) -> dict[str, Any]:
+        return engine_facts(self.llm)
 
     def reset_prefix_cache(self) -> bool:
         self._stale_cache = False

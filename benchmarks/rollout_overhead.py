@@ -14,11 +14,18 @@ every CPU it may use). Then
 * ``in_actor``: the engine actor's own ``LLM.generate`` on the same prompts, timed inside the actor
   (``bench_actors.BenchEngine.timed_generate``: no Ray transfer, no packing);
 * ``bare``: the bare ``LLM.generate`` in its own process;
-* ``bare_loaded`` (``--bare-loaded``): a second bare engine that loads the actor's compiled model from the shared
-  cache while ``bare`` compiles its own (``paired.compile_cache``: bare vs bare_loaded).
+* ``bare_default``: a bare ``vllm.LLM`` as a user builds it: the same arguments less the weight-transfer backend,
+  and vLLM's own environment (the runtime's ``ACTOR_ENV`` unset but ``KEPT_ENV``: its engine core in a
+  process of its own), a cache root of its own;
+* ``bare_loaded``: a second bare engine that loads the actor's compiled model from the shared cache while
+  ``bare`` compiles its own.
 
-Overhead = 1 - runtime tokens/s / bare tokens/s (medians over the rounds), split into the driver's path (runtime
-vs in_actor) and the actor's process (in_actor vs bare); ``paired`` gives each from the rounds' paired log ratios
+``--ways`` picks them (each bare engine holds a share of the GPU: an 8B model leaves room for one). Each
+comparison (``COMPARISONS``) is 1 - slower tokens/s / faster tokens/s: ``vs_vllm_defaults`` (runtime vs
+bare_default, the issue's "against a bare vllm.LLM"), ``overhead`` (runtime vs bare), split into the driver's path
+(runtime vs in_actor) and the actor's process (in_actor vs bare); ``engine_settings`` (bare vs bare_default) and
+``compile_cache`` (bare vs bare_loaded). Each is given from the medians, as the median of the rounds, and in
+``paired`` from the rounds' paired log ratios
 with a 95% bootstrap interval. Each batch also records the machine around it (CPU steal share, busy CPUs; on a
 GPU its SM clock, power and temperature from ``nvidia-smi``), and ``noise`` correlates them with tokens/s, to
 say where a batch-to-batch spread comes from. Writes ``--out`` (JSON with the exact command).
@@ -54,18 +61,44 @@ sys.path.insert(0, str(ROOT))
 
 import gpu_sync  # the models, layouts and base spec of the GPU benchmarks
 
+#: The ways a batch is timed (the module's docstring).
+WAYS = ("runtime", "in_actor", "bare", "bare_default", "bare_loaded")
+#: The runtime's engine environment that ``bare_default`` keeps: without it the staged GPU machine's vLLM (no
+#: ``flashinfer-cubin``) would fetch FlashInfer's sampling kernels and hang (``hack/gpu-stage.py``); on this batch
+#: (top-p 1, no top-k) vLLM samples without FlashInfer either way (``TopKTopPSampler.forward_cuda``).
+KEPT_ENV = {"VLLM_USE_FLASHINFER_SAMPLER"}
+#: What each pair of ways sizes: name -> (slower, faster) way, as 1 - slower's tokens/s / faster's.
+COMPARISONS = {
+    "vs_vllm_defaults": ("runtime", "bare_default"),  # the runtime against vLLM as a user builds it
+    "overhead": ("runtime", "bare"),  # the runtime against its own engine settings in a plain process
+    "driver_path": ("runtime", "in_actor"),
+    "actor_process": ("in_actor", "bare"),
+    "engine_settings": ("bare", "bare_default"),  # the runtime's engine environment against vLLM's defaults
+    "compile_cache": ("bare", "bare_loaded"),
+}
 
-def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
-    """The bare engine's process: build ``vllm.LLM(**kwargs)``, then time each batch it is sent."""
+
+def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str], defaults: bool) -> None:
+    """The bare engine's process: build ``vllm.LLM(**kwargs)``, then time each batch it is sent. ``defaults``:
+    as a user would build it, with vLLM's own environment (the runtime's ``ACTOR_ENV`` settings unset, e.g. the
+    engine core in a process of its own) and no weight-transfer backend."""
     os.environ.update(env)
-    from bench_actors import time_generate
+    if defaults:
+        from rlhf_runtime.infra.config import ACTOR_ENV
+
+        for key in set(ACTOR_ENV) - KEPT_ENV:  # the runtime's settings for its engines (the engine core in
+            os.environ.pop(key, None)            # the actor's process, ...)
+    from bench_actors import engine_facts, time_generate
     from vllm import LLM
 
     from rlhf_runtime.rollout.base import llm_args
 
     try:
-        llm = LLM(**llm_args(kwargs))
-        conn.send({"ready": True})
+        if defaults:
+            llm = LLM(**{k: v for k, v in kwargs.items() if k != "weight_transfer_backend"})
+        else:
+            llm = LLM(**llm_args(kwargs))
+        conn.send(engine_facts(llm))
         while (msg := conn.recv()) is not None:
             conn.send(time_generate(llm, *msg))
     except BaseException as e:  # noqa: BLE001 - the parent reports it
@@ -73,13 +106,14 @@ def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
 
 
 class Bare:
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str], timeout: float) -> None:
+    def __init__(self, kwargs: dict[str, Any], env: dict[str, str], timeout: float, defaults: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.timeout = timeout
-        self.proc = ctx.Process(target=_bare, args=(child, kwargs, env), daemon=True)
+        # not a daemon with vLLM's defaults: it starts its engine core as a child process, which daemons may not
+        self.proc = ctx.Process(target=_bare, args=(child, kwargs, env, defaults), daemon=not defaults)
         self.proc.start()
-        self._recv()
+        self.facts = self._recv()
 
     def _recv(self) -> dict[str, Any]:
         if not self.conn.poll(self.timeout):
@@ -202,6 +236,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting rounds after this many minutes of rounds (0: run all --rounds)")
+    p.add_argument("--until", type=float, default=0.0,
+                   help="a Unix time: start no round that would end after it, judged by the last round's length "
+                   "(a device call's limit, so that the results are written before it)")
     p.add_argument("--graphs", action="store_true", help="GPU: CUDA graphs (rollout.enforceEager false, the API's "
                    "default; gpu_sync.py's layouts run eager for a faster start)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per batch (default: 64 GPU, 16 CPU)")
@@ -215,13 +252,22 @@ def main() -> int:
                    "it then loads the actor's AOT-compiled model instead of compiling its own; default: a cache "
                    "root of its own, so both engines compile)")
     p.add_argument("--bare-loaded", action="store_true",
-                   help="a second bare engine (the way bare_loaded) that loads the engine actor's compiled "
+                   help="add the way bare_loaded: a second bare engine that loads the engine actor's compiled "
                    "model from its cache (as --bare-shares-cache does) while bare compiles its own: both plain "
                    "processes, so paired compile_cache sizes what loading a compiled artifact changes")
+    p.add_argument("--ways", default="runtime,in_actor,bare",
+                   help=f"comma-separated, of {', '.join(WAYS)} (the module's docstring; runtime always runs)")
+    p.add_argument("--spec-json", default="", help="JSON merged into the layout's spec (e.g. the trainer's "
+                   "settings, which a rollout does not use, to leave the GPU's memory to the engines)")
     p.add_argument("--kind", default="cpu", help="device kind, recorded")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one step (start, rollout)")
     p.add_argument("--out", default=str(ROOT / "results" / "rollout_overhead_cpu.json"))
     a = p.parse_args()
+    ways_asked = ["runtime"] + [w for w in a.ways.split(",") if w and w != "runtime"]
+    if a.bare_loaded and "bare_loaded" not in ways_asked:
+        ways_asked.append("bare_loaded")
+    if unknown := [w for w in ways_asked if w not in WAYS]:
+        p.error(f"--ways: unknown {', '.join(unknown)} (known: {', '.join(WAYS)})")
     command = " ".join(shlex.quote(x) for x in ["python3", "benchmarks/rollout_overhead.py", *sys.argv[1:]])
     gpu = not a.cpu
     layout = a.layout or ("separate-nccl" if gpu else "cpu-gloo")
@@ -256,6 +302,8 @@ def main() -> int:
         spec = gpu_sync.merge(spec, {"rollout": {"maxModelLen": 32 + max_tokens}})
     elif a.graphs:
         spec = gpu_sync.merge(spec, {"rollout": {"enforceEager": False}})
+    if a.spec_json:
+        spec = gpu_sync.merge(spec, json.loads(a.spec_json))
     if spec["rollout"].get("engines", 1) != 1 or spec["weightSync"].get("mode") == "async":
         raise SystemExit(f"{layout}: one engine in sync mode only (the bare engine stands for one engine)")
     cfg = RuntimeConfig(name="rollout-overhead", namespace="bench", spec=spec)
@@ -271,7 +319,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "layout": layout, "model": model, "spec": spec, "sampling": sampling,
     }
-    bare = bare_loaded = None
+    bares: dict[str, Bare] = {}
     clocks: GpuClocks | None = None
     try:
         rt.connect()
@@ -303,9 +351,19 @@ def main() -> int:
         if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (README: 2026-11-25)
             env["VLLM_CACHE_ROOT"] = str(work / "bare-vllm-cache")
         result["bare_compile_cache"] = env.get("VLLM_CACHE_ROOT", "shared with the engine actor")
-        bare = Bare(kwargs, env, a.timeout)
-        if a.bare_loaded:  # the actor's own cache root, so it loads what the actor compiled
-            bare_loaded = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": actor_cache}, a.timeout)
+        result["ways"] = ways_asked
+        result["engine_facts"] = {"runtime": ray.get(rt.actors.engines[0].engine_facts.remote(), timeout=a.timeout)}
+        for way in ways_asked:  # one at a time: each engine measures the GPU memory it may take at its start
+            if way == "bare":
+                bares[way] = Bare(kwargs, env, a.timeout)
+            elif way == "bare_default":  # a cache root of its own too (compiles, as the actor did)
+                bares[way] = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": str(work / "default-vllm-cache")},
+                                  a.timeout, defaults=True)
+            elif way == "bare_loaded":  # the actor's own cache root, so it loads what the actor compiled
+                bares[way] = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": actor_cache}, a.timeout)
+            if way in bares:
+                result["engine_facts"][way] = bares[way].facts
+        print("engines: " + json.dumps(result["engine_facts"]), flush=True)
 
         batch = step_batch(samples, 0, prompts_n, 0)
         ids = [render_prompt(x, tokenizer) for x in batch]
@@ -318,9 +376,6 @@ def main() -> int:
 
         def in_actor() -> dict[str, Any]:
             return ray.get(rt.actors.engines[0].timed_generate.remote(ids, sampling), timeout=a.timeout)
-
-        def bare_run() -> dict[str, Any]:
-            return bare.generate(ids, sampling)
 
         clocks = GpuClocks(env["CUDA_VISIBLE_DEVICES"].split(",")[0]) if gpu else None
         cpus = len(os.sched_getaffinity(0))
@@ -337,53 +392,51 @@ def main() -> int:
                 x.update(clocks.window(t0, t1))
             return x
 
-        ways = {"runtime": runtime, "in_actor": in_actor, "bare": bare_run}
-        if bare_loaded is not None:
-            ways["bare_loaded"] = lambda: bare_loaded.generate(ids, sampling)
-        names = list(ways)
+        ways = {"runtime": runtime, "in_actor": in_actor,
+                **{w: (lambda b=b: b.generate(ids, sampling)) for w, b in bares.items()}}
+        names = [w for w in ways_asked if w in ways]
         warm = {n: timed(ways[n]) for n in names}
         runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-        start = time.monotonic()
+        start, last = time.monotonic(), 0.0
         for r in range(a.rounds):
             if a.minutes and r and time.monotonic() - start > a.minutes * 60:
                 break
+            if a.until and r and time.time() + last > a.until:
+                break
+            t_round = time.monotonic()
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 x = timed(ways[n])
                 x["tokens_per_second"] = x["tokens"] / x["seconds"]
                 x["round"] = r
                 runs[n].append(x)
+            last = time.monotonic() - t_round
             print(f"round {r}: " + ", ".join(f"{n} {runs[n][-1]['tokens_per_second']:.0f}" for n in names)
                   + " tokens/s", flush=True)
         med = {n: statistics.median(x["tokens_per_second"] for x in runs[n]) for n in names}
-        per_round = [1 - rt_["tokens_per_second"] / b["tokens_per_second"]
-                     for rt_, b in zip(runs["runtime"], runs["bare"])]
+        pairs = {k: (slow, fast) for k, (slow, fast) in COMPARISONS.items() if slow in runs and fast in runs}
         result.update({
             "batch": {"prompts": prompts_n, "samples_per_prompt": a.samples_per_prompt, "max_tokens": max_tokens},
             "warmup": warm, "runs": runs, "median_tokens_per_second": med,
-            "overhead": 1 - med["runtime"] / med["bare"],
-            "overhead_median_of_rounds": statistics.median(per_round),
-            "overhead_per_round": per_round,
-            "driver_path_overhead": 1 - med["runtime"] / med["in_actor"],
-            "actor_process_overhead": 1 - med["in_actor"] / med["bare"],
-            "paired": {"overhead": paired(runs, "runtime", "bare"),
-                       "driver_path": paired(runs, "runtime", "in_actor"),
-                       "actor_process": paired(runs, "in_actor", "bare"),
-                       **({"compile_cache": paired(runs, "bare", "bare_loaded")} if bare_loaded else {})},
+            # each comparison: 1 - slow / fast of the medians, of each round, and from the paired log ratios
+            "medians": {k: 1 - med[slow] / med[fast] for k, (slow, fast) in pairs.items()},
+            "median_of_rounds": {k: statistics.median(1 - x["tokens_per_second"] / y["tokens_per_second"]
+                                                      for x, y in zip(runs[slow], runs[fast]))
+                                 for k, (slow, fast) in pairs.items()},
+            "paired": {k: paired(runs, slow, fast) for k, (slow, fast) in pairs.items()},
             "noise": noise(runs),
         })
-        print(f"median tokens/s: {med}; overhead {result['overhead']:.1%} (median of rounds "
-              f"{result['overhead_median_of_rounds']:.1%}; driver path {result['driver_path_overhead']:.1%}, "
-              f"actor process {result['actor_process_overhead']:.1%})", flush=True)
+        print(f"median tokens/s: {med}", flush=True)
         for k, v in result["paired"].items():
-            print(f"paired {k}: {v['mean']:.1%} (95% {v['low']:.1%} .. {v['high']:.1%}, {v['rounds']} rounds)")
+            print(f"{k} ({' vs '.join(pairs[k])}): medians {result['medians'][k]:.1%}, median of rounds "
+                  f"{result['median_of_rounds'][k]:.1%}, paired {v['mean']:.1%} (95% {v['low']:.1%} .. "
+                  f"{v['high']:.1%}, {v['rounds']} rounds)", flush=True)
         print("noise: " + json.dumps(result["noise"]), flush=True)
     finally:
         if clocks is not None:
             clocks.close()
-        for b in (bare, bare_loaded):
-            if b is not None:
-                b.close()
+        for b in bares.values():
+            b.close()
         rt.shutdown()
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
