@@ -157,12 +157,14 @@ def engine_facts(llm: Any) -> dict[str, Any]:
 
     cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
     cache, sched = getattr(cfg, "cache_config", None), getattr(cfg, "scheduler_config", None)
+    parallel = getattr(cfg, "parallel_config", None)
     blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
     return {"kv_cache_tokens": blocks * size if blocks and size else None,
             "max_num_seqs": getattr(sched, "max_num_seqs", None),
             "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
             "async_scheduling": getattr(sched, "async_scheduling", None),
-            "engine_core_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING}
+            "engine_core_in_process": not envs.VLLM_ENABLE_V1_MULTIPROCESSING,
+            "executor": str(getattr(parallel, "distributed_executor_backend", None))}
 
 
 def time_generate(llm: Any, prompts: list[list[int]], sampling: dict[str, Any]) -> dict[str, float]:

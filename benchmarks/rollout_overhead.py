@@ -14,8 +14,8 @@ every CPU it may use). Then
 * ``in_actor``: the engine actor's own ``LLM.generate`` on the same prompts, timed inside the actor
   (``bench_actors.BenchEngine.timed_generate``: no Ray transfer, no packing);
 * ``bare``: the bare ``LLM.generate`` in its own process;
-* ``bare_default``: a bare ``vllm.LLM`` as a user builds it: the same arguments less the weight-transfer backend,
-  and vLLM's own environment (the runtime's ``ACTOR_ENV`` unset but ``KEPT_ENV``: its engine core in a
+* ``bare_default``: a bare ``vllm.LLM`` as a user builds it: the same arguments less the weight-transfer backend
+  and the executor (``RUNTIME_ONLY_ARGS``), and vLLM's own environment (the runtime's ``ACTOR_ENV`` unset but ``KEPT_ENV``: its engine core in a
   process of its own), a cache root of its own;
 * ``bare_loaded``: a second bare engine that loads the actor's compiled model from the shared cache while
   ``bare`` compiles its own.
@@ -67,6 +67,9 @@ WAYS = ("runtime", "in_actor", "bare", "bare_default", "bare_loaded")
 #: ``flashinfer-cubin``) would fetch FlashInfer's sampling kernels and hang (``hack/gpu-stage.py``); on this batch
 #: (top-p 1, no top-k) vLLM samples without FlashInfer either way (``TopKTopPSampler.forward_cuda``).
 KEPT_ENV = {"VLLM_USE_FLASHINFER_SAMPLER"}
+#: The engine arguments of the runtime's that ``bare_default`` leaves to vLLM: the weight-transfer backend and the
+#: executor (the runtime runs a TP=1 engine in its actor's process, ``uni``; vLLM picks its own by default).
+RUNTIME_ONLY_ARGS = {"weight_transfer_backend", "distributed_executor_backend"}
 #: What each pair of ways sizes: name -> (slower, faster) way, as 1 - slower's tokens/s / faster's.
 COMPARISONS = {
     "vs_vllm_defaults": ("runtime", "bare_default"),  # the runtime against vLLM as a user builds it
@@ -95,7 +98,7 @@ def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str], defaults: bool
 
     try:
         if defaults:
-            llm = LLM(**{k: v for k, v in kwargs.items() if k != "weight_transfer_backend"})
+            llm = LLM(**{k: v for k, v in kwargs.items() if k not in RUNTIME_ONLY_ARGS})
         else:
             llm = LLM(**llm_args(kwargs))
         conn.send(engine_facts(llm))
