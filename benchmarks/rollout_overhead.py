@@ -6,8 +6,8 @@ sync, so the engine holds the model's weights). Beside it, in a process of its o
 engine actor's own arguments and environment (``load_format: auto`` from the same files; on a GPU the same GPU,
 at ``--bare-memory``; a vLLM cache root of its own, so it compiles the model as the actor did instead of loading the
 actor's compiled artifact, unless ``--bare-shares-cache``) and no Ray (so with the threads a plain process has:
-every CPU it may use). Then
-``--rounds`` rounds, each timing, in an order that rotates from round to round, the same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first):
+every CPU it may use). Then ``--rounds`` rounds, each timing, in an order that rotates from round to round, the
+same batch (``promptsPerStep`` prompts x ``samplesPerPrompt`` samples, one warm-up of each first) these ways:
 
 * ``runtime``: ``Runtime.experience.launch`` + ``collect``, as the driver does a step's rollout (prompt rendering,
   the Ray call, the engine's generate, result packing and transfer);
@@ -15,8 +15,8 @@ every CPU it may use). Then
   (``bench_actors.BenchEngine.timed_generate``: no Ray transfer, no packing);
 * ``bare``: the bare ``LLM.generate`` in its own process;
 * ``bare_default``: a bare ``vllm.LLM`` as a user builds it: the same arguments less the weight-transfer backend
-  and the executor (``RUNTIME_ONLY_ARGS``), and vLLM's own environment (the runtime's ``ACTOR_ENV`` unset but ``KEPT_ENV``: its engine core in a
-  process of its own), a cache root of its own;
+  and the executor (``RUNTIME_ONLY_ARGS``), and vLLM's own environment (the runtime's ``ACTOR_ENV`` unset but
+  ``KEPT_ENV``: its engine core in a process of its own), a cache root of its own;
 * ``bare_loaded``: a second bare engine that loads the actor's compiled model from the shared cache while
   ``bare`` compiles its own.
 
@@ -25,14 +25,15 @@ comparison (``COMPARISONS``) is 1 - slower tokens/s / faster tokens/s: ``vs_vllm
 bare_default, the issue's "against a bare vllm.LLM"), ``overhead`` (runtime vs bare), split into the driver's path
 (runtime vs in_actor) and the actor's process (in_actor vs bare); ``engine_settings`` (bare vs bare_default) and
 ``compile_cache`` (bare vs bare_loaded). Each is given from the medians, as the median of the rounds, and in
-``paired`` from the rounds' paired log ratios
-with a 95% bootstrap interval. Each batch also records the machine around it (CPU steal share, busy CPUs; on a
-GPU its SM clock, power and temperature from ``nvidia-smi``), and ``noise`` correlates them with tokens/s, to
-say where a batch-to-batch spread comes from. Writes ``--out`` (JSON with the exact command).
+``paired`` from the rounds' paired log ratios with a 95% bootstrap interval. Each batch also records the machine
+around it (CPU steal share, busy CPUs; on a GPU its SM clock, power and temperature from ``nvidia-smi``), and
+``noise`` correlates them with tokens/s, to say where a batch-to-batch spread comes from. Writes ``--out`` (JSON
+with the exact command).
 
     .venv/bin/python benchmarks/rollout_overhead.py --cpu --out benchmarks/results/rollout_overhead_cpu.json
     . benchmarks/gpu_env.sh /tmp/site-0.33.0 && python3 benchmarks/rollout_overhead.py --kind nvidia-h200-x2 \\
         --layout separate-nccl --model qwen3-1.7b --rounds 7 --out $OUT/rollout_overhead.json
+    T0=$(date +%s) bash hack/gpu/issue33-overhead.sh 1.7b      # one GPU, against vLLM as users build it
 """
 
 from __future__ import annotations
