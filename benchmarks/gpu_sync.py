@@ -91,6 +91,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       "rollout": {"gpuMemoryUtilization": 0.5}},
     "colocated-ipc": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
+    # weightSync.packed false: vLLM's NCCL path tensor by tensor (the trainer broadcasts each kernel-format tensor
+    # as it is, the engine receives each into a new tensor and copies it into its parameter), no packing into
+    # buckets and no unpacking: beside separate-nccl it sizes what the packing costs at 1.7B (issue 33 item 1)
+    "separate-nccl-unpacked": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": False},
+                               "rollout": {"gpuMemoryUtilization": 0.5}},
     "separate-nccl-omp16": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                             "rollout": {"gpuMemoryUtilization": 0.5}, "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-resident": {"placement": {"mode": "colocated", "colocatedSleep": False},

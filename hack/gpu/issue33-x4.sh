@@ -2,7 +2,7 @@
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
 #  --part-mib 55 --print-commands: 50 calls back to back, the last one installs). Usage, from the repository root:
-#     bash hack/gpu/issue33-x4.sh PART        # PART: moe-build, then moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp
+#     bash hack/gpu/issue33-x4.sh PART   # moe-build then moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
 #   moe-build: the 30B model alone (built on GPU0, written in 2 shards: 77 s on 2026-11-27) and its floor, for
@@ -57,6 +57,9 @@
 # scaling (0.98x linear at 3 engines), ipc-8b (381 / 309 ms, was 797 / 518 on 2xH200). The TP=2 rendered layouts
 # failed at `ray start` (InvalidAuthToken: dp's ray.init() had left ~/.ray/auth_token; fixed in rendered_cluster.py
 # since 882a9f9). Left: LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2" rendered, ipc-8b-tp2 EXCHANGE=gloo.
+# 2026-11-29 (one H200 lent; nothing here ran): nccl-1.7b added, the default packed NCCL sync at 1.7B against
+# weightSync.packed false, alternated run by run (2 GPUs suffice: KIND=nvidia-h200-x2). Left: nccl-1.7b, rendered with
+# LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
@@ -113,6 +116,19 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 3 --no-variants \
         --skip-validation --prompts 128 --max-tokens 256 --scaling-per-engine 128 --scaling-rounds 5 \
         --timeout $(( $(left) - 15 )) separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
+    ;;
+  nccl-1.7b)
+    # item 1 at 1.7B (58.5% of the raw broadcast, target 75%): what packing costs. The default (packed into
+    # buckets) and weightSync.packed false (tensor by tensor, no packing or unpacking), alternated run by run (the
+    # setting is fixed when the weight-sync group starts), two runs each while the call's time lasts; 2 GPUs do
+    for run in a1 b1 a2 b2; do
+      [ "$(left)" -lt 110 ] && { echo "skip $run: $(left) s left" >> $R/order.txt; continue; }
+      layout=separate-nccl; [ "${run:0:1}" = b ] && layout=separate-nccl-unpacked
+      echo "$(date +%T) $run $layout" >> $R/order.txt
+      python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$run --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
+          --timeout $(( $(left) - 15 )) $layout:qwen3-1.7b > $R/$run.log 2>&1
+      echo "$(date +%T) $run exit $?" >> $R/order.txt
+    done
     ;;
   rendered)
     for layout in ${LAYOUTS:-separate-nccl-fsdp2-dp2 separate-nccl-tp2-custom-ar separate-nccl-tp2}; do
