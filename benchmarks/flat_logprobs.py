@@ -24,17 +24,16 @@ import time
 from pathlib import Path
 
 
-def paired(xs: list[dict[str, float]], base: list[dict[str, float]], n: int = 10000) -> dict[str, float]:
+def paired(xs: list[dict[str, float]], base: list[dict[str, float]]) -> dict[str, float]:
     """Mean gain of ``xs`` over ``base`` in tokens/s from the rounds' paired log ratios (as exp - 1), with its 95%
-    percentile-bootstrap interval."""
+    percentile-bootstrap interval (``rollout_overhead.bootstrap_mean``)."""
     import math
-    import random
+
+    from rollout_overhead import bootstrap_mean
 
     logs = [math.log(x["tokens_per_second"] / b["tokens_per_second"]) for x, b in zip(xs, base)]
-    rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(n))
-    return {"mean": math.expm1(statistics.fmean(logs)), "low": math.expm1(means[int(0.025 * n)]),
-            "high": math.expm1(means[int(0.975 * n) - 1]), "rounds": len(logs)}
+    mean, low, high = bootstrap_mean(logs)
+    return {"mean": math.expm1(mean), "low": math.expm1(low), "high": math.expm1(high), "rounds": len(logs)}
 
 
 def main() -> None:
