@@ -33,8 +33,7 @@ vLLM 0.24 with TRL for the peer benchmark (benchmarks/trl_peer.py; TRL 1.16.0 su
 (the runtime supports vLLM >= 0.28 since 2026-11-26: the peer now needs a version in 0.28-0.31, e.g.
 `--vllm 0.31.0 --with trl==1.16.0`: 108 wheels, 2,511 MB, 43 parts with `--image-packages
 hack/gpu/image-freeze.txt --kind nvidia-h200`, staged and run 2026-11-27 for benchmarks/gpu_learning.py --trl-python
-(45 parts of 54 MiB since the tracked tree grew, 2026-11-29: ~240 s of device time for the 44 copy calls; vLLM 0.33.0
-needs --part-mib 54 too since 2026-11-29, 51 calls: parts of 55 MiB beside the 9.6 MB tracked tree exceed a call's 64 MiB);
+(45 parts of 54 MiB since the tracked tree grew, 2026-11-29: ~240 s of device time for the 44 copy calls);
 0.28-0.31 all pin torch 2.13.0, so none uses the image's torch). Before that:
 96 wheels, 557 MB, 9 parts (torch 2.11.0 is the image's: `--image-packages` gives its version, which meets the pin):
     python3 hack/gpu-stage.py --vllm 0.24.0 --image-packages hack/gpu/image-freeze.txt --with trl==1.16.0 \
@@ -52,6 +51,8 @@ pins cuda-toolkit 13.0.2, whose components equal 13.0.3's but for cublas; if the
 (`--image-packages hack/gpu/image-freeze.txt`): 108 wheels, 2837 MB, 46 parts (cuda-tile, 0.4 MB, staged since
 2026-11-24: `flashinfer.comm`, which vLLM's expert-parallel and allreduce code import, needs it); staged and
 installed in 400 s of device time on nvidia-h200-x2, 2026-11-24.
+Since 2026-11-29 vLLM 0.33.0 takes `--part-mib 54` (51 calls): parts of 55 MiB beside the 9.6 MB tracked tree
+exceed a call's 64 MiB (the device tool refuses the call).
 """
 from __future__ import annotations
 
