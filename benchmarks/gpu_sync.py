@@ -91,9 +91,10 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       "rollout": {"gpuMemoryUtilization": 0.5}},
     "colocated-ipc": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
-    # weightSync.packed false: vLLM's NCCL path tensor by tensor (the trainer broadcasts each kernel-format tensor
-    # as it is, the engine receives each into a new tensor and copies it into its parameter), no packing into
-    # buckets and no unpacking: beside separate-nccl it sizes what the packing costs at 1.7B (issue 33 item 1)
+    # weightSync.packed false: in the kernel format the direct sync (weight_sync.direct, since 2026-11-29: each
+    # tensor broadcast straight into the engine's parameter, fused parameters' parts unfused, one NCCL group per
+    # bucket; before, vLLM's tensor-by-tensor path into new tensors copied into the parameters): beside
+    # separate-nccl it sizes what packing and unpacking cost at 1.7B (issue 33 item 1)
     "separate-nccl-unpacked": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": False},
                                "rollout": {"gpuMemoryUtilization": 0.5}},
     "separate-nccl-omp16": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
@@ -113,6 +114,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                                 "rollout": {"engines": 1, "tensorParallelSize": 2, "gpuMemoryUtilization": 0.3}},
     "separate-nccl-tp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                           "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
+    "separate-nccl-tp2-unpacked": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": False},
+                                   "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
     "separate-nccl-dp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                           "rollout": {"engines": 2, "gpuMemoryUtilization": 0.5}},
     "separate-nccl-dp3": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},

@@ -60,6 +60,8 @@
 # 2026-11-29 (one H200 lent; nothing here ran): nccl-1.7b added, the default packed NCCL sync at 1.7B against
 # weightSync.packed false, alternated run by run (2 GPUs suffice: KIND=nvidia-h200-x2). Left: nccl-1.7b, rendered with
 # LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
+# 2026-11-29 (third session, one H200 lent; nothing here ran): weightSync.packed false in the kernel format is now
+# the direct NCCL sync (weight_sync.direct), so nccl-1.7b measures it against the packed default; PAIR for TP=2.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
@@ -118,15 +120,19 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
         --timeout $(( $(left) - 15 )) separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   nccl-1.7b)
-    # item 1 at 1.7B (58.5% of the raw broadcast, target 75%): what packing costs. The default (packed into
-    # buckets) and weightSync.packed false (tensor by tensor, no packing or unpacking), alternated run by run (the
-    # setting is fixed when the weight-sync group starts), two runs each while the call's time lasts; 2 GPUs do
+    # item 1 at 1.7B (58.5% of the raw broadcast, target 75%): the default (vLLM's packed path: the trainer fuses
+    # and packs, the engine unpacks) against weightSync.packed false, which in the kernel format is the direct sync
+    # since 2026-11-29 (weight_sync.direct: straight into the engine's parameters, one NCCL group per bucket),
+    # alternated run by run (the setting is fixed when the weight-sync group starts), two runs each while the
+    # call's time lasts. PAIR: the two layouts (default "separate-nccl separate-nccl-unpacked", 2 GPUs; TP=2 on 4
+    # GPUs: PAIR="separate-nccl-tp2 separate-nccl-tp2-unpacked"); MODEL (default qwen3-1.7b; qwen3-8b too).
+    read -r first second <<< "${PAIR:-separate-nccl separate-nccl-unpacked}"
     for run in a1 b1 a2 b2; do
       [ "$(left)" -lt 110 ] && { echo "skip $run: $(left) s left" >> $R/order.txt; continue; }
-      layout=separate-nccl; [ "${run:0:1}" = b ] && layout=separate-nccl-unpacked
+      layout=$first; [ "${run:0:1}" = b ] && layout=$second
       echo "$(date +%T) $run $layout" >> $R/order.txt
       python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$run --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
-          --timeout $(( $(left) - 15 )) $layout:qwen3-1.7b > $R/$run.log 2>&1
+          --timeout $(( $(left) - 15 )) $layout:${MODEL:-qwen3-1.7b} > $R/$run.log 2>&1
       echo "$(date +%T) $run exit $?" >> $R/order.txt
     done
     ;;

@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlhf_runtime.vllm import compat as vllm_compat
+from rlhf_runtime.weight_sync.direct import buckets
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -55,21 +56,6 @@ def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
     for d in shape:
         n *= int(d)
     return n * torch.empty((), dtype=dtype).element_size()
-
-
-def buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
-    """Split parameters (by byte size, in order) into ``[start, end)`` index ranges of at most
-    ``bucket_bytes`` each; a parameter larger than a bucket gets a bucket of its own."""
-    out: list[tuple[int, int]] = []
-    start, acc = 0, 0
-    for i, size in enumerate(sizes):
-        if i > start and acc + size > bucket_bytes:
-            out.append((start, i))
-            start, acc = i, 0
-        acc += size
-    if start < len(sizes):
-        out.append((start, len(sizes)))
-    return out
 
 
 def _process_group(address: str, port: int, rank: int, world_size: int, is_master: bool,

@@ -32,7 +32,12 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferEngine,
+)
+
+from rlhf_runtime.weight_sync import direct
 
 
 def vocab_slices(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
@@ -182,7 +187,51 @@ def set_format(engine: Any, kernel: bool) -> bool:
 
 
 class RlhfNCCLWeightTransferEngine(KernelFormatMixin, NCCLWeightTransferEngine):
-    """vLLM's ``nccl`` worker engine with the kernel-format switch."""
+    """vLLM's ``nccl`` worker engine with the kernel-format switch. In the kernel format without packing
+    (``weightSync.packed: false``) it receives straight into the parameters, a group of broadcasts per bucket
+    (``weight_sync.direct``; the trainer side is ``DirectNCCLTrainerEngine``); ``direct_plan`` keeps the
+    receive plan of the last metadata (vLLM 0.33's trainer sends the metadata only when it changed)."""
+
+    direct_plan: Any = None
+    _direct_key: Any = None
+
+    def receive_weights(self, update_info: Any) -> None:
+        if not (self._kernel_active and not self.packed):
+            super().receive_weights(update_info)
+            return
+        if self.model_update_group is None:
+            raise RuntimeError("NCCL weight transfer not initialized. Call init_transfer_engine() first.")
+        target = self._kernel_target
+        key = (tuple(update_info.names), tuple(update_info.dtype_names), tuple(map(tuple, update_info.shapes)),
+               id(target))
+        if update_info.names and key != self._direct_key:
+            self.direct_plan = direct.plan(target, list(update_info.names), list(update_info.dtype_names),
+                                           [list(s) for s in update_info.shapes], self.packed_buffer_size_bytes,
+                                           self.device)
+            self._direct_key = key
+        elif not update_info.names and (self.direct_plan is None or self._direct_key[-1] != id(target)):
+            raise RuntimeError("a direct NCCL update without metadata, and none received before")
+        stream = torch.cuda.current_stream()
+        direct.receive(self.direct_plan, target, self.model_update_group, stream)
+        stream.synchronize()  # the parameters are whole when the call returns, as after vLLM's packed receive
+        target.loaded += self.direct_plan.direct
+
+
+class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
+    """vLLM's NCCL trainer engine; with ``direct`` set (the sender sets it: NCCL, kernel format, not packed) its
+    broadcast is ``weight_sync.direct.send`` (one group per bucket, the tensors as they are), the engines'
+    ``RlhfNCCLWeightTransferEngine`` receiving into their parameters. Otherwise vLLM's own."""
+
+    direct: bool = False
+
+    def _broadcast(self, source: Any, meta: list[Any]) -> None:
+        if not (self.direct and self.is_sender and not self.packed):
+            super()._broadcast(source, meta)
+            return
+        assert self.model_update_group is not None, "trainer_init() must be called before _broadcast()."
+        sizes = direct.entry_bytes([m.shape for m in meta], [m.dtype for m in meta])
+        direct.send(self._checked_iter(source, meta), sizes, self.model_update_group, self.packed_buffer_size_bytes,
+                    torch.cuda.current_stream())
 
 
 class ResidentCopy:

@@ -2,7 +2,8 @@
 
 ``make_sender`` returns a ``TrainerEngineSender``: the backend's trainer-side ``TrainerWeightTransferEngine``
 (``WeightTransferTrainerFactory.trainer_init(init_info, client=..., source=...)``, vLLM >= 0.28), plus the
-runtime's kernel format (``KernelPlan``) and resident IPC sync (``ResidentExport``).
+runtime's kernel format (``KernelPlan``), resident IPC sync (``ResidentExport``) and direct NCCL sync
+(``weight_sync.direct``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from rlhf_runtime.vllm import compat as vllm_compat
-from rlhf_runtime.weight_sync import ipc_exchange
+from rlhf_runtime.weight_sync import direct, ipc_exchange
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import KernelPlan, effective_format
 from rlhf_runtime.weight_sync.producers import ParamSource, ResidentExport
@@ -185,7 +186,9 @@ class TrainerEngineSender(Sender):
     a format on (the first still makes three calls, so an engine that cannot start raises before the broadcast);
     with ``rpc="pipelined"`` (NCCL's default, ``NCCL_RPC_DEFAULT``; sync-mode engines, three elsewhere) the three
     calls are submitted back to back and waited on once (``EngineFanOut.pipelined``); ``rpc="three"`` waits on
-    each.
+    each. NCCL in the kernel format with ``packed`` false is the direct sync (``direct``, ``weight_sync.direct``):
+    the trainer broadcasts its tensors as they are (a fused parameter's parts unfused where the engines are TP=1),
+    one NCCL group per bucket, the engines receiving into their parameters.
 
     Settings, plain attributes read at every sync (``apply_settings``): ``requested_format`` (``fmt``),
     ``ipc_resident`` (True), ``lean_gathers`` (``LEAN_GATHERS_DEFAULT``) and ``rpc`` (``default_rpc``)."""
@@ -195,6 +198,7 @@ class TrainerEngineSender(Sender):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         self.backend, self.client, self.source = backend, client, source
+        self.packed = bool(init["packed"])  # spec.weightSync.packed
         self.trainer_world = int(init.get("trainer_world", 1))
         self.plan: KernelPlan | None = None
         self.auto_reason: str | None = None
@@ -212,7 +216,13 @@ class TrainerEngineSender(Sender):
         info = self._init_info(backend, init)
         self._resolved_format: str | None = fmt  # the requested format the plan and format in use are for
         self._applied_lean = self.lean_gathers  # the lean_gathers the source's gathers were set for
-        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._weight_source())
+        if backend == "nccl":  # vLLM's NCCL trainer engine, plus the direct sync (weight_sync.direct)
+            from rlhf_runtime.weight_sync.kernel import DirectNCCLTrainerEngine
+
+            self.engine = DirectNCCLTrainerEngine.trainer_init(info, client=client, source=self._weight_source())
+        else:
+            self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._weight_source())
+        self.engine.direct = self.direct
         self._set_rounds()
 
     def largest_tensor_bytes(self) -> int:
@@ -261,6 +271,7 @@ class TrainerEngineSender(Sender):
             self._resolve(self.requested_format)
             self._resolved_format = self.requested_format
             self.engine.source = self._weight_source()
+            self.engine.direct = self.direct
         if self.lean_gathers != self._applied_lean:
             if self.lean_gathers:
                 self._agree()  # the plan's agreement, once (made at plan time where the setting was on then)
@@ -333,11 +344,23 @@ class TrainerEngineSender(Sender):
         local, unused = self.agreed if on and self.agreed is not None else (set(), set())
         self.source.local, self.source.drop = set(local), set(unused)  # KernelPlan.iterate reads source.local
 
+    @property
+    def direct(self) -> bool:
+        """Whether a sync is the direct NCCL sync (``weight_sync.direct``: the kernel format unpacked, received
+        straight into the engines' parameters)."""
+        return self.backend == "nccl" and self.format == "kernel" and not self.packed
+
     def _weight_source(self) -> Any:
         if self.format != "kernel":
             return self.source.as_weight_source()
         plan, dtype = self.plan, self.source.dtype
         assert plan is not None
+        if self.direct and plan.tp == 1:  # the parts of fused parameters as they are, one entry each
+            wire = {n: list(s) for n, s in self.source.wire_shapes()}
+            entries = direct.unfused_shapes(plan.entries, wire)
+            meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in entries]
+            return vllm_compat.as_weight_source(lambda: meta,
+                                                lambda: direct.unfused(plan.iterate(self.source, fuse=False)))
         names, _, shapes = plan.metadata(dtype)
         meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in zip(names, shapes)]
         return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
@@ -366,6 +389,8 @@ class TrainerEngineSender(Sender):
         r["format"] = self.format  # type: ignore[assignment]
         if self.fallback is not None:  # in the progress file's sync record: why not the kernel format
             r["fallback"] = self.fallback  # type: ignore[assignment]
+        if self.backend == "nccl":  # which NCCL path ran: direct (weight_sync.direct), vLLM's packed or per-tensor
+            r["nccl"] = "direct" if self.direct else "packed" if self.packed else "per-tensor"  # type: ignore[assignment]
         if self.backend == "ipc":  # which IPC path ran (ResidentExport.reason says why not resident)
             r["ipc"] = "resident" if message is not None else "vllm"  # type: ignore[assignment]
         return r
