@@ -183,8 +183,12 @@ def _side(rank: int, pg: Any, tp: int, bucket: int) -> dict[str, Any]:
 
 
 def _run(world: int, tp: int, bucket: int) -> dict[int, dict[str, Any]]:
-    """Every rank in a thread of this process, each with its own gloo process group over one store (real
-    sockets, real collectives; no process start)."""
+    return _ranks(world, lambda rank, pg: _side(rank, pg, tp, bucket))
+
+
+def _ranks(world: int, side: Any) -> dict[int, Any]:
+    """``side(rank, process group)`` of every rank in a thread of this process, each with its own gloo process
+    group over one store (real sockets, real collectives; no process start)."""
     import threading
     from datetime import timedelta
 
@@ -198,7 +202,7 @@ def _run(world: int, tp: int, bucket: int) -> dict[int, dict[str, Any]]:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timedelta(seconds=60)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            got[rank] = _side(rank, dist.ProcessGroupGloo(store, rank, world, opts), tp, bucket)
+            got[rank] = side(rank, dist.ProcessGroupGloo(store, rank, world, opts))
         except BaseException as e:  # noqa: BLE001 (reported below; the others then time out)
             got[rank] = e
 
@@ -272,3 +276,50 @@ def test_the_sender_declares_what_it_yields_parts_only_on_the_direct_sync(backen
     assert meta == sent
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert [n for n, _ in meta].count(qkv) == (3 if direct_on else 0 if fmt == "checkpoint" else 1)
+
+
+# ------------------------------------------------------------------------------------------ vLLM's engine classes
+def test_the_runtimes_vllm_engines_run_the_direct_sync_and_reuse_the_metadata() -> None:
+    """``kernel.DirectNCCLTrainerEngine._broadcast`` and ``kernel.RlhfNCCLWeightTransferEngine.receive_weights``
+    (vLLM's NCCL engines with the direct sync; their constructors open NCCL, so the attributes the handshake sets
+    are set here) over a gloo group, two syncs: the first with the metadata, the second without (vLLM 0.33's
+    trainer sends it only when it changed), which the engine answers from the plan it kept."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    from rlhf_runtime.vllm import compat as vllm_compat
+    from rlhf_runtime.weight_sync.kernel import DirectNCCLTrainerEngine, RlhfNCCLWeightTransferEngine
+
+    hf = _hf(hidden=64, inter=96)
+    engine_layout, vocab = _padded(hf)
+    plan = KernelPlan.build(_Source(hf), engine_layout)
+    _, meta = _wire(plan, hf)
+    params = [vllm_compat.param_meta(n, F32, tuple(sh)) for n, sh in meta]
+    model = _engine_model(engine_layout["params"], vocab)
+    worker = object.__new__(RlhfNCCLWeightTransferEngine)
+    worker.packed, worker.packed_buffer_size_bytes, worker.device = False, 5 << 10, "cpu"
+    worker._kernel_active, worker._kernel_target = True, KernelTarget(model)
+    trainer = object.__new__(DirectNCCLTrainerEngine)
+    trainer.is_sender, trainer.packed, trainer.direct, trainer.packed_buffer_size_bytes = True, False, True, 5 << 10
+    infos = [NCCLWeightTransferUpdateInfo(names=[n for n, _ in meta], dtype_names=["float32"] * len(meta),
+                                          shapes=[list(s) for _, s in meta]),
+             NCCLWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[])]
+    plans = []
+    for sync, info in enumerate(infos):
+        weights = {n: t + sync for n, t in hf.items()}  # new values every sync
+        pairs = list(direct.unfused(plan.iterate(_Source(weights), fuse=False)))
+        source = vllm_compat.as_weight_source(lambda: params, lambda pairs=pairs: iter(pairs))
+
+        def side(rank: int, pg: Any, source: Any = source, info: Any = info) -> None:
+            if rank == 0:
+                trainer.model_update_group = GlooGroup(pg)
+                trainer._broadcast(source, vllm_compat.source_metadata(source))
+            else:
+                worker.model_update_group = GlooGroup(pg)
+                worker.receive_weights(info)
+
+        _ranks(2, side)
+        plans.append(worker.direct_plan)
+        for name, param in model.named_parameters():
+            want = _expected(weights, name)
+            assert torch.equal(param[: want.shape[0]], want), (sync, name)
+    assert plans[0] is plans[1] and worker._kernel_target.loaded == 2 * plans[0].direct

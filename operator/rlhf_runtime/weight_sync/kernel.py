@@ -211,9 +211,8 @@ class RlhfNCCLWeightTransferEngine(KernelFormatMixin, NCCLWeightTransferEngine):
             self._direct_key = key
         elif not update_info.names and (self.direct_plan is None or self._direct_key[-1] != id(target)):
             raise RuntimeError("a direct NCCL update without metadata, and none received before")
-        stream = torch.cuda.current_stream()
-        direct.receive(self.direct_plan, target, self.model_update_group, stream)
-        stream.synchronize()  # the parameters are whole when the call returns, as after vLLM's packed receive
+        # on the current stream, which the next forward runs on (vLLM's update_weights synchronizes after this)
+        direct.receive(self.direct_plan, target, self.model_update_group, _current_stream())
         target.loaded += self.direct_plan.direct
 
 
@@ -231,7 +230,12 @@ class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
         assert self.model_update_group is not None, "trainer_init() must be called before _broadcast()."
         sizes = direct.entry_bytes([m.shape for m in meta], [m.dtype for m in meta])
         direct.send(self._checked_iter(source, meta), sizes, self.model_update_group, self.packed_buffer_size_bytes,
-                    torch.cuda.current_stream())
+                    _current_stream())
+
+
+def _current_stream() -> Any:
+    """The current CUDA stream; None without CUDA (the communicators of the CPU tests take no stream)."""
+    return torch.cuda.current_stream() if torch.cuda.is_available() else None
 
 
 class ResidentCopy:
