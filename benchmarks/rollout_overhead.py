@@ -243,6 +243,9 @@ def main() -> int:
     p.add_argument("--until", type=float, default=0.0,
                    help="a Unix time: start no round that would end after it, judged by the last round's length "
                    "(a device call's limit, so that the results are written before it)")
+    p.add_argument("--write-every-round", action="store_true",
+                   help="write --out after every round too (the batches so far, \"complete\": false), for a run "
+                   "that outlives the device calls that watch it (hack/gpu/issue33-overhead.sh, BACKGROUND)")
     p.add_argument("--graphs", action="store_true", help="GPU: CUDA graphs (rollout.enforceEager false, the API's "
                    "default; gpu_sync.py's layouts run eager for a faster start)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per batch (default: 64 GPU, 16 CPU)")
@@ -266,7 +269,11 @@ def main() -> int:
     p.add_argument("--kind", default="cpu", help="device kind, recorded")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one step (start, rollout)")
     p.add_argument("--out", default=str(ROOT / "results" / "rollout_overhead_cpu.json"))
+    p.add_argument("--pool", default="", help="comma-separated result JSONs (complete or a run's rounds so far): "
+                   "print each one's and their pooled comparisons (rounds concatenated) and exit; nothing runs")
     a = p.parse_args()
+    if a.pool:
+        return pool(a.pool.split(","))
     ways_asked = ["runtime"] + [w for w in a.ways.split(",") if w and w != "runtime"]
     if a.bare_loaded and "bare_loaded" not in ways_asked:
         ways_asked.append("bare_loaded")
@@ -417,11 +424,15 @@ def main() -> int:
             last = time.monotonic() - t_round
             print(f"round {r}: " + ", ".join(f"{n} {runs[n][-1]['tokens_per_second']:.0f}" for n in names)
                   + " tokens/s", flush=True)
+            if a.write_every_round:  # the batches so far (the summary is made at the end, or from these)
+                result.update(warmup=warm, runs=runs, rounds_done=r + 1, complete=False)
+                write_result(a.out, result)
         med = {n: statistics.median(x["tokens_per_second"] for x in runs[n]) for n in names}
         pairs = {k: (slow, fast) for k, (slow, fast) in COMPARISONS.items() if slow in runs and fast in runs}
         result.update({
             "batch": {"prompts": prompts_n, "samples_per_prompt": a.samples_per_prompt, "max_tokens": max_tokens},
-            "warmup": warm, "runs": runs, "median_tokens_per_second": med,
+            "warmup": warm, "runs": runs, "rounds_done": len(runs[names[0]]), "complete": True,
+            "median_tokens_per_second": med,
             # each comparison: 1 - slow / fast of the medians, of each round, and from the paired log ratios
             "medians": {k: 1 - med[slow] / med[fast] for k, (slow, fast) in pairs.items()},
             "median_of_rounds": {k: statistics.median(1 - x["tokens_per_second"] / y["tokens_per_second"]
@@ -442,10 +453,42 @@ def main() -> int:
         for b in bares.values():
             b.close()
         rt.shutdown()
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_result(a.out, result)
         print(f"wrote {a.out}")
     return 0
+
+
+def pool(paths: list[str]) -> int:
+    """``--pool``: the paired comparisons of each result file and of all their rounds together."""
+    def show(what: str, runs: dict[str, list[dict[str, Any]]]) -> None:
+        med = {n: round(statistics.median(x["tokens_per_second"] for x in xs)) for n, xs in runs.items() if xs}
+        got = {k: paired(runs, slow, fast) for k, (slow, fast) in COMPARISONS.items()
+               if runs.get(slow) and runs.get(fast)}
+        rows = [f"{k} {v['mean']:+.1%} ({v['low']:+.1%} .. {v['high']:+.1%})" for k, v in got.items()]
+        n = min(len(xs) for xs in runs.values())
+        print(f"{what}: {n} rounds, median tokens/s {med}; " + "; ".join(rows))
+
+    pooled: dict[str, list[dict[str, Any]]] = {}
+    for path in paths:
+        runs = json.loads(Path(path).read_text())["runs"]
+        n = min(len(xs) for xs in runs.values())  # a run cut mid-round: its complete rounds only
+        runs = {k: xs[:n] for k, xs in runs.items()}
+        show(path, runs)
+        for k, xs in runs.items():
+            pooled.setdefault(k, []).extend(xs)
+    if len(paths) > 1:
+        ways = [k for k in pooled if all(k in json.loads(Path(p).read_text())["runs"] for p in paths)]
+        show("pooled", {k: pooled[k] for k in ways})
+    return 0
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    """The JSON, replaced whole (written beside it, then renamed: a reader never sees half a file)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    tmp.replace(out)
 
 
 if __name__ == "__main__":

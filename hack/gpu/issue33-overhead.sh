@@ -14,17 +14,38 @@
 #         same KV cache.
 #   1.7b: the Qwen3-1.7B shape of every earlier table (CPU-bound: one engine thread): ways runtime, in_actor,
 #         bare (the runtime's engine settings in a plain process), bare_default; every engine at 0.2 of the GPU.
-# Writes $OUT/overhead-PART.json and $OUT/overhead-PART.log.gz. Ran 2026-11-29 on one H200 (benchmarks/README.md,
-# "2026-11-29 (one H200): issue 33 item 7"): 8b 16 rounds, 1.7b 9 (and 13 of runtime vs bare_default alone, the
-# python command there; WAYS=bare_default runs the same); every
-# engine's compile before the rounds takes 60-120 s, so a call holds 10-16 rounds of three or four ways.
+# Writes $OUT/overhead-PART.json and $OUT/overhead-PART.log.gz (the rounds so far where the run has not ended).
+# Ran 2026-11-29 on one H200 (benchmarks/README.md, "2026-11-29 (one H200): issue 33 item 7"): 8b 16 rounds, 1.7b 9
+# (and 13 of runtime vs bare_default alone, the python command there; WAYS=bare_default runs the same); every
+# engine's compile before the rounds takes 60-120 s, so a call holds 10-16 rounds of three or four ways. Third
+# session: WAYS=bare_default 8b in three calls, 18 + 34 + 16 rounds, each call starting the engines again (~4.5 min
+# of its 9.5). Since then one run can last a whole session (one start):
+#     T0=<install call's start> LIMIT=575 BACKGROUND=1450 WAYS=bare_default bash hack/gpu/issue33-overhead.sh 8b
+#     T0=<call start> LIMIT=575 WATCH=8b bash hack/gpu/issue33-overhead.sh watch   # each later call, back to back
+# (the run is started in its own process session, which the device keeps while the machine is held; every call
+# brings back the JSON as it stands, rewritten after each round; ~160 rounds at 8B in 1,450 s).
 set -u
-part=${1:?usage: T0=... bash hack/gpu/issue33-overhead.sh 8b|1.7b}
+part=${1:?usage: T0=... bash hack/gpu/issue33-overhead.sh 8b|1.7b|watch}
 T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-560}
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -f /tmp/ray/ray_current_cluster
+collect() {  # $1: the part; the run's JSON as it stands (complete or the rounds so far) and its log into $OUT
+  cp /tmp/overhead-$1.json "$OUT/overhead-$1.json" 2>/dev/null || echo "no results yet"
+  gzip -c /tmp/overhead-$1.log > "$OUT/overhead-$1.log.gz"
+  grep -E "^(round|median|engines|vs_vllm|overhead|driver|actor|engine_settings)" /tmp/overhead-$1.log \
+      | cut -c1-300 | tail -${2:-40}
+  [ -f /tmp/overhead-$1.rc ] && echo "exit $(cat /tmp/overhead-$1.rc)" || echo "still running"
+}
+wait_run() {  # $1: the part; until its run ends or this call's limit is 20 s away
+  while [ ! -f /tmp/overhead-$1.rc ] && [ $(( T0 + LIMIT - 20 - $(date +%s) )) -gt 0 ]; do sleep 5; done
+  collect "$1"
+}
+if [ "$part" = watch ]; then  # WATCH=8b|1.7b: a BACKGROUND run started by an earlier call on this machine
+  wait_run "${WATCH:-8b}"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 case $part in
   8b) args=(--model qwen3-8b --ways ${WAYS:-in_actor,bare_default} --bare-memory 0.3
             --spec-json '{"trainer": {"masterWeights": "none"}}') ;;
@@ -32,13 +53,22 @@ case $part in
               --spec-json '{"rollout": {"gpuMemoryUtilization": 0.2}}') ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
-left=$((T0 + LIMIT - $(date +%s)))
-echo "part $part: $left s left in the call"
-timeout -k 10 $((left - 10)) python3 benchmarks/rollout_overhead.py --kind nvidia-h200 \
-    --layout colocated-ipc-resident --graphs --rounds 1000 --until $((T0 + LIMIT - 45)) --timeout 300 \
-    "${args[@]}" --out "$OUT/overhead-$part.json" > /tmp/overhead-$part.log 2>&1
-echo "exit $?"
-grep -E "^(round|median|engines|vs_vllm|overhead|driver|actor|engine_settings|noise)" /tmp/overhead-$part.log \
-    | cut -c1-600 | tail -40
-gzip -c /tmp/overhead-$part.log > "$OUT/overhead-$part.log.gz"
-tail -5 /tmp/overhead-$part.log | cut -c1-400
+# BACKGROUND=<seconds after T0>: one run that outlives this call (its own process session), rounds until T0 +
+# BACKGROUND - 45, its JSON rewritten after every round; later calls on the same warm machine run `watch` (back to
+# back: the machine goes back ~30 s after a call ends). One start (~4.5 min at 8B) for the whole session.
+end=$(( T0 + ${BACKGROUND:-$LIMIT} - 45 ))
+rm -f /tmp/overhead-$part.rc /tmp/overhead-$part.json
+echo "part $part: rounds until $(( end - $(date +%s) )) s from now"
+cmd=(python3 benchmarks/rollout_overhead.py --kind nvidia-h200 --layout colocated-ipc-resident --graphs
+     --rounds 1000 --until $end --timeout 300 --write-every-round "${args[@]}" --out /tmp/overhead-$part.json)
+if [ -n "${BACKGROUND:-}" ]; then
+  setsid bash -c 'timeout -k 10 $(( $1 + 35 - $(date +%s) )) "${@:3}" > /tmp/overhead-$2.log 2>&1; echo $? > /tmp/overhead-$2.rc' \
+      _ $end $part "${cmd[@]}" < /dev/null &
+  sleep 2
+  wait_run $part
+else
+  timeout -k 10 $(( end + 35 - $(date +%s) )) "${cmd[@]}" > /tmp/overhead-$part.log 2>&1
+  echo $? > /tmp/overhead-$part.rc
+  collect $part
+  tail -5 /tmp/overhead-$part.log | cut -c1-400
+fi

@@ -13,7 +13,7 @@ neither side copies.
 
 Wire (both sides derive it from the update info and ``packed_buffer_size_bytes``, so they always agree): the
 entries ``(name, dtype, shape)`` in order; entries naming the same parameter one after another fill it from its
-start (``flat_plan``); the groups are the byte buckets of ``gloo.buckets`` over the entries. A worker of a
+start (``flat_plan``); the groups are the byte buckets of the entries (``buckets``). A worker of a
 tensor-parallel engine receives what every worker receives (the pieces of all ranks side by side,
 ``KernelPlan.all_ranks``) into scratch tensors and copies its own piece after the group (``KernelTarget``), which
 still saves vLLM's per-tensor launches.
