@@ -33,7 +33,7 @@ rm -f /tmp/ray/ray_current_cluster
 collect() {  # $1: the part; the run's JSON as it stands (complete or the rounds so far) and its log into $OUT
   cp /tmp/overhead-$1.json "$OUT/overhead-$1.json" 2>/dev/null || echo "no results yet"
   gzip -c /tmp/overhead-$1.log > "$OUT/overhead-$1.log.gz"
-  grep -E "^(round|median|engines|vs_vllm|overhead|driver|actor|engine_settings)" /tmp/overhead-$1.log \
+  grep -E "^(round|median|engines|vs_vllm|overhead|driver|actor|engine_settings|noise)" /tmp/overhead-$1.log \
       | cut -c1-300 | tail -${2:-40}
   [ -f /tmp/overhead-$1.rc ] && echo "exit $(cat /tmp/overhead-$1.rc)" || echo "still running"
 }
