@@ -125,7 +125,7 @@ def test_a_plan_that_does_not_fit_the_engine_is_refused_before_receiving(names, 
         direct.plan(KernelTarget(model), names, [dtype] * len(names), shapes, 1 << 20)
 
 
-def test_a_tp_worker_receives_into_scratch_and_keeps_its_piece() -> None:
+def test_a_tp_worker_plans_scratch_for_every_entry_and_still_checks_names() -> None:
     hf = _hf()
     plan = KernelPlan.build(_Source(hf), _engine(hf, 2))  # no tp_rank: every rank's pieces side by side
     _, meta = _wire(plan, hf)
