@@ -469,6 +469,7 @@ def pool(paths: list[str]) -> int:
         print(f"{what}: {n} rounds, median tokens/s {med}; " + "; ".join(rows))
 
     pooled: dict[str, list[dict[str, Any]]] = {}
+    in_every: set[str] | None = None  # the ways every file has
     for path in paths:
         runs = json.loads(Path(path).read_text())["runs"]
         n = min(len(xs) for xs in runs.values())  # a run cut mid-round: its complete rounds only
@@ -476,9 +477,9 @@ def pool(paths: list[str]) -> int:
         show(path, runs)
         for k, xs in runs.items():
             pooled.setdefault(k, []).extend(xs)
+        in_every = set(runs) if in_every is None else in_every & set(runs)
     if len(paths) > 1:
-        ways = [k for k in pooled if all(k in json.loads(Path(p).read_text())["runs"] for p in paths)]
-        show("pooled", {k: pooled[k] for k in ways})
+        show("pooled", {k: xs for k, xs in pooled.items() if k in (in_every or set())})
     return 0
 
 

@@ -41,13 +41,21 @@ class Plan:
 
     names: list[str]
     buffers: list[torch.Tensor | None]  # None: received into a scratch tensor made for its group (``receive``)
-    scratch: list[bool]  # received into a scratch tensor (a TP worker's piece is copied after the group)
     groups: list[tuple[int, int]]
     bytes: int = 0
-    direct: int = 0  # entries received straight into a parameter
     shapes: list[list[int]] | None = None
     dtypes: list[torch.dtype] | None = None
     device: Any = None
+
+    @property
+    def scratch(self) -> list[bool]:
+        """Per entry: received into a scratch tensor (a TP worker's piece is copied after the group)."""
+        return [b is None for b in self.buffers]
+
+    @property
+    def direct(self) -> int:
+        """Entries received straight into a parameter."""
+        return sum(b is not None for b in self.buffers)
 
 
 def entry_bytes(shapes: Iterable[Iterable[int]], dtypes: Iterable[torch.dtype]) -> list[int]:
@@ -69,6 +77,20 @@ def buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
     return out
 
 
+def not_a_parameter(name: str) -> KeyError:
+    return KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
+
+
+def broadcast_group(comm: Any, tensors: list[torch.Tensor], stream: Any = None) -> None:
+    """Broadcast ``tensors`` from rank 0 as one NCCL group (one launch); the same calls on every rank."""
+    comm.group_start()
+    try:
+        for tensor in tensors:
+            comm.broadcast(tensor, src=0, stream=stream)
+    finally:
+        comm.group_end()
+
+
 def flat_plan(params: dict[str, torch.Tensor], vocab: dict[str, tuple[int, int, int]], names: list[str],
               dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
     """Per entry, the contiguous slice of its parameter it fills (a worker of a TP=1 engine): consecutive entries
@@ -82,7 +104,7 @@ def flat_plan(params: dict[str, torch.Tensor], vocab: dict[str, tuple[int, int, 
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         param = params.get(name)
         if param is None:
-            raise KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
+            raise not_a_parameter(name)
         if param.dtype != dtype:
             raise ValueError(f"kernel-format weight {name!r} is {dtype}; the engine's parameter is {param.dtype}")
         if not param.is_contiguous():
@@ -116,29 +138,23 @@ def plan(target: Any, names: list[str], dtype_names: list[str], shapes: list[lis
     if target.tp == 1:
         buffers: list[torch.Tensor | None] = list(flat_plan(target.params, target.vocab, names, dtypes, shapes))
     else:  # scratch tensors, made per group: at most a bucket's bytes beside the engine at a time
-        for name in names:
-            if name not in target.params:
-                raise KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
+        missing = next((name for name in names if name not in target.params), None)
+        if missing is not None:
+            raise not_a_parameter(missing)
         buffers = [None] * len(names)
-    scratch = [b is None for b in buffers]
-    return Plan(list(names), buffers, scratch, buckets(sizes, bucket_bytes), sum(sizes), sum(not s for s in scratch),
-                [list(s) for s in shapes], dtypes, device)
+    return Plan(list(names), buffers, buckets(sizes, bucket_bytes), sum(sizes), [list(s) for s in shapes], dtypes,
+                device)
 
 
 def receive(p: Plan, target: Any, comm: Any, stream: Any = None) -> int:
     """Receive every entry of ``p`` from rank 0, one NCCL group per bucket; scratch entries are copied into the
     parameters (``target.load_weights``) after their group. Returns the bytes received."""
     for start, end in p.groups:
-        bufs = [p.buffers[i] if not p.scratch[i] else
+        bufs = [p.buffers[i] if p.buffers[i] is not None else
                 torch.empty(p.shapes[i], dtype=p.dtypes[i], device=p.device)  # type: ignore[index]
                 for i in range(start, end)]
-        comm.group_start()
-        try:
-            for buf in bufs:
-                comm.broadcast(buf, src=0, stream=stream)
-        finally:
-            comm.group_end()
-        pieces = [(p.names[i], buf) for i, buf in zip(range(start, end), bufs) if p.scratch[i]]
+        broadcast_group(comm, bufs, stream)  # type: ignore[arg-type]
+        pieces = [(p.names[i], buf) for i, buf in zip(range(start, end), bufs) if p.buffers[i] is None]
         if pieces:
             target.load_weights(pieces)
     return p.bytes
@@ -160,12 +176,7 @@ def send(pairs: Iterator[tuple[str, torch.Tensor]], sizes: list[int], comm: Any,
                 raise ValueError(f"tensor {i} of the sync is {tensor.numel() * tensor.element_size()} bytes, "
                                  f"the engines expect {sizes[i]}")
             tensors.append(tensor)
-        comm.group_start()
-        try:
-            for tensor in tensors:
-                comm.broadcast(tensor, src=0, stream=stream)
-        finally:
-            comm.group_end()
+        broadcast_group(comm, tensors, stream)
         sent += sum(sizes[start:end])
     for extra in pairs:  # the checked iterator raises where the source yields more than it declared
         raise ValueError(f"the weight source yielded {extra[0]!r} beyond the {len(sizes)} tensors declared")
