@@ -93,10 +93,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       "rollout": {"gpuMemoryUtilization": 0.3}},
     # weightSync.packed false: in the kernel format the direct sync (weight_sync.direct, since 2026-11-29: each
     # tensor broadcast straight into the engine's parameter, fused parameters' parts unfused, one NCCL group per
-    # bucket; before, vLLM's tensor-by-tensor path into new tensors copied into the parameters): beside
-    # separate-nccl it sizes what packing and unpacking cost at 1.7B (issue 33 item 1)
+    # bucket; before, vLLM's tensor-by-tensor path into new tensors copied into the parameters). Since the
+    # 2x H200 runs of 2026-11-29 (direct faster at 1.7B and 8B) packed unset means this for TP=1 engines, so
+    # separate-nccl is the same sync and separate-nccl-packed (vLLM's packed path) the comparison
     "separate-nccl-unpacked": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": False},
                                "rollout": {"gpuMemoryUtilization": 0.5}},
+    "separate-nccl-packed": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": True},
+                             "rollout": {"gpuMemoryUtilization": 0.5}},
     "separate-nccl-omp16": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                             "rollout": {"gpuMemoryUtilization": 0.5}, "_env": {"OMP_NUM_THREADS": "16"}},
     "colocated-ipc-resident": {"placement": {"mode": "colocated", "colocatedSleep": False},

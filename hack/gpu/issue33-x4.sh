@@ -120,13 +120,14 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
         --timeout $(( $(left) - 15 )) separate-nccl-dp3:qwen3-1.7b > $R/driver.log 2>&1
     ;;
   nccl-1.7b)
-    # item 1 at 1.7B (58.5% of the raw broadcast, target 75%): the default (vLLM's packed path: the trainer fuses
-    # and packs, the engine unpacks) against weightSync.packed false, which in the kernel format is the direct sync
-    # since 2026-11-29 (weight_sync.direct: straight into the engine's parameters, one NCCL group per bucket),
-    # alternated run by run (the setting is fixed when the weight-sync group starts), two runs each while the
-    # call's time lasts. PAIR: the two layouts (default "separate-nccl separate-nccl-unpacked", 2 GPUs; TP=2 on 4
-    # GPUs: PAIR="separate-nccl-tp2 separate-nccl-tp2-unpacked"); MODEL (default qwen3-1.7b; qwen3-8b too).
-    read -r first second <<< "${PAIR:-separate-nccl separate-nccl-unpacked}"
+    # item 1 at 1.7B (target 75% of the raw broadcast): vLLM's packed path (the trainer fuses and packs, the
+    # engine unpacks) against the direct sync (weight_sync.direct: straight into the engine's parameters, one NCCL
+    # group per bucket), alternated run by run (the setting is fixed when the weight-sync group starts), two runs
+    # each while the call's time lasts. Ran 2026-11-29 on 2xH200 (direct faster at 1.7B and 8B: since then the
+    # default at TP=1, so the default pair names packed explicitly). PAIR: the two layouts (default
+    # "separate-nccl-packed separate-nccl", 2 GPUs; TP=2 on 4 GPUs: PAIR="separate-nccl-tp2
+    # separate-nccl-tp2-unpacked", TP=2 staying packed by default); MODEL (default qwen3-1.7b; qwen3-8b too).
+    read -r first second <<< "${PAIR:-separate-nccl-packed separate-nccl}"
     for run in a1 b1 a2 b2; do
       [ "$(left)" -lt 110 ] && { echo "skip $run: $(left) s left" >> $R/order.txt; continue; }
       layout=$first; [ "${run:0:1}" = b ] && layout=$second

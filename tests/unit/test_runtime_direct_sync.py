@@ -278,6 +278,29 @@ def test_the_sender_declares_what_it_yields_parts_only_on_the_direct_sync(backen
     assert [n for n, _ in meta].count(qkv) == (3 if direct_on else 0 if fmt == "checkpoint" else 1)
 
 
+@pytest.mark.parametrize(("setting", "backend", "fmt", "tp", "packed"), [
+    (None, "nccl", "kernel", 1, False),  # unset: the direct sync, measured faster (benchmarks/README.md)
+    (None, "nccl", "kernel", 2, True),  # TP > 1 engines: the direct sync receives into scratch, not measured
+    (None, "nccl", "checkpoint", 1, True),  # unpacked would be vLLM's per-tensor path
+    (None, "ipc", "kernel", 1, True), (None, "gloo", "checkpoint", 1, True),
+    (True, "nccl", "kernel", 1, True), (False, "nccl", "kernel", 2, False), (False, "ipc", "kernel", 1, False),
+])
+def test_packed_unset_is_the_direct_sync_only_where_it_was_measured_faster(setting, backend, fmt, tp, packed) -> None:
+    """``weightSync.packed`` unset resolves per backend, format and engine TP (``senders.resolve_packed``); a
+    value the user set is kept as it is."""
+    from rlhf_runtime.weight_sync.senders import resolve_packed
+
+    assert resolve_packed(setting, backend, fmt, tp) is packed
+
+
+def test_the_spec_leaves_packed_unset_unless_the_user_sets_it() -> None:
+    from rlhf_api.models import WeightSync
+
+    assert WeightSync().packed is None
+    assert WeightSync.model_validate({"packed": True}).packed is True
+    assert "packed" not in WeightSync().model_dump(by_alias=True, exclude_none=True)
+
+
 # ------------------------------------------------------------------------------------------ vLLM's engine classes
 def test_the_runtimes_vllm_engines_run_the_direct_sync_and_reuse_the_metadata() -> None:
     """``kernel.DirectNCCLTrainerEngine._broadcast`` and ``kernel.RlhfNCCLWeightTransferEngine.receive_weights``

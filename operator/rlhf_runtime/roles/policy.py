@@ -229,7 +229,7 @@ class Trainer(FSDPWorker):
         return get_node_ip_address(), vllm_compat.open_port()
 
     # ----------------------------------------------------------------------------------- weight sync
-    def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool,
+    def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool | None,
                          bucket_bytes: int, skip: list[str] | None = None) -> None:
         """(Re-)create the weight-transfer group with ``handles`` (rank 0; other ranks only gather). Called
         again after an engine was replaced: the old group is dropped. Every engine call and the group's

@@ -50,6 +50,17 @@ class Sender:
         }
 
 
+def resolve_packed(setting: bool | None, backend: str, fmt: str, engine_tp: int) -> bool:
+    """Whether the sync packs (``spec.weightSync.packed``; ``setting`` None: unset). Unset, the direct NCCL sync
+    (not packed) where it was measured faster than vLLM's packed path: NCCL in the kernel format into engines of
+    one GPU (Qwen3-1.7B 15.2 vs 16.7 ms, Qwen3-8B 49.6 vs 54.4 ms on 2xH200, 2026-11-29: benchmarks/README.md);
+    packed elsewhere (per tensor, vLLM's other paths launch once per tensor, and the direct sync into TP > 1
+    engines, received into scratch tensors, has not been measured on GPUs)."""
+    if setting is not None:
+        return bool(setting)
+    return not (backend == "nccl" and fmt == "kernel" and engine_tp == 1)
+
+
 def one_stream_plan(source: ParamSource, layouts: list[dict[str, Any]]) -> KernelPlan:
     """The plan of one stream that every engine receives whole (an NCCL broadcast, or one trainer rank's IPC
     handles): the engines must want the same tensors, so engines holding different experts (expert
@@ -198,7 +209,8 @@ class TrainerEngineSender(Sender):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         self.backend, self.client, self.source = backend, client, source
-        self.packed = bool(init["packed"])  # spec.weightSync.packed
+        self.packed_setting: bool | None = init["packed"]  # spec.weightSync.packed (None: resolve_packed decides)
+        self.packed = True if self.packed_setting is None else bool(self.packed_setting)  # until the format resolves
         self.trainer_world = int(init.get("trainer_world", 1))
         self.plan: KernelPlan | None = None
         self.auto_reason: str | None = None
@@ -211,6 +223,9 @@ class TrainerEngineSender(Sender):
         self.ipc_exchange = ipc_exchange.EXCHANGE_DEFAULT  # IPC with several trainer ranks: see ipc_exchange
         self._exchange: tuple[str, Any] = (ipc_exchange.EXCHANGE_DEFAULT, None)  # in use, and its gloo group
         self._resolve(fmt)
+        # fixed for the group's life: vLLM's engines take it at the init handshake
+        self.packed = resolve_packed(self.packed_setting, backend, self.format, self.plan.tp if self.plan else 1)
+        init = {**init, "packed": self.packed}
         if backend == "ipc":  # vLLM's packed IPC producer (0.33) refuses a tensor larger than its buffer
             init = {**init, "bucket_bytes": max(int(init["bucket_bytes"]), self.largest_tensor_bytes())}
         info = self._init_info(backend, init)
