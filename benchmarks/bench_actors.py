@@ -9,12 +9,14 @@
   engine's start/receive/finish since the last reset (installs host-side timers the first time, ``TIMED``);
 * ``timed_generate(prompts, sampling)``: the actor's own ``LLM.generate`` on a batch, timed inside the actor
   (no Ray transfer, no result packing): seconds and tokens (sync ``Engine`` only);
+* ``direct_timeline(reset)``: per worker, the direct NCCL sync's timeline since the last call (``DirectTimeline``:
+  wall-clock instants of the receive and its groups, each group's GPU time);
 * ``reset_prefix_cache()``: drop the prefix cache now (a cached prefix takes another prefill path than a cold
   one, so greedy comparisons start cold); whether vLLM did.
 
 ``BenchTrainer`` adds ``configure_sync(**options)``: the sender's settings for later syncs (``configure_sender``:
 ``SYNC_OPTIONS``, the variants of ``gpu_sync.py``; the production sender has no such hook, the benchmark sets its
-attributes from here); and ``send_stats(reset)``: seconds in the steps of vLLM's IPC trainer engine that no RPC
+attributes from here); ``direct_timeline(reset)``, the trainer side's timeline; and ``send_stats(reset)``: seconds in the steps of vLLM's IPC trainer engine that no RPC
 times (``IPC_TRAINER_TIMED``; installs the timers the first time).
 
 Every one of these actors prints the Python stack of each of its threads to its stderr (Ray keeps it in the
@@ -135,6 +137,100 @@ def _time_ipc_trainer(stats: dict[str, float]) -> None:
     ipc_engine.IPCTrainerWeightTransferEngine._post_send_sync = staticmethod(timed_post)
 
 
+class DirectTimeline:
+    """The direct NCCL sync's timeline in this process (``weight_sync.direct``): wall-clock instants
+    (``time.time()``, one clock for every process of the host, so the trainer's, the engines' and the driver's
+    instants compare) of ``send`` / ``receive`` and of each group's launch, and each group's GPU time (CUDA events
+    on its stream around the group; none on CPU). ``install`` wraps the module's functions (its other functions
+    look ``broadcast_group`` up at call time), ``uninstall`` restores them; ``drain`` returns the records since the
+    last drain, the GPU times read after the events completed. What a sync's time is made of beyond the bytes: the
+    driver's call reaching the trainer, the engine's call reaching its worker (the broadcast cannot finish before
+    the worker joins it), the wire (the engine's GPU time from its first group's start to its last one's end), the
+    replies."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.saved: dict[str, Any] | None = None
+
+    def install(self) -> None:
+        from rlhf_runtime.weight_sync import direct
+
+        if self.saved is not None:
+            return
+        self.saved = {name: getattr(direct, name) for name in ("broadcast_group", "send", "receive")}
+        group, records = self.saved["broadcast_group"], self.records
+
+        def timed_group(comm: Any, tensors: list[Any], stream: Any = None) -> None:
+            import torch
+
+            events, on = None, stream
+            if torch.cuda.is_available():
+                on = stream if stream is not None else torch.cuda.current_stream()
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record(on)
+            start = time.time()
+            try:
+                group(comm, tensors, stream)
+            finally:
+                end = time.time()
+                if events is not None:
+                    events[1].record(on)
+                records.append({"what": "group", "start": start, "end": end, "tensors": len(tensors),
+                                "bytes": sum(t.numel() * t.element_size() for t in tensors), "events": events})
+
+        def spanned(fn: Any, what: str) -> Any:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.time()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    records.append({"what": what, "start": start, "end": time.time()})
+            return timed
+
+        direct.broadcast_group = timed_group
+        direct.send = spanned(self.saved["send"], "send")
+        direct.receive = spanned(self.saved["receive"], "receive")
+
+    def uninstall(self) -> None:
+        from rlhf_runtime.weight_sync import direct
+
+        for name, fn in (self.saved or {}).items():
+            setattr(direct, name, fn)
+        self.saved = None
+
+    def drain(self) -> list[dict[str, Any]]:
+        """The records since the last drain, oldest first; a group's ``gpu_ms`` (and ``gpu_from_first_ms``: from
+        the first group's start event of this drain to this group's end) where CUDA timed it."""
+        out, first = [], None
+        for rec in self.records:
+            rec = dict(rec)
+            events = rec.pop("events", None)
+            if events is not None:
+                events[1].synchronize()
+                if first is None:
+                    first = events[0]
+                rec["gpu_ms"] = events[0].elapsed_time(events[1])
+                rec["gpu_from_first_ms"] = first.elapsed_time(events[1])
+            out.append(rec)
+        self.records.clear()
+        return out
+
+
+#: This process's ``DirectTimeline`` (the trainer actor's, or an engine worker's): ``direct_timeline``.
+TIMELINE = DirectTimeline()
+
+
+def direct_timeline(reset: bool = True) -> list[dict[str, Any]]:
+    """Install ``TIMELINE`` (the first call) and return its records since the last call (``reset``: drained)."""
+    TIMELINE.install()
+    return TIMELINE.drain() if reset else [{k: v for k, v in r.items() if k != "events"} for r in TIMELINE.records]
+
+
+def _worker_direct_timeline(worker: Any, reset: bool = True) -> list[dict[str, Any]]:
+    """(collective_rpc) ``direct_timeline`` in an engine worker's process."""
+    return direct_timeline(reset)
+
+
 def _worker_scramble(worker: Any, seed: int = 0) -> int:
     """(collective_rpc) Overwrite every parameter with noise; returns the number of parameters touched."""
     import torch
@@ -238,6 +334,9 @@ class BenchEngine(_StackDumps, Engine):
     def scramble_weights(self, seed: int = 0) -> list[int]:
         return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
+    def direct_timeline(self, reset: bool = True) -> list[list[dict[str, Any]]]:
+        return self.llm.collective_rpc(_worker_direct_timeline, kwargs={"reset": reset})
+
 
 class BenchAsyncEngine(_StackDumps, AsyncEngine):
     async def reset_prefix_cache(self) -> bool:
@@ -249,6 +348,9 @@ class BenchAsyncEngine(_StackDumps, AsyncEngine):
 
     async def scramble_weights(self, seed: int = 0) -> list[int]:
         return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
+
+    async def direct_timeline(self, reset: bool = True) -> list[list[dict[str, Any]]]:
+        return await self.llm.collective_rpc(_worker_direct_timeline, kwargs={"reset": reset})
 
 
 class BenchSteppedEngine(_StackDumps, SteppedEngine):
@@ -264,6 +366,9 @@ class BenchSteppedEngine(_StackDumps, SteppedEngine):
 
     async def scramble_weights(self, seed: int = 0) -> list[int]:
         return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
+
+    async def direct_timeline(self, reset: bool = True) -> list[list[dict[str, Any]]]:
+        return await self._call(self.llm.collective_rpc, _worker_direct_timeline, kwargs={"reset": reset})
 
 
 #: The sender settings a variant may change (``TrainerEngineSender`` attributes; ``format`` is its
@@ -316,6 +421,10 @@ class BenchTrainer(_StackDumps, Trainer):
     def configure_sync(self, **options: Any) -> dict[str, Any]:
         """The sender's settings for later syncs (``configure_sender``); returns what is in use."""
         return configure_sender(self.sender, **options)
+
+    def direct_timeline(self, reset: bool = True) -> list[dict[str, Any]]:
+        """The direct NCCL sync's timeline on this trainer rank (``DirectTimeline``; installed at the first call)."""
+        return direct_timeline(reset)
 
     def send_stats(self, reset: bool = False) -> dict[str, float]:
         """Seconds and calls of ``IPC_TRAINER_TIMED`` since the last reset (zeros where the path is not taken:

@@ -352,15 +352,63 @@ def greedy(rt: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]
     return [[o["samples"][0] for o in out] for out in outs]
 
 
+def timeline_summary(t0: float, t1: float, trainer: list[dict[str, Any]], workers: list[list[dict[str, Any]]]
+                     ) -> dict[str, Any] | None:
+    """One direct NCCL sync's timeline (``bench_actors.DirectTimeline`` records of trainer rank 0 and of every
+    engine worker) in ms from the driver's call (``t0``; ``t1``: it returned), or None where the sync did not take
+    the direct path. ``engine_join_ms``: the last worker's receive start after the trainer's first group launch
+    (the broadcast cannot finish before); ``wire_ms``: the slowest worker's GPU time from its first group's start
+    to its last group's end (from when it joined: the bytes' own time, to set beside the raw broadcast);
+    ``tail_ms``: from the last launch on either side to the driver's return (the wire, the engine's reply, the
+    finish call, the trainer's reply)."""
+    sends = [r for r in trainer if r["what"] == "send"]
+    if not sends:
+        return None
+
+    def ms(t: float) -> float:
+        return round((t - t0) * 1e3, 3)
+
+    def side(records: list[dict[str, Any]], call: str) -> dict[str, Any]:
+        calls = [r for r in records if r["what"] == call]
+        groups = [r for r in records if r["what"] == "group"]
+        return {"call": [ms(calls[0]["start"]), ms(calls[-1]["end"])] if calls else None,
+                "launches": [[ms(g["start"]), ms(g["end"])] for g in groups],
+                "group_gpu_ms": [round(g["gpu_ms"], 3) for g in groups if "gpu_ms" in g],
+                "group_bytes": [g["bytes"] for g in groups], "group_tensors": [g["tensors"] for g in groups],
+                "gpu_span_ms": round(groups[-1]["gpu_from_first_ms"], 3) if groups and "gpu_from_first_ms"
+                in groups[-1] else None}
+
+    out: dict[str, Any] = {"trainer": side(trainer, "send"), "workers": [side(w, "receive") for w in workers],
+                           "driver_ms": ms(t1)}
+    tr = out["trainer"]
+    first_launch = tr["launches"][0][0] if tr["launches"] else tr["call"][0]
+    joins = [w["call"][0] for w in out["workers"] if w["call"]]
+    spans = [w["gpu_span_ms"] for w in out["workers"] if w["gpu_span_ms"] is not None]
+    last_launch = max([tr["launches"][-1][1]] + [w["launches"][-1][1] for w in out["workers"] if w["launches"]]) \
+        if tr["launches"] else tr["call"][1]
+    out.update(trainer_start_ms=tr["call"][0], first_launch_ms=first_launch,
+               engine_join_ms=round(max(joins) - first_launch, 3) if joins else None,
+               wire_ms=max(spans) if spans else None, tail_ms=round(out["driver_ms"] - last_launch, 3))
+    return out
+
+
 def timed_sync(rt: Any) -> dict[str, Any]:
-    """One steady-state sync as the driver does it; colocated engines sleep first (as after a rollout)."""
+    """One steady-state sync as the driver does it; colocated engines sleep first (as after a rollout). A direct
+    NCCL sync also gets its ``timeline`` (``timeline_summary``)."""
     import bench_actors
     import ray
 
     sleep_s = 0.0
     if rt.sleeps:
         sleep_s = rt.weights.sleep(next_syncs=True)  # the driver's choice when a sync follows
+    t0 = time.time()
     r = rt.weights.sync(0)
+    t1 = time.time()
+    trainer_tl = ray.get(rt.actors.trainers[0].direct_timeline.remote(True))
+    workers_tl = [w for ws in ray.get([e.direct_timeline.remote(True) for e in rt.actors.engines]) for w in ws]
+    timeline = timeline_summary(t0, t1, trainer_tl, workers_tl)
+    if timeline is not None:
+        r["timeline"] = timeline
     loads = ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
     r["engine_load_s"] = max(w["load_s"] for ws in loads for w in ws)
     r["engine_load_calls"] = max(w["calls"] for ws in loads for w in ws)
@@ -389,6 +437,11 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     for k in ("engine_calls", "engine_waits", "gathers", "gather_collectives", "local_shards", "skipped"):
         if syncs and k in syncs[-1]:
             out[k] = syncs[-1][k]
+    timelines = [s["timeline"] for s in syncs if s.get("timeline")]
+    if timelines:  # the direct NCCL sync: where its time went (timeline_summary), medians over the syncs
+        out["timeline_medians_ms"] = {k: median([t[k] for t in timelines if t.get(k) is not None] or [0.0])
+                                      for k in ("trainer_start_ms", "first_launch_ms", "engine_join_ms", "wire_ms",
+                                                "tail_ms", "driver_ms")}
     return out
 
 
@@ -551,6 +604,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
         ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.actors.engines])
         ray.get(rt.actors.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
+        # the direct NCCL sync's timeline on both sides (bench_actors.DirectTimeline; timed_sync reads it)
+        ray.get([rt.actors.trainers[0].direct_timeline.remote(True)]
+                + [e.direct_timeline.remote(True) for e in rt.actors.engines])
         t = time.perf_counter()
         result["first_sync"] = rt.weights.sync(0)
         stages["first_sync_s"] = time.perf_counter() - t

@@ -56,13 +56,14 @@ def _padded(hf: dict[str, torch.Tensor], tp: int = 1) -> tuple[dict[str, Any], d
 
 
 def _wire(plan: KernelPlan, hf: dict[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]], list[Any]]:
-    """What the trainer sends (TP=1: the parts unfused) and the metadata it declares (name, shape)."""
+    """What the trainer sends (TP=1: the parts unfused; TP > 1: every rank's piece) and the metadata it declares
+    (name, shape)."""
     if plan.tp == 1:
         pairs = list(direct.unfused(plan.iterate(_Source(hf), fuse=False)))
         meta = direct.unfused_shapes(plan.entries, {n: list(t.shape) for n, t in hf.items()})
-    else:
-        pairs = list(plan.iterate(_Source(hf)))
-        meta = [(n, s) for n, s in zip(plan.metadata(F32)[0], plan.metadata(F32)[2])]
+    else:  # every TP rank's piece, rank after rank
+        pairs = list(direct.rank_pieces(plan, plan.iterate(_Source(hf), fuse=False)))
+        meta = direct.rank_piece_shapes(plan, {n: list(t.shape) for n, t in hf.items()})
     assert [(n, list(t.shape)) for n, t in pairs] == [(n, list(s)) for n, s in meta]  # declared = sent
     return pairs, meta
 
@@ -125,16 +126,53 @@ def test_a_plan_that_does_not_fit_the_engine_is_refused_before_receiving(names, 
         direct.plan(KernelTarget(model), names, [dtype] * len(names), shapes, 1 << 20)
 
 
-def test_a_tp_worker_plans_scratch_for_every_entry_and_still_checks_names() -> None:
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp_worker_receives_its_pieces_into_its_parameters_and_discards_the_others(rank) -> None:
+    """TP=2, every rank's piece on the wire (``rank_pieces``): worker ``rank``'s pieces are views of its
+    parameters (q, k, v pieces one after another in ``qkv_proj``; its columns of ``o_proj`` as one piece), the
+    other worker's are thrown away, replicated parameters come whole, and a padded vocabulary's HF rows go to
+    scratch (``KernelTarget`` copies the worker's rows)."""
     hf = _hf()
-    plan = KernelPlan.build(_Source(hf), _engine(hf, 2))  # no tp_rank: every rank's pieces side by side
-    _, meta = _wire(plan, hf)
-    model = _engine_model(_engine(hf, 2)["params"])
-    p = direct.plan(KernelTarget(model, tp=2, tp_rank=1), [n for n, _ in meta], ["float32"] * len(meta),
+    engine, vocab = _padded(hf, 2)
+    plan = KernelPlan.build(_Source(hf), engine)  # no tp_rank: every rank's pieces
+    assert plan.ok and plan.all_ranks, plan.reason
+    pairs, meta = _wire(plan, hf)
+    qkv, o = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert [n for n, _ in meta].count(qkv) == 6 and [n for n, _ in meta].count(o) == 2
+    model = _engine_model(engine["params"], vocab, 2, rank)
+    p = direct.plan(KernelTarget(model, tp=2, tp_rank=rank), [n for n, _ in meta], ["float32"] * len(meta),
                     [s for _, s in meta], 1 << 20)
-    assert all(p.scratch) and p.direct == 0
-    with pytest.raises(KeyError, match="not a parameter"):
-        direct.plan(KernelTarget(model, tp=2, tp_rank=1), ["nope"], ["float32"], [[2]], 1 << 20)
+    params = dict(model.named_parameters())
+    names = [n for n, _ in meta]
+    for i, (name, buf) in enumerate(zip(names, p.buffers, strict=True)):
+        if name in vocab:
+            assert buf is None, name
+        elif isinstance(buf, torch.Tensor):
+            assert buf.untyped_storage().data_ptr() == params[name].untyped_storage().data_ptr(), name
+        else:
+            assert buf is direct.DISCARD
+    assert p.direct + p.discarded + sum(p.scratch) == len(meta) and p.discarded > 0
+    with torch.no_grad():  # the wire copied into the plan's views is this worker's part of every parameter
+        for buf, (_, t) in zip(p.buffers, pairs, strict=True):
+            if isinstance(buf, torch.Tensor):
+                buf.copy_(t.reshape(-1))
+    a = "model.layers.0.self_attn."
+    assert torch.equal(params[qkv], torch.cat([hf[a + x + ".weight"].chunk(2)[rank] for x in ("q_proj", "k_proj",
+                                                                                               "v_proj")]))
+    assert torch.equal(params[o], hf[o].chunk(2, dim=1)[rank])
+    assert torch.equal(params["model.norm.weight"], hf["model.norm.weight"])
+
+
+@pytest.mark.parametrize(("names", "shapes", "match"), [
+    (["nope"], [[2]], "not a parameter"),
+    (["a.weight"], [[3, 4]], "12 elements sent for a parameter of 8 on each of 2 workers"),
+    (["a.weight", "a.weight"], [[3, 4], [1, 4]], "straddles worker 1's piece"),
+    (["a.weight", "b.weight", "a.weight"], [[2, 4], [4], [2, 4]], "not consecutive"),
+])
+def test_a_tp_plan_that_does_not_fit_is_refused_before_receiving(names, shapes, match) -> None:
+    model = _engine_model([("a.weight", [2, 4]), ("b.weight", [4])])
+    with pytest.raises((KeyError, ValueError), match=match):
+        direct.plan(KernelTarget(model, tp=2, tp_rank=1), names, ["float32"] * len(names), shapes, 1 << 20)
 
 
 # ------------------------------------------------------------------------------------------ both sides, gloo
@@ -233,14 +271,14 @@ def test_trainer_and_tp1_engine_agree_over_a_real_group() -> None:
 
 
 def test_trainer_and_both_workers_of_a_tp2_engine_agree_over_a_real_group() -> None:
-    """Trainer and the two workers of a TP=2 engine (ranks 1, 2): each worker keeps its own piece of what all
-    receive (column-parallel rows, row-parallel columns, its rows of the padded vocabulary)."""
+    """Trainer and the two workers of a TP=2 engine (ranks 1, 2): each worker receives its own pieces into its
+    parameters (column-parallel rows, row-parallel columns) and its rows of the padded vocabulary from scratch."""
     got = _run(3, 2, 5 << 10)
     hf = _hf(hidden=64, inter=96)
     a = "model.layers.0.self_attn."
     for w in (1, 2):
         params, r = got[w]["params"], w - 1
-        assert got[w]["groups"] == got[0]["groups"] and got[w]["direct"] == 0
+        assert got[w]["groups"] == got[0]["groups"] and got[w]["direct"] > 0
         qkv = torch.cat([hf[a + p + ".weight"].chunk(2)[r] for p in ("q_proj", "k_proj", "v_proj")])
         assert torch.equal(params[a + "qkv_proj.weight"], qkv)
         assert torch.equal(params[a + "o_proj.weight"], hf[a + "o_proj.weight"].chunk(2, dim=1)[r])
@@ -276,6 +314,27 @@ def test_the_sender_declares_what_it_yields_parts_only_on_the_direct_sync(backen
     assert meta == sent
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert [n for n, _ in meta].count(qkv) == (3 if direct_on else 0 if fmt == "checkpoint" else 1)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_into_a_tp_engine_the_direct_sync_declares_every_ranks_pieces(packed) -> None:
+    """The sender's weight source for one TP=2 engine over NCCL: on the direct sync every rank's piece under the
+    parameter's name (declared = sent; q, k, v of each rank: 6 entries); packed, vLLM's one tensor per
+    parameter, every rank's pieces side by side."""
+    from rlhf_runtime.vllm import compat as vllm_compat
+    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
+
+    hf = _hf()
+    source = _Source(hf)
+    source.dtype = F32
+    sender = object.__new__(TrainerEngineSender)  # its __init__ opens the NCCL group; the source is what is checked
+    sender.backend, sender.packed, sender.format, sender.source = "nccl", packed, "kernel", source
+    sender.plan = KernelPlan.build(source, _engine(hf, 2))
+    ws = sender._weight_source()
+    meta = [(m.name, list(m.shape)) for m in vllm_compat.source_metadata(ws)]
+    sent = [(n, list(t.shape)) for n, t in vllm_compat.source_tensors(ws)]
+    assert meta == sent
+    assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == (1 if packed else 6)
 
 
 @pytest.mark.parametrize(("setting", "backend", "fmt", "tp", "packed"), [

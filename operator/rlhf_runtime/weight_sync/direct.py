@@ -13,10 +13,13 @@ neither side copies.
 
 Wire (both sides derive it from the update info and ``packed_buffer_size_bytes``, so they always agree): the
 entries ``(name, dtype, shape)`` in order; entries naming the same parameter one after another fill it from its
-start (``flat_plan``); the groups are the byte buckets of the entries (``buckets``). A worker of a
-tensor-parallel engine receives what every worker receives (the pieces of all ranks side by side,
-``KernelPlan.all_ranks``) into scratch tensors and copies its own piece after the group (``KernelTarget``), which
-still saves vLLM's per-tensor launches.
+start (``flat_plan``); the groups are the byte buckets of the entries (``buckets``). Into a tensor-parallel
+engine (every worker receives every broadcast) the trainer sends each split parameter as every rank's piece, one
+contiguous tensor each, rank after rank (``rank_pieces``: row pieces are views; a piece of columns is copied), so
+the entries of a name are the workers' parameters one after another; each worker receives its own pieces straight
+into its parameter and the others' into one throw-away buffer per group (``rank_plan``). A padded vocabulary (the
+Hugging Face rows, whole) is received into scratch tensors and each worker copies its rows after the group
+(``KernelTarget``).
 
 Every check runs on the metadata before the first broadcast: a plan that does not fit the engine raises without
 writing a parameter (the trainer's broadcast then ends by ``weightSync.timeoutSeconds``, as for any engine error).
@@ -34,13 +37,18 @@ from typing import Any
 
 import torch
 
+#: ``Plan.buffers`` entry of a piece another TP worker keeps: received into the group's throw-away buffer.
+DISCARD = "discard"
+
 
 @dataclass
 class Plan:
     """The engine side of one update info: per entry, the tensor to receive into, and the groups."""
 
     names: list[str]
-    buffers: list[torch.Tensor | None]  # None: received into a scratch tensor made for its group (``receive``)
+    #: a parameter's view; None: a scratch tensor made for its group, copied in by ``KernelTarget`` after it (a
+    #: padded vocabulary into a TP worker); ``DISCARD``: another worker's piece
+    buffers: list[Any]
     groups: list[tuple[int, int]]
     bytes: int = 0
     shapes: list[list[int]] | None = None
@@ -49,13 +57,17 @@ class Plan:
 
     @property
     def scratch(self) -> list[bool]:
-        """Per entry: received into a scratch tensor (a TP worker's piece is copied after the group)."""
+        """Per entry: received into a scratch tensor and copied into the parameter after its group."""
         return [b is None for b in self.buffers]
 
     @property
     def direct(self) -> int:
         """Entries received straight into a parameter."""
-        return sum(b is not None for b in self.buffers)
+        return sum(isinstance(b, torch.Tensor) for b in self.buffers)
+
+    @property
+    def discarded(self) -> int:
+        return sum(isinstance(b, str) for b in self.buffers)
 
 
 def entry_bytes(shapes: Iterable[Iterable[int]], dtypes: Iterable[torch.dtype]) -> list[int]:
@@ -129,31 +141,85 @@ def flat_plan(params: dict[str, torch.Tensor], vocab: dict[str, tuple[int, int, 
     return out
 
 
+def rank_plan(params: dict[str, torch.Tensor], vocab: dict[str, tuple[int, int, int]], names: list[str],
+              dtypes: list[torch.dtype], shapes: list[list[int]], tp: int, tp_rank: int) -> list[Any]:
+    """Per entry, what worker ``tp_rank`` of a TP engine receives it into (``Plan.buffers``): the entries of a
+    name are, one after another, every worker's parameter (``rank_pieces``: ``tp`` times its elements) or the
+    parameter once (replicated): the entries inside this worker's range are views of its parameter, the others
+    ``DISCARD``. A padded vocabulary (``vocab``: its Hugging Face rows, whole) gets None (scratch, copied by
+    ``KernelTarget``). Raises KeyError / ValueError, naming the entry, where the entries do not fit."""
+    totals: dict[str, int] = {}
+    last = None
+    for name, shape in zip(names, shapes, strict=True):
+        if name not in params:
+            raise not_a_parameter(name)
+        if name in totals and last != name:
+            raise ValueError(f"kernel-format weight {name!r} is sent in parts that are not consecutive")
+        totals[name], last = totals.get(name, 0) + math.prod(shape), name
+    out: list[Any] = []
+    filled: dict[str, int] = {}
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        param, n = params[name], math.prod(shape)
+        start = filled.get(name, 0)
+        filled[name] = start + n
+        if name in vocab and totals[name] != tp * param.numel():
+            out.append(None)  # a padded vocabulary's HF rows, whole: KernelTarget copies this worker's
+            continue
+        if param.dtype != dtype:
+            raise ValueError(f"kernel-format weight {name!r} is {dtype}; the engine's parameter is {param.dtype}")
+        if not param.is_contiguous():
+            raise ValueError(f"the engine's parameter {name!r} is not contiguous: it cannot be received into")
+        size = param.numel()
+        if totals[name] == size:
+            low = 0  # replicated: every worker receives it whole
+        elif totals[name] == tp * size:
+            low = tp_rank * size
+        else:
+            raise ValueError(f"kernel-format weight {name!r}: {totals[name]} elements sent for a parameter of "
+                             f"{size} on each of {tp} workers")
+        if low <= start and start + n <= low + size:
+            out.append(param.view(-1).narrow(0, start - low, n))
+        elif start + n <= low or start >= low + size:
+            out.append(DISCARD)
+        else:
+            raise ValueError(f"kernel-format weight {name!r}: {list(shape)} at element {start} straddles worker "
+                             f"{tp_rank}'s piece of it")
+    return out
+
+
 def plan(target: Any, names: list[str], dtype_names: list[str], shapes: list[list[int]],
          bucket_bytes: int, device: Any = None) -> Plan:
     """The engine side of an update info for ``target`` (a ``kernel.KernelTarget``): straight into the
-    parameters at TP=1 (``flat_plan``), scratch tensors on a worker of a TP > 1 engine."""
+    parameters (``flat_plan`` at TP=1, ``rank_plan`` on a worker of a TP > 1 engine)."""
     dtypes = [getattr(torch, d) for d in dtype_names]
     sizes = entry_bytes(shapes, dtypes)
     if target.tp == 1:
-        buffers: list[torch.Tensor | None] = list(flat_plan(target.params, target.vocab, names, dtypes, shapes))
-    else:  # scratch tensors, made per group: at most a bucket's bytes beside the engine at a time
-        missing = next((name for name in names if name not in target.params), None)
-        if missing is not None:
-            raise not_a_parameter(missing)
-        buffers = [None] * len(names)
+        buffers: list[Any] = list(flat_plan(target.params, target.vocab, names, dtypes, shapes))
+    else:
+        buffers = rank_plan(target.params, target.vocab, names, dtypes, shapes, target.tp, target.tp_rank)
     return Plan(list(names), buffers, buckets(sizes, bucket_bytes), sum(sizes), [list(s) for s in shapes], dtypes,
                 device)
 
 
 def receive(p: Plan, target: Any, comm: Any, stream: Any = None) -> int:
-    """Receive every entry of ``p`` from rank 0, one NCCL group per bucket; scratch entries are copied into the
+    """Receive every entry of ``p`` from rank 0, one NCCL group per bucket: into the parameters, the other TP
+    workers' pieces into one throw-away buffer per group (the size of its largest such piece: their contents are
+    never read, so the group's broadcasts may overwrite each other there), scratch entries copied into the
     parameters (``target.load_weights``) after their group. Returns the bytes received."""
+    assert p.shapes is not None and p.dtypes is not None
     for start, end in p.groups:
-        bufs = [p.buffers[i] if p.buffers[i] is not None else
-                torch.empty(p.shapes[i], dtype=p.dtypes[i], device=p.device)  # type: ignore[index]
-                for i in range(start, end)]
-        broadcast_group(comm, bufs, stream)  # type: ignore[arg-type]
+        sizes = [math.prod(p.shapes[i]) * p.dtypes[i].itemsize for i in range(start, end) if p.buffers[i] is DISCARD]
+        trash = torch.empty(max(sizes), dtype=torch.uint8, device=p.device) if sizes else None
+        bufs = []
+        for i in range(start, end):
+            buf = p.buffers[i]
+            if buf is None:
+                buf = torch.empty(p.shapes[i], dtype=p.dtypes[i], device=p.device)
+            elif buf is DISCARD:
+                n = math.prod(p.shapes[i]) * p.dtypes[i].itemsize
+                buf = trash[:n].view(p.dtypes[i]).view(p.shapes[i])  # type: ignore[index]
+            bufs.append(buf)
+        broadcast_group(comm, bufs, stream)
         pieces = [(p.names[i], buf) for i, buf in zip(range(start, end), bufs) if p.buffers[i] is None]
         if pieces:
             target.load_weights(pieces)
@@ -192,6 +258,40 @@ def unfused(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tenso
                 yield name, part
         else:
             yield name, tensor
+
+
+def rank_pieces(plan: Any, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``KernelPlan.iterate(fuse=False)`` of an ``all_ranks`` plan (TP > 1 engines) as the direct wire's entries:
+    a split parameter as every rank's piece, rank after rank, each one contiguous tensor (pieces of rows are views;
+    pieces of columns are copied: the worker receives them into its parameter as they are); a fused parameter's
+    parts as they come (``iterate`` yields them rank by rank already, each a piece of rows); others whole."""
+    for name, tensor in pairs:
+        dim = plan.shard.get(name)
+        if isinstance(tensor, list):
+            yield from ((name, part) for part in tensor)
+        elif dim is None:
+            yield name, tensor
+        else:
+            for piece in tensor.chunk(plan.tp, dim=dim):
+                yield name, piece if piece.is_contiguous() else piece.contiguous()
+
+
+def rank_piece_shapes(plan: Any, wire: dict[str, list[int]]) -> list[tuple[str, list[int]]]:
+    """The entries of ``rank_pieces`` for an ``all_ranks`` plan (``wire``: the HF shapes as the stream yields
+    them)."""
+    out: list[tuple[str, list[int]]] = []
+    for name, shape, srcs in plan.entries:
+        dim = plan.shard.get(name)
+        if dim is None:
+            out.append((name, list(shape)))
+        elif len(srcs) > 1:  # rank 0's piece of each part (rows), then rank 1's, ...
+            for _ in range(plan.tp):
+                out.extend((name, [wire[s][0] // plan.tp, *wire[s][1:]]) for s in srcs)
+        else:
+            piece = list(shape)
+            piece[dim] //= plan.tp
+            out.extend((name, list(piece)) for _ in range(plan.tp))
+    return out
 
 
 def unfused_shapes(entries: list[tuple[str, list[int], list[str]]], wire: dict[str, list[int]]

@@ -55,7 +55,7 @@ def resolve_packed(setting: bool | None, backend: str, fmt: str, engine_tp: int)
     (not packed) where it was measured faster than vLLM's packed path: NCCL in the kernel format into engines of
     one GPU (Qwen3-1.7B 15.2 vs 16.7 ms, Qwen3-8B 49.6 vs 54.4 ms on 2xH200, 2026-11-29: benchmarks/README.md);
     packed elsewhere (per tensor, vLLM's other paths launch once per tensor, and the direct sync into TP > 1
-    engines, received into scratch tensors, has not been measured on GPUs)."""
+    engines, every rank's piece on the wire, has not been measured on GPUs)."""
     if setting is not None:
         return bool(setting)
     return not (backend == "nccl" and fmt == "kernel" and engine_tp == 1)
@@ -198,8 +198,9 @@ class TrainerEngineSender(Sender):
     with ``rpc="pipelined"`` (NCCL's default, ``NCCL_RPC_DEFAULT``; sync-mode engines, three elsewhere) the three
     calls are submitted back to back and waited on once (``EngineFanOut.pipelined``); ``rpc="three"`` waits on
     each. NCCL in the kernel format with ``packed`` false is the direct sync (``direct``, ``weight_sync.direct``):
-    the trainer broadcasts its tensors as they are (a fused parameter's parts unfused where the engines are TP=1),
-    one NCCL group per bucket, the engines receiving into their parameters.
+    the trainer broadcasts its tensors as they are (a fused parameter's parts unfused where the engines are TP=1;
+    every rank's piece, rank after rank, into TP > 1 engines), one NCCL group per bucket, the engines receiving
+    into their parameters.
 
     Settings, plain attributes read at every sync (``apply_settings``): ``requested_format`` (``fmt``),
     ``ipc_resident`` (True), ``lean_gathers`` (``LEAN_GATHERS_DEFAULT``) and ``rpc`` (``default_rpc``)."""
@@ -376,6 +377,11 @@ class TrainerEngineSender(Sender):
             meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in entries]
             return vllm_compat.as_weight_source(lambda: meta,
                                                 lambda: direct.unfused(plan.iterate(self.source, fuse=False)))
+        if self.direct and plan.all_ranks:  # every TP rank's piece, one entry each, rank after rank
+            wire = {n: list(s) for n, s in self.source.wire_shapes()}
+            meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in direct.rank_piece_shapes(plan, wire)]
+            return vllm_compat.as_weight_source(
+                lambda: meta, lambda: direct.rank_pieces(plan, plan.iterate(self.source, fuse=False)))
         names, _, shapes = plan.metadata(dtype)
         meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in zip(names, shapes)]
         return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
