@@ -62,6 +62,14 @@
 # LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
 # 2026-11-29 (third session, one H200 lent; nothing here ran): weightSync.packed false in the kernel format is now
 # the direct NCCL sync (weight_sync.direct), so nccl-1.7b measures it against the packed default; PAIR for TP=2.
+# 2026-11-29 (fourth session, 2xH200; 4xH200 lent only after this session's device time was spent): nccl-1.7b ran
+# at 1.7B twice (packed and direct alternated, 7 runs) and at 8B once (3 runs): direct faster at both (15.4 vs 16.7
+# ms; 49.6 vs 54.2), now the default at TP=1 (so the default PAIR is "separate-nccl-packed separate-nccl"). Built
+# after: the direct sync into TP > 1 engines receives each worker's pieces straight into its parameters, and the
+# direct sync's timeline. Next 2-GPU session: nccl-1.7b with VARIANTS=kernel-format-one-rpc (where the 1.7B's
+# fixed ~4.9 ms go; one-rpc with the direct sync). Next 4-GPU session: PAIR="separate-nccl-tp2
+# separate-nccl-tp2-unpacked" (MODEL=qwen3-1.7b, then qwen3-8b), rendered with LAYOUTS="separate-nccl-tp2-custom-ar
+# separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
@@ -126,13 +134,17 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     # each while the call's time lasts. Ran 2026-11-29 on 2xH200 (direct faster at 1.7B and 8B: since then the
     # default at TP=1, so the default pair names packed explicitly). PAIR: the two layouts (default
     # "separate-nccl-packed separate-nccl", 2 GPUs; TP=2 on 4 GPUs: PAIR="separate-nccl-tp2
-    # separate-nccl-tp2-unpacked", TP=2 staying packed by default); MODEL (default qwen3-1.7b; qwen3-8b too).
+    # separate-nccl-tp2-unpacked", TP=2 staying packed by default); MODEL (default qwen3-1.7b; qwen3-8b too);
+    # VARIANTS: gpu_sync variants timed interleaved with each run's default after its 5 syncs (e.g.
+    # VARIANTS=kernel-format-one-rpc: one engine call per sync), none by default. Every direct sync records its
+    # timeline (gpu_sync.timeline_summary: the engine joining, the wire's GPU time, the tail).
     read -r first second <<< "${PAIR:-separate-nccl-packed separate-nccl}"
     for run in a1 b1 a2 b2; do
       [ "$(left)" -lt 110 ] && { echo "skip $run: $(left) s left" >> $R/order.txt; continue; }
       layout=$first; [ "${run:0:1}" = b ] && layout=$second
       echo "$(date +%T) $run $layout" >> $R/order.txt
-      python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$run --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants \
+      python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$run --work /tmp/rlhf-gpu-bench --syncs 5 \
+          ${VARIANTS:+--variants $VARIANTS} $([ -z "${VARIANTS:-}" ] && echo --no-variants) \
           --timeout $(( $(left) - 15 )) $layout:${MODEL:-qwen3-1.7b} > $R/$run.log 2>&1
       echo "$(date +%T) $run exit $?" >> $R/order.txt
     done
