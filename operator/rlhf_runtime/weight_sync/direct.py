@@ -67,6 +67,7 @@ class Plan:
 
     @property
     def discarded(self) -> int:
+        """Entries another TP worker keeps (received into the group's throw-away buffer)."""
         return sum(isinstance(b, str) for b in self.buffers)
 
 

@@ -53,7 +53,7 @@ class Sender:
 def resolve_packed(setting: bool | None, backend: str, fmt: str, engine_tp: int) -> bool:
     """Whether the sync packs (``spec.weightSync.packed``; ``setting`` None: unset). Unset, the direct NCCL sync
     (not packed) where it was measured faster than vLLM's packed path: NCCL in the kernel format into engines of
-    one GPU (Qwen3-1.7B 15.2 vs 16.7 ms, Qwen3-8B 49.6 vs 54.4 ms on 2xH200, 2026-11-29: benchmarks/README.md);
+    one GPU (Qwen3-1.7B 15.4 vs 16.7 ms, Qwen3-8B 49.6 vs 54.2 ms on 2xH200, 2026-11-29: benchmarks/README.md);
     packed elsewhere (per tensor, vLLM's other paths launch once per tensor, and the direct sync into TP > 1
     engines, every rank's piece on the wire, has not been measured on GPUs)."""
     if setting is not None:
