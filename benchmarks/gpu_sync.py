@@ -156,6 +156,11 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("kernel-format-one-rpc", {"format": "auto", "rpc": "one"}),
         # the runtime's kernel-format worker engines wherever the plan applies (a plan that does not fails)
         ("kernel-format-forced", {"format": "kernel"}),
+        # weightSync.packed (fixed when the weight-sync group starts: a switch re-creates the group, GROUP_OPTIONS):
+        # vLLM's packed path, and the direct sync (weight_sync.direct; the default into TP=1 engines since
+        # 2026-11-29), so that the two alternate turn by turn inside one run
+        ("packed-sync", {"packed": True}),
+        ("direct-sync", {"packed": False}),
     ],
     "ipc": [
         ("checkpoint-format", {"format": "checkpoint"}),
@@ -175,8 +180,14 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("three-rpc", {"format": "auto", "rpc": "three"}),
         ("one-rpc", {"format": "auto", "rpc": "one"}),
         ("pipelined-rpc", {"format": "auto", "rpc": "pipelined"}),
+        ("unpacked", {"packed": False}),  # the gloo backend tensor by tensor (a new weight-sync group)
     ],
 }
+
+#: Variant options that the weight-sync group fixes at its start (vLLM's engines take ``packed`` at the init
+#: handshake): ``_configure`` sets them in the driver's spec and re-creates the group (``WeightSync.init_group``,
+#: as after an engine was replaced) when they change; the other options are the sender's (``configure_sync``).
+GROUP_OPTIONS = ("packed",)
 
 #: Settings every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
 #: engine calls per sync and the lean gathers, which differ by backend).
@@ -459,14 +470,26 @@ def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) ->
     """The sender settings compared: the default (the job's own: ``RESET`` and its ``weightSync.format``) first,
     then the ``VARIANTS`` of the backend that ``--variants`` selects (all by default), each as full settings."""
     chosen = [(n, o) for n, o in VARIANTS.get(backend, []) if not args.variants or n in args.variants.split(",")]
-    return [("default", {**RESET, "format": spec["weightSync"].get("format", "auto")})] + \
-        [(n, {**RESET, **o}) for n, o in chosen]
+    default = {**RESET, "format": spec["weightSync"].get("format", "auto"),
+               "packed": spec["weightSync"].get("packed")}  # the layout's own (None: unset, resolve_packed)
+    return [("default", default)] + [(n, {**default, **o}) for n, o in chosen]
 
 
 def _configure(rt: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Apply ``options``: the ``GROUP_OPTIONS`` that differ from the driver's spec re-create the weight-sync group
+    with them (``WeightSync.init_group``: every trainer rank's sender anew, every engine's group anew), then the
+    sender's settings on every trainer rank; returns what trainer rank 0 uses, and ``regrouped`` (whether the
+    group was re-created: its first sync makes three engine calls, ``EngineFanOut``)."""
     import ray
 
-    return ray.get([t.configure_sync.remote(**options) for t in rt.actors.trainers])[0]
+    group = {k: options[k] for k in GROUP_OPTIONS if k in options}
+    regrouped = any(getattr(rt.spec.weight_sync, k) != v for k, v in group.items())
+    if regrouped:
+        for k, v in group.items():
+            setattr(rt.spec.weight_sync, k, v)
+        rt.weights.init_group()
+    sender = {k: v for k, v in options.items() if k not in GROUP_OPTIONS}
+    return {**ray.get([t.configure_sync.remote(**sender) for t in rt.actors.trainers])[0], "regrouped": regrouped}
 
 
 def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> bool:
@@ -649,9 +672,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                 pool = result.get("summary_interleaved") or result["summary"]
                 fastest = min((n for n, v in pool.items() if v.get("greedy_equals_validated")),
                               key=lambda n: pool[n]["median_total_s"], default=None)
-                options = dict(VARIANTS.get(backend, [])).get(fastest) if fastest else None
+                options = dict(arms[1:]).get(fastest) if fastest else None  # full settings (sender_arms)
                 if options:
-                    _configure(rt, {**RESET, **options})
+                    _configure(rt, options)
                     ray.get([e.scramble_weights.remote(99) for e in rt.actors.engines])
                     sync = timed_sync(rt)
                     t = time.perf_counter()
@@ -664,8 +687,10 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
                                                     **check, "seconds": time.perf_counter() - t}
                     print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
                     save(result)
-            # back on the sender's defaults (the job's format) for the training step's sync
-            _configure(rt, arms[0][1])
+            # back on the sender's defaults (the job's format) for the training step's sync; a re-created group
+            # (a packed variant last) first makes its three-call sync, so the one after training is as the job's
+            if _configure(rt, arms[0][1])["regrouped"]:
+                timed_sync(rt)
 
         # rollout throughput (one warm-up), as the driver launches it
         rt.weights.wake()

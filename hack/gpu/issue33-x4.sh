@@ -3,6 +3,7 @@
 # (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
 #  --part-mib 55 --print-commands: 50 calls back to back, the last one installs). Usage, from the repository root:
 #     bash hack/gpu/issue33-x4.sh PART   # moe-build then moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b
+#                                        | nccl-arms
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most
 # 8 files. Parts run on the same warm machine reuse what an earlier part built there (models under /tmp).
 #   moe-build: the 30B model alone (built on GPU0, written in 2 shards: 77 s on 2026-11-27) and its floor, for
@@ -65,13 +66,14 @@
 # 2026-11-29 (fourth session, 2xH200; 4xH200 lent only after this session's device time was spent): nccl-1.7b ran
 # at 1.7B twice (packed and direct alternated, 7 runs) and at 8B once (3 runs): direct faster at both (15.4 vs 16.7
 # ms; 49.6 vs 54.2), now the default at TP=1 (so the default PAIR is "separate-nccl-packed separate-nccl"). Built
-# after: the direct sync into TP > 1 engines receives each worker's pieces straight into its parameters, and the
-# direct sync's timeline. Next 2-GPU session: nccl-1.7b with VARIANTS=kernel-format-one-rpc (where the 1.7B's
-# fixed ~4.9 ms go; one-rpc with the direct sync). Next 4-GPU session: PAIR="separate-nccl-tp2
-# separate-nccl-tp2-unpacked" (MODEL=qwen3-1.7b, then qwen3-8b), rendered with LAYOUTS="separate-nccl-tp2-custom-ar
+# after: the direct sync into TP > 1 engines receives each worker's pieces straight into its parameters, the
+# direct sync's timeline, and packed / direct as gpu_sync variants alternated inside one run (nccl-arms). Next
+# 2-GPU session: nccl-arms chained after the install (1.7B and 8B: packed vs direct and the one-call round,
+# interleaved, with timelines: where the 1.7B's fixed ~4.9 ms go). Next 4-GPU session: LAYOUT=separate-nccl-tp2
+# VARIANTS=direct-sync,kernel-format-one-rpc nccl-arms, rendered with LAYOUTS="separate-nccl-tp2-custom-ar
 # separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
 set -u
-part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp}
+part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b | nccl-arms}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
 T0=${T0:-$(date +%s)}   # T0=<the call's start> when something ran before this part in the same call
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
@@ -147,6 +149,22 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
           ${VARIANTS:+--variants $VARIANTS} $([ -z "${VARIANTS:-}" ] && echo --no-variants) \
           --timeout $(( $(left) - 15 )) $layout:${MODEL:-qwen3-1.7b} > $R/$run.log 2>&1
       echo "$(date +%T) $run exit $?" >> $R/order.txt
+    done
+    ;;
+  nccl-arms)
+    # item 1 again, the variants alternated turn by turn INSIDE one run (same engine, same floor): gpu_sync's
+    # packed-sync / direct-sync variants (weightSync.packed; a switch re-creates the weight-sync group) and
+    # kernel-format-one-rpc (one engine call per sync), 5 interleaved rounds after the default's 5 syncs, every
+    # direct sync with its timeline. One run per model of MODELS (default "qwen3-1.7b qwen3-8b"); LAYOUT (default
+    # separate-nccl: direct by default, so VARIANTS default "packed-sync,kernel-format-one-rpc"; TP=2 on 3-4 GPUs:
+    # LAYOUT=separate-nccl-tp2 VARIANTS=direct-sync,kernel-format-one-rpc, packed by default there).
+    for model in ${MODELS:-qwen3-1.7b qwen3-8b}; do
+      [ "$(left)" -lt 150 ] && { echo "skip $model: $(left) s left" >> $R/order.txt; continue; }
+      echo "$(date +%T) $model" >> $R/order.txt
+      python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$model --work /tmp/rlhf-gpu-bench --syncs 5 \
+          --variants ${VARIANTS:-packed-sync,kernel-format-one-rpc} --timeout $(( $(left) - 15 )) \
+          ${LAYOUT:-separate-nccl}:$model > $R/$model.log 2>&1
+      echo "$(date +%T) $model exit $?" >> $R/order.txt
     done
     ;;
   rendered)
