@@ -123,6 +123,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                           "rollout": {"engines": 2, "gpuMemoryUtilization": 0.5}},
     "separate-nccl-dp3": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
                           "rollout": {"engines": 3, "gpuMemoryUtilization": 0.5}},
+    # an FSDP2 trainer on GPUs 0-1 into two TP=1 engines (4 GPUs): packed unset stays packed from FSDP2 trainers
+    # until the direct sync (variant direct-sync: FSDP2 gathers between its groups) is validated here
+    "separate-nccl-fsdp2-dp2": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl"},
+                                "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
+                                "rollout": {"engines": 2, "gpuMemoryUtilization": 0.5}},
     "colocated-ipc-fsdp2-ep2": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                                 "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                                 "rollout": {"engines": 2, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
@@ -157,8 +162,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # the runtime's kernel-format worker engines wherever the plan applies (a plan that does not fails)
         ("kernel-format-forced", {"format": "kernel"}),
         # weightSync.packed (fixed when the weight-sync group starts: a switch re-creates the group, GROUP_OPTIONS):
-        # vLLM's packed path, and the direct sync (weight_sync.direct; the default into TP=1 engines since
-        # 2026-11-29), so that the two alternate turn by turn inside one run
+        # vLLM's packed path, and the direct sync (weight_sync.direct; the default from one trainer GPU into TP=1
+        # engines since 2026-11-29), so that the two alternate turn by turn inside one run
         ("packed-sync", {"packed": True}),
         ("direct-sync", {"packed": False}),
     ],

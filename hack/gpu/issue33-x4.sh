@@ -70,7 +70,8 @@
 # direct sync's timeline, and packed / direct as gpu_sync variants alternated inside one run (nccl-arms). Next
 # 2-GPU session: nccl-arms chained after the install (1.7B and 8B: packed vs direct and the one-call round,
 # interleaved, with timelines: where the 1.7B's fixed ~4.9 ms go). Next 4-GPU session: LAYOUT=separate-nccl-tp2
-# VARIANTS=direct-sync,kernel-format-one-rpc nccl-arms, rendered with LAYOUTS="separate-nccl-tp2-custom-ar
+# VARIANTS=direct-sync,kernel-format-one-rpc nccl-arms, LAYOUT=separate-nccl-fsdp2-dp2 VARIANTS=direct-sync
+# MODELS=qwen3-1.7b nccl-arms (the direct sync from an FSDP2 trainer, still packed by default there), rendered with LAYOUTS="separate-nccl-tp2-custom-ar
 # separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b | nccl-arms}

@@ -341,8 +341,8 @@ class WeightSync(Model):
         None, description="Send weights packed into reused buffers (true) or tensor by tensor (false). With nccl in "
         "the kernel format, false broadcasts each tensor straight into the engines' parameters, the tensors of "
         "each bucketSizeMB in one NCCL group: no packing or unpacking copies on either side, no staging buffer. "
-        "Unset: false for nccl in the kernel format into engines of tensorParallelSize 1 (measured faster: "
-        "benchmarks/README.md), true elsewhere.")
+        "Unset: false for nccl in the kernel format from a trainer of one GPU into engines of tensorParallelSize 1 "
+        "(measured faster: benchmarks/README.md), true elsewhere.")
     bucket_size_mb: int = Field(
         1024, alias="bucketSizeMB", ge=1, le=65536,
         description="Packed buffer size in MiB: weights go to the engines in chunks of this size, through such a "

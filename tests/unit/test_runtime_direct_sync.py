@@ -337,19 +337,21 @@ def test_into_a_tp_engine_the_direct_sync_declares_every_ranks_pieces(packed) ->
     assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == (1 if packed else 6)
 
 
-@pytest.mark.parametrize(("setting", "backend", "fmt", "tp", "packed"), [
-    (None, "nccl", "kernel", 1, False),  # unset: the direct sync, measured faster (benchmarks/README.md)
-    (None, "nccl", "kernel", 2, True),  # TP > 1 engines: the direct sync receives into scratch, not measured
-    (None, "nccl", "checkpoint", 1, True),  # unpacked would be vLLM's per-tensor path
-    (None, "ipc", "kernel", 1, True), (None, "gloo", "checkpoint", 1, True),
-    (True, "nccl", "kernel", 1, True), (False, "nccl", "kernel", 2, False), (False, "ipc", "kernel", 1, False),
+@pytest.mark.parametrize(("setting", "backend", "fmt", "tp", "world", "packed"), [
+    (None, "nccl", "kernel", 1, 1, False),  # unset: the direct sync, measured faster (benchmarks/README.md)
+    (None, "nccl", "kernel", 2, 1, True),  # TP > 1 engines: every rank's piece on the wire, not run on GPUs
+    (None, "nccl", "kernel", 1, 2, True),  # an FSDP2 trainer: gathers between the groups, not run on GPUs
+    (None, "nccl", "checkpoint", 1, 1, True),  # unpacked would be vLLM's per-tensor path
+    (None, "ipc", "kernel", 1, 1, True), (None, "gloo", "checkpoint", 1, 1, True),
+    (True, "nccl", "kernel", 1, 1, True), (False, "nccl", "kernel", 2, 2, False), (False, "ipc", "kernel", 1, 1, False),
 ])
-def test_packed_unset_is_the_direct_sync_only_where_it_was_measured_faster(setting, backend, fmt, tp, packed) -> None:
-    """``weightSync.packed`` unset resolves per backend, format and engine TP (``senders.resolve_packed``); a
-    value the user set is kept as it is."""
+def test_packed_unset_is_the_direct_sync_only_where_it_was_measured_faster(setting, backend, fmt, tp, world,
+                                                                           packed) -> None:
+    """``weightSync.packed`` unset resolves per backend, format, engine TP and trainer GPUs
+    (``senders.resolve_packed``); a value the user set is kept as it is."""
     from rlhf_runtime.weight_sync.senders import resolve_packed
 
-    assert resolve_packed(setting, backend, fmt, tp) is packed
+    assert resolve_packed(setting, backend, fmt, tp, world) is packed
 
 
 def test_the_spec_leaves_packed_unset_unless_the_user_sets_it() -> None:

@@ -50,15 +50,16 @@ class Sender:
         }
 
 
-def resolve_packed(setting: bool | None, backend: str, fmt: str, engine_tp: int) -> bool:
+def resolve_packed(setting: bool | None, backend: str, fmt: str, engine_tp: int, trainer_world: int = 1) -> bool:
     """Whether the sync packs (``spec.weightSync.packed``; ``setting`` None: unset). Unset, the direct NCCL sync
-    (not packed) where it was measured faster than vLLM's packed path: NCCL in the kernel format into engines of
-    one GPU (Qwen3-1.7B 15.4 vs 16.7 ms, Qwen3-8B 49.6 vs 54.2 ms on 2xH200, 2026-11-29: benchmarks/README.md);
-    packed elsewhere (per tensor, vLLM's other paths launch once per tensor, and the direct sync into TP > 1
-    engines, every rank's piece on the wire, has not been measured on GPUs)."""
+    (not packed) where it was measured faster than vLLM's packed path and validated: NCCL in the kernel format from
+    a one-GPU trainer into engines of one GPU (Qwen3-1.7B 15.4 vs 16.7 ms, Qwen3-8B 49.6 vs 54.2 ms on 2xH200,
+    2026-11-29: benchmarks/README.md); packed elsewhere: vLLM's other paths launch once per tensor, and the direct
+    sync into TP > 1 engines (every rank's piece on the wire) and from FSDP2 trainers (gathers between its groups)
+    has not run on GPUs yet."""
     if setting is not None:
         return bool(setting)
-    return not (backend == "nccl" and fmt == "kernel" and engine_tp == 1)
+    return not (backend == "nccl" and fmt == "kernel" and engine_tp == 1 and trainer_world == 1)
 
 
 def one_stream_plan(source: ParamSource, layouts: list[dict[str, Any]]) -> KernelPlan:
@@ -225,7 +226,8 @@ class TrainerEngineSender(Sender):
         self._exchange: tuple[str, Any] = (ipc_exchange.EXCHANGE_DEFAULT, None)  # in use, and its gloo group
         self._resolve(fmt)
         # fixed for the group's life: vLLM's engines take it at the init handshake
-        self.packed = resolve_packed(self.packed_setting, backend, self.format, self.plan.tp if self.plan else 1)
+        self.packed = resolve_packed(self.packed_setting, backend, self.format, self.plan.tp if self.plan else 1,
+                                     self.trainer_world)
         init = {**init, "packed": self.packed}
         if backend == "ipc":  # vLLM's packed IPC producer (0.33) refuses a tensor larger than its buffer
             init = {**init, "bucket_bytes": max(int(init["bucket_bytes"]), self.largest_tensor_bytes())}
