@@ -51,8 +51,10 @@ pins cuda-toolkit 13.0.2, whose components equal 13.0.3's but for cublas; if the
 (`--image-packages hack/gpu/image-freeze.txt`): 108 wheels, 2837 MB, 46 parts (cuda-tile, 0.4 MB, staged since
 2026-11-24: `flashinfer.comm`, which vLLM's expert-parallel and allreduce code import, needs it); staged and
 installed in 400 s of device time on nvidia-h200-x2, 2026-11-24.
-Since 2026-11-29 vLLM 0.33.0 takes `--part-mib 54` (51 calls): parts of 55 MiB beside the 9.6 MB tracked tree
-exceed a call's 64 MiB (the device tool refuses the call).
+Since 2026-11-29 vLLM 0.33.0 took `--part-mib 54` (51 calls): parts of 55 MiB beside the 9.6 MB tracked tree
+exceed a call's 64 MiB (the device tool refuses the call); later that day 54 MiB parts were refused too (the tree
+had grown to 9.76 MiB, 10.31 as a tar archive: ``tree_mib`` counts so now) and 50 MiB parts (55 calls) went
+through. Leave ``--part-mib`` out: it is computed from the tree.
 """
 from __future__ import annotations
 
@@ -321,13 +323,20 @@ def ensure_ignored(out: Path) -> None:
 DEVICE_CARRY_MIB = 64
 
 
+def tar_bytes(size: int) -> int:
+    """What one file of ``size`` bytes takes in a tar archive: a 512-byte header and its data in 512-byte blocks."""
+    return 512 + -(-size // 512) * 512
+
+
 def tree_mib() -> float:
     """MiB of the working tree a device call copies besides the carried part (git's tracked files and the
-    untracked ones it does not ignore)."""
+    untracked ones it does not ignore), counted as a tar archive holds them (``tar_bytes``): on 2026-11-29 a
+    9.76 MiB tree (740 files, 10.31 MiB as tar) and parts of 54 MiB were refused ("the working tree is larger than
+    64 MiB"), 0.55 MiB more than the files' sizes leave room for."""
     names = subprocess.check_output(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                                     cwd=REPO).split(b"\0")
     paths = (REPO / n.decode() for n in names if n)
-    return sum(p.stat().st_size for p in paths if p.is_file()) / 2**20
+    return sum(tar_bytes(p.stat().st_size) for p in paths if p.is_file()) / 2**20
 
 
 def auto_part_mib(tree: float, limit: int = DEVICE_CARRY_MIB) -> int:

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Issue 33 item 7 on one GPU: the runtime's rollout against a bare `vllm.LLM` on the same batch, interleaved
 # (benchmarks/rollout_overhead.py), on nvidia-h200 after staging vLLM 0.33 (python3 hack/gpu-stage.py --vllm 0.33.0
-# --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200 --part-mib 54 --print-commands: 51 calls back to
-# back, the last one installs). Usage, from the repository root, one part per device call:
+# --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200, the part size computed from the working tree,
+# then --print-commands: ~55 calls back to back, the last one installs). Usage, from the repository root, one part
+# per device call:
 #     T0=<the call's start, Unix seconds> [LIMIT=560] [WAYS=...] bash hack/gpu/issue33-overhead.sh PART  # 8b | 1.7b
 # (WAYS: the part's other ways instead of its own, e.g. WAYS=bare_default for the most rounds of the comparison)
 # Both parts: layout colocated-ipc-resident (trainer and engine on the one GPU, the engine awake), CUDA graphs (the

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 33's 4-GPU runs that are still open, one device call per part, on nvidia-h200-x4 after staging vLLM 0.33
-# (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4
-#  --part-mib 55 --print-commands: 50 calls back to back, the last one installs). Usage, from the repository root:
+# (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200-x4, the
+#  part size computed from the working tree, then --print-commands: ~55 calls back to back, the last one installs;
+#  2-GPU parts: --kind nvidia-h200-x2 and KIND=nvidia-h200-x2). Usage, from the repository root:
 #     bash hack/gpu/issue33-x4.sh PART   # moe-build then moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b
 #                                        | nccl-arms
 # Each part stays inside one call (570 s) and leaves ONE file in $OUT (part-<PART>.tgz): a call returns at most

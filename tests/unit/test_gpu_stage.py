@@ -27,3 +27,7 @@ def test_parts_fit_one_device_call_beside_the_working_tree() -> None:
     assert gs.auto_part_mib(tree) + tree < gs.DEVICE_CARRY_MIB
     with pytest.raises(SystemExit, match="too large"):
         gs.auto_part_mib(57.5)
+    # the tree as a tar archive holds it: a header and whole 512-byte blocks per file (2026-11-29: a 9.76 MiB tree
+    # of 740 files was 10.31 MiB so, and parts of 54 MiB were refused beside it)
+    assert (gs.tar_bytes(0), gs.tar_bytes(1), gs.tar_bytes(512), gs.tar_bytes(513)) == (512, 1024, 1024, 1536)
+    assert gs.auto_part_mib(10.31) == 52
