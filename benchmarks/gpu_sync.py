@@ -394,8 +394,9 @@ def timeline_summary(t0: float, t1: float, trainer: list[dict[str, Any]], worker
                 "gpu_span_ms": round(groups[-1]["gpu_from_first_ms"], 3) if groups and "gpu_from_first_ms"
                 in groups[-1] else None}
 
+    # ``sends`` > 1: syncs outside timed_sync (the first one, the validation's) since the last drain, run together
     out: dict[str, Any] = {"trainer": side(trainer, "send"), "workers": [side(w, "receive") for w in workers],
-                           "driver_ms": ms(t1)}
+                           "driver_ms": ms(t1), "sends": len(sends)}
     tr = out["trainer"]
     first_launch = tr["launches"][0][0] if tr["launches"] else tr["call"][0]
     joins = [w["call"][0] for w in out["workers"] if w["call"]]

@@ -68,6 +68,7 @@ def test_the_summary_splits_a_sync_from_the_drivers_call() -> None:
     assert s["engine_join_ms"] == pytest.approx(1.1)  # the worker's receive began 1.1 ms after the first launch
     assert s["wire_ms"] == pytest.approx(2.6) and s["tail_ms"] == pytest.approx(5.4) and s["driver_ms"] == 9.0
     assert s["trainer"]["group_tensors"] == [80, 20] and s["workers"][0]["gpu_span_ms"] == pytest.approx(2.6)
+    assert s["sends"] == 1
     assert gpu_sync.timeline_summary(t0, at(9.0), [], [worker]) is None  # not the direct sync
     medians = gpu_sync.summarize([{"total_s": 0.01, "bytes": 1, "timeline": s}])["timeline_medians_ms"]
     assert medians["wire_ms"] == pytest.approx(2.6)
