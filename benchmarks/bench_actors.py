@@ -16,8 +16,9 @@
 
 ``BenchTrainer`` adds ``configure_sync(**options)``: the sender's settings for later syncs (``configure_sender``:
 ``SYNC_OPTIONS``, the variants of ``gpu_sync.py``; the production sender has no such hook, the benchmark sets its
-attributes from here); ``direct_timeline(reset)``, the trainer side's timeline; and ``send_stats(reset)``: seconds in the steps of vLLM's IPC trainer engine that no RPC
-times (``IPC_TRAINER_TIMED``; installs the timers the first time).
+attributes from here); ``direct_timeline(reset)``, the trainer side's timeline; and ``send_stats(reset)``:
+seconds in the steps of vLLM's IPC trainer engine that no RPC times (``IPC_TRAINER_TIMED``; installs the timers
+the first time).
 
 Every one of these actors prints the Python stack of each of its threads to its stderr (Ray keeps it in the
 actor's worker log) on ``SIGUSR1`` (``enable_stack_dumps``): ``gpu_sync.py`` sends it to them, and to its own
