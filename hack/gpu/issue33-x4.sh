@@ -66,14 +66,14 @@
 # the direct NCCL sync (weight_sync.direct), so nccl-1.7b measures it against the packed default; PAIR for TP=2.
 # 2026-11-29 (fourth session, 2xH200; 4xH200 lent only after this session's device time was spent): nccl-1.7b ran
 # at 1.7B twice (packed and direct alternated, 7 runs) and at 8B once (3 runs): direct faster at both (15.4 vs 16.7
-# ms; 49.6 vs 54.2), now the default at TP=1 (so the default PAIR is "separate-nccl-packed separate-nccl"). Built
-# after: the direct sync into TP > 1 engines receives each worker's pieces straight into its parameters, the
-# direct sync's timeline, and packed / direct as gpu_sync variants alternated inside one run (nccl-arms). Next
+# ms; 49.6 vs 54.2), now the default from one trainer GPU at TP=1 (the default PAIR: "separate-nccl-packed
+# separate-nccl"). Built after: the direct sync into TP > 1 engines receives each worker's pieces straight into
+# its parameters, the direct sync's timeline, and packed / direct as gpu_sync variants alternated inside one run (nccl-arms). Next
 # 2-GPU session: nccl-arms chained after the install (1.7B and 8B: packed vs direct and the one-call round,
 # interleaved, with timelines: where the 1.7B's fixed ~4.9 ms go). Next 4-GPU session: LAYOUT=separate-nccl-tp2
 # VARIANTS=direct-sync,kernel-format-one-rpc nccl-arms, LAYOUT=separate-nccl-fsdp2-dp2 VARIANTS=direct-sync
-# MODELS=qwen3-1.7b nccl-arms (the direct sync from an FSDP2 trainer, still packed by default there), rendered with LAYOUTS="separate-nccl-tp2-custom-ar
-# separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
+# MODELS=qwen3-1.7b nccl-arms (the direct sync from an FSDP2 trainer, still packed by default there), rendered
+# with LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b | nccl-arms}
 KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b and ipc-8b-tp2 run on 2 GPUs too)
