@@ -50,10 +50,14 @@ class Plan:
     #: padded vocabulary into a TP worker); ``DISCARD``: another worker's piece
     buffers: list[Any]
     groups: list[tuple[int, int]]
-    bytes: int = 0
-    shapes: list[list[int]] | None = None
-    dtypes: list[torch.dtype] | None = None
+    sizes: list[int]  # per entry, its bytes (``entry_bytes``)
+    shapes: list[list[int]]
+    dtypes: list[torch.dtype]
     device: Any = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes)
 
     @property
     def scratch(self) -> list[bool]:
@@ -94,6 +98,14 @@ def not_a_parameter(name: str) -> KeyError:
     return KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
 
 
+def check_receivable(name: str, param: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise ValueError, naming the entry, where ``param`` cannot be received into as ``dtype``."""
+    if param.dtype != dtype:
+        raise ValueError(f"kernel-format weight {name!r} is {dtype}; the engine's parameter is {param.dtype}")
+    if not param.is_contiguous():
+        raise ValueError(f"the engine's parameter {name!r} is not contiguous: it cannot be received into")
+
+
 def broadcast_group(comm: Any, tensors: list[torch.Tensor], stream: Any = None) -> None:
     """Broadcast ``tensors`` from rank 0 as one NCCL group (one launch); the same calls on every rank."""
     comm.group_start()
@@ -118,10 +130,7 @@ def flat_plan(params: dict[str, torch.Tensor], vocab: dict[str, tuple[int, int, 
         param = params.get(name)
         if param is None:
             raise not_a_parameter(name)
-        if param.dtype != dtype:
-            raise ValueError(f"kernel-format weight {name!r} is {dtype}; the engine's parameter is {param.dtype}")
-        if not param.is_contiguous():
-            raise ValueError(f"the engine's parameter {name!r} is not contiguous: it cannot be received into")
+        check_receivable(name, param, dtype)
         if name in filled and last != name:
             raise ValueError(f"kernel-format weight {name!r} is sent in parts that are not consecutive")
         start, n = filled.get(name, 0), math.prod(shape)
@@ -166,10 +175,7 @@ def rank_plan(params: dict[str, torch.Tensor], vocab: dict[str, tuple[int, int, 
         if name in vocab and totals[name] != tp * param.numel():
             out.append(None)  # a padded vocabulary's HF rows, whole: KernelTarget copies this worker's
             continue
-        if param.dtype != dtype:
-            raise ValueError(f"kernel-format weight {name!r} is {dtype}; the engine's parameter is {param.dtype}")
-        if not param.is_contiguous():
-            raise ValueError(f"the engine's parameter {name!r} is not contiguous: it cannot be received into")
+        check_receivable(name, param, dtype)
         size = param.numel()
         if totals[name] == size:
             low = 0  # replicated: every worker receives it whole
@@ -198,8 +204,7 @@ def plan(target: Any, names: list[str], dtype_names: list[str], shapes: list[lis
         buffers: list[Any] = list(flat_plan(target.params, target.vocab, names, dtypes, shapes))
     else:
         buffers = rank_plan(target.params, target.vocab, names, dtypes, shapes, target.tp, target.tp_rank)
-    return Plan(list(names), buffers, buckets(sizes, bucket_bytes), sum(sizes), [list(s) for s in shapes], dtypes,
-                device)
+    return Plan(list(names), buffers, buckets(sizes, bucket_bytes), sizes, [list(s) for s in shapes], dtypes, device)
 
 
 def receive(p: Plan, target: Any, comm: Any, stream: Any = None) -> int:
@@ -207,18 +212,16 @@ def receive(p: Plan, target: Any, comm: Any, stream: Any = None) -> int:
     workers' pieces into one throw-away buffer per group (the size of its largest such piece: their contents are
     never read, so the group's broadcasts may overwrite each other there), scratch entries copied into the
     parameters (``target.load_weights``) after their group. Returns the bytes received."""
-    assert p.shapes is not None and p.dtypes is not None
     for start, end in p.groups:
-        sizes = [math.prod(p.shapes[i]) * p.dtypes[i].itemsize for i in range(start, end) if p.buffers[i] is DISCARD]
-        trash = torch.empty(max(sizes), dtype=torch.uint8, device=p.device) if sizes else None
+        discard = [p.sizes[i] for i in range(start, end) if p.buffers[i] is DISCARD]
+        trash = torch.empty(max(discard), dtype=torch.uint8, device=p.device) if discard else None
         bufs = []
         for i in range(start, end):
             buf = p.buffers[i]
             if buf is None:
                 buf = torch.empty(p.shapes[i], dtype=p.dtypes[i], device=p.device)
             elif buf is DISCARD:
-                n = math.prod(p.shapes[i]) * p.dtypes[i].itemsize
-                buf = trash[:n].view(p.dtypes[i]).view(p.shapes[i])  # type: ignore[index]
+                buf = trash[: p.sizes[i]].view(p.dtypes[i]).view(p.shapes[i])  # type: ignore[index]
             bufs.append(buf)
         broadcast_group(comm, bufs, stream)
         pieces = [(p.names[i], buf) for i, buf in zip(range(start, end), bufs) if p.buffers[i] is None]
