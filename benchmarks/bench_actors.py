@@ -415,9 +415,7 @@ def sender_settings(sender: Any) -> dict[str, Any]:
             "rpc": "one" if client.one_round else "pipelined" if client.pipelined else "three",
             "local_shards": len(sender.source.local), "skipped": len(sender.source.drop),
             "ipc_resident_reason": None if sender.resident is None else sender.resident.reason,
-            "ipc_exchange": sender.ipc_exchange, "packed": sender.packed,
-            "nccl": None if sender.backend != "nccl" else "direct" if sender.direct else
-            "packed" if sender.packed else "per-tensor"}
+            "ipc_exchange": sender.ipc_exchange, "packed": sender.packed, "nccl": sender.nccl_path}
 
 
 class BenchTrainer(_StackDumps, Trainer):

@@ -368,6 +368,14 @@ class TrainerEngineSender(Sender):
         straight into the engines' parameters)."""
         return self.backend == "nccl" and self.format == "kernel" and not self.packed
 
+    @property
+    def nccl_path(self) -> str | None:
+        """Which NCCL path a sync takes: ``direct`` (``weight_sync.direct``), vLLM's ``packed`` or ``per-tensor``;
+        None on another backend."""
+        if self.backend != "nccl":
+            return None
+        return "direct" if self.direct else "packed" if self.packed else "per-tensor"
+
     def _weight_source(self) -> Any:
         if self.format != "kernel":
             return self.source.as_weight_source()
@@ -412,8 +420,8 @@ class TrainerEngineSender(Sender):
         r["format"] = self.format  # type: ignore[assignment]
         if self.fallback is not None:  # in the progress file's sync record: why not the kernel format
             r["fallback"] = self.fallback  # type: ignore[assignment]
-        if self.backend == "nccl":  # which NCCL path ran: direct (weight_sync.direct), vLLM's packed or per-tensor
-            r["nccl"] = "direct" if self.direct else "packed" if self.packed else "per-tensor"  # type: ignore[assignment]
+        if self.backend == "nccl":  # which NCCL path ran
+            r["nccl"] = self.nccl_path  # type: ignore[assignment]
         if self.backend == "ipc":  # which IPC path ran (ResidentExport.reason says why not resident)
             r["ipc"] = "resident" if message is not None else "vllm"  # type: ignore[assignment]
         return r
