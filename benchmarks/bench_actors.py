@@ -9,14 +9,14 @@
   engine's start/receive/finish since the last reset (installs host-side timers the first time, ``TIMED``);
 * ``timed_generate(prompts, sampling)``: the actor's own ``LLM.generate`` on a batch, timed inside the actor
   (no Ray transfer, no result packing): seconds and tokens (sync ``Engine`` only);
-* ``direct_timeline(reset)``: per worker, the direct NCCL sync's timeline since the last call (``DirectTimeline``:
+* ``direct_timeline()``: per worker, the direct NCCL sync's timeline since the last call (``DirectTimeline``:
   wall-clock instants of the receive and its groups, each group's GPU time);
 * ``reset_prefix_cache()``: drop the prefix cache now (a cached prefix takes another prefill path than a cold
   one, so greedy comparisons start cold); whether vLLM did.
 
 ``BenchTrainer`` adds ``configure_sync(**options)``: the sender's settings for later syncs (``configure_sender``:
 ``SYNC_OPTIONS``, the variants of ``gpu_sync.py``; the production sender has no such hook, the benchmark sets its
-attributes from here); ``direct_timeline(reset)``, the trainer side's timeline; and ``send_stats(reset)``:
+attributes from here); ``direct_timeline()``, the trainer side's timeline; and ``send_stats(reset)``:
 seconds in the steps of vLLM's IPC trainer engine that no RPC times (``IPC_TRAINER_TIMED``; installs the timers
 the first time).
 
@@ -221,15 +221,15 @@ class DirectTimeline:
 TIMELINE = DirectTimeline()
 
 
-def direct_timeline(reset: bool = True) -> list[dict[str, Any]]:
-    """Install ``TIMELINE`` (the first call) and return its records since the last call (``reset``: drained)."""
+def direct_timeline() -> list[dict[str, Any]]:
+    """Install ``TIMELINE`` (the first call) and drain it: its records since the last call."""
     TIMELINE.install()
-    return TIMELINE.drain() if reset else [{k: v for k, v in r.items() if k != "events"} for r in TIMELINE.records]
+    return TIMELINE.drain()
 
 
-def _worker_direct_timeline(worker: Any, reset: bool = True) -> list[dict[str, Any]]:
+def _worker_direct_timeline(worker: Any) -> list[dict[str, Any]]:
     """(collective_rpc) ``direct_timeline`` in an engine worker's process."""
-    return direct_timeline(reset)
+    return direct_timeline()
 
 
 def _worker_scramble(worker: Any, seed: int = 0) -> int:
@@ -335,8 +335,8 @@ class BenchEngine(_StackDumps, Engine):
     def scramble_weights(self, seed: int = 0) -> list[int]:
         return self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
-    def direct_timeline(self, reset: bool = True) -> list[list[dict[str, Any]]]:
-        return self.llm.collective_rpc(_worker_direct_timeline, kwargs={"reset": reset})
+    def direct_timeline(self) -> list[list[dict[str, Any]]]:
+        return self.llm.collective_rpc(_worker_direct_timeline)
 
 
 class BenchAsyncEngine(_StackDumps, AsyncEngine):
@@ -350,8 +350,8 @@ class BenchAsyncEngine(_StackDumps, AsyncEngine):
     async def scramble_weights(self, seed: int = 0) -> list[int]:
         return await self.llm.collective_rpc(_worker_scramble, kwargs={"seed": seed})
 
-    async def direct_timeline(self, reset: bool = True) -> list[list[dict[str, Any]]]:
-        return await self.llm.collective_rpc(_worker_direct_timeline, kwargs={"reset": reset})
+    async def direct_timeline(self) -> list[list[dict[str, Any]]]:
+        return await self.llm.collective_rpc(_worker_direct_timeline)
 
 
 class BenchSteppedEngine(_StackDumps, SteppedEngine):
@@ -368,8 +368,8 @@ class BenchSteppedEngine(_StackDumps, SteppedEngine):
     async def scramble_weights(self, seed: int = 0) -> list[int]:
         return await self._call(self.llm.collective_rpc, _worker_scramble, kwargs={"seed": seed})
 
-    async def direct_timeline(self, reset: bool = True) -> list[list[dict[str, Any]]]:
-        return await self._call(self.llm.collective_rpc, _worker_direct_timeline, kwargs={"reset": reset})
+    async def direct_timeline(self) -> list[list[dict[str, Any]]]:
+        return await self._call(self.llm.collective_rpc, _worker_direct_timeline)
 
 
 #: The sender settings a variant may change (``TrainerEngineSender`` attributes; ``format`` is its
@@ -423,9 +423,9 @@ class BenchTrainer(_StackDumps, Trainer):
         """The sender's settings for later syncs (``configure_sender``); returns what is in use."""
         return configure_sender(self.sender, **options)
 
-    def direct_timeline(self, reset: bool = True) -> list[dict[str, Any]]:
+    def direct_timeline(self) -> list[dict[str, Any]]:
         """The direct NCCL sync's timeline on this trainer rank (``DirectTimeline``; installed at the first call)."""
-        return direct_timeline(reset)
+        return direct_timeline()
 
     def send_stats(self, reset: bool = False) -> dict[str, float]:
         """Seconds and calls of ``IPC_TRAINER_TIMED`` since the last reset (zeros where the path is not taken:

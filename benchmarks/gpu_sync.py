@@ -421,8 +421,8 @@ def timed_sync(rt: Any) -> dict[str, Any]:
     t0 = time.time()
     r = rt.weights.sync(0)
     t1 = time.time()
-    trainer_tl = ray.get(rt.actors.trainers[0].direct_timeline.remote(True))
-    workers_tl = [w for ws in ray.get([e.direct_timeline.remote(True) for e in rt.actors.engines]) for w in ws]
+    trainer_tl = ray.get(rt.actors.trainers[0].direct_timeline.remote())
+    workers_tl = [w for ws in ray.get([e.direct_timeline.remote() for e in rt.actors.engines]) for w in ws]
     timeline = timeline_summary(t0, t1, trainer_tl, workers_tl)
     if timeline is not None:
         r["timeline"] = timeline
@@ -634,8 +634,8 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.actors.engines])
         ray.get(rt.actors.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
         # the direct NCCL sync's timeline on both sides (bench_actors.DirectTimeline; timed_sync reads it)
-        ray.get([rt.actors.trainers[0].direct_timeline.remote(True)]
-                + [e.direct_timeline.remote(True) for e in rt.actors.engines])
+        ray.get([rt.actors.trainers[0].direct_timeline.remote()]
+                + [e.direct_timeline.remote() for e in rt.actors.engines])
         t = time.perf_counter()
         result["first_sync"] = rt.weights.sync(0)
         stages["first_sync_s"] = time.perf_counter() - t
