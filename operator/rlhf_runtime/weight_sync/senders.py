@@ -211,8 +211,6 @@ class TrainerEngineSender(Sender):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         self.backend, self.client, self.source = backend, client, source
-        self.packed_setting: bool | None = init["packed"]  # spec.weightSync.packed (None: resolve_packed decides)
-        self.packed = True if self.packed_setting is None else bool(self.packed_setting)  # until the format resolves
         self.trainer_world = int(init.get("trainer_world", 1))
         self.plan: KernelPlan | None = None
         self.auto_reason: str | None = None
@@ -226,8 +224,8 @@ class TrainerEngineSender(Sender):
         self._exchange: tuple[str, Any] = (ipc_exchange.EXCHANGE_DEFAULT, None)  # in use, and its gloo group
         self._resolve(fmt)
         # fixed for the group's life: vLLM's engines take it at the init handshake
-        self.packed = resolve_packed(self.packed_setting, backend, self.format, self.plan.tp if self.plan else 1,
-                                     self.trainer_world)
+        self.packed = resolve_packed(init["packed"], backend, self.format, self.plan.tp if self.plan else 1,
+                                     self.trainer_world)  # spec.weightSync.packed; None: unset
         init = {**init, "packed": self.packed}
         if backend == "ipc":  # vLLM's packed IPC producer (0.33) refuses a tensor larger than its buffer
             init = {**init, "bucket_bytes": max(int(init["bucket_bytes"]), self.largest_tensor_bytes())}
