@@ -25,6 +25,8 @@
 #     T0=<call start> LIMIT=575 WATCH=8b bash hack/gpu/issue33-overhead.sh watch   # each later call, back to back
 # (the run is started in its own process session, which the device keeps while the machine is held; every call
 # brings back the JSON as it stands, rewritten after each round; ~160 rounds at 8B in 1,450 s).
+# Fifth session (2026-11-29): that run, BACKGROUND=1440 in the install's call, then two watch calls (LIMIT=575,
+# then 375): 171 rounds, +0.2% (-1.7 .. +2.0): the target met at 8B (overhead-8b-2way-bg.json).
 set -u
 part=${1:?usage: T0=... bash hack/gpu/issue33-overhead.sh 8b|1.7b|watch}
 T0=${T0:-$(date +%s)}
