@@ -374,7 +374,7 @@ class BenchSteppedEngine(_StackDumps, SteppedEngine):
 
 #: The sender settings a variant may change (``TrainerEngineSender`` attributes; ``format`` is its
 #: ``requested_format``). ``None`` for ``rpc`` or ``lean_gathers``: the sender's default.
-SYNC_OPTIONS = ("format", "ipc_resident", "lean_gathers", "rpc", "ipc_exchange")
+SYNC_OPTIONS = ("format", "ipc_resident", "lean_gathers", "rpc", "ipc_exchange", "direct_fuse", "direct_packs")
 
 
 def configure_sender(sender: Any, **options: Any) -> dict[str, Any]:
@@ -400,6 +400,9 @@ def configure_sender(sender: Any, **options: Any) -> dict[str, Any]:
         sender.rpc = senders.default_rpc(sender.backend) if rpc is None else rpc
     if "ipc_exchange" in options:  # apply_settings refuses an unknown value
         sender.ipc_exchange = options["ipc_exchange"]
+    for name in ("direct_fuse", "direct_packs"):  # the direct sync's wire into TP=1 engines
+        if name in options:
+            setattr(sender, name, bool(options[name]))
     sender.apply_settings()
     return sender_settings(sender)
 
@@ -415,7 +418,8 @@ def sender_settings(sender: Any) -> dict[str, Any]:
             "rpc": "one" if client.one_round else "pipelined" if client.pipelined else "three",
             "local_shards": len(sender.source.local), "skipped": len(sender.source.drop),
             "ipc_resident_reason": None if sender.resident is None else sender.resident.reason,
-            "ipc_exchange": sender.ipc_exchange, "packed": sender.packed, "nccl": sender.nccl_path}
+            "ipc_exchange": sender.ipc_exchange, "packed": sender.packed, "nccl": sender.nccl_path,
+            "direct_fuse": sender.direct_fuse, "direct_packs": sender.direct_packs}
 
 
 class BenchTrainer(_StackDumps, Trainer):

@@ -166,6 +166,14 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         # engines since 2026-11-29), so that the two alternate turn by turn inside one run
         ("packed-sync", {"packed": True}),
         ("direct-sync", {"packed": False}),
+        # the direct sync's wire into TP=1 engines (TrainerEngineSender.direct_fuse / direct_packs, off by
+        # default): a fused parameter as one broadcast, the small entries (norms) in packs, and both
+        ("direct-fused", {"packed": False, "direct_fuse": True}),
+        ("direct-packs", {"packed": False, "direct_packs": True}),
+        ("direct-fused-packs", {"packed": False, "direct_fuse": True, "direct_packs": True}),
+        # the direct sync in groups of 256 MiB instead of weightSync.bucketSizeMB's 1,024 (a group option: the
+        # engines cut the groups from it too): the wire starts after a quarter of the first group's launches
+        ("direct-256mb", {"packed": False, "bucket_size_mb": 256}),
     ],
     "ipc": [
         ("checkpoint-format", {"format": "checkpoint"}),
@@ -189,14 +197,16 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     ],
 }
 
-#: Variant options that the weight-sync group fixes at its start (vLLM's engines take ``packed`` at the init
-#: handshake): ``_configure`` sets them in the driver's spec and re-creates the group (``WeightSync.init_group``,
-#: as after an engine was replaced) when they change; the other options are the sender's (``configure_sync``).
-GROUP_OPTIONS = ("packed",)
+#: Variant options that the weight-sync group fixes at its start (vLLM's engines take ``packed`` and the bucket
+#: size at the init handshake): ``_configure`` sets them in the driver's spec (``weight_sync``'s attributes) and
+#: re-creates the group (``WeightSync.init_group``, as after an engine was replaced) when they change; the other
+#: options are the sender's (``configure_sync``).
+GROUP_OPTIONS = ("packed", "bucket_size_mb")
 
 #: Settings every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
 #: engine calls per sync and the lean gathers, which differ by backend).
-RESET: dict[str, Any] = {"rpc": None, "ipc_resident": True, "lean_gathers": None, "ipc_exchange": "nccl"}
+RESET: dict[str, Any] = {"rpc": None, "ipc_resident": True, "lean_gathers": None, "ipc_exchange": "nccl",
+                         "direct_fuse": False, "direct_packs": False}
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -476,8 +486,10 @@ def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) ->
     """The sender settings compared: the default (the job's own: ``RESET`` and its ``weightSync.format``) first,
     then the ``VARIANTS`` of the backend that ``--variants`` selects (all by default), each as full settings."""
     chosen = [(n, o) for n, o in VARIANTS.get(backend, []) if not args.variants or n in args.variants.split(",")]
-    default = {**RESET, "format": spec["weightSync"].get("format", "auto"),
-               "packed": spec["weightSync"].get("packed")}  # the layout's own (None: unset, resolve_packed)
+    from rlhf_api.models import WeightSync
+
+    own = WeightSync.model_validate(spec["weightSync"])  # the layout's own (packed None: unset, resolve_packed)
+    default = {**RESET, "format": own.format, "packed": own.packed, "bucket_size_mb": own.bucket_size_mb}
     return [("default", default)] + [(n, {**default, **o}) for n, o in chosen]
 
 

@@ -69,8 +69,9 @@
 # ms; 49.6 vs 54.2), now the default from one trainer GPU at TP=1 (the default PAIR: "separate-nccl-packed
 # separate-nccl"). Built after: the direct sync into TP > 1 engines receives each worker's pieces straight into
 # its parameters, the direct sync's timeline, and packed / direct as gpu_sync variants alternated inside one run (nccl-arms). Next
-# 2-GPU session: nccl-arms chained after the install (1.7B and 8B: packed vs direct and the one-call round,
-# interleaved, with timelines: where the 1.7B's fixed ~4.9 ms go). Next 4-GPU session: LAYOUT=separate-nccl-tp2
+# 2-GPU session: nccl-arms chained after the install (1.7B and 8B: packed vs direct, the one-call round and the
+# direct wire's options (fused, packs, 256 MiB groups; built 2026-11-29, fifth session, CPU-tested only),
+# interleaved, with timelines: where the 1.7B's fixed ~4.9 ms go and which option cuts them). Next 4-GPU session: LAYOUT=separate-nccl-tp2
 # VARIANTS=direct-sync,kernel-format-one-rpc nccl-arms, LAYOUT=separate-nccl-fsdp2-dp2 VARIANTS=direct-sync
 # MODELS=qwen3-1.7b nccl-arms (the direct sync from an FSDP2 trainer, still packed by default there), rendered
 # with LAYOUTS="separate-nccl-tp2-custom-ar separate-nccl-tp2", ipc-8b-tp2 with EXCHANGE=gloo.
@@ -155,16 +156,20 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     ;;
   nccl-arms)
     # item 1 again, the variants alternated turn by turn INSIDE one run (same engine, same floor): gpu_sync's
-    # packed-sync / direct-sync variants (weightSync.packed; a switch re-creates the weight-sync group) and
-    # kernel-format-one-rpc (one engine call per sync), 5 interleaved rounds after the default's 5 syncs, every
+    # packed-sync / direct-sync variants (weightSync.packed; a switch re-creates the weight-sync group),
+    # kernel-format-one-rpc (one engine call per sync), the direct wire's options direct-fused / direct-packs /
+    # direct-fused-packs (a fused parameter as one broadcast, the norms in packs: fewer broadcasts) and
+    # direct-256mb (groups of 256 MiB, a new group), 5 interleaved rounds after the default's 5 syncs, every
     # direct sync with its timeline. One run per model of MODELS (default "qwen3-1.7b qwen3-8b"); LAYOUT (default
-    # separate-nccl: direct by default, so VARIANTS default "packed-sync,kernel-format-one-rpc"; TP=2 on 3-4 GPUs:
-    # LAYOUT=separate-nccl-tp2 VARIANTS=direct-sync,kernel-format-one-rpc, packed by default there).
+    # separate-nccl: direct by default, so VARIANTS default everything but direct-sync; TP=2 on 3-4 GPUs:
+    # LAYOUT=separate-nccl-tp2 VARIANTS=direct-sync,kernel-format-one-rpc, packed by default there; the wire
+    # options apply to TP=1 engines only).
     for model in ${MODELS:-qwen3-1.7b qwen3-8b}; do
       [ "$(left)" -lt 150 ] && { echo "skip $model: $(left) s left" >> $R/order.txt; continue; }
       echo "$(date +%T) $model" >> $R/order.txt
       python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$model --work /tmp/rlhf-gpu-bench --syncs 5 \
-          --variants ${VARIANTS:-packed-sync,kernel-format-one-rpc} --timeout $(( $(left) - 15 )) \
+          --variants ${VARIANTS:-packed-sync,kernel-format-one-rpc,direct-fused,direct-packs,direct-fused-packs,direct-256mb} \
+          --timeout $(( $(left) - 15 )) \
           ${LAYOUT:-separate-nccl}:$model > $R/$model.log 2>&1
       echo "$(date +%T) $model exit $?" >> $R/order.txt
     done

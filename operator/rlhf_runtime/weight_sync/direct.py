@@ -21,6 +21,15 @@ into its parameter and the others' into one throw-away buffer per group (``rank_
 Hugging Face rows, whole) is received into scratch tensors and each worker copies its rows after the group
 (``KernelTarget``).
 
+Two wire options of the trainer (``TrainerEngineSender.direct_fuse`` / ``direct_packs``; the entries the engines
+are told describe the wire, so the engines need no setting of their own): ``fused`` sends a fused parameter as one
+tensor (its parts concatenated on a side stream while the previous group is on the wire: ``SideStream``), one
+broadcast per engine parameter instead of one per part; ``with_packs`` moves the entries smaller than
+``SMALL_BYTES`` (norm weights: 112 of Qwen3-1.7B's 310 entries) to the end of the wire, each run of them followed
+by an entry ``rlhf.pack:<k>`` (``PACK``) that carries the ``k`` entries before it in one broadcast: the engine
+receives it into a scratch tensor and copies the pieces into their parameters after its group (``receive``). Both
+cut the number of broadcasts NCCL runs one after another in a group (TP=1 engines).
+
 Every check runs on the metadata before the first broadcast: a plan that does not fit the engine raises without
 writing a parameter (the trainer's broadcast then ends by ``weightSync.timeoutSeconds``, as for any engine error).
 
@@ -40,6 +49,102 @@ import torch
 #: ``Plan.buffers`` entry of a piece another TP worker keeps: received into the group's throw-away buffer.
 DISCARD = "discard"
 
+#: Name prefix of a pack entry (``with_packs``): ``rlhf.pack:<k>`` carries the ``k`` entries just before it.
+PACK = "rlhf.pack:"
+
+#: Entries smaller than this travel in packs where the sender packs (``with_packs``): norm weights and biases, no
+#: matrix of any model this runtime syncs (Qwen3-1.7B's smallest matrix is 4 MiB).
+SMALL_BYTES = 64 << 10
+
+#: At most this many entries in one pack (a pack is received into a scratch tensor of their bytes).
+PACK_MAX = 512
+
+
+def pack_size(name: str) -> int:
+    """How many entries before it the entry ``name`` carries (``with_packs``); 0 for an entry of its own."""
+    if not name.startswith(PACK):
+        return 0
+    k = name[len(PACK):]
+    if not k.isdigit() or int(k) < 1:
+        raise ValueError(f"malformed pack entry {name!r}: {PACK}<number of entries it carries>")
+    return int(k)
+
+
+def carriers(names: list[str]) -> list[int | None]:
+    """Per entry, the index of the pack entry that carries it (``with_packs``), None for one broadcast itself
+    (a pack too). Raises ValueError where a pack claims entries that are not there (before it, not a pack, not
+    carried by another)."""
+    out: list[int | None] = [None] * len(names)
+    free = 0  # entries since the last pack: the ones a pack may carry
+    for i, name in enumerate(names):
+        k = pack_size(name)
+        if not k:
+            free += 1
+            continue
+        if k > free:
+            raise ValueError(f"pack entry {name!r} at {i} carries {k} entries; only {free} precede it uncarried")
+        for j in range(i - k, i):
+            out[j] = i
+        free = 0
+    return out
+
+
+def with_packs(entries: list[tuple[str, list[int]]], itemsize: int, small: int = SMALL_BYTES,
+               most: int = PACK_MAX) -> list[tuple[str, list[int]]]:
+    """The wire ``entries`` (name, shape) with the small ones packed: every entry smaller than ``small`` bytes whose
+    name occurs once (a whole parameter: the parts of a fused one stay in their places) moves towards the end, a
+    pack entry (``PACK`` and their number, the shape of their elements together) after every ``most`` of them and
+    after the last. Pure."""
+    counts: dict[str, int] = {}
+    for name, _ in entries:
+        counts[name] = counts.get(name, 0) + 1
+    out: list[tuple[str, list[int]]] = []
+    pending: list[tuple[str, list[int]]] = []
+
+    def flush() -> None:
+        if pending:
+            out.extend(pending)
+            out.append((f"{PACK}{len(pending)}", [sum(math.prod(s) for _, s in pending)]))
+            pending.clear()
+
+    for name, shape in entries:
+        if counts[name] == 1 and math.prod(shape) * itemsize < small:
+            pending.append((name, list(shape)))
+            if len(pending) == most:
+                flush()
+        else:
+            out.append((name, list(shape)))
+    flush()
+    return out
+
+
+def packed(pairs: Iterable[tuple[str, torch.Tensor]], entries: list[tuple[str, list[int]]],
+           side: SideStream | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs`` (the wire before ``with_packs``) in the order of ``entries`` (``with_packs``' result): an entry
+    moved later is held (a reference) until its turn; a pack entry yields its entries' tensors concatenated (on
+    ``side`` where the pairs come from ``fused`` on it: an entry may have been made there)."""
+    it = iter(pairs)
+    held: dict[str, torch.Tensor] = {}
+    recent: list[torch.Tensor] = []  # the tensors since the last pack
+    for name, _ in entries:
+        k = pack_size(name)
+        if k:
+            flat = [t.reshape(-1) for t in recent[-k:]]
+            yield name, side.cat(flat, [sum(t.numel() for t in flat)]) if side is not None else torch.cat(flat)
+            recent.clear()
+            continue
+        tensor = held.pop(name, None)
+        while tensor is None:
+            n, t = next(it)
+            if n == name:
+                tensor = t
+            elif n in held:
+                raise ValueError(f"the weight source yielded {n!r} twice before the wire took it")
+            else:  # a small entry the wire moves later
+                held[n] = t
+        recent.append(tensor)
+        yield name, tensor
+
 
 @dataclass
 class Plan:
@@ -54,10 +159,13 @@ class Plan:
     shapes: list[list[int]]
     dtypes: list[torch.dtype]
     device: Any = None
+    #: per entry, the index of the pack entry that carries it (``carriers``), None on the wire itself
+    carried: list[int | None] | None = None
 
     @property
     def bytes(self) -> int:
-        return sum(self.sizes)
+        """The bytes on the wire (a packed entry's once: in its pack)."""
+        return sum(wire_sizes(self.sizes, self.carried))
 
     @property
     def scratch(self) -> list[bool]:
@@ -66,7 +174,7 @@ class Plan:
 
     @property
     def direct(self) -> int:
-        """Entries received straight into a parameter."""
+        """Entries received into a parameter (straight, or from their pack)."""
         return sum(isinstance(b, torch.Tensor) for b in self.buffers)
 
     @property
@@ -77,6 +185,13 @@ class Plan:
 
 def entry_bytes(shapes: Iterable[Iterable[int]], dtypes: Iterable[torch.dtype]) -> list[int]:
     return [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)]
+
+
+def wire_sizes(sizes: list[int], carried: list[int | None] | None) -> list[int]:
+    """Per entry, the bytes it puts on the wire: its own, 0 where a pack carries it (``carriers``)."""
+    if carried is None:
+        return list(sizes)
+    return [0 if c is not None else n for n, c in zip(sizes, carried, strict=True)]
 
 
 def buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
@@ -200,44 +315,79 @@ def plan(target: Any, names: list[str], dtype_names: list[str], shapes: list[lis
     parameters (``flat_plan`` at TP=1, ``rank_plan`` on a worker of a TP > 1 engine)."""
     dtypes = [getattr(torch, d) for d in dtype_names]
     sizes = entry_bytes(shapes, dtypes)
+    carried = carriers(names)
+    packs = [i for i, name in enumerate(names) if pack_size(name)]
+    if packs and target.tp != 1:
+        raise ValueError("pack entries (rlhf.pack:<k>) are received by the workers of TP=1 engines only")
+    for i in packs:  # a pack is its entries' elements together, in their dtype
+        members = [j for j, c in enumerate(carried) if c == i]
+        if any(dtypes[j] != dtypes[i] for j in members) or len(shapes[i]) != 1 \
+                or shapes[i][0] != sum(math.prod(shapes[j]) for j in members):
+            raise ValueError(f"pack entry {names[i]!r} {list(shapes[i])} {dtypes[i]} is not its {len(members)} "
+                             "entries' elements in their dtype")
+    own = [i for i, name in enumerate(names) if not pack_size(name)] if packs else list(range(len(names)))
+    pick = (lambda xs: [xs[i] for i in own]) if packs else (lambda xs: list(xs))
     if target.tp == 1:
-        buffers: list[Any] = list(flat_plan(target.params, target.vocab, names, dtypes, shapes))
+        mapped: list[Any] = list(flat_plan(target.params, target.vocab, pick(names), pick(dtypes), pick(shapes)))
     else:
-        buffers = rank_plan(target.params, target.vocab, names, dtypes, shapes, target.tp, target.tp_rank)
-    return Plan(list(names), buffers, buckets(sizes, bucket_bytes), sizes, [list(s) for s in shapes], dtypes, device)
+        mapped = rank_plan(target.params, target.vocab, names, dtypes, shapes, target.tp, target.tp_rank)
+    buffers: list[Any] = [None] * len(names)  # a pack: received into scratch
+    for i, buf in zip(own, mapped, strict=True):
+        buffers[i] = buf
+    return Plan(list(names), buffers, buckets(wire_sizes(sizes, carried), bucket_bytes), sizes,
+                [list(s) for s in shapes], dtypes, device, carried if packs else None)
 
 
 def receive(p: Plan, target: Any, comm: Any, stream: Any = None) -> int:
     """Receive every entry of ``p`` from rank 0, one NCCL group per bucket: into the parameters, the other TP
     workers' pieces into one throw-away buffer per group (the size of its largest such piece: their contents are
     never read, so the group's broadcasts may overwrite each other there), scratch entries copied into the
-    parameters (``target.load_weights``) after their group. Returns the bytes received."""
+    parameters (``target.load_weights``) after their group, a pack's pieces into their parameters in one
+    multi-tensor copy after its group. Returns the bytes received."""
+    carried = p.carried or [None] * len(p.names)
     for start, end in p.groups:
         discard = [p.sizes[i] for i in range(start, end) if p.buffers[i] is DISCARD]
         trash = torch.empty(max(discard), dtype=torch.uint8, device=p.device) if discard else None
-        bufs = []
+        wire, bufs = [], []
         for i in range(start, end):
+            if carried[i] is not None:
+                continue  # in its pack
             buf = p.buffers[i]
             if buf is None:
                 buf = torch.empty(p.shapes[i], dtype=p.dtypes[i], device=p.device)
             elif buf is DISCARD:
                 buf = trash[: p.sizes[i]].view(p.dtypes[i]).view(p.shapes[i])  # type: ignore[index]
+            wire.append(i)
             bufs.append(buf)
         broadcast_group(comm, bufs, stream)
-        pieces = [(p.names[i], buf) for i, buf in zip(range(start, end), bufs) if p.buffers[i] is None]
+        pieces = []
+        for i, buf in zip(wire, bufs):
+            if p.buffers[i] is not None:
+                continue
+            if pack_size(p.names[i]):
+                dst = [p.buffers[j] for j in range(len(p.names)) if carried[j] == i]
+                with torch.no_grad():
+                    torch._foreach_copy_(dst, [x.view(d.shape) for x, d in
+                                               zip(buf.split([d.numel() for d in dst]), dst)], non_blocking=True)
+            else:
+                pieces.append((p.names[i], buf))
         if pieces:
             target.load_weights(pieces)
     return p.bytes
 
 
 def send(pairs: Iterator[tuple[str, torch.Tensor]], sizes: list[int], comm: Any, bucket_bytes: int,
-         stream: Any = None) -> int:
+         stream: Any = None, names: list[str] | None = None, before_group: Any = None) -> int:
     """Broadcast the tensors of ``pairs`` (as many as ``sizes``, the entries' bytes the engines were told) from
-    rank 0, one group per bucket of ``buckets(sizes, bucket_bytes)``. A bucket's tensors are taken from ``pairs``
-    before its group starts: taking one may run other collectives (an FSDP2 all-gather), which must not fall into
-    the group. Returns the bytes sent."""
+    rank 0, one group per bucket of ``buckets`` over the bytes each entry puts on the wire (``names``, the
+    entries' names: a pack carries the entries before it, which are taken from ``pairs`` and not broadcast). A
+    bucket's tensors are taken from ``pairs`` before its group starts: taking one may run other collectives (an
+    FSDP2 all-gather), which must not fall into the group; ``before_group()`` runs then (``SideStream.join``).
+    Returns the bytes sent."""
+    carried = carriers(names) if names is not None else None
+    wire = wire_sizes(sizes, carried)
     sent = 0
-    for start, end in buckets(sizes, bucket_bytes):
+    for start, end in buckets(wire, bucket_bytes):
         tensors = []
         for i in range(start, end):
             _, tensor = next(pairs)
@@ -245,12 +395,54 @@ def send(pairs: Iterator[tuple[str, torch.Tensor]], sizes: list[int], comm: Any,
             if tensor.numel() * tensor.element_size() != sizes[i]:
                 raise ValueError(f"tensor {i} of the sync is {tensor.numel() * tensor.element_size()} bytes, "
                                  f"the engines expect {sizes[i]}")
-            tensors.append(tensor)
+            if carried is None or carried[i] is None:
+                tensors.append(tensor)
+        if before_group is not None:
+            before_group()
         broadcast_group(comm, tensors, stream)
-        sent += sum(sizes[start:end])
+        sent += sum(wire[start:end])
     for extra in pairs:  # the checked iterator raises where the source yields more than it declared
         raise ValueError(f"the weight source yielded {extra[0]!r} beyond the {len(sizes)} tensors declared")
     return sent
+
+
+class SideStream:
+    """Where the fused wire concatenates a fused parameter's parts (``fused``): on a CUDA stream of its own, so
+    that the copies of a bucket run while the previous group is on the wire (on the current stream they would
+    queue after it). ``begin`` (at a sync's start) makes the side stream wait for the current stream's work up to
+    then (the trainer's step); ``join`` (before each group: ``send``'s ``before_group``) makes the current stream
+    wait for the copies queued so far. Each result is marked in use by the current stream (``record_stream``),
+    so its memory is not reused before the broadcast that reads it ran. Without CUDA the parts are concatenated
+    where they are."""
+
+    def __init__(self) -> None:
+        self.side = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.main: Any = None
+
+    def begin(self) -> None:
+        if self.side is not None:
+            self.main = torch.cuda.current_stream()
+            self.side.wait_stream(self.main)
+
+    def cat(self, parts: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+        if self.side is None or self.main is None:
+            return torch.cat(parts, dim=0).view(shape)
+        with torch.cuda.stream(self.side):
+            out = torch.cat(parts, dim=0).view(shape)
+        out.record_stream(self.main)
+        return out
+
+    def join(self) -> None:
+        if self.side is not None and self.main is not None:
+            self.main.wait_stream(self.side)
+
+
+def fused(pairs: Iterable[tuple[str, Any]], side: SideStream) -> Iterator[tuple[str, torch.Tensor]]:
+    """``KernelPlan.iterate(fuse=False)`` as the fused wire's entries: a fused parameter (``FusedParts``) as one
+    tensor, its parts concatenated on ``side``; others as they are."""
+    side.begin()
+    for name, tensor in pairs:
+        yield name, side.cat(list(tensor), list(tensor.shape)) if isinstance(tensor, list) else tensor
 
 
 def unfused(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -222,6 +222,8 @@ class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
     ``RlhfNCCLWeightTransferEngine`` receiving into their parameters. Otherwise vLLM's own."""
 
     direct: bool = False
+    #: the fused wire's side stream (``direct.SideStream``; the sender sets it with ``direct_fuse``), else None
+    side: Any = None
 
     def _broadcast(self, source: Any, meta: list[Any]) -> None:
         if not (self.direct and self.is_sender and not self.packed):
@@ -230,7 +232,8 @@ class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
         assert self.model_update_group is not None, "trainer_init() must be called before _broadcast()."
         sizes = direct.entry_bytes([m.shape for m in meta], [m.dtype for m in meta])
         direct.send(self._checked_iter(source, meta), sizes, self.model_update_group, self.packed_buffer_size_bytes,
-                    _current_stream())
+                    _current_stream(), names=[m.name for m in meta],
+                    before_group=None if self.side is None else self.side.join)
 
 
 def _current_stream() -> Any:

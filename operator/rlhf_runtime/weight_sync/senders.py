@@ -173,6 +173,17 @@ def auto_keeps_checkpoint(plan: KernelPlan | None = None) -> str | None:
     return None
 
 
+#: The direct sync into TP=1 engines sends a fused parameter (q, k and v; gate and up) as one tensor, its parts
+#: concatenated on a side stream while the previous group is on the wire (``direct.fused``): one broadcast per
+#: engine parameter (Qwen3-1.7B: 198 instead of 310) for a device copy of the fused bytes on the trainer. Off
+#: until measured on GPUs (``benchmarks/gpu_sync.py`` variant ``direct-fused``).
+DIRECT_FUSE_DEFAULT = False
+#: The direct sync into TP=1 engines sends the entries under ``direct.SMALL_BYTES`` (norm weights) in packs, one
+#: broadcast each (``direct.with_packs``): Qwen3-1.7B 199 broadcasts instead of 310, 113 of them of 256 B - 4 KiB.
+#: Off until measured on GPUs (variant ``direct-packs``).
+DIRECT_PACKS_DEFAULT = False
+
+
 class TrainerEngineSender(Sender):
     """The backend's ``TrainerWeightTransferEngine`` drives the round trip ``start_weight_update`` ->
     ``update_weights`` (concurrent with the send) -> ``finish_weight_update``.
@@ -204,7 +215,13 @@ class TrainerEngineSender(Sender):
     into their parameters.
 
     Settings, plain attributes read at every sync (``apply_settings``): ``requested_format`` (``fmt``),
-    ``ipc_resident`` (True), ``lean_gathers`` (``LEAN_GATHERS_DEFAULT``) and ``rpc`` (``default_rpc``)."""
+    ``ipc_resident`` (True), ``lean_gathers`` (``LEAN_GATHERS_DEFAULT``), ``rpc`` (``default_rpc``) and the direct
+    sync's wire into TP=1 engines, ``direct_fuse`` and ``direct_packs``."""
+
+    direct_fuse = DIRECT_FUSE_DEFAULT
+    direct_packs = DIRECT_PACKS_DEFAULT
+    _side: direct.SideStream | None = None  # the fused wire's side stream (``_direct_source``)
+    _wire = (DIRECT_FUSE_DEFAULT, DIRECT_PACKS_DEFAULT)  # the wire options the engine's source was made for
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
@@ -221,6 +238,8 @@ class TrainerEngineSender(Sender):
         self.agreed: tuple[set[str], set[str]] | None = None  # agreed_gathers of the kernel plan (_agree)
         self.rpc = default_rpc(backend)  # one of RPC_MODES (NCCL and gloo)
         self.ipc_exchange = ipc_exchange.EXCHANGE_DEFAULT  # IPC with several trainer ranks: see ipc_exchange
+        self.direct_fuse = DIRECT_FUSE_DEFAULT  # the direct sync into TP=1 engines: see DIRECT_FUSE_DEFAULT
+        self.direct_packs = DIRECT_PACKS_DEFAULT  # idem: see DIRECT_PACKS_DEFAULT
         self._exchange: tuple[str, Any] = (ipc_exchange.EXCHANGE_DEFAULT, None)  # in use, and its gloo group
         self._resolve(fmt)
         # fixed for the group's life: vLLM's engines take it at the init handshake
@@ -238,7 +257,7 @@ class TrainerEngineSender(Sender):
             self.engine = DirectNCCLTrainerEngine.trainer_init(info, client=client, source=self._weight_source())
         else:
             self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._weight_source())
-        self.engine.direct = self.direct
+        self.engine.direct, self.engine.side = self.direct, self._side
         self._set_rounds()
 
     def largest_tensor_bytes(self) -> int:
@@ -287,7 +306,7 @@ class TrainerEngineSender(Sender):
             self._resolve(self.requested_format)
             self._resolved_format = self.requested_format
             self.engine.source = self._weight_source()
-            self.engine.direct = self.direct
+            self.engine.direct, self.engine.side = self.direct, self._side
         if self.lean_gathers != self._applied_lean:
             if self.lean_gathers:
                 self._agree()  # the plan's agreement, once (made at plan time where the setting was on then)
@@ -295,6 +314,9 @@ class TrainerEngineSender(Sender):
             self._use_agreed_gathers()
         if self.ipc_exchange != self._exchange[0]:
             self._use_exchange()
+        if (self.direct_fuse, self.direct_packs) != self._wire:  # the engines re-plan from the new metadata
+            self.engine.source = self._weight_source()
+            self.engine.side = self._side
         self._set_rounds()
 
     def _use_exchange(self) -> None:
@@ -379,12 +401,9 @@ class TrainerEngineSender(Sender):
             return self.source.as_weight_source()
         plan, dtype = self.plan, self.source.dtype
         assert plan is not None
-        if self.direct and plan.tp == 1:  # the parts of fused parameters as they are, one entry each
-            wire = {n: list(s) for n, s in self.source.wire_shapes()}
-            entries = direct.unfused_shapes(plan.entries, wire)
-            meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in entries]
-            return vllm_compat.as_weight_source(lambda: meta,
-                                                lambda: direct.unfused(plan.iterate(self.source, fuse=False)))
+        self._wire, self._side = (self.direct_fuse, self.direct_packs), None
+        if self.direct and plan.tp == 1:  # the parts of fused parameters as they are, one entry each, or fused
+            return self._direct_source(plan, dtype)
         if self.direct and plan.all_ranks:  # every TP rank's piece, one entry each, rank after rank
             wire = {n: list(s) for n, s in self.source.wire_shapes()}
             meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in direct.rank_piece_shapes(plan, wire)]
@@ -393,6 +412,31 @@ class TrainerEngineSender(Sender):
         names, _, shapes = plan.metadata(dtype)
         meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in zip(names, shapes)]
         return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
+
+    def _direct_source(self, plan: KernelPlan, dtype: torch.dtype) -> Any:
+        """The direct sync's weight source into TP=1 engines: a fused parameter as its parts, one entry each, or
+        as one tensor (``direct_fuse``: concatenated on a side stream, ``_side``, which the trainer engine joins
+        before each group); the small entries in packs (``direct_packs``: ``direct.with_packs``)."""
+        side = direct.SideStream() if self.direct_fuse else None
+        self._side = side
+        if side is not None:
+            entries = [(n, list(sh)) for n, sh, _ in plan.entries]
+
+            def pairs() -> Any:
+                return direct.fused(plan.iterate(self.source, fuse=False), side)
+        else:
+            entries = direct.unfused_shapes(plan.entries, {n: list(s) for n, s in self.source.wire_shapes()})
+
+            def pairs() -> Any:
+                return direct.unfused(plan.iterate(self.source, fuse=False))
+        make = pairs
+        if self.direct_packs:
+            entries = direct.with_packs(entries, dtype.itemsize)
+
+            def make() -> Any:
+                return direct.packed(pairs(), entries, side)
+        meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in entries]
+        return vllm_compat.as_weight_source(lambda: meta, make)
 
     @property
     def fallback(self) -> str | None:
