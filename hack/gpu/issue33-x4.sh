@@ -164,8 +164,16 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     # separate-nccl: direct by default, so VARIANTS default everything but direct-sync; TP=2 on 3-4 GPUs:
     # LAYOUT=separate-nccl-tp2 VARIANTS=direct-sync,kernel-format-one-rpc, packed by default there; the wire
     # options apply to TP=1 engines only).
+    # Each model first its wire alone (benchmarks/wire_layouts.py: the same bytes as one tensor and as each wire
+    # layout, PyNccl groups between two processes, no Ray or vLLM; ~30 s), unless WIRE=0.
     for model in ${MODELS:-qwen3-1.7b qwen3-8b}; do
       [ "$(left)" -lt 150 ] && { echo "skip $model: $(left) s left" >> $R/order.txt; continue; }
+      if [ "${WIRE:-1}" = 1 ]; then
+        echo "$(date +%T) wire $model" >> $R/order.txt
+        timeout 120 python3 benchmarks/wire_layouts.py --model $model --rounds 20 --kind $KIND \
+            --out $R/wire-$model.json > $R/wire-$model.log 2>&1
+        echo "$(date +%T) wire $model exit $?" >> $R/order.txt
+      fi
       echo "$(date +%T) $model" >> $R/order.txt
       python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$model --work /tmp/rlhf-gpu-bench --syncs 5 \
           --variants ${VARIANTS:-packed-sync,kernel-format-one-rpc,direct-fused,direct-packs,direct-fused-packs,direct-256mb} \

@@ -115,6 +115,7 @@ def test_tp1_entries_land_in_the_parameters_themselves() -> None:
 
 def test_buckets_split_by_bytes_and_give_a_large_entry_its_own() -> None:
     assert direct.buckets([4, 4, 4, 10, 1], 8) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert direct.buckets([0, 0, 10, 0, 4], 8) == [(0, 3), (3, 5)]  # carried entries (0 bytes) join a bucket
 
 
 def test_small_entries_move_into_packs_and_the_parts_of_a_fused_one_stay() -> None:

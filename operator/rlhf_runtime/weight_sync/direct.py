@@ -25,7 +25,7 @@ Two wire options of the trainer (``TrainerEngineSender.direct_fuse`` / ``direct_
 are told describe the wire, so the engines need no setting of their own): ``fused`` sends a fused parameter as one
 tensor (its parts concatenated on a side stream while the previous group is on the wire: ``SideStream``), one
 broadcast per engine parameter instead of one per part; ``with_packs`` moves the entries smaller than
-``SMALL_BYTES`` (norm weights: 112 of Qwen3-1.7B's 310 entries) to the end of the wire, each run of them followed
+``SMALL_BYTES`` (norm weights: 113 of Qwen3-1.7B's 310 entries) to the end of the wire, each run of them followed
 by an entry ``rlhf.pack:<k>`` (``PACK``) that carries the ``k`` entries before it in one broadcast: the engine
 receives it into a scratch tensor and copies the pieces into their parameters after its group (``receive``). Both
 cut the number of broadcasts NCCL runs one after another in a group (TP=1 engines).
@@ -196,11 +196,12 @@ def wire_sizes(sizes: list[int], carried: list[int | None] | None) -> list[int]:
 
 def buckets(sizes: list[int], bucket_bytes: int) -> list[tuple[int, int]]:
     """Split entries (by byte size, in order) into ``[start, end)`` index ranges of at most ``bucket_bytes`` each;
-    an entry larger than a bucket gets a bucket of its own. (The gloo backend's packing uses it too.)"""
+    an entry larger than a bucket gets a bucket of its own; entries of 0 bytes (carried by a pack) never make a
+    bucket of their own. (The gloo backend's packing uses it too.)"""
     out: list[tuple[int, int]] = []
     start, acc = 0, 0
     for i, size in enumerate(sizes):
-        if i > start and acc + size > bucket_bytes:
+        if i > start and acc > 0 and acc + size > bucket_bytes:
             out.append((start, i))
             start, acc = i, 0
         acc += size

@@ -175,11 +175,12 @@ def auto_keeps_checkpoint(plan: KernelPlan | None = None) -> str | None:
 
 #: The direct sync into TP=1 engines sends a fused parameter (q, k and v; gate and up) as one tensor, its parts
 #: concatenated on a side stream while the previous group is on the wire (``direct.fused``): one broadcast per
-#: engine parameter (Qwen3-1.7B: 198 instead of 310) for a device copy of the fused bytes on the trainer. Off
+#: engine parameter (Qwen3-1.7B: 226 instead of 310) for a device copy of the fused bytes on the trainer. Off
 #: until measured on GPUs (``benchmarks/gpu_sync.py`` variant ``direct-fused``).
 DIRECT_FUSE_DEFAULT = False
 #: The direct sync into TP=1 engines sends the entries under ``direct.SMALL_BYTES`` (norm weights) in packs, one
-#: broadcast each (``direct.with_packs``): Qwen3-1.7B 199 broadcasts instead of 310, 113 of them of 256 B - 4 KiB.
+#: broadcast each (``direct.with_packs``): Qwen3-1.7B 198 broadcasts instead of 310 (its 113 entries of 256 B -
+#: 4 KiB in one), both options together 114.
 #: Off until measured on GPUs (variant ``direct-packs``).
 DIRECT_PACKS_DEFAULT = False
 
