@@ -14,6 +14,9 @@ launch to both sides' synchronize (median, min-max), the host time to launch the
 receiver's GPU time from its first group's start to its last group's end (CUDA events).
 
     python3 benchmarks/wire_layouts.py --model qwen3-1.7b --rounds 20 --out $OUT/wire_layouts.json   # 2 GPUs
+    python3 benchmarks/wire_layouts.py --cpu --model tiny --rounds 3 --bucket-mib 1   # the script's own smoke run
+
+(``--cpu``: gloo between two CPU processes; its times say nothing about NCCL.)
 """
 
 from __future__ import annotations
@@ -88,18 +91,63 @@ def layouts(arch: str, config: dict[str, Any], itemsize: int, bucket_bytes: int)
     return out
 
 
-def _rank(rank: int, world: int, port: int, plan: dict[str, list[list[int]]], rounds: int, q: Any) -> None:
+#: ``--model tiny``: a Qwen3 shape of a few MB, for the CPU smoke run (``--cpu``)
+TINY = ("Qwen3", {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True})
+
+
+class _Gloo:
+    """``--cpu``: ``PyNcclCommunicator``'s calls over the default gloo group (a group's broadcasts started
+    asynchronously and waited for at its end), so that the script's own logic runs without GPUs."""
+
+    def __init__(self) -> None:
+        self.works: list[Any] | None = None
+
+    def broadcast(self, tensor: Any, src: int, stream: Any = None) -> None:
+        import torch.distributed as dist
+
+        work = dist.broadcast(tensor, src, async_op=True)
+        if self.works is None:
+            work.wait()
+        else:
+            self.works.append(work)
+
+    def group_start(self) -> None:
+        self.works = []
+
+    def group_end(self) -> None:
+        for work in self.works or []:
+            work.wait()
+        self.works = None
+
+    def all_reduce(self, tensor: Any) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor)
+
+
+def _rank(rank: int, world: int, port: int, plan: dict[str, list[list[int]]], rounds: int, q: Any,
+          cpu: bool = False) -> None:
     import torch
 
     from rlhf_runtime.weight_sync import direct
 
-    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    torch.cuda.set_device(rank)
-    from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+    if cpu:
+        import torch.distributed as dist
 
-    comm = stateless_init_process_group("127.0.0.1", port, rank, world, torch.device("cuda", rank))
-    stream = torch.cuda.current_stream()
-    tensors = {name: [[torch.empty(n, dtype=torch.uint8, device="cuda") for n in g] for g in groups]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        comm: Any = _Gloo()
+        device, stream = "cpu", None
+    else:
+        os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                           "NVSHMEM_DISABLE_NVLS": "1"})
+        torch.cuda.set_device(rank)
+        from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+
+        comm = stateless_init_process_group("127.0.0.1", port, rank, world, torch.device("cuda", rank))
+        device, stream = "cuda", torch.cuda.current_stream()
+    sync = torch.cuda.synchronize if not cpu else (lambda: None)
+    tensors = {name: [[torch.empty(n, dtype=torch.uint8, device=device) for n in g] for g in groups]
                for name, groups in plan.items()}
     if rank == 0:
         for groups in tensors.values():
@@ -108,23 +156,25 @@ def _rank(rank: int, world: int, port: int, plan: dict[str, list[list[int]]], ro
                     t.random_(0, 255)
     names = list(plan)
     samples: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    token = torch.zeros(1, device="cuda")
+    token = torch.zeros(1, device=device)
     for r in range(rounds + 2):  # two warm-up rounds
         for name in names[r % len(names):] + names[: r % len(names)]:
             comm.all_reduce(token)  # every rank here before either starts
-            torch.cuda.synchronize()
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            sync()
+            ev = None if cpu else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             t0 = time.perf_counter()
-            ev[0].record(stream)
+            if ev is not None:
+                ev[0].record(stream)
             for g in tensors[name]:
                 direct.broadcast_group(comm, g, stream)
-            ev[1].record(stream)
+            if ev is not None:
+                ev[1].record(stream)
             launched = time.perf_counter()
-            torch.cuda.synchronize()
+            sync()
             t1 = time.perf_counter()
             if r >= 2:
                 samples[name].append({"wall_s": t1 - t0, "launch_s": launched - t0,
-                                      "gpu_s": ev[0].elapsed_time(ev[1]) / 1e3})
+                                      "gpu_s": ev[0].elapsed_time(ev[1]) / 1e3 if ev is not None else 0.0})
     q.put((rank, samples))
 
 
@@ -132,14 +182,16 @@ def main() -> int:
     import gpu_sync
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-1.7b", choices=["qwen2-0.5b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
+    p.add_argument("--model", default="qwen3-1.7b",
+                   choices=["qwen2-0.5b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "tiny"])
+    p.add_argument("--cpu", action="store_true", help="gloo between CPU processes: a smoke run of the script")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--world", type=int, default=2, help="GPUs: GPU0 sends, the others receive")
     p.add_argument("--bucket-mib", type=int, default=1024)
     p.add_argument("--kind", default="", help="the device kind, recorded")
     p.add_argument("--out", default="wire_layouts.json")
     a = p.parse_args()
-    plan = layouts(*gpu_sync.MODELS[a.model], 2, a.bucket_mib << 20)  # bfloat16
+    plan = layouts(*(TINY if a.model == "tiny" else gpu_sync.MODELS[a.model]), 2, a.bucket_mib << 20)  # bfloat16
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -147,14 +199,15 @@ def main() -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.world, port, plan, a.rounds, q)) for r in range(a.world)]
+    procs = [ctx.Process(target=_rank, args=(r, a.world, port, plan, a.rounds, q, a.cpu)) for r in range(a.world)]
     for proc in procs:
         proc.start()
     got = dict(q.get(timeout=600) for _ in procs)
     for proc in procs:
         proc.join(60)
     total = sum(plan["whole"][0])
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "kind": a.kind, "model": a.model, "bytes": total,
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "kind": "cpu" if a.cpu else a.kind, "model": a.model,
+                              "bytes": total,
                               "world": a.world, "rounds": a.rounds, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "layouts": {}}
     floor = None

@@ -70,3 +70,24 @@ def test_each_layout_is_what_direct_send_broadcasts(fused, packs, name) -> None:
     sizes = [math.prod(s) * 4 for _, s in entries]
     direct.send(iter(pairs), sizes, comm, 1 << 20, names=[n for n, _ in entries])
     assert len(comm.groups) > 2 and comm.groups == wire_layouts.layouts(arch, config, 4, 1 << 20)[name]
+
+
+def test_the_script_runs_every_layout_interleaved_between_two_processes(tmp_path) -> None:
+    """``wire_layouts.py --cpu`` (gloo between two CPU processes, the tiny shape): every layout timed in every
+    round, its broadcasts and groups as ``layouts`` makes them, the percentages against the one-tensor broadcast."""
+    import json
+    import subprocess
+
+    out = tmp_path / "wire.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "wire_layouts.py"
+    subprocess.run([sys.executable, str(script), "--cpu", "--model", "tiny", "--rounds", "2", "--bucket-mib", "1",
+                    "--out", str(out)], check=True, timeout=240, capture_output=True)
+    got = json.loads(out.read_text())
+    plan = wire_layouts.layouts(*wire_layouts.TINY, 2, 1 << 20)
+    assert got["kind"] == "cpu" and got["bytes"] == sum(plan["whole"][0]) and got["rounds"] == 2
+    assert set(got["layouts"]) == set(plan)
+    for name, row in got["layouts"].items():
+        assert row["broadcasts"] == sum(map(len, plan[name])) and row["groups"] == len(plan[name])
+        low, mid, high = row["wall_ms"][1], row["wall_ms"][0], row["wall_ms"][2]
+        assert 0 < low <= mid <= high and row["pct_of_whole"] > 0 and set(row["launch_ms"]) == {"0", "1"}
+    assert got["layouts"]["whole"]["pct_of_whole"] == 100
