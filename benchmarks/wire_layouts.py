@@ -5,7 +5,7 @@ on both sides (as the trainer's and the engine's parameters are), no Ray, no vLL
 beyond the raw broadcast into what the number and size of the broadcasts cost (here) and what the runtime adds
 around them (``gpu_sync.py``'s timeline).
 
-Layouts (the runtime's own functions make them, ``direct.with_packs`` / ``direct.buckets``): ``whole`` (one
+Layouts (the runtime's own functions make them, ``wire.with_packs`` / ``direct.buckets``): ``whole`` (one
 tensor), ``parts`` (the direct sync's default: a fused parameter's parts one broadcast each), ``fused`` (one
 broadcast per engine parameter, ``TrainerEngineSender.direct_fuse``), ``packs`` (the small entries in packs,
 ``direct_packs``), ``fused-packs``; each at ``--bucket-mib`` (default 1024, ``weightSync.bucketSizeMB``) and the
@@ -71,7 +71,7 @@ def wire_entries(arch: str, config: dict[str, Any], fused: bool) -> list[tuple[s
 def layouts(arch: str, config: dict[str, Any], itemsize: int, bucket_bytes: int) -> dict[str, list[list[int]]]:
     """Per layout, its groups as the byte sizes of the broadcasts in each (a pack: one broadcast of its entries'
     bytes), cut as ``direct.send`` cuts them (groups of ``bucket_bytes``; ``parts-256mib`` of 256 MiB). Pure."""
-    from rlhf_runtime.weight_sync import direct
+    from rlhf_runtime.weight_sync import direct, wire
 
     out: dict[str, list[list[int]]] = {}
     total = sum(math.prod(s) for _, s in wire_entries(arch, config, False)) * itemsize
@@ -81,10 +81,10 @@ def layouts(arch: str, config: dict[str, Any], itemsize: int, bucket_bytes: int)
                                        ("parts-256mib", False, False, 256 << 20)):
         entries = wire_entries(arch, config, fused)
         if packs:
-            entries = direct.with_packs(entries, itemsize)
-        carried = direct.carriers([n for n, _ in entries])
-        wire = direct.wire_sizes([math.prod(s) * itemsize for _, s in entries], carried)
-        groups = [[wire[i] for i in range(a, b) if carried[i] is None] for a, b in direct.buckets(wire, bucket)]
+            entries = wire.with_packs(entries, itemsize)
+        carried = wire.carriers([n for n, _ in entries])
+        sizes = wire.wire_sizes([math.prod(s) * itemsize for _, s in entries], carried)
+        groups = [[sizes[i] for i in range(a, b) if carried[i] is None] for a, b in direct.buckets(sizes, bucket)]
         out[name] = [g for g in groups if g]
     for name, groups in out.items():
         assert sum(map(sum, groups)) == total, name  # every layout moves the same bytes

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_sync
 import wire_layouts
 
-from rlhf_runtime.weight_sync import direct
+from rlhf_runtime.weight_sync import direct, wire
 
 
 class Counting:
@@ -56,12 +56,12 @@ def test_each_layout_is_what_direct_send_broadcasts(fused, packs, name) -> None:
                              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     entries = wire_layouts.wire_entries(arch, config, fused)
     if packs:
-        entries = direct.with_packs(entries, 4)
-    carried = direct.carriers([n for n, _ in entries])
+        entries = wire.with_packs(entries, 4)
+    carried = wire.carriers([n for n, _ in entries])
     members: list[Any] = []
     pairs = []
     for (n, shape), c in zip(entries, carried, strict=True):
-        k = direct.pack_size(n)
+        k = wire.pack_size(n)
         t = torch.cat(members[-k:]) if k else torch.zeros(math.prod(shape))
         if c is not None:
             members.append(t)

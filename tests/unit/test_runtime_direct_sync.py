@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from rlhf_runtime.weight_sync import direct
+from rlhf_runtime.weight_sync import direct, wire
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.kernel import KernelTarget
 from tests.unit.test_runtime_weight_sync import _engine, _hf, _Source
@@ -60,7 +60,7 @@ def _wire(plan: KernelPlan, hf: dict[str, torch.Tensor], fuse: bool = False, sma
     """What the trainer sends (TP=1: the parts unfused, or fused with ``fuse``, the entries under ``small`` bytes
     in packs; TP > 1: every rank's piece) and the metadata it declares (name, shape)."""
     if plan.tp == 1 and fuse:
-        pairs = list(direct.fused(plan.iterate(_Source(hf), fuse=False), direct.SideStream()))
+        pairs = list(wire.fused(plan.iterate(_Source(hf), fuse=False), wire.SideStream()))
         meta = [(n, list(sh)) for n, sh, _ in plan.entries]
     elif plan.tp == 1:
         pairs = list(direct.unfused(plan.iterate(_Source(hf), fuse=False)))
@@ -69,8 +69,8 @@ def _wire(plan: KernelPlan, hf: dict[str, torch.Tensor], fuse: bool = False, sma
         pairs = list(direct.rank_pieces(plan, plan.iterate(_Source(hf), fuse=False)))
         meta = direct.rank_piece_shapes(plan, {n: list(t.shape) for n, t in hf.items()})
     if small:
-        meta = direct.with_packs(meta, F32.itemsize, small)
-        pairs = list(direct.packed(iter(pairs), meta))
+        meta = wire.with_packs(meta, F32.itemsize, small)
+        pairs = list(wire.packed(iter(pairs), meta))
     assert [(n, list(t.shape)) for n, t in pairs] == [(n, list(s)) for n, s in meta]  # declared = sent
     return pairs, meta
 
@@ -123,12 +123,12 @@ def test_small_entries_move_into_packs_and_the_parts_of_a_fused_one_stay() -> No
     last, in their order; a small part of a fused parameter (its name more than once) stays where it is."""
     entries = [("emb", [100]), ("n0", [2]), ("qkv", [1]), ("qkv", [50]), ("w0", [64]), ("n1", [3]), ("n2", [1]),
                ("norm", [4])]
-    got = direct.with_packs(entries, 4, small=40, most=3)
+    got = wire.with_packs(entries, 4, small=40, most=3)
     assert got == [("emb", [100]), ("qkv", [1]), ("qkv", [50]), ("w0", [64]), ("n0", [2]), ("n1", [3]),
                    ("n2", [1]), ("rlhf.pack:3", [6]), ("norm", [4]), ("rlhf.pack:1", [4])]
-    assert direct.carriers([n for n, _ in got]) == [None, None, None, None, 7, 7, 7, None, 9, None]
-    assert direct.with_packs(entries, 4, small=4) == entries  # nothing small enough: the wire as it was
-    assert direct.wire_sizes([8, 8, 16], [2, 2, None]) == [0, 0, 16]
+    assert wire.carriers([n for n, _ in got]) == [None, None, None, None, 7, 7, 7, None, 9, None]
+    assert wire.with_packs(entries, 4, small=4) == entries  # nothing small enough: the wire as it was
+    assert wire.wire_sizes([8, 8, 16], [2, 2, None]) == [0, 0, 16]
 
 
 @pytest.mark.parametrize(("names", "match"), [
@@ -137,7 +137,7 @@ def test_small_entries_move_into_packs_and_the_parts_of_a_fused_one_stay() -> No
 ])
 def test_a_pack_that_claims_entries_not_there_is_refused(names, match) -> None:
     with pytest.raises(ValueError, match=match):
-        direct.carriers(names)
+        wire.carriers(names)
 
 
 def test_a_packed_wire_lands_in_the_parameters_and_a_tp_engine_refuses_it() -> None:
@@ -149,7 +149,7 @@ def test_a_packed_wire_lands_in_the_parameters_and_a_tp_engine_refuses_it() -> N
     plan = KernelPlan.build(_Source(hf), engine)
     _, meta = _wire(plan, hf, fuse=True, small=100)  # the norm (32 B) and the fused bias (64 B)
     names, shapes = [n for n, _ in meta], [s for _, s in meta]
-    assert names[-1].startswith(direct.PACK) and "model.norm.weight" in names
+    assert names[-1].startswith(wire.PACK) and "model.norm.weight" in names
     target = KernelTarget(_engine_model(engine["params"]))
     p = direct.plan(target, names, ["float32"] * len(meta), shapes, 1 << 20)
     carried = p.carried
@@ -332,7 +332,7 @@ def test_trainer_and_tp1_engine_agree_over_a_real_group() -> None:
 @pytest.mark.parametrize(("fuse", "small"), [(True, 0), (False, 3000), (True, 3000)])
 def test_the_fused_and_packed_wires_land_the_same_weights_in_fewer_broadcasts(fuse, small) -> None:
     """The trainer's wire options into a TP=1 engine over a real group: a fused parameter as one broadcast
-    (``direct.fused``), the whole entries under 3,000 bytes (the norm, ``o_proj``, the fused bias) in a pack
+    (``wire.fused``), the whole entries under 3,000 bytes (the norm, ``o_proj``, the fused bias) in a pack
     (``with_packs``): both
     sides make the same broadcasts, fewer than the parts' wire, the ``before_group`` hook runs once per group,
     and the engine ends with the same weights (the padding rows untouched)."""
@@ -415,9 +415,9 @@ def test_the_senders_wire_options_change_what_it_declares_and_yields(fuse, packs
     assert meta == [(n, list(t.shape)) for n, t in sent]
     assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == qkv
     assert (sender._side is not None) is fuse and sender._wire == (fuse, packs)
-    assert meta[-1][0].startswith(direct.PACK) is pack
+    assert meta[-1][0].startswith(wire.PACK) is pack
     if pack:
-        k = direct.pack_size(meta[-1][0])
+        k = wire.pack_size(meta[-1][0])
         assert torch.equal(sent[-1][1], torch.cat([t.reshape(-1) for _, t in sent[-1 - k:-1]]))
 
 
@@ -444,7 +444,7 @@ def test_changing_a_wire_option_gives_the_trainer_engine_a_new_source_once() -> 
     assert sender.engine.source is first and sender.engine.side is None
     sender.direct_fuse = True
     sender.apply_settings()
-    assert sender.engine.source is not first and isinstance(sender.engine.side, direct.SideStream)
+    assert sender.engine.source is not first and isinstance(sender.engine.side, wire.SideStream)
     fused = sender.engine.source
     sender.apply_settings()
     assert sender.engine.source is fused

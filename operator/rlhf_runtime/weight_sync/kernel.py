@@ -222,7 +222,7 @@ class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
     ``RlhfNCCLWeightTransferEngine`` receiving into their parameters. Otherwise vLLM's own."""
 
     direct: bool = False
-    #: the fused wire's side stream (``direct.SideStream``; the sender sets it with ``direct_fuse``), else None
+    #: the fused wire's side stream (``wire.SideStream``; the sender sets it with ``direct_fuse``), else None
     side: Any = None
 
     def _broadcast(self, source: Any, meta: list[Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlhf_runtime.vllm import compat as vllm_compat
-from rlhf_runtime.weight_sync import direct, ipc_exchange
+from rlhf_runtime.weight_sync import direct, ipc_exchange, wire
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import KernelPlan, effective_format
 from rlhf_runtime.weight_sync.producers import ParamSource, ResidentExport
@@ -173,18 +173,6 @@ def auto_keeps_checkpoint(plan: KernelPlan | None = None) -> str | None:
     return None
 
 
-#: The direct sync into TP=1 engines sends a fused parameter (q, k and v; gate and up) as one tensor, its parts
-#: concatenated on a side stream while the previous group is on the wire (``direct.fused``): one broadcast per
-#: engine parameter (Qwen3-1.7B: 226 instead of 310) for a device copy of the fused bytes on the trainer. Off
-#: until measured on GPUs (``benchmarks/gpu_sync.py`` variant ``direct-fused``).
-DIRECT_FUSE_DEFAULT = False
-#: The direct sync into TP=1 engines sends the entries under ``direct.SMALL_BYTES`` (norm weights) in packs, one
-#: broadcast each (``direct.with_packs``): Qwen3-1.7B 198 broadcasts instead of 310 (its 113 entries of 256 B -
-#: 4 KiB in one), both options together 114.
-#: Off until measured on GPUs (variant ``direct-packs``).
-DIRECT_PACKS_DEFAULT = False
-
-
 class TrainerEngineSender(Sender):
     """The backend's ``TrainerWeightTransferEngine`` drives the round trip ``start_weight_update`` ->
     ``update_weights`` (concurrent with the send) -> ``finish_weight_update``.
@@ -219,10 +207,10 @@ class TrainerEngineSender(Sender):
     ``ipc_resident`` (True), ``lean_gathers`` (``LEAN_GATHERS_DEFAULT``), ``rpc`` (``default_rpc``) and the direct
     sync's wire into TP=1 engines, ``direct_fuse`` and ``direct_packs``."""
 
-    direct_fuse = DIRECT_FUSE_DEFAULT
-    direct_packs = DIRECT_PACKS_DEFAULT
-    _side: direct.SideStream | None = None  # the fused wire's side stream (``_direct_source``)
-    _wire = (DIRECT_FUSE_DEFAULT, DIRECT_PACKS_DEFAULT)  # the wire options the engine's source was made for
+    direct_fuse = wire.FUSE_DEFAULT
+    direct_packs = wire.PACKS_DEFAULT
+    _side: wire.SideStream | None = None  # the fused wire's side stream (``_direct_source``)
+    _wire = (wire.FUSE_DEFAULT, wire.PACKS_DEFAULT)  # the wire options the engine's source was made for
 
     def __init__(self, backend: str, client: EngineFanOut, source: ParamSource, init: dict[str, Any],
                  fmt: str = "auto") -> None:
@@ -239,8 +227,8 @@ class TrainerEngineSender(Sender):
         self.agreed: tuple[set[str], set[str]] | None = None  # agreed_gathers of the kernel plan (_agree)
         self.rpc = default_rpc(backend)  # one of RPC_MODES (NCCL and gloo)
         self.ipc_exchange = ipc_exchange.EXCHANGE_DEFAULT  # IPC with several trainer ranks: see ipc_exchange
-        self.direct_fuse = DIRECT_FUSE_DEFAULT  # the direct sync into TP=1 engines: see DIRECT_FUSE_DEFAULT
-        self.direct_packs = DIRECT_PACKS_DEFAULT  # idem: see DIRECT_PACKS_DEFAULT
+        self.direct_fuse = wire.FUSE_DEFAULT  # the direct sync into TP=1 engines: wire.FUSE_DEFAULT
+        self.direct_packs = wire.PACKS_DEFAULT  # idem: wire.PACKS_DEFAULT
         self._exchange: tuple[str, Any] = (ipc_exchange.EXCHANGE_DEFAULT, None)  # in use, and its gloo group
         self._resolve(fmt)
         # fixed for the group's life: vLLM's engines take it at the init handshake
@@ -406,8 +394,8 @@ class TrainerEngineSender(Sender):
         if self.direct and plan.tp == 1:  # the parts of fused parameters as they are, one entry each, or fused
             return self._direct_source(plan, dtype)
         if self.direct and plan.all_ranks:  # every TP rank's piece, one entry each, rank after rank
-            wire = {n: list(s) for n, s in self.source.wire_shapes()}
-            meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in direct.rank_piece_shapes(plan, wire)]
+            hf = {n: list(s) for n, s in self.source.wire_shapes()}
+            meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in direct.rank_piece_shapes(plan, hf)]
             return vllm_compat.as_weight_source(
                 lambda: meta, lambda: direct.rank_pieces(plan, plan.iterate(self.source, fuse=False)))
         names, _, shapes = plan.metadata(dtype)
@@ -417,14 +405,14 @@ class TrainerEngineSender(Sender):
     def _direct_source(self, plan: KernelPlan, dtype: torch.dtype) -> Any:
         """The direct sync's weight source into TP=1 engines: a fused parameter as its parts, one entry each, or
         as one tensor (``direct_fuse``: concatenated on a side stream, ``_side``, which the trainer engine joins
-        before each group); the small entries in packs (``direct_packs``: ``direct.with_packs``)."""
-        side = direct.SideStream() if self.direct_fuse else None
+        before each group); the small entries in packs (``direct_packs``: ``wire.with_packs``)."""
+        side = wire.SideStream() if self.direct_fuse else None
         self._side = side
         if side is not None:
             entries = [(n, list(sh)) for n, sh, _ in plan.entries]
 
             def pairs() -> Any:
-                return direct.fused(plan.iterate(self.source, fuse=False), side)
+                return wire.fused(plan.iterate(self.source, fuse=False), side)
         else:
             entries = direct.unfused_shapes(plan.entries, {n: list(s) for n, s in self.source.wire_shapes()})
 
@@ -432,10 +420,10 @@ class TrainerEngineSender(Sender):
                 return direct.unfused(plan.iterate(self.source, fuse=False))
         make = pairs
         if self.direct_packs:
-            entries = direct.with_packs(entries, dtype.itemsize)
+            entries = wire.with_packs(entries, dtype.itemsize)
 
             def make() -> Any:
-                return direct.packed(pairs(), entries, side)
+                return wire.packed(pairs(), entries, side)
         meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in entries]
         return vllm_compat.as_weight_source(lambda: meta, make)
 
