@@ -128,15 +128,11 @@ def packed(pairs: Iterable[tuple[str, torch.Tensor]], entries: list[tuple[str, l
         yield name, tensor
 
 
-
-
 def wire_sizes(sizes: list[int], carried: list[int | None] | None) -> list[int]:
     """Per entry, the bytes it puts on the wire: its own, 0 where a pack carries it (``carriers``)."""
     if carried is None:
         return list(sizes)
     return [0 if c is not None else n for n, c in zip(sizes, carried, strict=True)]
-
-
 
 
 class SideStream:
