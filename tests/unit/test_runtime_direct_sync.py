@@ -365,6 +365,28 @@ def test_trainer_and_both_workers_of_a_tp2_engine_agree_over_a_real_group() -> N
 
 
 # ------------------------------------------------------------------------------------------ the sender's source
+def _bare_sender(hf: dict[str, torch.Tensor], tp: int = 1, backend: str = "nccl", packed: bool = False,
+                 fmt: str = "kernel") -> Any:
+    """A ``TrainerEngineSender`` without its ``__init__`` (which opens the NCCL group): the attributes its weight
+    source reads, the plan of one engine of ``tp`` workers over ``hf``."""
+    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
+
+    source = _Source(hf)
+    source.dtype = F32
+    sender = object.__new__(TrainerEngineSender)
+    sender.backend, sender.packed, sender.format, sender.source = backend, packed, fmt, source
+    sender.plan = KernelPlan.build(source, _engine(hf, tp))
+    return sender
+
+
+def _declared_and_sent(ws: Any) -> tuple[list[tuple[str, list[int]]], list[tuple[str, torch.Tensor]]]:
+    """A weight source's declared entries (name, shape) and what it yields."""
+    from rlhf_runtime.vllm import compat as vllm_compat
+
+    return ([(m.name, list(m.shape)) for m in vllm_compat.source_metadata(ws)],
+            list(vllm_compat.source_tensors(ws)))
+
+
 @pytest.mark.parametrize(("backend", "packed", "fmt", "direct_on"), [
     ("nccl", False, "kernel", True), ("nccl", True, "kernel", False), ("nccl", False, "checkpoint", False),
     ("ipc", False, "kernel", False),
@@ -374,21 +396,14 @@ def test_the_sender_declares_what_it_yields_parts_only_on_the_direct_sync(backen
     parameter goes out as its parts under its name, declared so (the engines build their receive plan from the
     declaration); otherwise the fused tensors (or the checkpoint format's HF tensors) as before."""
     from rlhf_runtime.vllm import compat as vllm_compat
-    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
 
     hf = _hf()
-    source = _Source(hf)
-    source.dtype = F32
-    source.as_weight_source = lambda: vllm_compat.as_weight_source(
+    sender = _bare_sender(hf, backend=backend, packed=packed, fmt=fmt)
+    sender.source.as_weight_source = lambda: vllm_compat.as_weight_source(
         lambda: [vllm_compat.param_meta(n, F32, tuple(t.shape)) for n, t in hf.items()], lambda: iter(hf.items()))
-    sender = object.__new__(TrainerEngineSender)  # its __init__ opens the NCCL group; the source is what is checked
-    sender.backend, sender.packed, sender.format, sender.source = backend, packed, fmt, source
-    sender.plan = KernelPlan.build(source, _engine(hf, 1))
     assert sender.direct is direct_on
-    ws = sender._weight_source()
-    meta = [(m.name, list(m.shape)) for m in vllm_compat.source_metadata(ws)]
-    sent = [(n, list(t.shape)) for n, t in vllm_compat.source_tensors(ws)]
-    assert meta == sent
+    meta, sent = _declared_and_sent(sender._weight_source())
+    assert meta == [(n, list(t.shape)) for n, t in sent]
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert [n for n, _ in meta].count(qkv) == (3 if direct_on else 0 if fmt == "checkpoint" else 1)
 
@@ -399,19 +414,9 @@ def test_the_senders_wire_options_change_what_it_declares_and_yields(fuse, packs
     """``direct_fuse`` / ``direct_packs`` on the direct sync into a TP=1 engine: the declared entries are what the
     source yields (one ``qkv_proj`` entry where fused; the small entries moved behind a pack entry, which is their
     tensors concatenated); the trainer engine gets the side stream only where the sender fuses."""
-    from rlhf_runtime.vllm import compat as vllm_compat
-    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
-
-    hf = _hf()
-    source = _Source(hf)
-    source.dtype = F32
-    sender = object.__new__(TrainerEngineSender)  # its __init__ opens the NCCL group; the source is what is checked
-    sender.backend, sender.packed, sender.format, sender.source = "nccl", False, "kernel", source
-    sender.plan = KernelPlan.build(source, _engine(hf, 1))
+    sender = _bare_sender(_hf())
     sender.direct_fuse, sender.direct_packs = fuse, packs
-    ws = sender._weight_source()
-    meta = [(m.name, list(m.shape)) for m in vllm_compat.source_metadata(ws)]
-    sent = list(vllm_compat.source_tensors(ws))
+    meta, sent = _declared_and_sent(sender._weight_source())
     assert meta == [(n, list(t.shape)) for n, t in sent]
     assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == qkv
     assert (sender._side is not None) is fuse and sender._wire == (fuse, packs)
@@ -426,14 +431,8 @@ def test_changing_a_wire_option_gives_the_trainer_engine_a_new_source_once() -> 
     weight source (its metadata differs, so vLLM's trainer sends it and the engines re-plan) and the side stream;
     with nothing changed it keeps both."""
     from rlhf_runtime.weight_sync import ipc_exchange
-    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
 
-    hf = _hf()
-    source = _Source(hf)
-    source.dtype = F32
-    sender = object.__new__(TrainerEngineSender)  # its __init__ opens the NCCL group
-    sender.backend, sender.packed, sender.format, sender.source = "nccl", False, "kernel", source
-    sender.plan = KernelPlan.build(source, _engine(hf, 1))
+    sender = _bare_sender(_hf())
     sender.requested_format = sender._resolved_format = "kernel"
     sender.lean_gathers = sender._applied_lean = True
     sender.ipc_exchange, sender._exchange = ipc_exchange.EXCHANGE_DEFAULT, (ipc_exchange.EXCHANGE_DEFAULT, None)
@@ -455,19 +454,8 @@ def test_into_a_tp_engine_the_direct_sync_declares_every_ranks_pieces(packed) ->
     """The sender's weight source for one TP=2 engine over NCCL: on the direct sync every rank's piece under the
     parameter's name (declared = sent; q, k, v of each rank: 6 entries); packed, vLLM's one tensor per
     parameter, every rank's pieces side by side."""
-    from rlhf_runtime.vllm import compat as vllm_compat
-    from rlhf_runtime.weight_sync.senders import TrainerEngineSender
-
-    hf = _hf()
-    source = _Source(hf)
-    source.dtype = F32
-    sender = object.__new__(TrainerEngineSender)  # its __init__ opens the NCCL group; the source is what is checked
-    sender.backend, sender.packed, sender.format, sender.source = "nccl", packed, "kernel", source
-    sender.plan = KernelPlan.build(source, _engine(hf, 2))
-    ws = sender._weight_source()
-    meta = [(m.name, list(m.shape)) for m in vllm_compat.source_metadata(ws)]
-    sent = [(n, list(t.shape)) for n, t in vllm_compat.source_tensors(ws)]
-    assert meta == sent
+    meta, sent = _declared_and_sent(_bare_sender(_hf(), tp=2, packed=packed)._weight_source())
+    assert meta == [(n, list(t.shape)) for n, t in sent]
     assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == (1 if packed else 6)
 
 
