@@ -213,7 +213,7 @@ def plan(target: Any, names: list[str], dtype_names: list[str], shapes: list[lis
     if packs and target.tp != 1:
         raise ValueError("pack entries (rlhf.pack:<k>) are received by the workers of TP=1 engines only")
     for i in packs:  # a pack is its entries' elements together, in their dtype
-        members = [j for j, c in enumerate(carried) if c == i]
+        members = range(i - pack_size(names[i]), i)  # a pack carries the entries just before it (``carriers``)
         if any(dtypes[j] != dtypes[i] for j in members) or len(shapes[i]) != 1 \
                 or shapes[i][0] != sum(math.prod(shapes[j]) for j in members):
             raise ValueError(f"pack entry {names[i]!r} {list(shapes[i])} {dtypes[i]} is not its {len(members)} "
@@ -258,7 +258,7 @@ def receive(p: Plan, target: Any, comm: Any, stream: Any = None) -> int:
             if p.buffers[i] is not None:
                 continue
             if pack_size(p.names[i]):
-                dst = [p.buffers[j] for j in range(len(p.names)) if carried[j] == i]
+                dst = p.buffers[i - pack_size(p.names[i]):i]  # the entries it carries, just before it
                 with torch.no_grad():
                     torch._foreach_copy_(dst, [x.view(d.shape) for x, d in
                                                zip(buf.split([d.numel() for d in dst]), dst)], non_blocking=True)
