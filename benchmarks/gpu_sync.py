@@ -5,8 +5,10 @@ For each ``LAYOUT:MODEL`` (e.g. ``separate-nccl:qwen2-0.5b``) a child process
 
 1. builds a random-init model from a real architecture config with ``save_pretrained`` (no hub) and a
    character-level tokenizer of the model's vocabulary size;
-2. measures the floor for the same bytes: a raw NCCL broadcast GPU0 -> GPU1 (``torch.distributed``, two
-   processes) for NCCL layouts, a device-to-device copy on one GPU for IPC layouts;
+2. measures the floor for the bytes the default sync sends (``sent_bytes``: a tied head once): a raw NCCL
+   broadcast GPU0 -> GPU1 (``torch.distributed``, two processes) for NCCL layouts, a device-to-device copy on one
+   GPU for IPC layouts; ``floor_shares`` sets each arm's bandwidth beside the floor's and says whether it sent
+   the same bytes;
 3. starts the runtime exactly as the driver does (local Ray, placement groups, trainer and vLLM engine
    actors, ``init_sync``), syncs once (engines start with dummy weights) and runs the driver's validation
    (the synced engine's greedy tokens == a fresh engine loaded from the trainer's weights);
@@ -346,6 +348,32 @@ def nccl_floor(nbytes: int, chunk: int, world: int = 2) -> dict[str, Any]:
     w, c = median(res["whole_s"]), median(res["chunked_s"])
     return {"kind": f"nccl_broadcast_gpu0_to_gpu1-{world - 1}", "world": world, "bytes": nbytes, "whole_s": w, "whole_gbps": nbytes / w / 1e9,
             "chunked_s": c, "chunked_gbps": nbytes / c / 1e9, "chunk_bytes": chunk, "samples": res}
+
+
+def sent_bytes(model: Any, itemsize: int = 2) -> int:
+    """The bytes the default sync sends for ``model`` (bfloat16: ``itemsize`` 2), on which the floor is measured:
+    the kernel format sends every parameter once, so a tied head (the embedding's alias, which
+    ``named_parameters()`` drops) is not counted again. Up to 2026-12-01 the floor counted it (4.06 GB instead of the
+    3.44 GB sent for Qwen3-1.7B): ``floor_shares`` flags an arm whose syncs sent other bytes than its floor moved."""
+    return sum(p.numel() for _, p in model.named_parameters()) * itemsize
+
+
+def floor_shares(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each timed arm's bandwidth as a share of its run's floor (the raw broadcast, whole, or the device copy),
+    beside the bytes each moved: ``same_bytes`` false means the share compares other bytes (by bandwidth only).
+    Keyed like the results: ``summary`` (the default alone, sequential variants) and ``summary_interleaved``."""
+    fl = result.get("floor") or {}
+    floor_gbps = fl.get("whole_gbps", fl.get("copy_gbps"))
+    if not floor_gbps:
+        return {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for key in ("summary", "summary_interleaved"):
+        arms = {name: {"share": v["gbps"] / floor_gbps, "bytes": v["bytes"], "floor_bytes": fl.get("bytes"),
+                       "same_bytes": v["bytes"] == fl.get("bytes")}
+                for name, v in (result.get(key) or {}).items() if v.get("gbps")}
+        if arms:
+            out[key] = arms
+    return out
 
 
 def copy_floor(nbytes: int) -> dict[str, Any]:
@@ -901,7 +929,7 @@ def child(args: argparse.Namespace) -> int:
 
             with torch.device("meta"):
                 m = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**cfg_kw))
-            nbytes = sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) * 2
+            nbytes = sent_bytes(m)
             del m
             if "nccl" in layout:
                 r = merge(base_spec("m", True), layout_parts(layout)[0])["rollout"]
@@ -927,6 +955,7 @@ def child(args: argparse.Namespace) -> int:
         result["traceback"] = traceback.format_exc()[-8000:]
         print(result["traceback"], flush=True)
     finally:
+        result["floor_shares"] = floor_shares(result)
         save(result)
     return 0 if result["status"] == "ok" else 1
 
@@ -1013,7 +1042,8 @@ def stack_dump(run_pid: int) -> list[int]:
 
 
 def table(out: Path, names: list[str]) -> str:
-    lines = ["layout:model | status | valid | sync ms (default) | GB/s | best variant ms | best GB/s | floor GB/s | tok/s"]
+    lines = [("layout:model | status | valid | sync ms (default) | GB/s | % of floor | best variant ms | best GB/s | "
+              "floor GB/s | tok/s   (% of floor marked * where the floor moved other bytes than the syncs sent)")]
     for name in names:
         layout, model_name = name.split(":")
         f = out / f"gpu_{layout}_{model_name}.json"
@@ -1028,9 +1058,11 @@ def table(out: Path, names: list[str]) -> str:
                    default={})
         fl = r.get("floor", {})
         fg = fl.get("whole_gbps", fl.get("copy_gbps", 0))
+        share = floor_shares(r).get("summary", {}).get("default")
+        pct = f"{share['share']:.1%}{'' if share['same_bytes'] else '*'}" if share else "-"
         lines.append(
             f"{name} | {r.get('status')} {r.get('error', '')[:80]} | {r.get('validation', {}).get('validated')} | "
-            f"{d.get('median_total_s', 0) * 1e3:.1f} | {d.get('gbps', 0):.1f} | "
+            f"{d.get('median_total_s', 0) * 1e3:.1f} | {d.get('gbps', 0):.1f} | {pct} | "
             f"{best.get('median_total_s', 0) * 1e3:.1f} | {best.get('gbps', 0):.1f} | {fg:.0f} | "
             f"{r.get('rollout', {}).get('tokens_per_second', 0):.0f}"
         )

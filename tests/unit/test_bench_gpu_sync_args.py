@@ -39,3 +39,22 @@ def test_dp_scaling_interleaves_engine_counts_and_summarises_per_count() -> None
     # weak scaling: every engine decodes as many prompts at every count; strong: the one batch is split
     assert [g.scaling_prompts(k, 128, 64) for k in (1, 2, 3)] == [128, 256, 384]
     assert [g.scaling_prompts(k, 0, 64) for k in (1, 2, 3)] == [64, 64, 64]
+
+
+def test_floor_counts_a_tied_head_once_and_shares_flag_other_bytes() -> None:
+    import torch
+
+    g = _gpu_sync()
+    emb, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as Qwen3-1.7B's lm_head: the kernel format never sends it
+    model = torch.nn.ModuleDict({"embed": emb, "head": head, "norm": torch.nn.LayerNorm(4)})
+    assert g.sent_bytes(model) == (40 + 4 + 4) * 2
+    result = {"floor": {"bytes": 96, "copy_gbps": 200.0},
+              "summary": {"default": {"bytes": 96, "gbps": 50.0}, "broken": {"error": "x"}},
+              "summary_interleaved": {"default": {"bytes": 96, "gbps": 60.0},
+                                      "checkpoint": {"bytes": 176, "gbps": 100.0}}}
+    shares = g.floor_shares(result)
+    assert shares["summary"] == {"default": {"share": 0.25, "bytes": 96, "floor_bytes": 96, "same_bytes": True}}
+    assert shares["summary_interleaved"]["default"]["share"] == 0.3
+    assert shares["summary_interleaved"]["checkpoint"]["same_bytes"] is False
+    assert g.floor_shares({"summary": {"default": {"bytes": 1, "gbps": 1.0}}}) == {}  # no floor measured
