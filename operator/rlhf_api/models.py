@@ -181,9 +181,9 @@ class Trainer(Model):
         description="Compile each decoder layer of the policy and critic with torch.compile (fused normalisation, "
         "rotary, activation and cast kernels; the attention and matrix multiplications stay as they are): "
         "about 20-60 s more start-up, the same losses. Measured on one H200, Qwen3-1.7B shape, 65,536 tokens "
-        "per step, gradient checkpointing on: 1.23-1.40x the training tokens/s (MFU 23% -> 28-33%; with "
-        "checkpointing off 37-40%); Qwen3-8B shape, FSDP2 over 2 H200s: 1.19x; benchmarks/README.md, 'The "
-        "trainer's step'.",
+        "per step, gradient checkpointing on: 1.24-1.43x the training tokens/s at 16k-1k tokens per sequence "
+        "(MFU 24-25% -> 30-35%; with checkpointing off 37-40%); Qwen3-8B shape, FSDP2 over 2 H200s: 1.19x; "
+        "benchmarks/README.md, 'The trainer's step'.",
     )
     reshard_after_forward: bool = Field(
         True,
