@@ -21,7 +21,6 @@ left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 R=/tmp/issue33-one-gpu/$part
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/nvidia-smi.txt
-git log -1 --format=%H > $R/commit.txt 2>/dev/null || true
 case $part in
   ipc)
     python3 benchmarks/gpu_sync.py --kind nvidia-h200 --out $R --syncs 10 --timeout $(( $(left) - 20 )) \
