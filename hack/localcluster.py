@@ -22,6 +22,7 @@ import argparse
 import base64
 import json
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -62,10 +63,31 @@ rules:
 """
 
 
+#: Where ``free_port`` picks: above Ray's default worker ports (10002-19999) and the kubelets' (10250 + node), below
+#: the NodePort range and the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default).
+PORT_RANGE = (20000, 30000)
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, for a server started next. Not ``bind(0)``: the kernel hands out its ephemeral
+    range, where a port closed here can be taken as the local port of any outgoing connection on the machine before
+    the server binds it (a kube-apiserver failed so beside a busy cluster, 2026-12-01: "failed to listen on
+    127.0.0.1:53625: bind: address already in use"). The kernel never picks ports of ``PORT_RANGE`` by itself; each
+    is handed out once per process, chosen at random (not from the seeded ``random``) so processes differ."""
+    pick = random.SystemRandom()
+    for _ in range(2000):
+        port = pick.randrange(*PORT_RANGE)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {PORT_RANGE[0]}-{PORT_RANGE[1] - 1} on 127.0.0.1 after 2000 tries")
 
 
 def log(msg: str) -> None:

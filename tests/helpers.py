@@ -1,9 +1,11 @@
 """Test helpers shared by the tiers: polling with a deadline (never bare sleeps); the runtime's view of its
-RLHFJob over HTTP where no apiserver runs (``JobAPI``); a real MLflow tracking server (``MLflowServer``)."""
+RLHFJob over HTTP where no apiserver runs (``JobAPI``); a real MLflow tracking server (``MLflowServer``); a port
+for a server started next (``free_port``, outside the kernel's ephemeral range: ``localcluster.free_port``)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +15,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
-
+sys.path.insert(0, str(REPO / "hack"))
+from localcluster import free_port  # re-exported: every tier's servers take their ports from it
 
 #: For a local Ray on a loaded 2-core machine (trainer, engines and Ray's own processes share it): its GCS declares
 #: a node dead only after ~60 s without an answer (Ray's defaults: 5 missed checks of 3 s, 10 s timeout), so a
@@ -167,16 +170,13 @@ class MLflowServer:
     ``/health`` with a deadline (the first start migrates the database: ~15 s)."""
 
     def __init__(self, root: Path) -> None:
-        import socket
         import subprocess
 
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         binary = subprocess.run(["bash", str(REPO / "hack/mlflow-server.sh")], check=True, capture_output=True,
                                 text=True, timeout=900).stdout.strip().splitlines()[-1]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.log = root / "server.log"
         with self.log.open("w") as out:

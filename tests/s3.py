@@ -14,13 +14,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Self
+
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ACCESS_KEY = "rlhf-test-access"
@@ -35,16 +36,7 @@ def weed_binary() -> str:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [free_port() for _ in range(n)]
 
 
 class S3Server:

@@ -12,7 +12,7 @@ from kubernetes import client
 from rlhf_api import models as m
 from rlhf_api.groups import total_gpus
 from rlhf_operator import render
-from tests.helpers import events_until, wait_for
+from tests.helpers import events_until, free_port, wait_for
 from tests.integration.conftest import Operator, apply, load_sample, peering_namespace
 
 pytestmark = pytest.mark.cluster
@@ -295,12 +295,9 @@ def test_allowed_spec_change_reaches_config_and_status(cluster, api, operator, n
 
 def test_liveness_endpoint_reports_kuberay(cluster, tmp_path) -> None:
     import json as _json
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     op = Operator(cluster, ["--namespace", "liveness-only", "--liveness", f"http://127.0.0.1:{port}/healthz"],
                   tmp_path / "op.log").start()
     try:

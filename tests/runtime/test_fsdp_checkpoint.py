@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import storage
-from tests.helpers import wait_for
+from tests.helpers import free_port, wait_for
 from tests.runtime.conftest import job_config, start_driver, write_config
 from tests.s3 import S3Server
 
@@ -76,9 +75,7 @@ exit_rank()  # not a plain return: see rlhf_testing.ranks
 
 
 def _start_ranks(tmp: Path, cfg: Path, phase: str) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return [
         subprocess.Popen([sys.executable, "-c", WORKER, str(cfg), str(r), str(port), str(tmp / f"shards{r}.pt"), phase],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

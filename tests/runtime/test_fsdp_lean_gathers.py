@@ -9,13 +9,13 @@ other runs would leave both waiting in it."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tests.runtime.conftest import job_config, write_config
 
 pytestmark = pytest.mark.runtime
@@ -120,9 +120,7 @@ finally:
 
 
 def _run(tmp: Path, cfg: Path, workers: list[int]) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(cfg), str(r), str(port), str(w)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r, w in enumerate(workers)]

@@ -8,13 +8,13 @@ Two real ranks over gloo (CPU), subprocesses that keep torch out of pytest; the 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tests.runtime.conftest import job_config, write_config
 
 pytestmark = pytest.mark.runtime
@@ -55,9 +55,7 @@ exit_rank()  # not a plain return: see rlhf_testing.ranks
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.mark.parametrize("kind", ["tied", "moe", "kl", "moe-bf16"])

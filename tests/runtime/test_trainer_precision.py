@@ -22,13 +22,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tests.runtime.conftest import job_config, write_config
 
 pytestmark = pytest.mark.runtime
@@ -108,9 +108,7 @@ exit_rank()  # not a plain return: see rlhf_testing.ranks
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _train(tmp: Path, runs: list[tuple[str, dict, int]], world: int = 1) -> list[dict]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_runtime.infra import checkpoint as ckpt
+from tests.helpers import free_port
 
 HOST = socket.gethostname()
 
@@ -294,9 +295,7 @@ def test_agree_without_a_process_group_returns_its_argument() -> None:
 
 
 def test_agree_gives_every_rank_rank_zeros_choice() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(r), str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]

@@ -3,18 +3,16 @@ over a gloo group made beside their default group, and the override sits on vLLM
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from rlhf_runtime.weight_sync import ipc_exchange
+from tests.helpers import free_port
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def _rank(rank: int, port: int, out: Any) -> None:

@@ -1,0 +1,53 @@
+"""``localcluster.free_port``: ports for the servers the tiers start, never from the kernel's ephemeral range (where
+a port closed by the picker can become some outgoing connection's local port before the server binds it)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from tests.helpers import free_port
+
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    import localcluster
+
+    low, high = (int(x) for x in EPHEMERAL.read_text().split())
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(localcluster.PORT_RANGE[0] <= p < localcluster.PORT_RANGE[1] for p in ports)
+    assert not any(low <= p <= high for p in ports), (low, high)
+    for p in ports[:20]:  # free when handed out: a server can bind it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_a_port_in_use_is_never_handed_out() -> None:
+    import localcluster
+
+    held = []
+    try:  # hold every port of a small range: the picker must skip them all and say so
+        for port in range(localcluster.PORT_RANGE[0], localcluster.PORT_RANGE[0] + 50):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        saved = localcluster.PORT_RANGE
+        localcluster.PORT_RANGE = (saved[0], saved[0] + 50)
+        try:
+            try:
+                localcluster.free_port()
+            except RuntimeError as e:
+                assert "no free TCP port" in str(e)
+            else:
+                raise AssertionError("a port of a fully held range was handed out")
+        finally:
+            localcluster.PORT_RANGE = saved
+    finally:
+        for s in held:
+            s.close()
