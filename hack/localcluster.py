@@ -115,6 +115,8 @@ class Cluster:
     #: image name -> {ref, archive}, filled by ``up`` when it starts real nodes
     images: dict[str, dict[str, str]] = field(default_factory=dict)
     real_nodes: int = 0
+    #: the processes ``_start`` started, by name (``_wait`` fails at once when the one it waits for has exited)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
 
     @property
     def kubeconfig(self) -> Path:
@@ -143,15 +145,23 @@ class Cluster:
             argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
         )
         (self.dir / f"{name}.pid").write_text(str(proc.pid))
+        self.procs[name] = proc
 
     def stop(self) -> None:
         realnodes.stop_processes(self.dir)
         realnodes.down(self.dir)
 
-    def _wait(self, what: str, ok, timeout: float = 120) -> None:
+    def _wait(self, what: str, ok, timeout: float = 120, process: str | None = None) -> None:
+        """Poll ``ok`` until it is true, for at most ``timeout`` seconds; with ``process`` (a name given to
+        ``_start``), fail as soon as that process has exited, with the end of its log, instead of at the deadline."""
         deadline = time.time() + timeout
         last: Exception | None = None
         while time.time() < deadline:
+            proc = self.procs.get(process) if process else None
+            if proc is not None and proc.poll() is not None:
+                tail = (self.dir / f"{process}.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise RuntimeError(f"{process} exited with {proc.returncode} before {what} was ready; the end of "
+                                   f"{self.dir / f'{process}.log'}:\n" + "\n".join(tail))
             try:
                 if ok():
                     return
@@ -199,7 +209,8 @@ class Cluster:
                 "--unsafe-no-fsync", "--quota-backend-bytes", str(4 << 30),
             ],
         )
-        self._wait("etcd", lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=2).status == 200)
+        self._wait("etcd", lambda: urllib.request.urlopen(f"http://127.0.0.1:{etcd_port}/health", timeout=2).status == 200,
+                   process="etcd")
         self._start(
             "kube-apiserver",
             [
@@ -241,7 +252,7 @@ class Cluster:
             req = urllib.request.Request(f"{server}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
             return urllib.request.urlopen(req, timeout=3, context=ctx).status == 200
 
-        self._wait("kube-apiserver", healthy, timeout=180)
+        self._wait("kube-apiserver", healthy, timeout=180, process="kube-apiserver")
         kc = f"--kubeconfig={self.kubeconfig}"
         self._start(
             "kube-controller-manager",

@@ -1,10 +1,15 @@
-"""``localcluster.free_port``: ports for the servers the tiers start, never from the kernel's ephemeral range (where
-a port closed by the picker can become some outgoing connection's local port before the server binds it)."""
+"""The local cluster's harness (``hack/localcluster.py``): ``free_port`` gives the servers the tiers start ports never
+from the kernel's ephemeral range (where a port closed by the picker can become some outgoing connection's local
+port, or a ``bind(0)`` server's, before the server binds it), and ``_wait`` on a process that exited fails at once
+with the end of its log instead of at its deadline."""
 
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import free_port
 
@@ -51,3 +56,22 @@ def test_a_port_in_use_is_never_handed_out() -> None:
     finally:
         for s in held:
             s.close()
+
+
+def test_a_wait_on_a_process_that_exited_fails_at_once_with_its_log(tmp_path: Path) -> None:
+    import localcluster
+
+    c = localcluster.Cluster(tmp_path, tmp_path)
+    c._start("server", ["sh", "-c", "echo 'bind: address already in use'; exit 3"])
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="server exited with 3 before the server was ready") as e:
+        c._wait("the server", lambda: False, timeout=60, process="server")
+    assert "address already in use" in str(e.value)
+    assert time.monotonic() - t < 30  # not the deadline
+    c._start("alive", ["sleep", "30"])
+    try:
+        with pytest.raises(TimeoutError, match="not ready after 1"):  # a live process: the deadline, as before
+            c._wait("alive", lambda: False, timeout=1, process="alive")
+    finally:
+        c.procs["alive"].kill()
+        c.procs["alive"].wait()
