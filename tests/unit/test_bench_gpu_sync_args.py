@@ -17,13 +17,10 @@ def test_revalidate_without_variants_is_refused() -> None:
 
 
 def _gpu_sync():  # type: ignore[no-untyped-def]
-    import importlib.util
+    sys.path.insert(0, str(BENCH.parent))
+    import gpu_sync
 
-    spec = importlib.util.spec_from_file_location("gpu_sync_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gpu_sync
 
 
 def test_dp_scaling_interleaves_engine_counts_and_summarises_per_count() -> None:

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "train_arms.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-
-def _arms():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("train_arms_under_test", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import train_arms as m
 
 
 def test_arms_parse_and_refuse_what_they_cannot_mean() -> None:
-    m = _arms()
     eager, mixed = m.parse_arms("eager, compiled+chunk=536870912")
     assert eager == {"name": "eager", "compiled": False, "chunk": None}
     assert mixed == {"name": "compiled+chunk=536870912", "compiled": True, "chunk": 536870912}
@@ -33,7 +26,6 @@ def test_arms_parse_and_refuse_what_they_cannot_mean() -> None:
 
 
 def test_rounds_alternate_the_order_and_summaries_cover_every_step() -> None:
-    m = _arms()
     a, b = m.parse_arms("eager,compiled")
     assert [[x["name"] for x in m.round_order([a, b], r)] for r in range(3)] == [
         ["eager", "compiled"], ["compiled", "eager"], ["eager", "compiled"]]
@@ -49,7 +41,6 @@ def test_an_eager_turn_puts_the_compiled_forward_aside_and_a_chunk_is_restored()
 
     from rlhf_runtime.roles import batches
 
-    m = _arms()
     layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     for layer in layers:
         layer.compile()  # lazy: nothing compiles until a call
