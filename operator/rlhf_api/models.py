@@ -18,8 +18,19 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, ValidationError
+
+from rlhf_api.base import (  # noqa: F401 - re-exported: the API's names stay importable from here
+    CPU_PATTERN,
+    INT32_MAX,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
+    MEMORY_PATTERN,
+    Model,
+    cel,
+    sub,
+)
+from rlhf_api.environment import Environment
 
 GROUP = "rlhf.dev"
 VERSION = "v1alpha1"
@@ -31,26 +42,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 #: Longest RLHFJob name: children append suffixes and KubeRay appends more (cluster, group, pod hash).
 MAX_NAME_LENGTH = 40
-
-
-def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
-    """One ``x-kubernetes-validations`` entry."""
-    return {"rule": rule, "message": message, **extra}
-
-
-class Model(BaseModel):
-    """Base: camelCase on the wire, unknown fields rejected (the apiserver prunes them anyway)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-    def wire(self) -> dict[str, Any]:
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-def sub(model: type[Model], description: str) -> Any:
-    """A nested object that always exists: the apiserver defaults it to the model's full default (the CEL rules
-    on the object are checked against that default, so it must be complete, not ``{}``)."""
-    return Field(default_factory=model, description=description, json_schema_extra={"default": model().wire()})
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -77,14 +68,6 @@ class Optimizer(Model):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
 
 
-CPU_PATTERN = r"^[0-9]+(\.[0-9]+)?m?$"
-MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-#: A Kubernetes label value (the rendered pods and RayJob carry these as labels or node selectors).
-LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-#: A Kubernetes label key: an optional DNS-subdomain prefix and a name of at most 63 characters.
-LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-INT32_MAX = 2**31 - 1
 
 
 class Resources(Model):
@@ -173,17 +156,15 @@ class Trainer(Model):
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer's activations in the backward pass instead of keeping them: "
-        "activation memory per micro-batch drops from every layer's to about one layer's, for ~30% more training "
-        "compute. Needed for long sequences (thousands of tokens per micro-batch on billion-parameter models).",
+        "activation memory per micro-batch drops from every layer's to about one layer's, for one more forward "
+        "pass of each layer in the backward. Needed for long sequences (thousands of tokens per micro-batch on "
+        "billion-parameter models).",
     )
     compile: bool = Field(
         False,
         description="Compile each decoder layer of the policy and critic with torch.compile (fused normalisation, "
         "rotary, activation and cast kernels; the attention and matrix multiplications stay as they are): "
-        "about 20-60 s more start-up, the same losses. Measured on one H200, Qwen3-1.7B shape, 65,536 tokens "
-        "per step, gradient checkpointing on: 1.24-1.43x the training tokens/s at 16k-1k tokens per sequence "
-        "(MFU 24-25% -> 30-35%; with checkpointing off 37-40%); Qwen3-8B shape, FSDP2 over 2 H200s: 1.19x; "
-        "benchmarks/README.md, 'The trainer's step'.",
+        "a longer start-up (each layer compiled once) for more training tokens/s, the same losses.",
     )
     reshard_after_forward: bool = Field(
         True,
@@ -191,20 +172,17 @@ class Trainer(Model):
         "pass and gather them again for its backward (FSDP2's reshard_after_forward). false keeps them from "
         "forward to backward: one all-gather per layer and micro-batch instead of two, for a whole model.dtype "
         "copy of the decoder on every trainer GPU during each micro-batch (2 bytes per parameter in bfloat16). "
-        "Measured on 2 H200s, Qwen3-8B shape, 4k-token micro-batches, compiled, checkpointing off: 4.20 -> 4.01 "
-        "s per step (MFU 38.6% -> 40.3%) for 12.6 GiB more peak memory per GPU; a larger "
-        "maxTokensPerMicroBatch, where it fits, gained more (8k: 44%).",
+        "Default true; a larger maxTokensPerMicroBatch, where it fits, also cuts the gathers per step.",
     )
     master_weights: Literal["float32", "none"] = Field(
         "float32",
         description="float32: the optimiser updates float32 master weights with float32 gradients and AdamW "
         "state while forward and backward compute in model.dtype (FSDP2: float32 shards under a "
         "mixed-precision policy; one worker: a float32 copy beside the model); weight syncs, exports and "
-        "engines stay in model.dtype. 16 bytes per trained parameter (+2 for the model copy with one worker), "
-        "e.g. ~27 GiB for a 1.7B model before activations. none: update the model.dtype weights directly "
-        "(8 bytes per parameter in bfloat16): bfloat16 drops updates below ~0.4% of a weight, so at RL learning "
-        "rates most are lost (measured: 1.9% of the weights changed after 10 AdamW steps at lr 1e-6). No effect "
-        "when model.dtype is float32.",
+        "engines stay in model.dtype. 16 bytes per trained parameter (+2 for the model copy with one worker) "
+        "before activations. none: update the model.dtype weights directly (8 bytes per parameter in "
+        "bfloat16): bfloat16 rounds away updates smaller than about 1/256 of a weight, so at RL learning rates "
+        "most are lost. No effect when model.dtype is float32.",
     )
     autocast: bool = Field(
         False,
@@ -232,8 +210,7 @@ class Trainer(Model):
         "micro-batches of at most this many tokens (a longer sample runs alone), gradients accumulate over "
         "them. Peak activation memory grows with it; with FSDP2 every worker runs as many micro-batches as the "
         "busiest one, and each micro-batch gathers the parameters and reduce-scatters the gradients (float32 "
-        "with master weights), so the largest budget that fits is the fastest (Qwen3-8B shape over 2 H200s, "
-        "checkpointing off: 4096 tokens 38.6% MFU, 8192 tokens 43.9%).",
+        "with master weights), so the largest budget that fits is the fastest.",
     )
     lora: LoRA | None = Field(
         None,
@@ -285,10 +262,10 @@ class Rollout(Model):
         gt=0,
         le=4096,
         description="KV cache per engine GPU in GiB (vLLM's kv_cache_memory_bytes) instead of what "
-        "gpuMemoryUtilization leaves once the engine has measured its GPU. Colocated on GPUs this lets the engines "
-        "start beside the trainers rather than after them (a shorter start: they no longer measure the memory "
-        "the trainer leaves); the trainer, the engine's weights, its activations and this cache must then fit each "
-        "GPU. vLLM still checks at its start that gpuMemoryUtilization of the GPU is free.",
+        "gpuMemoryUtilization leaves once the engine has profiled its GPU. Colocated on GPUs this lets the "
+        "engines start beside the trainers rather than after them (a shorter start: they no longer wait to see "
+        "the memory the trainer leaves); the trainer, the engine's weights, its activations and this cache must "
+        "then fit each GPU. vLLM still checks at its start that gpuMemoryUtilization of the GPU is free.",
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
     expert_parallel: bool = Field(
@@ -329,7 +306,8 @@ class Placement(Model):
         None,
         max_length=63,
         pattern=LABEL_VALUE_PATTERN,
-        description="If set, pods select nodes labelled nvidia.com/gpu.product=<value> (e.g. NVIDIA-H100-80GB-HBM3).",
+        description="If set, pods select nodes labelled nvidia.com/gpu.product=<value> (the GPU model name as "
+        "NVIDIA's GPU feature discovery labels it).",
     )
 
 
@@ -342,7 +320,7 @@ class WeightSync(Model):
         "the kernel format, false broadcasts each tensor straight into the engines' parameters, the tensors of "
         "each bucketSizeMB in one NCCL group: no packing or unpacking copies on either side, no staging buffer. "
         "Unset: false for nccl in the kernel format from a trainer of one GPU into engines of tensorParallelSize 1 "
-        "(measured faster: benchmarks/README.md), true elsewhere.")
+        "(the faster of the two there), true elsewhere.")
     bucket_size_mb: int = Field(
         1024, alias="bucketSizeMB", ge=1, le=65536,
         description="Packed buffer size in MiB: weights go to the engines in chunks of this size, through such a "
@@ -383,9 +361,8 @@ class WeightSync(Model):
         "kernel where it applies and was validated on GPUs (vLLM 0.33: engines over nccl, tensor-parallel "
         "ones too, or over ipc from one trainer GPU, and ipc from several trainer GPUs, e.g. FSDP2 with DP, "
         "expert-parallel or tensor-parallel engines, each trainer GPU sending the shard of the engine worker "
-        "beside it; 1.7B into one TP=2 engine over nccl: 17.4 ms vs 92.5 ms in checkpoint), else "
-        "checkpoint. ipc from one trainer GPU in the kernel format: each engine maps the trainer's parameters "
-        "once and a sync is one device copy into its own (a 1.7B model in ~5.4 ms on an H200).",
+        "beside it), else checkpoint. ipc from one trainer GPU in the kernel format: each engine maps the "
+        "trainer's parameters once and a sync is one device copy into its own.",
     )
 
 
@@ -657,8 +634,6 @@ class Reward(Model):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("has(self.rule) || has(self.function) || has(self.model) || has(self.endpoint)",
-                    "reward needs a source: rule, function, model or endpoint"),
                 cel("!has(self.rule) || !has(self.function)",
                     "reward takes rule or function, not both (use model or endpoint to combine sources)"),
                 cel(
@@ -677,7 +652,7 @@ class Reward(Model):
         description="Built-in rule: exactMatch/contains compare with target (or the sample's answer), regex "
         "matches pattern, length rewards closeness to targetLength tokens, math scores 1 when the completion's "
         "final answer is mathematically equal to the sample's answer (or target) by Hugging Face's math-verify "
-        "(LaTeX and \\boxed{} answers, 1/2 = 0.5 = \\frac{1}{2}, 10% = 0.1, sets and intervals), else 0.",
+        "(LaTeX and \\boxed{} answers, 1/2 = 0.5 = \\frac{1}{2}, percentages as fractions, sets and intervals), else 0.",
     )
     target: str | None = Field(None, max_length=65536, description="Target text for exactMatch/contains.")
     pattern: str | None = Field(None, max_length=4096, description="Regular expression for the regex rule.")
@@ -967,6 +942,29 @@ VOLUME_SCHEMA = {
 # ------------------------------------------------------------------------------------------------ spec
 SPEC_RULES = [
     cel(
+        "has(self.environment) || has(self.reward.rule) || has(self.reward.function) || has(self.reward.model) || "
+        "has(self.reward.endpoint)",
+        "reward needs a source: rule, function, model or endpoint (or spec.environment, whose reward is used)",
+        fieldPath=".reward",
+    ),
+    cel(
+        "!has(self.environment) || has(self.environment.className) || has(self.environment.http) || "
+        "(has(self.environment.tools) && size(self.environment.tools) > 0)",
+        "spec.environment needs tools, className or http",
+        fieldPath=".environment",
+    ),
+    cel(
+        "!has(self.environment) || self.weightSync.mode == 'sync'",
+        "spec.environment runs with weightSync.mode 'sync' (multi-turn rollouts across an async weight swap are "
+        "not supported yet)",
+        fieldPath=".weightSync.mode",
+    ),
+    cel(
+        "!has(self.environment) || (!self.rollout.expertParallel && !has(self.trainer.lora))",
+        "spec.environment does not support rollout.expertParallel or trainer.lora yet",
+        fieldPath=".environment",
+    ),
+    cel(
         "self.rollout.tensorParallelSize <= self.placement.gpusPerNode",
         "rollout.tensorParallelSize must not exceed placement.gpusPerNode: an engine's GPUs must share a node",
         fieldPath=".rollout.tensorParallelSize",
@@ -1123,7 +1121,11 @@ class RLHFJobSpec(Model):
     head: Head = sub(Head, "Size of the Ray head pod (where the driver runs) and of KubeRay's submitter pod.")
     algorithm: Algorithm = sub(Algorithm, "The RL algorithm and its hyper-parameters.")
     data: Data = Field(description="Where the prompts come from.")
-    reward: Reward = Field(description="How completions are scored.")
+    reward: Reward = sub(Reward, "How completions are scored (with spec.environment: the final answer of each "
+                         "trajectory, beside the environment's reward).")
+    environment: Environment | None = Field(
+        None, description="Multi-turn rollouts: tools the model may call and an environment that answers its "
+        "turns; each sample becomes a trajectory of several turns. Unset: one completion per sample.")
     critic: Critic | None = Field(
         None, description="PPO's critic (value model), trained beside the policy with FSDP2 like the trainer. Unset "
         "with algorithm.name 'ppo': the policy's model, colocated with the trainer.")

@@ -1,0 +1,149 @@
+"""``spec.environment``: multi-turn rollouts with tools and environments (agentic RL).
+
+A job without ``spec.environment`` trains single-turn samples (prompt -> one completion -> reward). With it, each
+sample is a trajectory: the model answers, its tool calls (parsed by vLLM's tool-call parser ``toolParser``) run,
+or the environment (``class`` or ``http``) answers the turn, and the results come back as the next turn's
+context, until the environment says done, the model answers without a tool call, ``maxTurns`` or the token budget.
+The trainer trains on exactly the token ids the engines sampled; tool and environment tokens are in the sequence
+with loss mask 0.
+
+Imports only pydantic (shared by the operator and the runtime, like ``models``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from rlhf_api.base import CPU_PATTERN, MEMORY_PATTERN, Model, cel, sub
+
+#: vLLM tool-call parsers a job may name (``--tool-call-parser`` names); the runtime refuses a name its vLLM lacks
+#: before the first step.
+TOOL_PARSERS = ("hermes", "qwen3_xml", "qwen3_coder", "llama3_json", "mistral", "pythonic", "granite",
+                "internlm", "deepseek_v3", "kimi_k2", "glm45", "openai")
+
+#: A tool's name: what the model writes in its call.
+TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
+#: ``module:attribute`` importable in the runtime image.
+IMPORT_REF = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+
+JSON_SCHEMA = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+class Tool(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("(has(self.function) ? 1 : 0) + (has(self.builtin) ? 1 : 0) == 1",
+            "a tool takes exactly one of function (a user tool 'module:function') or builtin"),
+        cel("has(self.parameters.type) && self.parameters.type == 'object'",
+            "a tool's parameters must be a JSON schema of type object (its arguments)", fieldPath=".parameters"),
+    ]})
+    name: str = Field(pattern=TOOL_NAME, description="The tool's name, as the model calls it.")
+    description: str = Field("", max_length=4096, description="What the tool does, shown to the model.")
+    parameters: dict[str, Any] = Field(
+        description="JSON schema (type object) of the tool's arguments, given to the model through the chat "
+        "template's tools argument. Arguments that do not match it reach the model as an error observation.",
+        json_schema_extra=JSON_SCHEMA)
+    builtin: Literal["python"] | None = Field(
+        None, description="python: runs the argument 'code' with the Python of the runtime image in an isolated "
+        "process (no network, no credentials, an empty working directory) within environment.python's limits; "
+        "the tool's output is what the code prints.")
+    function: str | None = Field(
+        None, pattern=IMPORT_REF,
+        description="A user tool 'module:function' importable in the runtime image, called with the call's "
+        "arguments as keyword arguments; returns a string (or JSON-serialisable value). A plain function runs in "
+        "a thread, a coroutine function on the rollout's event loop.")
+
+
+class PythonLimits(Model):
+    timeout_seconds: float = Field(10.0, gt=0, le=600, description="Wall-clock limit of one python tool call.")
+    memory_mib: int = Field(512, ge=32, le=65536, description="Address-space limit of one python tool call, MiB.")
+    max_output_bytes: int = Field(
+        16384, ge=256, le=1 << 20, description="Output kept of one call (stdout then stderr); the rest is cut "
+        "with a marker that says how much was cut.")
+
+
+class ServerResources(Model):
+    cpu: str = Field("1", pattern=CPU_PATTERN, max_length=32, description="CPU request and limit per server pod.")
+    memory: str = Field("2Gi", pattern=MEMORY_PATTERN, max_length=32,
+                        description="Memory request and limit per server pod.")
+
+
+class EnvironmentServer(Model):
+    image: str = Field(min_length=1, max_length=1024, description="Image of the environment server.")
+    command: list[str] | None = Field(None, max_length=64, description="Container command (default: the image's).")
+    args: list[str] | None = Field(None, max_length=256, description="Container arguments.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the server listens on (HTTP).")
+    replicas: int = Field(1, ge=1, le=256, description="Server pods; the job's Service spreads requests over them.")
+    resources: ServerResources = sub(ServerResources, "CPU and memory per server pod.")
+    ready_path: str = Field("/health", pattern=r"^/\S*$", max_length=1024,
+                            description="HTTP path of the pods' readiness probe.")
+
+
+class HttpEnvironment(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("(has(self.url) ? 1 : 0) + (has(self.server) ? 1 : 0) == 1",
+            "environment.http takes exactly one of url (a running server) or server (pods the operator runs)"),
+    ]})
+    url: str | None = Field(None, pattern=r"^https?://\S+$", max_length=2048,
+                            description="Base URL of a running environment server.")
+    server: EnvironmentServer | None = Field(
+        None, description="An environment server the operator runs as pods of the job (a Deployment and a "
+        "Service owned by the RLHFJob, deleted with it); the first rollout waits until they are ready.")
+    timeout_seconds: float = Field(60.0, gt=0, le=3600, description="Deadline of one request.")
+    unreachable_seconds: float = Field(
+        300.0, gt=0, le=86400,
+        description="How long the server may stay unreachable (connection refused, 5xx, timeouts on every "
+        "attempt) before the run fails with a message that names it. Shorter faults are errors of the "
+        "trajectories they hit.")
+
+
+class Environment(Model):
+    """What a trajectory talks to between its turns."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("!has(self.http) || !has(self.className)",
+            "environment takes className or http, not both"),
+        cel("!has(self.tools) || self.tools.all(t, self.tools.exists_one(u, u.name == t.name))",
+            "environment.tools names must be unique", fieldPath=".tools"),
+        cel("!has(self.maxTokensPerTurn) || self.maxTokensPerTurn <= self.maxTokens",
+            "environment.maxTokensPerTurn must not exceed environment.maxTokens", fieldPath=".maxTokensPerTurn"),
+    ]})
+    class_name: str | None = Field(
+        None, alias="className", pattern=IMPORT_REF,
+        description="An environment class 'module:Class' importable in the runtime image (see "
+        "docs/agents.md for its protocol: reset from a data sample, step on the assistant's turn returning "
+        "observation messages, an optional reward and done). Unset: the tools alone (the trajectory ends when "
+        "the model answers without a tool call).")
+    http: HttpEnvironment | None = Field(
+        None, description="An environment served over HTTP (OpenEnv's reset/step protocol).")
+    tools: list[Tool] | None = Field(None, max_length=64, description="Tools the model may call.")
+    tool_parser: Literal[TOOL_PARSERS] = Field(  # type: ignore[valid-type]
+        "hermes", description="vLLM's tool-call parser for the model's chat format (hermes for the Qwen2.5/Qwen3 "
+        "<tool_call> format).")
+    max_turns: int = Field(8, ge=1, le=1024, description="Most assistant turns of one trajectory.")
+    max_tokens: int = Field(
+        8192, ge=16, le=1_048_576,
+        description="Token budget of one trajectory: the prompt, every turn's generation and every observation. "
+        "A turn generates at most what is left of it.")
+    max_tokens_per_turn: int | None = Field(
+        None, ge=1, le=1_048_576, description="Most tokens one assistant turn generates (default: "
+        "rollout.sampling.maxTokens).")
+    concurrency: int = Field(64, ge=1, le=65536,
+                             description="Most tool and environment calls in flight at once (per job).")
+    on_error: Literal["observation", "zeroReward"] = Field(
+        "observation",
+        description="A tool or environment fault (timeout, exception, malformed call, oversized output, server "
+        "error): observation: the error goes back to the model as the tool's answer and the trajectory goes on; "
+        "zeroReward: the trajectory ends with reward 0. Either way it is counted in the step's metrics.")
+    reward_weight: float = Field(
+        1.0, ge=-1000, le=1000,
+        description="Weight of the environment's reward (the sum of what its steps returned) in the combined "
+        "reward; spec.reward's sources, if any, score the trajectory's final assistant answer beside it.")
+    python: PythonLimits = sub(PythonLimits, "Limits of the builtin python tool.")
+    error_warning_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="A step whose tool and environment calls fail more often than this raises a Warning Event.")
+
+    def wants_python(self) -> bool:
+        return any(t.builtin == "python" for t in self.tools or [])
