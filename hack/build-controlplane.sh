@@ -23,14 +23,14 @@ set -euo pipefail
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.7}"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
-# v1.7.0 is the target, but the Go module proxy answers 403 "This module version is not available" for its zip
-# (checked 2026-11-23); v1.6.2 is the newest KubeRay release the proxy serves.
+# v1.7.0 is the target, but the Go module proxy answers 403 "This module version is not available" for its zip;
+# v1.6.2 is the newest KubeRay release the proxy serves.
 KUBERAY_VERSION="${KUBERAY_VERSION:-v1.6.2}"
 HELM_VERSION="${HELM_VERSION:-v3.19.5}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
-# The module proxy lists no Kueue versions but serves exact ones (v0.17.1 yes, v0.18.0 no, checked 2026-11-23).
+# The module proxy lists no Kueue versions but serves exact ones (v0.17.1 yes, v0.18.0 no).
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.1}"
-# SeaweedFS tags no Go-module releases; the proxy serves this pseudo-version of master (2026-11-09).
+# SeaweedFS tags no Go-module releases; the proxy serves this pseudo-version of master.
 SEAWEEDFS_VERSION="${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}"
 
 CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
@@ -171,7 +171,7 @@ build_helm() {
 
 # Kueue's manager (cmd/kueue) and, from the module's config/, its CRDs, the manager ClusterRole and the webhook
 # configurations (localcluster.py points those at the manager on the host). The checksum database has no
-# entry for sigs.k8s.io/kueue (lookup 404, 2026-11-23), so that one module skips it (GONOSUMDB); its
+# entry for sigs.k8s.io/kueue (its lookup answers 404), so that one module skips it (GONOSUMDB); its
 # dependencies are still verified, and the module's hash is recorded in the wrapper's go.sum.
 build_kueue() {
   local cfg="$CACHE/kueue-config-$KUEUE_VERSION" mod=sigs.k8s.io/kueue

@@ -29,32 +29,21 @@ Usage (from the repository root):
                               [--image-packages FILE] [--kind nvidia-h200-x2]
     python3 hack/gpu-stage.py --vllm 0.33.0 --print-commands     # again, from the existing manifest
 
-vLLM 0.24 with TRL for the peer benchmark (benchmarks/trl_peer.py; TRL 1.16.0 supports vLLM 0.22-0.31), 2026-11-24
-(the runtime supports vLLM >= 0.28 since 2026-11-26: the peer now needs a version in 0.28-0.31, e.g.
-`--vllm 0.31.0 --with trl==1.16.0`: 108 wheels, 2,511 MB, 43 parts with `--image-packages
-hack/gpu/image-freeze.txt --kind nvidia-h200`, staged and run 2026-11-27 for benchmarks/gpu_learning.py --trl-python
-(45 parts of 54 MiB since the tracked tree grew, 2026-11-29: ~240 s of device time for the 44 copy calls);
-0.28-0.31 all pin torch 2.13.0, so none uses the image's torch). Before that:
-96 wheels, 557 MB, 9 parts (torch 2.11.0 is the image's: `--image-packages` gives its version, which meets the pin):
+The TRL peer (benchmarks/trl_peer.py) needs a vLLM that both TRL 1.16.0 (vLLM 0.22-0.31) and the runtime
+(vLLM >= 0.28) support; 0.28-0.31 all pin torch 2.13.0, so none uses the image's torch:
+    python3 hack/gpu-stage.py --vllm 0.31.0 --with trl==1.16.0 --image-packages hack/gpu/image-freeze.txt
+
+With the image's `pip freeze` (--image-packages hack/gpu/image-freeze.txt) the NVIDIA wheels the image already
+has at the pinned versions are not staged. cuda-tile is staged: `flashinfer.comm`, which vLLM's expert-parallel
+and all-reduce code import, needs it. Older vLLM may need pins, e.g. for 0.24:
     python3 hack/gpu-stage.py --vllm 0.24.0 --image-packages hack/gpu/image-freeze.txt --with trl==1.16.0 \
         --pin xgrammar==0.2.3 --pin apache-tvm-ffi==0.1.9 --pin nvidia-cudnn-frontend==1.32.0 \
         --skip flashinfer-cubin --skip cuda-tile
-(xgrammar 0.2.8 needs a newer apache-tvm-ffi than vLLM 0.24 pins; flashinfer-cubin (447 MB) is not needed with
-VLLM_USE_FLASHINFER_SAMPLER=0; cuda-tile would pull ~210 MB of CUDA 13.4 compiler wheels that 0.24 never imports.)
+(xgrammar 0.2.8 needs a newer apache-tvm-ffi than vLLM 0.24 pins; flashinfer-cubin is not needed with
+VLLM_USE_FLASHINFER_SAMPLER=0; cuda-tile would pull CUDA 13.4 compiler wheels that 0.24 never imports.)
 
-Result for --vllm 0.33.0 (torch 2.14.0, ray 2.60.0), 2026-11-23: 114 wheels, 3597 MB, in 58 parts of
-60 MiB (so 58 device calls); ~105 s from scratch, ~15 s again. Every package had a cp312 manylinux wheel.
-Biggest: torch 555 MB, nvidia-cudnn-cu13 553, nvidia-cublas 423, vllm 336, triton 248, nvidia-nccl-cu13 216,
-nvidia-cufft 214, nvidia-cusolver 201, nvidia-cusparselt-cu13 170, nvidia-cusparse 146 MB. Torch 2.11.0
-pins cuda-toolkit 13.0.2, whose components equal 13.0.3's but for cublas; if the image has those (a
-`pip freeze` there would tell), ~790 MB of these NVIDIA wheels need not be staged. With that `pip freeze`
-(`--image-packages hack/gpu/image-freeze.txt`): 108 wheels, 2837 MB, 46 parts (cuda-tile, 0.4 MB, staged since
-2026-11-24: `flashinfer.comm`, which vLLM's expert-parallel and allreduce code import, needs it); staged and
-installed in 400 s of device time on nvidia-h200-x2, 2026-11-24.
-Since 2026-11-29 vLLM 0.33.0 took `--part-mib 54` (51 calls): parts of 55 MiB beside the 9.6 MB tracked tree
-exceed a call's 64 MiB (the device tool refuses the call); later that day 54 MiB parts were refused too (the tree
-had grown to 9.76 MiB, 10.31 as a tar archive: ``tree_mib`` counts so now) and 50 MiB parts (55 calls) went
-through. Leave ``--part-mib`` out: it is computed from the tree.
+A device call carries at most 64 MiB: the working tree (counted as a tar archive holds it, ``tree_mib``) plus one
+part. Leave ``--part-mib`` out: it is computed from the tree.
 """
 from __future__ import annotations
 
@@ -330,9 +319,8 @@ def tar_bytes(size: int) -> int:
 
 def tree_mib() -> float:
     """MiB of the working tree a device call copies besides the carried part (git's tracked files and the
-    untracked ones it does not ignore), counted as a tar archive holds them (``tar_bytes``): on 2026-11-29 a
-    9.76 MiB tree (740 files, 10.31 MiB as tar) and parts of 54 MiB were refused ("the working tree is larger than
-    64 MiB"), 0.55 MiB more than the files' sizes leave room for."""
+    untracked ones it does not ignore), counted as a tar archive holds them (``tar_bytes``): the device tool
+    counts the archive, whose headers and padding add to the files' sizes."""
     names = subprocess.check_output(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                                     cwd=REPO).split(b"\0")
     paths = (REPO / n.decode() for n in names if n)
@@ -341,8 +329,7 @@ def tree_mib() -> float:
 
 def auto_part_mib(tree: float, limit: int = DEVICE_CARRY_MIB) -> int:
     """The largest whole-MiB part that fits one device call beside a working tree of ``tree`` MiB, with 1 MiB to
-    spare for files written before the call (results, logs). 2026-11-25: a 4.6 MiB tree and 60 MiB parts were
-    refused ("the working tree is larger than 64 MiB")."""
+    spare for files written before the call (results, logs)."""
     part = int(limit - tree - 1)
     if part < 8:
         raise SystemExit(f"the working tree is {tree:.1f} MiB: too large to carry parts of a useful size beside it "
@@ -368,8 +355,8 @@ def device_commands(manifest: dict, out: Path, kind: str) -> list[str]:
     site = f"/tmp/site-{manifest['vllm']}"
     # the bytecode compiled once, on every core, after the install: where PYTHONDONTWRITEBYTECODE is set (this
     # project's CPU machine sets it) Python never caches what it compiles, and every process then compiles torch,
-    # vLLM and transformers from source at each import (`from vllm import LLM` on the CPU machine: 10.5-12.2 s with
-    # bytecode, 28.9-33.7 s without, 2026-11-28). -qq: a few files of the wheels do not compile (templates, tests)
+    # vLLM and transformers from source at each import (`from vllm import LLM` takes several times as long).
+    # -qq: a few files of the wheels do not compile (templates, tests)
     install = (f"cd /tmp/persist && cat part* | tar x && rm part* && rm -rf {site} && python3 -m pip install -q "
                f"--no-index --no-deps --no-compile --target {site} wheels/*.whl && "
                f"(python3 -m compileall -qq -j 0 {site} || true)")

@@ -72,9 +72,9 @@ _HANDED_OUT: set[int] = set()
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a server started next. Not ``bind(0)``: the kernel hands out its ephemeral
     range, where a port closed here can be taken as the local port of any outgoing connection on the machine before
-    the server binds it (a kube-apiserver failed so beside a busy cluster, 2026-12-01: "failed to listen on
-    127.0.0.1:53625: bind: address already in use"). The kernel never picks ports of ``PORT_RANGE`` by itself; each
-    is handed out once per process, chosen at random (not from the seeded ``random``) so processes differ."""
+    the server binds it (the server then fails: "bind: address already in use"). The kernel never picks ports of
+    ``PORT_RANGE`` by itself; each is handed out once per process, chosen at random (not from the seeded
+    ``random``) so processes differ."""
     pick = random.SystemRandom()
     for _ in range(2000):
         port = pick.randrange(*PORT_RANGE)

@@ -290,8 +290,8 @@ def remove_cgroup(path: str) -> None:
 def cri_ready(socket: Path) -> bool:
     """Whether the containerd at ``socket`` serves the CRI (``runtime.v1.RuntimeService/Version`` answers). Its gRPC
     answers ``ctr version`` before the CRI plugin has initialised; a kubelet started then checks the CRI once and
-    exits ("validate CRI v1 runtime API ...: server is not initialized yet", seen 2026-11-28: the node never
-    registered and every pod test errored). Without grpc (a Python with no Ray), ``ctr version`` only."""
+    exits ("validate CRI v1 runtime API ...: server is not initialized yet") and the node never registers.
+    Without grpc (a Python with no Ray), ``ctr version`` only."""
     try:
         import grpc
     except ImportError:
