@@ -61,7 +61,7 @@ def custom() -> client.CustomObjectsApi:
 
 
 #: Keep-alive connections opened at startup: a burst of new jobs right after a start would otherwise open them
-#: all at once, one TLS handshake each on a busy machine (about half a second per request, measured at 10 jobs).
+#: all at once, one TLS handshake each, and on a busy machine every request of the burst would wait for those.
 WARM_CONNECTIONS = 16
 
 

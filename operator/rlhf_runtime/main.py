@@ -220,8 +220,8 @@ def _bounded_shutdown(runtime: Runtime, code: int) -> None:
 def exit_process(code: int) -> None:
     """End the driver's process with ``code`` once ``main`` returned: threads that are not daemons are waited
     for and the atexit handlers, the log handlers and the output streams run and flush as in a normal exit; the
-    interpreter's teardown after them does not (freeing torch's, transformers' and Ray's modules: 0.5-1.2 s on the
-    2-core CPU machine, doing nothing a finished run needs)."""
+    interpreter's teardown after them does not (freeing torch's, transformers' and Ray's modules takes a while
+    and does nothing a finished run needs)."""
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
             t.join()

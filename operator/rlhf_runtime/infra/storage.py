@@ -3,8 +3,8 @@
 The client is obstore (Python bindings of the Rust ``object_store`` crate of the Apache Arrow project): one
 wheel without Python dependencies that speaks S3 (and S3-compatible servers), GCS and Azure through one API.
 s3fs and boto3 were the alternatives; both go through botocore, which pins ``python-dateutil<3`` while the
-``kubernetes`` client this project needs (37.x) requires ``>=3``: pip downgraded dateutil under the operator's
-client when s3fs was installed (measured 2026-11-27), so they were dropped.
+``kubernetes`` client this project needs (37.x) requires ``>=3``: installing s3fs downgrades dateutil under the
+operator's client, so neither is used.
 
 Endpoint and credentials come from the environment, as every AWS tool reads them: ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY`` (``AWS_SESSION_TOKEN``), ``AWS_REGION``/``AWS_DEFAULT_REGION`` and, for an

