@@ -75,9 +75,8 @@ def worker_device(spec: RLHFJobSpec) -> torch.device:
 def release_cached_gpu_memory(spec: RLHFJobSpec, device: torch.device) -> bool:
     """After a training step, a sync or a role's forward passes in colocated placement: hand the CUDA caching
     allocator's free blocks back to the GPU, so the vLLM engines sharing it can wake their weights and KV cache.
-    torch keeps the step's peak (activations, logits, gathered FSDP parameters) reserved otherwise: on 2xH100
-    (vLLM 0.33, Qwen3-1.7B, FSDP2x2 colocated with one TP=2 or two TP=1 engines at gpuMemoryUtilization 0.3) the
-    engines' wake-up after a GRPO step failed with ``CUDA Error: out of memory`` in vLLM's cumem allocator.
+    torch keeps the step's peak (activations, logits, gathered FSDP parameters) reserved otherwise, and the
+    engines' wake-up after a step can then fail with ``CUDA Error: out of memory`` in vLLM's cumem allocator.
     Separate placement keeps the cache (nothing else runs on those GPUs). Returns whether it released."""
     if device.type != "cuda" or spec.placement.mode != "colocated":
         return False
@@ -297,9 +296,8 @@ class FSDPWorker:
         bfloat16 file as it is, see ``load_model``; either way the shards get the file's exact values) and
         broadcasts it tensor by tensor, each rank keeping its own shard
         (``set_model_state_dict``, ``broadcast_from_rank0``). So a node holds one full copy in host memory, not
-        one per rank, and a GPU never holds more than its shards plus one tensor, where each rank used to load the
-        whole model in float32 and move it to its GPU before sharding. Buffers outside the state dict (rotary
-        frequencies) are rank 0's."""
+        one per rank, and a GPU never holds more than its shards plus one tensor. Buffers outside the state dict
+        (rotary frequencies) are rank 0's."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -334,7 +332,7 @@ class FSDPWorker:
         self.trainable = params
         # the fused kernel everywhere (FSDP2's DTensor shards too): one launch per step on a GPU, and no
         # full-size temporaries; foreach AdamW's sqrt of the second moments is a float32 copy of every shard
-        # (7.6 GB per GPU for Qwen3-30B-A3B on 4 GPUs, where the step's state alone is 122 GB)
+        # (4 more bytes per trained parameter on each GPU at every step)
         self.opt = torch.optim.AdamW(params, lr=lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay,
                                      fused=True)
         if state is not None:
