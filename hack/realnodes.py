@@ -339,7 +339,7 @@ def _seed_key(images: dict[str, dict[str, str]]) -> str:
 def seeded_root(cache: Path, images: dict[str, dict[str, str]]) -> Path:
     """A containerd root with ``images`` imported and unpacked, made once per image set (and containerd
     version) under ``cache`` and kept there: every node of every later cluster starts from a hard-linked copy
-    of it (``link_root``) instead of importing the images again (3.9 GB of runtime image, ~90 s a node).
+    of it (``link_root``) instead of importing the images again (the runtime image is several GB: minutes a node).
     Made by a containerd of its own (no CRI plugin) that is stopped before the root is used; one seed is
     kept, older ones are removed."""
     key = _seed_key(images)

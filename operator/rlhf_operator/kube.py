@@ -6,7 +6,7 @@ first); reads tolerate ``404``. Nothing here decides anything: that is ``render`
 Every answer is the apiserver's JSON as plain dicts (``_preload_content=False``): the operator works on dicts,
 and the client's typed models (pydantic-validated since kubernetes 34) cost a deserialisation into objects and a
 serialisation back per call. The client also imports each API and model module on first use, under Python's
-import lock (``CoreV1Api`` alone takes about 1.4 s on a busy core): ``warm_up`` does that at startup, not on
+import lock (``CoreV1Api`` alone is a large module): ``warm_up`` does that at startup, not on
 the first job's create path.
 """
 
