@@ -213,7 +213,27 @@ def _retry(ray_job: dict[str, Any] | None) -> str | None:
 
 
 def verdict(obs: Observed) -> Verdict:
-    """The phase, with a CamelCase reason and a message a user can act on."""
+    """The phase, with a CamelCase reason and a message a user can act on: the first of these steps that decides,
+    in this order (an earlier one outranks a later one)."""
+    runtime = _current_report(obs)
+    return (_settled(obs) or _finished_or_suspended(obs, runtime) or _kueue_hold(obs)
+            or _runtime_failed(obs, runtime) or _cannot_start(obs, runtime) or _ray_job_ended(obs)
+            or _pods_blocked(obs) or _running(obs, runtime) or _provisioning(obs))
+
+
+def _current_report(obs: Observed) -> dict[str, Any]:
+    """The runtime's report (``status.runtime``), unless it is of the run before a retry or a suspension (the new
+    run has not reported yet)."""
+    runtime = obs.old_status.get("runtime") or {}
+    return {} if obs.ray_job is not None and _stale(runtime, obs.ray_job) else runtime
+
+
+def _ray_job_status(obs: Observed) -> dict[str, Any]:
+    return (obs.ray_job or {}).get("status") or {}
+
+
+def _settled(obs: Observed) -> Verdict | None:
+    """A terminal phase (sticky), an invalid spec, or a child the apiserver refused."""
     old_phase = obs.old_status.get("phase")
     ready = next((c for c in obs.old_status.get("conditions") or [] if c.get("type") == "Ready"), {})
     # Terminal is sticky; an InvalidSpec Failed (written by operators before 0.2) recovers like InvalidSpec now does.
@@ -224,36 +244,50 @@ def verdict(obs: Observed) -> Verdict:
     if obs.child_rejected:
         return Verdict("Pending", "ChildRejected", f"the apiserver refused an object made from the spec: "
                        f"{obs.child_rejected}")
-    runtime = obs.old_status.get("runtime") or {}
-    if obs.ray_job is not None and _stale(runtime, obs.ray_job):
-        runtime = {}  # a report of the run before a retry or a suspension: the new run has not reported yet
-    rj_status = (obs.ray_job or {}).get("status") or {}
-    deploy = rj_status.get("jobDeploymentStatus")
-    if runtime.get("state") == "Succeeded":  # finished before a suspension could stop it: done is done
-        return Verdict("Succeeded", "RuntimeSucceeded", f"finished {obs.old_status.get('step', '?')} steps")
-    if obs.suspend:  # before any runtime failure: a suspended job's driver is terminated with its cluster
-        if deploy in (None, "Suspended", "New", ""):
-            return Verdict("Suspended", "Suspended", "spec.suspend is true: no Ray cluster is running")
-        return Verdict("Suspended", "Suspending", f"suspending (RayJob is {deploy})")
-    held = _kueue_hold(obs)
-    if held:
-        return held
-    if runtime.get("state") == "Failed":
-        why = runtime.get("message") or "the runtime reported a failure"
-        retry = _retry(obs.ray_job)
-        if retry:  # KubeRay decides: it retries on a new cluster, or marks the RayJob Failed (checked there)
-            return Verdict("Provisioning", "Retrying", f"{retry}: {why}")
-        return Verdict("Failed", "RuntimeFailed", why)
+    return None
+
+
+def _finished_or_suspended(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
+    """A run that finished (before a suspension could stop it: done is done), else ``spec.suspend``, which comes
+    before any failure the runtime reports (a suspended job's driver is terminated with its cluster)."""
     if runtime.get("state") == "Succeeded":
         return Verdict("Succeeded", "RuntimeSucceeded", f"finished {obs.old_status.get('step', '?')} steps")
+    if not obs.suspend:
+        return None
+    deploy = _ray_job_status(obs).get("jobDeploymentStatus")
+    if deploy in (None, "Suspended", "New", ""):
+        return Verdict("Suspended", "Suspended", "spec.suspend is true: no Ray cluster is running")
+    return Verdict("Suspended", "Suspending", f"suspending (RayJob is {deploy})")
+
+
+def _runtime_failed(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
+    """The runtime reported a failure: KubeRay decides whether it retries on a new cluster (then Retrying) or
+    marks the RayJob Failed (checked by ``_retry``)."""
+    if runtime.get("state") != "Failed":
+        return None
+    why = runtime.get("message") or "the runtime reported a failure"
+    retry = _retry(obs.ray_job)
+    if retry:
+        return Verdict("Provisioning", "Retrying", f"{retry}: {why}")
+    return Verdict("Failed", "RuntimeFailed", why)
+
+
+def _cannot_start(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
+    """KubeRay missing, the data ConfigMap missing (no pod could mount it: the operator makes no RayJob, whose
+    pods would hold GPUs and never start), or no RayJob yet."""
     if obs.kuberay_missing:
         return Verdict("Pending", "KubeRayMissing", obs.kuberay_missing)
     if obs.data_missing and runtime.get("state") not in ("Starting", "Running"):
-        # no pod can mount it: the operator does not create the RayJob (its pods would hold GPUs, never starting)
         return Verdict("Pending", "DataConfigMapMissing", f"{obs.data_missing}: the job starts once it exists")
-    ray_status = rj_status.get("jobStatus")
     if obs.ray_job is None:
         return Verdict("Pending", "CreatingRayJob", "creating the RayJob")
+    return None
+
+
+def _ray_job_ended(obs: Observed) -> Verdict | None:
+    """The RayJob completed or failed (its deployment status or the Ray job's own status)."""
+    rj_status = _ray_job_status(obs)
+    deploy, ray_status = rj_status.get("jobDeploymentStatus"), rj_status.get("jobStatus")
     if deploy == "Complete" or ray_status == "SUCCEEDED":
         if ray_status in (None, "SUCCEEDED"):
             return Verdict("Succeeded", "RayJobSucceeded", rj_status.get("message") or "the Ray job succeeded")
@@ -261,29 +295,47 @@ def verdict(obs: Observed) -> Verdict:
     if deploy in ("Failed", "ValidationFailed") or ray_status in ("FAILED", "STOPPED"):
         why = rj_status.get("message") or rj_status.get("reason") or f"RayJob {deploy or ray_status}"
         return Verdict("Failed", "RayJobFailed", why)
+    return None
+
+
+def _pods_blocked(obs: Observed) -> Verdict | None:
+    """A pod that cannot be scheduled (with what the GPU capacity says), pods KubeRay could not create, or KubeRay
+    retrying on a new cluster."""
     blocked = _unschedulable(obs.pods)
     if blocked:
         return Verdict("Pending", "Unschedulable", f"{blocked} ({obs.capacity})" if obs.capacity else blocked)
     failure = _replica_failure(obs.ray_cluster)
     if failure:
         return Verdict("Pending", "PodCreationFailed", failure)
-    if deploy == "Retrying":
+    if _ray_job_status(obs).get("jobDeploymentStatus") == "Retrying":
         return Verdict("Provisioning", "Retrying", _retry(obs.ray_job) or "KubeRay retries on a new Ray cluster")
-    if _cluster_ready(obs.ray_cluster) and deploy == "Running":
-        stuck = _no_progress(obs, runtime) if runtime.get("state") in ("Starting", "Running") else None
-        if stuck:
-            return stuck
-        if runtime.get("state") == "Running":
-            return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
-        if runtime.get("state") == "Starting" and runtime.get("resumedFromStep") is not None:
-            return Verdict("Running", "Resuming",
-                           f"the runtime restarted and resumes from checkpoint step {runtime['resumedFromStep']}")
-        # Not a silent Running: until the driver reports (it patches status.runtime from the head pod), say so.
-        return Verdict("Running", "WaitingForRuntime",
-                       "the Ray cluster is ready and the driver was submitted; no runtime has reported yet")
-    if rj_status.get("failed") and _retry(obs.ray_job):  # a later attempt after a failed run, not yet running
+    return None
+
+
+def _running(obs: Observed, runtime: dict[str, Any]) -> Verdict | None:
+    """The Ray cluster is ready and the RayJob running: training, resuming, stuck, or not reported yet."""
+    if not (_cluster_ready(obs.ray_cluster) and _ray_job_status(obs).get("jobDeploymentStatus") == "Running"):
+        return None
+    stuck = _no_progress(obs, runtime) if runtime.get("state") in ("Starting", "Running") else None
+    if stuck:
+        return stuck
+    if runtime.get("state") == "Running":
+        return Verdict("Running", "Training", f"step {obs.old_status.get('step', 0)}/{obs.total_steps}")
+    if runtime.get("state") == "Starting" and runtime.get("resumedFromStep") is not None:
+        return Verdict("Running", "Resuming",
+                       f"the runtime restarted and resumes from checkpoint step {runtime['resumedFromStep']}")
+    # Not a silent Running: until the driver reports (it patches status.runtime from the head pod), say so.
+    return Verdict("Running", "WaitingForRuntime",
+                   "the Ray cluster is ready and the driver was submitted; no runtime has reported yet")
+
+
+def _provisioning(obs: Observed) -> Verdict:
+    """Everything else: the Ray cluster is on its way (or a later attempt after a failed run, not yet running)."""
+    rj_status = _ray_job_status(obs)
+    if rj_status.get("failed") and _retry(obs.ray_job):
         return Verdict("Provisioning", "Retrying", _retry(obs.ray_job) or "")
     cluster = (obs.ray_job or {}).get("status", {}).get("rayClusterName") or "pending"
+    deploy = rj_status.get("jobDeploymentStatus")
     return Verdict("Provisioning", "ProvisioningRayCluster", f"Ray cluster {cluster}: RayJob {deploy or 'New'}")
 
 

@@ -290,10 +290,10 @@ def test_a_deletion_of_ours_hides_the_object_until_the_watch_shows_it_going() ->
 def test_independent_requests_run_side_by_side_and_errors_come_after_all_ended() -> None:
     import threading
 
-    from rlhf_operator import handlers
+    from rlhf_operator import children
 
     barrier = threading.Barrier(3, timeout=5)  # passes only if all three calls run at the same time
-    assert handlers._together(*[lambda i=i: (barrier.wait(), i)[1] for i in range(3)]) == [0, 1, 2]
+    assert children.together(*[lambda i=i: (barrier.wait(), i)[1] for i in range(3)]) == [0, 1, 2]
 
     ended: list[str] = []
 
@@ -306,7 +306,7 @@ def test_independent_requests_run_side_by_side_and_errors_come_after_all_ended()
         return "ok"
 
     try:
-        handlers._together(fails, slow)
+        children.together(fails, slow)
     except ValueError as e:
         assert str(e) == "refused"
     else:
