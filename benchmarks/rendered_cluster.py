@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
@@ -48,6 +47,7 @@ import sys
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,9 @@ REPO = ROOT.parent
 if str(REPO / "operator") not in sys.path:
     sys.path.insert(0, str(REPO / "operator"))
 sys.path.insert(0, str(ROOT))
+from kuberay_pods import HEAD_PORT, KUBERAY_VERSION, plan_pods
+
+HEAD_ADDRESS = f"127.0.0.1:{HEAD_PORT}"
 
 #: Spec overrides per layout (on top of ``gpu_sync.base_spec``). gpusPerNode = what this one host has.
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -66,12 +69,12 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # (b) 1 colocated pod (trainer worker + engine share its GPU), CUDA IPC, sleep/wake (the default)
     "colocated-ipc": {"placement": {"mode": "colocated", "gpusPerNode": 2}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
-    # (c) vLLM's rlhf_nccl example's layout (issue 33 item 6, 3 GPUs): a trainer pod x 1 GPU + one engine pod of
-    # 2 GPUs holding one TP=2 engine, NCCL in the kernel format (each TP worker its own shard)
+    # (c) vLLM's rlhf_nccl example's layout (3 GPUs): a trainer pod x 1 GPU + one engine pod of 2 GPUs holding
+    # one TP=2 engine, NCCL in the kernel format (each TP worker its own shard)
     "separate-nccl-tp2": {"placement": {"mode": "separate", "gpusPerNode": 2}, "weightSync": {"backend": "nccl"},
                           "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5}},
     # (c') the same with vLLM's own custom all-reduce instead of FlashInfer's (whose module a fresh container
-    # compiles on first use: 91 s on 4xH200, 2026-11-28); run it before (c) on a fresh machine to see both starts
+    # compiles on first use); run it before (c) on a fresh machine to see both starts
     "separate-nccl-tp2-custom-ar": {"placement": {"mode": "separate", "gpusPerNode": 2},
                                     "weightSync": {"backend": "nccl"},
                                     "rollout": {"tensorParallelSize": 2, "gpuMemoryUtilization": 0.5},
@@ -85,124 +88,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "cpu-gloo": {"placement": {"mode": "separate"}, "trainer": {"gpusPerReplica": 0},
                  "rollout": {"gpuMemoryUtilization": 0.05}},
 }
-
-HEAD_PORT = 6379  # KubeRay's DefaultGcsServerPort
-KUBERAY_VERSION = "v1.6.1"
-#: Fixed ports KubeRay gives every pod (each pod has its own network namespace there, not here).
-PER_NODE_PORTS = {"metrics-export-port": 8080, "dashboard-agent-listen-port": 52365,
-                  "dashboard-agent-grpc-port": 52400, "runtime-env-agent-port": 52450}
-OBJECT_STORE_BYTES = 10_000_000_000  # validation moves the weights between pods through it
-
-
-# ------------------------------------------------------------------------------------------- KubeRay
-def k8s_quantity(q: Any) -> float:
-    """A Kubernetes quantity ("8", "500m", "64Gi", 2) as a number."""
-    if isinstance(q, (int, float)):
-        return float(q)
-    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", str(q).strip())
-    if not m:
-        raise ValueError(f"bad quantity {q!r}")
-    num, suf = float(m.group(1)), m.group(2)
-    mult = {"": 1, "m": 1e-3, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}[suf]
-    return num * mult
-
-
-def quantity_value(q: Any) -> int:
-    """``resource.Quantity.Value()``: rounded up to an integer."""
-    return math.ceil(k8s_quantity(q))
-
-
-def kuberay_resources_map(value: str | None) -> tuple[dict[str, float] | None, str | None]:
-    """KubeRay's ``getResourcesMap``: trim quotes/backticks/spaces, then JSON. (map, error)."""
-    if value is None:
-        return {}, None
-    try:
-        out = json.loads(value.strip("'\"` "))
-        if not isinstance(out, dict):
-            return None, f"not a JSON object: {out!r}"
-        return out, None
-    except json.JSONDecodeError as e:
-        return None, f"failed to unmarshal resources {e}"
-
-
-def convert_param_map(params: dict[str, str]) -> str:
-    """KubeRay's ``convertParamMap``: sorted keys, "true"/"false" are switches (except log-color,
-    include-dashboard), everything else ``--key=value``, verbatim (bash parses it)."""
-    out = ""
-    for k in sorted(params):
-        v = params[k]
-        if v.lower() in ("true", "false") and k not in ("log-color", "include-dashboard"):
-            if v.lower() == "true":
-                out += f" --{k} "
-        else:
-            out += f" --{k}={v} "
-    return out
-
-
-def kuberay_start_params(group: dict[str, Any], node_type: str, container: dict[str, Any],
-                         head_address: str) -> tuple[dict[str, str], list[str]]:
-    """The rayStartParams KubeRay v1.6.1 ends up with for one pod of ``group`` (head or worker group spec),
-    and what KubeRay would log or refuse on the way (``validateRayGroupResources``, accelerator parsing)."""
-    notes: list[str] = []
-    params = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in (group.get("rayStartParams") or {}).items()}
-    group_resources = group.get("resources") or {}
-    if group_resources:  # first-class RayCluster group field (KubeRay >= 1.4)
-        if any(params.get(k) for k in ("num-cpus", "num-gpus", "memory", "resources")):
-            notes.append("KubeRay refuses this RayCluster: resource fields should not be set in both "
-                         "rayStartParams and Resources")
-        custom: dict[str, float] = {}
-        for name, qty in group_resources.items():
-            n = name.lower()
-            if n == "cpu":
-                params["num-cpus"] = str(quantity_value(qty))
-            elif n == "memory":
-                params["memory"] = str(quantity_value(qty))
-            elif n in ("nvidia.com/gpu", "amd.com/gpu") or n.endswith("/gpu"):
-                params["num-gpus"] = str(quantity_value(qty))
-            else:
-                custom[name] = k8s_quantity(qty)
-        if custom:
-            params["resources"] = "'" + json.dumps(custom, separators=(",", ":")) + "'"
-    # setMissingRayStartParams
-    if node_type == "worker":
-        params.setdefault("address", head_address)
-    else:
-        params.setdefault("dashboard-host", "0.0.0.0")
-    params.setdefault("metrics-export-port", "8080")
-    params["block"] = "true"
-    params.setdefault("dashboard-agent-listen-port", "52365")
-    # generateRayStartCommand
-    res = container.get("resources") or {}
-    limits, requests = res.get("limits") or {}, res.get("requests") or {}
-    if "num-cpus" not in params:
-        if limits.get("cpu") and k8s_quantity(limits["cpu"]):
-            params["num-cpus"] = str(quantity_value(limits["cpu"]))
-        elif requests.get("cpu") and k8s_quantity(requests["cpu"]):
-            params["num-cpus"] = str(quantity_value(requests["cpu"]))
-    if "memory" not in params and limits.get("memory") and k8s_quantity(limits["memory"]):
-        params["memory"] = str(quantity_value(limits["memory"]))
-    if limits:  # addWellKnownAcceleratorResources
-        _, err = kuberay_resources_map(params.get("resources"))
-        if err:
-            notes.append(f"KubeRay logs 'failed to add accelerator resources to rayStartParams': {err} "
-                         "(the ray start command keeps the string as is)")
-        elif "num-gpus" not in params and limits.get("nvidia.com/gpu") and k8s_quantity(limits["nvidia.com/gpu"]):
-            params["num-gpus"] = str(quantity_value(limits["nvidia.com/gpu"]))
-    return params, notes
-
-
-def argv_value(cmd: str, flag: str) -> str | None:
-    """What ``ray start`` receives for ``--flag=...`` once bash has parsed ``cmd``."""
-    try:
-        words = shlex.split(cmd.split(";", 1)[-1])
-    except ValueError:
-        return None
-    for w in words:
-        if w.startswith(f"--{flag}="):
-            return w.split("=", 1)[1]
-    return None
-
 
 # --------------------------------------------------------------------------------------------- helpers
 def median(xs: list[float]) -> float | None:
@@ -273,83 +158,6 @@ def make_spec(layout: str, model_path: str, args: argparse.Namespace) -> dict[st
     return spec
 
 
-# ------------------------------------------------------------------------------------------------ pods
-def plan_pods(ray_job: dict[str, Any], config_map: dict[str, Any], work: Path, n_gpus: int, cpu: bool,
-              head_address: str) -> list[dict[str, Any]]:
-    """One entry per pod of the RayJob's cluster: group, GPUs, env, the KubeRay command and the one we run."""
-    cluster = ray_job["spec"]["rayClusterSpec"]
-    cluster_name = ray_job["metadata"]["name"] + "-raycluster"
-    groups = [("head", "head", 1, cluster["headGroupSpec"])]
-    groups += [(g["groupName"], "worker", int(g.get("replicas", 1)), g) for g in cluster["workerGroupSpecs"]]
-    mounts_root = work / "mounts"
-    pods, next_gpu = [], 0
-    for index, (gname, node_type, replicas, group) in enumerate(groups):
-        pod_spec = group["template"]["spec"]
-        container = pod_spec["containers"][0]
-        # ConfigMap volumes -> local directories with the rendered keys (the job's own ConfigMap only)
-        path_map: dict[str, str] = {}
-        volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
-        for m in container.get("volumeMounts", []):
-            v = volumes.get(m["name"], {})
-            if "configMap" in v:
-                local = mounts_root / m["name"]
-                local.mkdir(parents=True, exist_ok=True)
-                if v["configMap"]["name"] == config_map["metadata"]["name"]:
-                    for key, text in config_map["data"].items():
-                        (local / key).write_text(text)
-                path_map[m["mountPath"]] = str(local)
-
-        def mapped(s: str, path_map: dict[str, str] = path_map) -> str:
-            for k, v in path_map.items():
-                s = s.replace(k, v)
-            return s
-
-        for r in range(replicas):
-            pod_name = f"{cluster_name}-head" if node_type == "head" else f"{cluster_name}-{gname}-worker-{r}"
-            params, notes = kuberay_start_params(group, node_type, container, head_address)
-            kuberay_cmd = (f"ulimit -n 65536; ray start --head {convert_param_map(params)}" if node_type == "head"
-                           else f"ulimit -n 65536; ray start {convert_param_map(params)}")
-            n = len(pods)
-            local = dict(params)
-            local.pop("block", None)
-            overrides = {k: str(v + n) for k, v in PER_NODE_PORTS.items()}
-            overrides.update({"min-worker-port": str(20000 + 1000 * n), "max-worker-port": str(20999 + 1000 * n),
-                              "object-store-memory": str(OBJECT_STORE_BYTES)})
-            if node_type == "head":
-                overrides["port"] = str(HEAD_PORT)
-            local.update(overrides)
-            run_cmd = (f"ulimit -n 65536; ray start --head {convert_param_map(local)}" if node_type == "head"
-                       else f"ulimit -n 65536; ray start {convert_param_map(local)}")
-            gpus = quantity_value((container.get("resources", {}).get("limits") or {}).get("nvidia.com/gpu", 0))
-            env = {e["name"]: mapped(e.get("value", "")) for e in container.get("env", [])}
-            env.update({  # what KubeRay adds to the Ray container (setContainerEnvVars)
-                "RAY_CLUSTER_NAME": cluster_name, "RAY_CLUSTER_NAMESPACE": ray_job["metadata"]["namespace"],
-                "RAY_CLOUD_INSTANCE_ID": pod_name, "RAY_NODE_TYPE_NAME": gname, "RAY_PORT": str(HEAD_PORT),
-                "KUBERAY_GEN_RAY_START_CMD": kuberay_cmd.split("; ", 1)[1], "RAY_ADDRESS": head_address,
-                "RAY_USAGE_STATS_KUBERAY_IN_USE": "1", "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE": "1",
-            })
-            if node_type == "worker":
-                env.update(FQ_RAY_IP=head_address.split(":")[0], RAY_IP=head_address.split(":")[0])
-            if cpu:
-                visible = None  # CPU smoke test: no devices to split
-            else:
-                if next_gpu + gpus > n_gpus:
-                    raise RuntimeError(f"pod {pod_name} needs {gpus} GPU(s), the host has {n_gpus - next_gpu} left")
-                visible = ",".join(str(i) for i in range(next_gpu, next_gpu + gpus))
-                next_gpu += gpus
-                env["CUDA_VISIBLE_DEVICES"] = visible  # "" for GPU-less pods (head): no device, as in the pod
-            pods.append({
-                "pod": pod_name, "group": gname, "type": node_type, "gpus": gpus, "cuda_visible_devices": visible,
-                "rendered_ray_start_params": group.get("rayStartParams"),
-                "rendered_group_resources": group.get("resources"),
-                "kuberay_params": params, "kuberay_command": kuberay_cmd, "kuberay_notes": notes,
-                "one_host_overrides": overrides, "command": run_cmd, "container_env": container.get("env", []),
-                "env": env, "path_map": path_map, "_mapped_entrypoint": mapped(ray_job["spec"]["entrypoint"]),
-                "resources_argv": argv_value(kuberay_cmd, "resources"),
-            })
-    return pods
-
-
 NODES_SNIPPET = r"""
 import json, sys, time, ray
 want = int(sys.argv[1])
@@ -368,167 +176,230 @@ print("NODES_JSON " + json.dumps({
 
 
 # --------------------------------------------------------------------------------------------- one run
-def run_layout(layout: str, args: argparse.Namespace, command: str, out: Path) -> dict[str, Any]:
-    from rlhf_api.models import RLHFJobSpec
-    from rlhf_operator.render import BASE_ENV, Job, render_config_map, render_ray_job
-    from rlhf_runtime.infra.placement import compute_layout
+@dataclass
+class Run:
+    """One layout's run: where it works and writes, and its result (written again after each stage)."""
+    layout: str
+    args: argparse.Namespace
+    work: Path
+    res_file: Path
+    log_file: Path
+    host_env: dict[str, str]
+    result: dict[str, Any]
 
-    cpu = args.cpu
-    model_name = "tiny" if cpu else args.model
-    res_file = out / f"rendered_{layout}_{model_name}.json"
-    log_file = out / f"rendered_{layout}_{model_name}.driver.log"
+    @property
+    def stages(self) -> dict[str, float]:
+        return self.result["stages_s"]
+
+    def save(self) -> None:
+        self.res_file.write_text(json.dumps(self.result, indent=1, default=str))
+
+    def say(self, msg: str) -> None:
+        print(f"[{self.layout}] {msg}", flush=True)
+
+
+def run_layout(layout: str, args: argparse.Namespace, command: str, out: Path) -> dict[str, Any]:
+    """Render the layout's RayJob, start its pods' Ray nodes on this host, check them, run the driver; the result
+    (also a failure's) is written to ``<out>/rendered_<layout>_<model>.json``."""
+    model_name = "tiny" if args.cpu else args.model
     work = Path(args.work) / layout
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {
-        "layout": layout, "model_name": model_name, "device_kind": args.kind,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": command, "status": "running",
-        "host_gpus": host_gpus(), "kuberay_version_emulated": KUBERAY_VERSION,
-    }
+    run = Run(layout, args, work, out / f"rendered_{layout}_{model_name}.json",
+              out / f"rendered_{layout}_{model_name}.driver.log", one_host_env(work), {
+                  "layout": layout, "model_name": model_name, "device_kind": args.kind,
+                  "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": command, "status": "running",
+                  "host_gpus": host_gpus(), "kuberay_version_emulated": KUBERAY_VERSION})
+    run.result["one_host_env"] = {"RAY_AUTH_MODE": run.host_env["RAY_AUTH_MODE"]}
+    run.result["stages_s"] = {}
+    started_ray = False
+    try:
+        run.result["versions"] = versions()
+        ray_job, pods = render(run, model_name)
+        run.result["ray_stop_before"] = ray_stop(run.host_env)
+        started_ray = True
+        start_nodes(run, pods)
+        head_env = check_nodes(run, pods)
+        rc = run_driver(run, ray_job, pods, head_env)
+        if rc is None:
+            run.result["status"], run.result["error"] = "timeout", f"driver still running after {args.timeout:.0f}s"
+        elif rc != 0:
+            run.result["status"] = "failed"
+            run.result["error"] = f"driver exit {rc}: " + (run.result.get("driver_error") or "see driver_log_tail")
+        else:
+            run.result["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - a failure is a result too
+        run.result["status"] = "failed"
+        run.result["error"] = f"{type(e).__name__}: {e}"[:4000]
+        run.result["traceback"] = traceback.format_exc()[-6000:]
+        print(run.result["traceback"], flush=True)
+    finally:
+        finish(run, started_ray)
+    return run.result
 
-    def save() -> None:
-        res_file.write_text(json.dumps(result, indent=1, default=str))
 
+def one_host_env(work: Path) -> dict[str, str]:
+    """This host's environment for the pods' processes: no Ray address or GPU list of its own, ``ray`` on PATH,
+    and token auth as a fresh pod has it.
+
+    A pod starts without ``~/.ray/auth_token``; this host may hold one left by an earlier ``ray.init()`` (Ray
+    writes it and turns token auth on for local clusters). With RAY_AUTH_MODE unset, ``ray start --head`` turns
+    token auth on when that file exists while a worker's ``ray start --address`` stays 'disabled', so no worker
+    could join (InvalidAuthToken). What a fresh pod's head does: disabled. The rendered env (spec.env) still wins
+    where it sets RAY_AUTH_MODE."""
     host_env = dict(os.environ)
     host_env.pop("RAY_ADDRESS", None)
     host_env.pop("CUDA_VISIBLE_DEVICES", None)
     host_env["PATH"] = f"{ray_shim(work)}:{host_env.get('PATH', '')}"
-    # A pod starts without ~/.ray/auth_token; this host may hold one left by any earlier `ray.init()` (Ray 2.60
-    # writes it and turns token auth on for local clusters). With RAY_AUTH_MODE unset, `ray start --head` turns
-    # token auth on when that file exists while a worker's `ray start --address` stays 'disabled', so no worker
-    # could join (InvalidAuthToken; 4xH200, 2026-11-28, after a gpu_sync.py run on the same machine). What a fresh
-    # pod's head does: disabled. The rendered env (spec.env) still wins where it sets RAY_AUTH_MODE.
     host_env.setdefault("RAY_AUTH_MODE", "disabled")
-    result["one_host_env"] = {"RAY_AUTH_MODE": host_env["RAY_AUTH_MODE"]}
-    stages: dict[str, float] = {}
-    result["stages_s"] = stages
-    started_ray = False
+    return host_env
+
+
+def versions() -> dict[str, str]:
+    """Ray's, torch's, Python's and vLLM's versions (an import that fails is said instead)."""
+    out: dict[str, str] = {}
     try:
-        try:
-            import ray
-            import torch
+        import ray
+        import torch
 
-            result["versions"] = {"ray": ray.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-            import vllm
+        out.update(ray=ray.__version__, torch=torch.__version__, python=sys.version.split()[0])
+        import vllm
 
-            result["versions"]["vllm"] = vllm.__version__
-        except Exception as e:  # noqa: BLE001
-            result.setdefault("versions", {})["import_error"] = repr(e)
-        # 1. model + spec
-        model_path = Path(args.work) / "models" / model_name
-        model_path.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
-        result["model"] = build_model_cached(model_name, model_path, cpu, host_env)
-        stages["model_s"] = time.perf_counter() - t
-        spec = make_spec(layout, str(model_path), args)
-        result["spec"] = spec
-        # 2. render with the operator's code
-        job = Job(name=f"rendered-{layout}", namespace="bench", uid=str(uuid.uuid4()),
-                  spec=RLHFJobSpec.model_validate(spec))
-        ray_job, config_map = render_ray_job(job), render_config_map(job)
-        result["rendered"] = {
-            "ray_start_params": {"head": ray_job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"],
-                                 **{g["groupName"]: g["rayStartParams"]
-                                    for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"]}},
-            "group_resources": {g["groupName"]: g.get("resources")
-                                for g in ray_job["spec"]["rayClusterSpec"]["workerGroupSpecs"] if g.get("resources")},
-            "entrypoint": ray_job["spec"]["entrypoint"], "base_env": BASE_ENV, "ray_job": ray_job,
-            "config_map": config_map,
-        }
-        n_gpus = len(result["host_gpus"])
-        head_address = f"127.0.0.1:{HEAD_PORT}"
-        pods = plan_pods(ray_job, config_map, work, n_gpus, cpu, head_address)
-        result["gpu_split"] = {p["pod"]: p["cuda_visible_devices"] for p in pods}
-        result["pods"] = pods
-        need = compute_layout(job.spec).totals()
-        result["layout_needs"] = need
-        save()
-        print(f"[{layout}] rendered {len(pods)} pods; GPU split {result['gpu_split']}", flush=True)
+        out["vllm"] = vllm.__version__
+    except Exception as e:  # noqa: BLE001
+        out["import_error"] = repr(e)
+    return out
 
-        # 3. the Ray nodes
-        result["ray_stop_before"] = ray_stop(host_env)
-        t = time.perf_counter()
-        started_ray = True
-        for p in pods:
-            env = {**host_env, **p["env"]}
-            if p["cuda_visible_devices"] is None:
-                env.pop("CUDA_VISIBLE_DEVICES", None)
-            proc = subprocess.run(["/bin/bash", "-c", "--", p["command"]], env=env, capture_output=True, text=True,
-                                  timeout=180, check=False)
-            p["rc"] = proc.returncode
-            p["output_tail"] = (proc.stdout + proc.stderr)[-2500:]
-            print(f"[{layout}] {p['pod']}: ray start rc={proc.returncode} (CUDA_VISIBLE_DEVICES="
-                  f"{p['cuda_visible_devices']!r})", flush=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"ray start of pod {p['pod']} failed (rc {proc.returncode}): "
-                                   f"{(proc.stdout + proc.stderr)[-1500:]}")
-        stages["ray_start_s"] = time.perf_counter() - t
-        head_env = {**host_env, **pods[0]["env"]}
-        if pods[0]["cuda_visible_devices"] is None:
-            head_env.pop("CUDA_VISIBLE_DEVICES", None)
-        q = subprocess.run([sys.executable, "-c", NODES_SNIPPET, str(len(pods)), head_address], env=head_env,
-                           capture_output=True, text=True, timeout=180, check=False)
-        line = next((x for x in q.stdout.splitlines() if x.startswith("NODES_JSON ")), None)
-        if line is None:
-            raise RuntimeError(f"could not list the Ray nodes: {(q.stdout + q.stderr)[-1500:]}")
-        seen = json.loads(line[len("NODES_JSON "):])
-        result["ray_nodes"], result["cluster_resources"] = seen["nodes"], seen["cluster_resources"]
-        missing = {k: v for k, v in need.items() if seen["cluster_resources"].get(k, 0) + 1e-9 < v}
-        result["layout_fits_cluster"] = not missing
-        save()
-        print(f"[{layout}] {len(seen['nodes'])} Ray nodes; cluster resources "
-              f"{ {k: v for k, v in seen['cluster_resources'].items() if not k.startswith('node:')} }", flush=True)
-        if len(seen["nodes"]) != len(pods):
-            raise RuntimeError(f"{len(seen['nodes'])} Ray nodes registered, the RayJob describes {len(pods)} pods")
-        if missing:
-            raise RuntimeError(f"the rendered Ray cluster lacks what the runtime's placement groups ask for: {missing} "
-                               f"(cluster: {seen['cluster_resources']})")
 
-        # 4. the driver, as KubeRay's entrypoint on the head pod
-        entry = shlex.split(pods[0]["_mapped_entrypoint"])
-        exe = [sys.executable if entry[0] in ("python", "python3") else entry[0], *entry[1:]]
-        progress = work / "progress.jsonl"
-        driver_cmd = [*exe, "--no-report", "--progress-file", str(progress)]
-        result["driver"] = {"rendered_entrypoint": ray_job["spec"]["entrypoint"], "argv": driver_cmd,
+def render(run: Run, model_name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """1. the model and the spec; 2. the RayJob and ConfigMap rendered with the operator's code, and its pods."""
+    from rlhf_api.models import RLHFJobSpec
+    from rlhf_operator.render import Job, render_config_map, render_ray_job
+    from rlhf_runtime.infra.placement import compute_layout
+
+    model_path = Path(run.args.work) / "models" / model_name
+    model_path.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    run.result["model"] = build_model_cached(model_name, model_path, run.args.cpu, run.host_env)
+    run.stages["model_s"] = time.perf_counter() - t
+    spec = make_spec(run.layout, str(model_path), run.args)
+    run.result["spec"] = spec
+    job = Job(name=f"rendered-{run.layout}", namespace="bench", uid=str(uuid.uuid4()),
+              spec=RLHFJobSpec.model_validate(spec))
+    ray_job, config_map = render_ray_job(job), render_config_map(job)
+    run.result["rendered"] = rendered_record(ray_job, config_map)
+    pods = plan_pods(ray_job, config_map, run.work, len(run.result["host_gpus"]), run.args.cpu, HEAD_ADDRESS)
+    run.result["gpu_split"] = {p["pod"]: p["cuda_visible_devices"] for p in pods}
+    run.result["pods"] = pods
+    run.result["layout_needs"] = compute_layout(job.spec).totals()
+    run.save()
+    run.say(f"rendered {len(pods)} pods; GPU split {run.result['gpu_split']}")
+    return ray_job, pods
+
+
+def rendered_record(ray_job: dict[str, Any], config_map: dict[str, Any]) -> dict[str, Any]:
+    """What the result keeps of the render: each group's rayStartParams and resources, the entrypoint, the
+    operator's base env and both objects."""
+    from rlhf_operator.render import BASE_ENV
+
+    cluster = ray_job["spec"]["rayClusterSpec"]
+    return {
+        "ray_start_params": {"head": cluster["headGroupSpec"]["rayStartParams"],
+                             **{g["groupName"]: g["rayStartParams"] for g in cluster["workerGroupSpecs"]}},
+        "group_resources": {g["groupName"]: g.get("resources")
+                            for g in cluster["workerGroupSpecs"] if g.get("resources")},
+        "entrypoint": ray_job["spec"]["entrypoint"], "base_env": BASE_ENV, "ray_job": ray_job,
+        "config_map": config_map,
+    }
+
+
+def pod_env(host_env: dict[str, str], pod: dict[str, Any]) -> dict[str, str]:
+    """The host's env with the pod's container env over it (no CUDA_VISIBLE_DEVICES where the pod has no GPUs to
+    split: the CPU smoke test)."""
+    env = {**host_env, **pod["env"]}
+    if pod["cuda_visible_devices"] is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def start_nodes(run: Run, pods: list[dict[str, Any]]) -> None:
+    """3. each pod's ``ray start`` as the pod would run it (through ``/bin/bash -c --``), in order, head first."""
+    t = time.perf_counter()
+    for p in pods:
+        proc = subprocess.run(["/bin/bash", "-c", "--", p["command"]], env=pod_env(run.host_env, p),
+                              capture_output=True, text=True, timeout=180, check=False)
+        p["rc"] = proc.returncode
+        p["output_tail"] = (proc.stdout + proc.stderr)[-2500:]
+        run.say(f"{p['pod']}: ray start rc={proc.returncode} (CUDA_VISIBLE_DEVICES={p['cuda_visible_devices']!r})")
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start of pod {p['pod']} failed (rc {proc.returncode}): "
+                               f"{(proc.stdout + proc.stderr)[-1500:]}")
+    run.stages["ray_start_s"] = time.perf_counter() - t
+
+
+def check_nodes(run: Run, pods: list[dict[str, Any]]) -> dict[str, str]:
+    """The Ray nodes registered: one per pod, offering what the runtime's placement groups ask for. Returns the
+    head pod's env."""
+    head_env = pod_env(run.host_env, pods[0])
+    q = subprocess.run([sys.executable, "-c", NODES_SNIPPET, str(len(pods)), HEAD_ADDRESS], env=head_env,
+                       capture_output=True, text=True, timeout=180, check=False)
+    line = next((x for x in q.stdout.splitlines() if x.startswith("NODES_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"could not list the Ray nodes: {(q.stdout + q.stderr)[-1500:]}")
+    seen = json.loads(line[len("NODES_JSON "):])
+    run.result["ray_nodes"], run.result["cluster_resources"] = seen["nodes"], seen["cluster_resources"]
+    need = run.result["layout_needs"]
+    missing = {k: v for k, v in need.items() if seen["cluster_resources"].get(k, 0) + 1e-9 < v}
+    run.result["layout_fits_cluster"] = not missing
+    run.save()
+    run.say(f"{len(seen['nodes'])} Ray nodes; cluster resources "
+            f"{ {k: v for k, v in seen['cluster_resources'].items() if not k.startswith('node:')} }")
+    if len(seen["nodes"]) != len(pods):
+        raise RuntimeError(f"{len(seen['nodes'])} Ray nodes registered, the RayJob describes {len(pods)} pods")
+    if missing:
+        raise RuntimeError(f"the rendered Ray cluster lacks what the runtime's placement groups ask for: {missing} "
+                           f"(cluster: {seen['cluster_resources']})")
+    return head_env
+
+
+def run_driver(run: Run, ray_job: dict[str, Any], pods: list[dict[str, Any]], head_env: dict[str, str]) -> int | None:
+    """4. the driver, as KubeRay's entrypoint on the head pod, with ``--no-report`` and ``--progress-file``; its
+    reports into the result. Returns its exit code, None when it ran past ``--timeout`` (then killed)."""
+    entry = shlex.split(pods[0]["_mapped_entrypoint"])
+    exe = [sys.executable if entry[0] in ("python", "python3") else entry[0], *entry[1:]]
+    progress = run.work / "progress.jsonl"
+    driver_cmd = [*exe, "--no-report", "--progress-file", str(progress)]
+    run.result["driver"] = {"rendered_entrypoint": ray_job["spec"]["entrypoint"], "argv": driver_cmd,
                             "command": " ".join(shlex.quote(x) for x in driver_cmd), "env_from": pods[0]["pod"],
-                            "RAY_ADDRESS": head_address}
-        save()
-        t = time.perf_counter()
-        with open(log_file, "wb") as f:
-            proc = subprocess.Popen(driver_cmd, env={**head_env, "RAY_ADDRESS": head_address}, cwd=str(work),
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                rc = None
-        stages["driver_s"] = time.perf_counter() - t
-        result["driver"].update(rc=rc, seconds=stages["driver_s"], timed_out=rc is None)
-        print(f"[{layout}] driver exit {rc} after {stages['driver_s']:.0f}s", flush=True)
-        collect(result, progress, log_file)
-        if rc is None:
-            result["status"], result["error"] = "timeout", f"driver still running after {args.timeout:.0f}s"
-        elif rc != 0:
-            result["status"] = "failed"
-            result["error"] = f"driver exit {rc}: " + (result.get("driver_error") or "see driver_log_tail")
-        else:
-            result["status"] = "ok"
-    except BaseException as e:  # noqa: BLE001 - a failure is a result too
-        result["status"] = "failed"
-        result["error"] = f"{type(e).__name__}: {e}"[:4000]
-        result["traceback"] = traceback.format_exc()[-6000:]
-        print(result["traceback"], flush=True)
-    finally:
-        if started_ray:
-            result["ray_stop"] = ray_stop(host_env)
-        for p in result.get("pods", []):
-            p.pop("_mapped_entrypoint", None)
-        if log_file.exists() and log_file.stat().st_size > 200_000:  # keep the tail only
-            data = tail(log_file, 200_000)
-            log_file.write_text("[... head of the log cut ...]\n" + data)
-        save()
-    return result
+                            "RAY_ADDRESS": HEAD_ADDRESS}
+    run.save()
+    t = time.perf_counter()
+    with open(run.log_file, "wb") as f:
+        proc = subprocess.Popen(driver_cmd, env={**head_env, "RAY_ADDRESS": HEAD_ADDRESS}, cwd=str(run.work),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=run.args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    run.stages["driver_s"] = time.perf_counter() - t
+    run.result["driver"].update(rc=rc, seconds=run.stages["driver_s"], timed_out=rc is None)
+    run.say(f"driver exit {rc} after {run.stages['driver_s']:.0f}s")
+    collect(run.result, progress, run.log_file)
+    return rc
+
+
+def finish(run: Run, started_ray: bool) -> None:
+    """5. every Ray node stopped, the driver log cut to its tail, the result written."""
+    if started_ray:
+        run.result["ray_stop"] = ray_stop(run.host_env)
+    for p in run.result.get("pods", []):
+        p.pop("_mapped_entrypoint", None)
+    if run.log_file.exists() and run.log_file.stat().st_size > 200_000:  # keep the tail only
+        data = tail(run.log_file, 200_000)
+        run.log_file.write_text("[... head of the log cut ...]\n" + data)
+    run.save()
 
 
 def collect(result: dict[str, Any], progress: Path, log_file: Path) -> None:
