@@ -14,11 +14,9 @@
 * ``reset_prefix_cache()``: drop the prefix cache now (a cached prefix takes another prefill path than a cold
   one, so greedy comparisons start cold); whether vLLM did.
 
-``BenchTrainer`` adds ``configure_sync(**options)``: the sender's settings for later syncs (``configure_sender``:
-``SYNC_OPTIONS``, the variants of ``gpu_sync.py``; the production sender has no such hook, the benchmark sets its
-attributes from here); ``direct_timeline()``, the trainer side's timeline; and ``send_stats(reset)``:
-seconds in the steps of vLLM's IPC trainer engine that no RPC times (``IPC_TRAINER_TIMED``; installs the timers
-the first time).
+``BenchTrainer`` adds ``direct_timeline()``, the trainer side's timeline, and ``send_stats(reset)``: seconds in
+the steps of vLLM's IPC trainer engine that no RPC times (``IPC_TRAINER_TIMED``; installs the timers the first
+time). The sync's variants are chosen through its options (``weight_sync.options``), never here.
 
 Every one of these actors prints the Python stack of each of its threads to its stderr (Ray keeps it in the
 actor's worker log) on ``SIGUSR1`` (``enable_stack_dumps``): ``gpu_sync.py`` sends it to them, and to its own
@@ -372,61 +370,7 @@ class BenchSteppedEngine(_StackDumps, SteppedEngine):
         return await self._call(self.llm.collective_rpc, _worker_direct_timeline)
 
 
-#: The sender settings a variant may change (``TrainerEngineSender`` attributes; ``format`` is its
-#: ``requested_format``). ``None`` for ``rpc`` or ``lean_gathers``: the sender's default.
-SYNC_OPTIONS = ("format", "ipc_resident", "lean_gathers", "rpc", "ipc_exchange", "direct_fuse", "direct_packs")
-
-
-def configure_sender(sender: Any, **options: Any) -> dict[str, Any]:
-    """Set ``options`` (``SYNC_OPTIONS``) on ``sender``, a ``weight_sync.TrainerEngineSender``, and apply them now
-    (``apply_settings``: a collective where the format plans or the lean gathers are agreed, so call it on every
-    trainer rank alike); returns what is in use. Unknown option names and ``rpc`` values raise ValueError."""
-    from rlhf_runtime.weight_sync import senders
-
-    unknown = sorted(set(options) - set(SYNC_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown sender options {unknown}: the sender takes {', '.join(SYNC_OPTIONS)}")
-    rpc = options.get("rpc")
-    if "rpc" in options and rpc is not None and rpc not in senders.RPC_MODES:
-        raise ValueError(f"rpc must be one of {', '.join(senders.RPC_MODES)}, not {rpc!r}")
-    if "format" in options:
-        sender.requested_format = options["format"]
-    if "ipc_resident" in options:
-        sender.ipc_resident = bool(options["ipc_resident"])
-    if "lean_gathers" in options:
-        lean = options["lean_gathers"]
-        sender.lean_gathers = senders.LEAN_GATHERS_DEFAULT if lean is None else bool(lean)
-    if "rpc" in options:
-        sender.rpc = senders.default_rpc(sender.backend) if rpc is None else rpc
-    if "ipc_exchange" in options:  # apply_settings refuses an unknown value
-        sender.ipc_exchange = options["ipc_exchange"]
-    for name in ("direct_fuse", "direct_packs"):  # the direct sync's wire into TP=1 engines
-        if name in options:
-            setattr(sender, name, bool(options[name]))
-    sender.apply_settings()
-    return sender_settings(sender)
-
-
-def sender_settings(sender: Any) -> dict[str, Any]:
-    """What ``sender`` uses now: the weight format, why not the kernel format (the plan's reason), the resident IPC
-    path, the engine calls per sync (``one``/``pipelined``/``three``), the tensors sent as the rank's own shard and
-    the parameters left out (lean gathers), and why the resident IPC path does not apply."""
-    client = sender.client
-    return {"format": sender.format,
-            "kernel_plan": sender.auto_reason or (None if sender.plan is None else sender.plan.reason),
-            "ipc_resident": sender.resident_active,
-            "rpc": "one" if client.one_round else "pipelined" if client.pipelined else "three",
-            "local_shards": len(sender.source.local), "skipped": len(sender.source.drop),
-            "ipc_resident_reason": None if sender.resident is None else sender.resident.reason,
-            "ipc_exchange": sender.ipc_exchange, "packed": sender.packed, "nccl": sender.nccl_path,
-            "direct_fuse": sender.direct_fuse, "direct_packs": sender.direct_packs}
-
-
 class BenchTrainer(_StackDumps, Trainer):
-    def configure_sync(self, **options: Any) -> dict[str, Any]:
-        """The sender's settings for later syncs (``configure_sender``); returns what is in use."""
-        return configure_sender(self.sender, **options)
-
     def direct_timeline(self) -> list[dict[str, Any]]:
         """The direct NCCL sync's timeline on this trainer rank (``DirectTimeline``; installed at the first call)."""
         return direct_timeline()

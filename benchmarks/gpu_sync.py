@@ -15,7 +15,7 @@ For each ``LAYOUT:MODEL`` (e.g. ``separate-nccl:qwen2-0.5b``) a child process
 4. times ``--syncs`` steady-state syncs with the default sender settings (colocated: the engine sleeps first, as
    after a rollout, and the sync wakes it), with the engine-side ``load_weights`` time; then the default and the
    sender variants interleaved, ``--syncs`` rounds, each settings once per round (``interleaved_variants``;
-   ``--sequential``: each variant's syncs one after another, the order of every result up to 2026-11-27); for
+   ``--sequential``: each variant's syncs one after another); for
    each settings one sync into scrambled weights, after which the greedy tokens must equal the validated ones;
 5. times a rollout (tokens/s; after one warm-up rollout) and one GRPO training step followed by a sync.
 
@@ -93,11 +93,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       "rollout": {"gpuMemoryUtilization": 0.5}},
     "colocated-ipc": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                       "rollout": {"gpuMemoryUtilization": 0.3}},
-    # weightSync.packed false: in the kernel format the direct sync (weight_sync.direct, since 2026-11-29: each
-    # tensor broadcast straight into the engine's parameter, fused parameters' parts unfused, one NCCL group per
-    # bucket; before, vLLM's tensor-by-tensor path into new tensors copied into the parameters). Since the
-    # 2x H200 runs of 2026-11-29 (direct faster at 1.7B and 8B) packed unset means this for TP=1 engines, so
-    # separate-nccl is the same sync and separate-nccl-packed (vLLM's packed path) the comparison
+    # weightSync.packed false: in the kernel format the direct sync (weight_sync.direct: each tensor broadcast
+    # straight into the engine's parameter, one NCCL group per bucket). Packed unset means this for TP=1 engines,
+    # so separate-nccl is the same sync and separate-nccl-packed (vLLM's packed path) the comparison
     "separate-nccl-unpacked": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": False},
                                "rollout": {"gpuMemoryUtilization": 0.5}},
     "separate-nccl-packed": {"placement": {"mode": "separate"}, "weightSync": {"backend": "nccl", "packed": True},
@@ -134,7 +132,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                                 "trainer": {"replicas": 1, "gpusPerReplica": 2, "strategy": "fsdp2"},
                                 "rollout": {"engines": 2, "expertParallel": True, "gpuMemoryUtilization": 0.3}},
     # the 30B-A3B step with the trainer's memory options: its forward without them (16k-token micro-batches, every
-    # layer's activations kept) ran out of the H200's memory at 135.7 GiB (2026-11-27, benchmarks/README.md)
+    # layer's activations kept) does not fit an H200's memory
     "colocated-ipc-fsdp4-ep4": {"placement": {"mode": "colocated"}, "weightSync": {"backend": "ipc"},
                                 "trainer": {"replicas": 1, "gpusPerReplica": 4, "strategy": "fsdp2",
                                             "gradientCheckpointing": True, "maxTokensPerMicroBatch": 4096},
@@ -147,68 +145,47 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                      "rollout": {"engines": 2, "gpuMemoryUtilization": 0.05}},
 }
 
-#: Sender variants timed after the default one (``configure_sync`` options of ``bench_actors.BenchTrainer``:
-#: ``TrainerEngineSender``'s settings ``format``, ``ipc_resident``, ``lean_gathers`` and ``rpc``). The default is
-#: the sender's own (what the driver runs: the job's ``weightSync.format``, ``senders.default_rpc``,
-#: ``senders.LEAN_GATHERS_DEFAULT``, the resident IPC path on). ``format: auto`` is what earlier results called
-#: ``kernel``: the kernel format where its plan applies, else the checkpoint format. Variants run on CPU too (the
-#: ``gloo`` ones).
+#: Sync variants timed beside the default (the job's own options). Each names what it changes: fields of the spec's
+#: ``weightSync`` (``SPEC_FIELDS``) and options of ``weight_sync.options.EXPERIMENTAL``; the driver resolves them
+#: (``WeightSync.resolve``) and every switch of variant re-creates the weight-sync group with them
+#: (``WeightSync.init_group``, as after an engine was replaced), its first sync untimed. Variants run on CPU too
+#: (the ``gloo`` ones).
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
         ("checkpoint-format", {"format": "checkpoint"}),
-        ("kernel-format", {"format": "auto", "rpc": "three"}),  # each call waited on
-        # start, update, finish as three engine calls submitted back to back (EngineFanOut.pipelined); before
-        # one-rpc, which did not finish on 2xH100 (a variant that fails or hangs ends the variants)
-        ("kernel-format-pipelined-rpc", {"format": "auto", "rpc": "pipelined"}),
-        ("kernel-format-one-rpc", {"format": "auto", "rpc": "one"}),
+        ("kernel-format-one-rpc", {"format": "auto", "rpc": "one"}),  # one update_weights_round call per engine
         # the runtime's kernel-format worker engines wherever the plan applies (a plan that does not fails)
         ("kernel-format-forced", {"format": "kernel"}),
-        # weightSync.packed (fixed when the weight-sync group starts: a switch re-creates the group, GROUP_OPTIONS):
-        # vLLM's packed path, and the direct sync (weight_sync.direct; the default from one trainer GPU into TP=1
-        # engines since 2026-11-29), so that the two alternate turn by turn inside one run
+        # vLLM's packed path, and the direct sync (weight_sync.direct), alternating turn by turn in one run
         ("packed-sync", {"packed": True}),
         ("direct-sync", {"packed": False}),
-        # the direct sync's wire into TP=1 engines (TrainerEngineSender.direct_fuse / direct_packs, off by
-        # default): a fused parameter as one broadcast, the small entries (norms) in packs, and both
+        # the direct sync's wire into TP=1 engines (weight_sync.wire): a fused parameter as one broadcast, the
+        # small entries (norms) in packs, and both
         ("direct-fused", {"packed": False, "direct_fuse": True}),
         ("direct-packs", {"packed": False, "direct_packs": True}),
         ("direct-fused-packs", {"packed": False, "direct_fuse": True, "direct_packs": True}),
-        # the direct sync in groups of 256 MiB instead of weightSync.bucketSizeMB's 1,024 (a group option: the
-        # engines cut the groups from it too): the wire starts after a quarter of the first group's launches
+        # the direct sync in groups of 256 MiB instead of weightSync.bucketSizeMB's 1,024 (the engines cut the
+        # groups from it too): the wire starts after a quarter of the first group's launches
         ("direct-256mb", {"packed": False, "bucket_size_mb": 256}),
     ],
     "ipc": [
         ("checkpoint-format", {"format": "checkpoint"}),
         ("kernel-format-forced", {"format": "kernel"}),
-        # vLLM's IPC trainer engine instead of the runtime's resident sync (its default where it applies)
-        ("kernel-format-vllm-ipc", {"format": "auto", "ipc_resident": False}),
-        # each FSDP2 rank's shard sent ungathered where it is its TP worker's, no gather of what no engine takes
-        # (the default since 2026-11-26), and every parameter gathered (before)
-        ("kernel-format-lean-gathers", {"format": "auto", "lean_gathers": True}),
-        ("kernel-format-full-gathers", {"format": "auto", "lean_gathers": False}),
         # several trainer ranks: the IPC handles and barriers over a gloo group, not NCCL (weight_sync.ipc_exchange)
         ("kernel-format-handles-over-gloo", {"format": "auto", "ipc_exchange": "gloo"}),
     ],
-    # CPU (vLLM's trainer engine, checkpoint format only): one engine call per sync (default) vs three, and three
-    # submitted back to back
+    # CPU (checkpoint format only): the engine calls per sync (one by default), and the gloo backend tensor by
+    # tensor
     "gloo": [
-        ("three-rpc", {"format": "auto", "rpc": "three"}),
-        ("one-rpc", {"format": "auto", "rpc": "one"}),
-        ("pipelined-rpc", {"format": "auto", "rpc": "pipelined"}),
-        ("unpacked", {"packed": False}),  # the gloo backend tensor by tensor (a new weight-sync group)
+        ("three-rpc", {"rpc": "three"}),
+        ("one-rpc", {"rpc": "one"}),
+        ("pipelined-rpc", {"rpc": "pipelined"}),
+        ("unpacked", {"packed": False}),
     ],
 }
 
-#: Variant options that the weight-sync group fixes at its start (vLLM's engines take ``packed`` and the bucket
-#: size at the init handshake): ``_configure`` sets them in the driver's spec (``weight_sync``'s attributes) and
-#: re-creates the group (``WeightSync.init_group``, as after an engine was replaced) when they change; the other
-#: options are the sender's (``configure_sync``).
-GROUP_OPTIONS = ("packed", "bucket_size_mb")
-
-#: Settings every variant starts from (a variant names only what it changes); ``None``: the sender's default (the
-#: engine calls per sync and the lean gathers, which differ by backend).
-RESET: dict[str, Any] = {"rpc": None, "ipc_resident": True, "lean_gathers": None, "ipc_exchange": "nccl",
-                         "direct_fuse": False, "direct_packs": False}
+#: Variant keys that are fields of the spec's ``weightSync`` (its Python names); the others are ``EXPERIMENTAL``.
+SPEC_FIELDS = ("format", "packed", "bucket_size_mb")
 
 #: Environment recorded with every result (the device's README asks for these on every command).
 ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_FLASHINFER_SAMPLER",
@@ -260,8 +237,8 @@ for _base, _env in (("colocated-ipc", None), ("colocated-ipc-resident", None), (
 
 
 #: Trainer settings a model's GRPO step needs beside the layout's: Qwen3-8B in FSDP2x2 colocated with its engines
-#: ran out of the H200's memory in its forward without checkpointing (16k-token micro-batches: 136.25 GiB
-#: allocated, 2026-11-27, benchmarks/README.md); train_step.py fits its 16k-token sequences with checkpointing.
+#: does not fit an H200's memory in its forward without checkpointing (16k-token micro-batches); train_step.py fits
+#: its 16k-token sequences with checkpointing.
 MODEL_TRAINER: dict[str, dict[str, Any]] = {"qwen3-8b": {"gradientCheckpointing": True}}
 
 
@@ -353,8 +330,8 @@ def nccl_floor(nbytes: int, chunk: int, world: int = 2) -> dict[str, Any]:
 def sent_bytes(model: Any, itemsize: int = 2) -> int:
     """The bytes the default sync sends for ``model`` (bfloat16: ``itemsize`` 2), on which the floor is measured:
     the kernel format sends every parameter once, so a tied head (the embedding's alias, which
-    ``named_parameters()`` drops) is not counted again. Up to 2026-12-01 the floor counted it (4.06 GB instead of the
-    3.44 GB sent for Qwen3-1.7B): ``floor_shares`` flags an arm whose syncs sent other bytes than its floor moved."""
+    ``named_parameters()`` drops) is not counted again; ``floor_shares`` flags an arm whose syncs sent other bytes
+    than its floor moved."""
     return sum(p.numel() for _, p in model.named_parameters()) * itemsize
 
 
@@ -488,7 +465,7 @@ def summarize(syncs: list[dict[str, Any]]) -> dict[str, Any]:
     out["format"] = syncs[0].get("format", "checkpoint") if syncs else None
     out["ipc"] = syncs[0].get("ipc") if syncs else None  # IPC: resident or vllm
     # the last sync's engine calls and waits for the engines (rpc), trainer rank 0's FSDP2 gathers (tensors, and
-    # the all-gathers that moved them), tensors sent as its own shard and parameters left out (lean_gathers)
+    # the all-gathers that moved them), tensors sent as its own shard and parameters left out (senders.agreed_gathers)
     for k in ("engine_calls", "engine_waits", "gathers", "gather_collectives", "local_shards", "skipped"):
         if syncs and k in syncs[-1]:
             out[k] = syncs[-1][k]
@@ -511,31 +488,33 @@ def save(result: dict[str, Any]) -> None:
 
 
 def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The sender settings compared: the default (the job's own: ``RESET`` and its ``weightSync.format``) first,
-    then the ``VARIANTS`` of the backend that ``--variants`` selects (all by default), each as full settings."""
+    """The sync options compared: the default (the layout's own ``weightSync``) first, then the ``VARIANTS`` of the
+    backend that ``--variants`` selects (all by default), each as full settings."""
     chosen = [(n, o) for n, o in VARIANTS.get(backend, []) if not args.variants or n in args.variants.split(",")]
     from rlhf_api.models import WeightSync
 
-    own = WeightSync.model_validate(spec["weightSync"])  # the layout's own (packed None: unset, resolve_packed)
-    default = {**RESET, "format": own.format, "packed": own.packed, "bucket_size_mb": own.bucket_size_mb}
+    own = WeightSync.model_validate(spec["weightSync"])
+    default = {k: getattr(own, k) for k in SPEC_FIELDS}
     return [("default", default)] + [(n, {**default, **o}) for n, o in chosen]
 
 
-def _configure(rt: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Apply ``options``: the ``GROUP_OPTIONS`` that differ from the driver's spec re-create the weight-sync group
-    with them (``WeightSync.init_group``: every trainer rank's sender anew, every engine's group anew), then the
-    sender's settings on every trainer rank; returns what trainer rank 0 uses, and ``regrouped`` (whether the
-    group was re-created: its first sync makes three engine calls, ``EngineFanOut``)."""
-    import ray
+def sync_options(rt: Any, arm: dict[str, Any]) -> Any:
+    """The driver's sync options for ``arm`` (``SPEC_FIELDS`` over the job's ``weightSync``, the rest
+    ``EXPERIMENTAL``), resolved as the driver resolves its own (``WeightSync.resolve``)."""
+    ws = rt.spec.weight_sync.model_copy(update={k: arm[k] for k in SPEC_FIELDS if k in arm})
+    return rt.weights.resolve(ws, {k: v for k, v in arm.items() if k not in SPEC_FIELDS})
 
-    group = {k: options[k] for k in GROUP_OPTIONS if k in options}
-    regrouped = any(getattr(rt.spec.weight_sync, k) != v for k, v in group.items())
+
+def _configure(rt: Any, arm: dict[str, Any]) -> dict[str, Any]:
+    """Sync with ``arm`` from now on: where its options differ from the group's, the weight-sync group is
+    re-created with them (``WeightSync.init_group``: every trainer rank's sender anew, every engine's group anew).
+    Returns what trainer rank 0's sender uses and ``regrouped`` (a new group's first sync makes three engine
+    calls, ``EngineFanOut``)."""
+    options = sync_options(rt, arm)
+    regrouped = options != rt.weights.options
     if regrouped:
-        for k, v in group.items():
-            setattr(rt.spec.weight_sync, k, v)
-        rt.weights.init_group()
-    sender = {k: v for k, v in options.items() if k not in GROUP_OPTIONS}
-    return {**ray.get([t.configure_sync.remote(**sender) for t in rt.actors.trainers])[0], "regrouped": regrouped}
+        rt.weights.init_group(options)
+    return {**rt.weights.in_use, "regrouped": regrouped}
 
 
 def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> bool:
@@ -553,7 +532,7 @@ def restores_weights(rt: Any, check: tuple[list[Any], int, list[list[int]]]) -> 
 
 def sequential_variants(rt: Any, variants: list[tuple[str, dict[str, Any]]], syncs: int,
                         check: tuple[list[Any], int, list[list[int]]], result: dict[str, Any], tag: str) -> None:
-    """``--sequential`` (the order of every result up to 2026-11-27): each variant after the default's syncs,
+    """``--sequential``: each variant after the default's syncs,
     its ``syncs`` syncs one after another, the first into scrambled weights; then its greedy tokens checked."""
     import ray
 
@@ -647,7 +626,7 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     backend = spec["weightSync"]["backend"] if gpu else "gloo"
     cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
     reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
-    # engines with scramble_weights/load_stats, trainers with configure_sync (the runtime's extension point)
+    # engines with scramble_weights/load_stats, trainers with timelines (the runtime's extension point)
     rt = Runtime(cfg, reporter, local=True, validate=True, classes=bench_actors.classes(cfg.spec))
     rt.actors.env.update(SAFE_ENV)
     rt.actors.env.update(actor_env)
@@ -666,10 +645,9 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
         rt.actors.start_engines()
         stages["engines_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        rt.weights.init_group()
+        first = json.loads(args.sender_options) if args.sender_options else None  # the variants reset them
+        result["sync_options"] = rt.weights.init_group(sync_options(rt, first) if first else None)
         stages["init_sync_s"] = time.perf_counter() - t
-        if args.sender_options:  # the sender's settings from the start (the variants reset them to the default)
-            result["sender_options"] = _configure(rt, json.loads(args.sender_options))
         # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
         ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.actors.engines])
         ray.get(rt.actors.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
@@ -1092,7 +1070,7 @@ def main() -> int:
                         "many); 0: the same batch of promptsPerStep prompts at every engine count")
     p.add_argument("--variants", default="", help="comma-separated variant names to time (default: all)")
     p.add_argument("--sequential", action="store_true",
-                   help="time each variant's syncs one after another (the order of every result up to 2026-11-27) instead of "
+                   help="time each variant's syncs one after another instead of "
                    "interleaved with the default's")
     p.add_argument("--revalidate", action="store_true",
                    help="after the variants, sync with the fastest one and run the fresh-engine validation again")
@@ -1100,8 +1078,8 @@ def main() -> int:
                    help="engine-side timers (start/receive/finish of the worker transfer engine) wait for the GPU "
                    "before stopping (device-complete times; adds one synchronize per step)")
     p.add_argument("--sender-options", default="",
-                   help="JSON of sender settings (bench_actors.SYNC_OPTIONS) in force from the first sync, e.g. "
-                        "'{\"ipc_exchange\": \"gloo\"}'")
+                   help="JSON of sync options in force from the first sync (SPEC_FIELDS and "
+                        "weight_sync.options.EXPERIMENTAL), e.g. '{\"ipc_exchange\": \"gloo\"}'")
     p.add_argument("--py-spy", default="",
                    help="path of a py-spy executable: a run past its limit also gets the native stacks of every "
                         "Ray process (native_stacks_<layout>_<model>.txt in --out)")

@@ -1,10 +1,10 @@
-"""The gathers a kernel plan needs only (``senders.agreed_gathers``, option ``lean_gathers``): FSDP2 shards sent
-ungathered where they are a tensor-parallel engine worker's shard (the kernel format over IPC from FSDP2 ranks into
-a TP engine), and no gather of what no engine takes (a tied head's second name). On two real ``Trainer`` processes
-that shard a real tiny Qwen2 (tied embeddings) with ``fully_shard`` over gloo (CPU), each rank's kernel-format
-tensors for the TP=2 worker on its GPU are the same with and without the gathers left out, and far fewer gathers
-run. Ranks whose shards are not their workers' (or that disagree) gather every shard: a rank skipping a gather the
-other runs would leave both waiting in it."""
+"""The gathers a kernel plan needs only (``senders.agreed_gathers``, always on in the kernel format): FSDP2
+shards sent ungathered where they are a tensor-parallel engine worker's shard (the kernel format over IPC from
+FSDP2 ranks into a TP engine), and no gather of what no engine takes (a tied head's second name). On two real
+``Trainer`` processes that shard a real tiny Qwen2 (tied embeddings) with ``fully_shard`` over gloo (CPU), each
+rank's kernel-format tensors for the TP=2 worker on its GPU are the same with and without the gathers left out,
+and far fewer gathers run. Ranks whose shards are not their workers' (or that disagree) gather every shard: a
+rank skipping a gather the other runs would leave both waiting in it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""The engine calls of a weight sync (``TrainerEngineSender`` option ``rpc``) on real Ray, a real vLLM engine and a
-real trainer over gloo (CPU), through the benchmark that compares them on GPUs (``benchmarks/gpu_sync.py --cpu``):
-the modes are timed interleaved (a round of each, the order rotated), each mode's sync lands (the engine's weights
-are scrambled, and its greedy tokens after the mode's sync equal those of the validated first sync), and each makes
-the engine calls and waits it promises: three calls waited on one by one, one ``update_weights_round`` call, or
-three calls submitted back to back and waited on twice (``EngineFanOut.pipelined``); and the gloo backend tensor by
-tensor (``packed`` false: a group option, so every switch to or from it re-creates the weight-sync group)."""
+"""The engine calls of a weight sync (the sync option ``rpc``, ``weight_sync.options.EXPERIMENTAL``) on real Ray, a
+real vLLM engine and a real trainer over gloo (CPU), through the benchmark that compares them on GPUs
+(``benchmarks/gpu_sync.py --cpu``): the modes are timed interleaved (a round of each, the order rotated; every
+switch re-creates the weight-sync group with the mode's options), each mode's sync lands (the engine's weights are
+scrambled, and its greedy tokens after the mode's sync equal those of the validated first sync), and each makes the
+engine calls and waits it promises: three calls waited on one by one, one ``update_weights_round`` call, or three
+calls submitted back to back and waited on twice (``EngineFanOut.pipelined``); and the gloo backend tensor by
+tensor (``packed`` false)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_each_rpc_mode_syncs_with_the_calls_and_waits_it_promises(tmp_path: Path
     assert r["interleaved_order"] == arms + arms[1:] + arms[:1] + arms[2:] + arms[:2], r["interleaved_order"]
     assert all(len(v) == 3 for v in r["syncs_interleaved"].values()), r["syncs_interleaved"]
     s = r["summary_interleaved"]
-    # "unpacked" re-creates the weight-sync group (packed is fixed at its start) at every switch to and from it:
-    # the settling sync makes the new group's three calls, the timed one a single call again
+    # every switch re-creates the weight-sync group: the settling sync makes the new group's three calls, the timed
+    # one what the mode promises
     for name, rpc, calls, waits, packed in (("default", "one", 1, 1, True), ("three-rpc", "three", 3, 3, True),
                                             ("pipelined-rpc", "pipelined", 3, 2, True),
                                             ("unpacked", "one", 1, 1, False)):
@@ -46,7 +47,7 @@ def test_each_rpc_mode_syncs_with_the_calls_and_waits_it_promises(tmp_path: Path
         assert v["options"]["rpc"] == rpc and v["options"]["packed"] is packed, v["options"]
         assert v["greedy_equals_validated"], v  # the scrambled engine has the trainer's weights again
         assert (v["engine_calls"], v["engine_waits"]) == (calls, waits), v
-    # after the variants (the last one pipelined) the benchmark puts the sender back on its defaults
-    # (``configure(rpc=None)``): the sync after the training step is one call again
+    # after the variants the benchmark syncs with the job's own options again (a new group, and its settling
+    # sync): the sync after the training step is one call again
     after = r["sync_after_train"]
     assert (after["engine_calls"], after["engine_waits"]) == (1, 1), after

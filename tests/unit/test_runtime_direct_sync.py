@@ -366,15 +366,21 @@ def test_trainer_and_both_workers_of_a_tp2_engine_agree_over_a_real_group() -> N
 
 # ------------------------------------------------------------------------------------------ the sender's source
 def _bare_sender(hf: dict[str, torch.Tensor], tp: int = 1, backend: str = "nccl", packed: bool = False,
-                 fmt: str = "kernel") -> Any:
+                 fmt: str = "kernel", **experimental: Any) -> Any:
     """A ``TrainerEngineSender`` without its ``__init__`` (which opens the NCCL group): the attributes its weight
-    source reads, the plan of one engine of ``tp`` workers over ``hf``."""
+    source reads, its options resolved from ``packed`` and ``experimental``, the plan of one engine of ``tp``
+    workers over ``hf``."""
+    from rlhf_api.models import WeightSync
+    from rlhf_runtime.weight_sync.options import resolve
     from rlhf_runtime.weight_sync.senders import TrainerEngineSender
 
     source = _Source(hf)
     source.dtype = F32
     sender = object.__new__(TrainerEngineSender)
-    sender.backend, sender.packed, sender.format, sender.source = backend, packed, fmt, source
+    sender.options = resolve(WeightSync(packed=packed), backend=backend, engine_worlds=[tp], trainer_world=1,
+                             experimental=experimental)
+    sender.backend, sender.format, sender.source = backend, fmt, source
+    sender.packed, sender._side = sender.options.packs(fmt), None
     sender.plan = KernelPlan.build(source, _engine(hf, tp))
     return sender
 
@@ -411,42 +417,18 @@ def test_the_sender_declares_what_it_yields_parts_only_on_the_direct_sync(backen
 @pytest.mark.parametrize(("fuse", "packs", "qkv", "pack"), [(False, False, 3, False), (True, False, 1, False),
                                                           (False, True, 3, True), (True, True, 1, True)])
 def test_the_senders_wire_options_change_what_it_declares_and_yields(fuse, packs, qkv, pack) -> None:
-    """``direct_fuse`` / ``direct_packs`` on the direct sync into a TP=1 engine: the declared entries are what the
-    source yields (one ``qkv_proj`` entry where fused; the small entries moved behind a pack entry, which is their
-    tensors concatenated); the trainer engine gets the side stream only where the sender fuses."""
-    sender = _bare_sender(_hf())
-    sender.direct_fuse, sender.direct_packs = fuse, packs
+    """The options ``direct_fuse`` / ``direct_packs`` on the direct sync into a TP=1 engine: the declared entries
+    are what the source yields (one ``qkv_proj`` entry where fused; the small entries moved behind a pack entry,
+    which is their tensors concatenated); the trainer engine gets the side stream only where the sender fuses."""
+    sender = _bare_sender(_hf(), direct_fuse=fuse, direct_packs=packs)
     meta, sent = _declared_and_sent(sender._weight_source())
     assert meta == [(n, list(t.shape)) for n, t in sent]
     assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == qkv
-    assert (sender._side is not None) is fuse and sender._wire == (fuse, packs)
+    assert (sender._side is not None) is fuse
     assert meta[-1][0].startswith(wire.PACK) is pack
     if pack:
         k = wire.pack_size(meta[-1][0])
         assert torch.equal(sent[-1][1], torch.cat([t.reshape(-1) for _, t in sent[-1 - k:-1]]))
-
-
-def test_changing_a_wire_option_gives_the_trainer_engine_a_new_source_once() -> None:
-    """``apply_settings`` (every sync's first step) after ``direct_fuse`` changed: the trainer engine gets a new
-    weight source (its metadata differs, so vLLM's trainer sends it and the engines re-plan) and the side stream;
-    with nothing changed it keeps both."""
-    from rlhf_runtime.weight_sync import ipc_exchange
-
-    sender = _bare_sender(_hf())
-    sender.requested_format = sender._resolved_format = "kernel"
-    sender.lean_gathers = sender._applied_lean = True
-    sender.ipc_exchange, sender._exchange = ipc_exchange.EXCHANGE_DEFAULT, (ipc_exchange.EXCHANGE_DEFAULT, None)
-    sender.rpc, sender.client = "pipelined", types.SimpleNamespace(ordered=True)
-    sender.engine = types.SimpleNamespace(source=sender._weight_source(), side=sender._side)
-    first = sender.engine.source
-    sender.apply_settings()
-    assert sender.engine.source is first and sender.engine.side is None
-    sender.direct_fuse = True
-    sender.apply_settings()
-    assert sender.engine.source is not first and isinstance(sender.engine.side, wire.SideStream)
-    fused = sender.engine.source
-    sender.apply_settings()
-    assert sender.engine.source is fused
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -457,31 +439,6 @@ def test_into_a_tp_engine_the_direct_sync_declares_every_ranks_pieces(packed) ->
     meta, sent = _declared_and_sent(_bare_sender(_hf(), tp=2, packed=packed)._weight_source())
     assert meta == [(n, list(t.shape)) for n, t in sent]
     assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == (1 if packed else 6)
-
-
-@pytest.mark.parametrize(("setting", "backend", "fmt", "tp", "world", "packed"), [
-    (None, "nccl", "kernel", 1, 1, False),  # unset: the direct sync, measured faster (benchmarks/README.md)
-    (None, "nccl", "kernel", 2, 1, True),  # TP > 1 engines: every rank's piece on the wire, not run on GPUs
-    (None, "nccl", "kernel", 1, 2, True),  # an FSDP2 trainer: gathers between the groups, not run on GPUs
-    (None, "nccl", "checkpoint", 1, 1, True),  # unpacked would be vLLM's per-tensor path
-    (None, "ipc", "kernel", 1, 1, True), (None, "gloo", "checkpoint", 1, 1, True),
-    (True, "nccl", "kernel", 1, 1, True), (False, "nccl", "kernel", 2, 2, False), (False, "ipc", "kernel", 1, 1, False),
-])
-def test_packed_unset_is_the_direct_sync_only_where_it_was_measured_faster(setting, backend, fmt, tp, world,
-                                                                           packed) -> None:
-    """``weightSync.packed`` unset resolves per backend, format, engine TP and trainer GPUs
-    (``senders.resolve_packed``); a value the user set is kept as it is."""
-    from rlhf_runtime.weight_sync.senders import resolve_packed
-
-    assert resolve_packed(setting, backend, fmt, tp, world) is packed
-
-
-def test_the_spec_leaves_packed_unset_unless_the_user_sets_it() -> None:
-    from rlhf_api.models import WeightSync
-
-    assert WeightSync().packed is None
-    assert WeightSync.model_validate({"packed": True}).packed is True
-    assert "packed" not in WeightSync().model_dump(by_alias=True, exclude_none=True)
 
 
 # ------------------------------------------------------------------------------------------ vLLM's engine classes

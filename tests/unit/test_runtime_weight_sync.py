@@ -4,7 +4,6 @@ fresh-engine validation of the whole path run on the lent GPUs (``benchmarks/gpu
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
@@ -16,31 +15,17 @@ pytest.importorskip("vllm")
 from rlhf_runtime.infra import moe
 
 
-def test_sender_defaults_are_the_validated_fast_path() -> None:
-    """What a sender starts with (``TrainerEngineSender``'s settings): ``weightSync.format: auto``, one engine
-    call per sync over gloo, vLLM's three calls pipelined over NCCL, lean gathers and the resident IPC path on."""
-    from rlhf_runtime.weight_sync.senders import (
-        LEAN_GATHERS_DEFAULT,
-        RPC_MODES,
-        TrainerEngineSender,
-        default_rpc,
-        make_sender,
-    )
-
-    assert inspect.signature(TrainerEngineSender).parameters["fmt"].default == "auto"
-    assert inspect.signature(make_sender).parameters["fmt"].default == "auto"
-    assert (default_rpc("gloo"), default_rpc("nccl")) == ("one", "pipelined")
-    assert {default_rpc("gloo"), default_rpc("nccl")} <= set(RPC_MODES)
-    assert LEAN_GATHERS_DEFAULT is True
-    assert not hasattr(TrainerEngineSender, "configure")  # benchmarks set the settings from outside
-
-
 def test_effective_format_follows_the_request_and_the_plan() -> None:
+    """``auto`` takes the kernel format wherever the plan covers the engines (a TP=2 engine over one NCCL broadcast
+    too), else the checkpoint format; ``kernel`` without a usable plan is refused with the plan's reason."""
     from rlhf_runtime.weight_sync import KernelPlan, effective_format
 
     ok = KernelPlan([("w", [2], ["w"])], True, "1 engine parameter")
     no = KernelPlan([], False, "kernel format needs tensor_parallel_size 1")
-    assert effective_format("auto", ok) == "kernel"
+    hf = _hf()
+    broadcast = KernelPlan.build(_Source(hf), _engine(hf, 2))
+    assert broadcast.ok and broadcast.all_ranks
+    assert effective_format("auto", ok) == effective_format("auto", broadcast) == "kernel"
     assert effective_format("auto", no) == "checkpoint"
     assert effective_format("auto", None) == "checkpoint"
     assert effective_format("kernel", ok) == "kernel"
@@ -48,17 +33,21 @@ def test_effective_format_follows_the_request_and_the_plan() -> None:
     with pytest.raises(ValueError, match=r"weightSync.format kernel cannot be used here \(kernel format needs "
                                          r"tensor_parallel_size 1\)"):
         effective_format("kernel", no)
-    with pytest.raises(ValueError, match="one of auto, checkpoint, kernel"):
-        effective_format("fused", ok)
 
 
-def test_old_names_stay_importable_from_the_package() -> None:
-    """Benchmarks and other code import these from ``rlhf_runtime.weight_sync`` (a package since issue 16)."""
+def test_the_package_names_load_their_modules_on_first_use() -> None:
+    """``rlhf_runtime.weight_sync`` names its public parts; the driver imports ``options`` from it without torch."""
+    import subprocess
+    import sys
+
     import rlhf_runtime.weight_sync as ws
 
-    for name in ("EngineFanOut", "ParamSource", "KernelPlan", "Sender", "TrainerEngineSender", "make_sender",
-                 "cuda_ipc_export"):
-        assert hasattr(ws, name), name
+    for name in ws.__all__:
+        assert getattr(ws, name) is not None, name
+    code = ("import sys; from rlhf_runtime.weight_sync.options import resolve; "
+            "from rlhf_runtime.controller import sync; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 # ------------------------------------------------------------------------------------------ kernel plans
@@ -235,27 +224,6 @@ def test_a_trainer_rank_without_engine_layouts_plans_no_kernel_format() -> None:
     assert not plan.ok and plan.reason == "no engine layout reached this trainer rank"
 
 
-def test_auto_takes_the_kernel_format_on_vllm_028_where_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM >= 0.28: ``auto`` takes the kernel format over NCCL (into TP=1 engines, and into a TP=2 engine with
-    both ranks' pieces in one broadcast: 4xH200), over IPC from one trainer GPU and over IPC from several trainer
-    GPUs into TP=1 engines (DP, EP; 2xH200) and into a TP=2 engine (2xH100), all validated with vLLM 0.33; a vLLM
-    where it was never validated keeps the checkpoint format and says why."""
-    from rlhf_runtime.vllm import compat as vllm_compat
-    from rlhf_runtime.weight_sync import KernelPlan, senders
-    from rlhf_runtime.weight_sync.senders import auto_keeps_checkpoint
-
-    assert auto_keeps_checkpoint() is None  # no backend, trainer size or engine TP is held back
-    hf = _hf()
-    broadcast = KernelPlan.build(_Source(hf), _engine(hf, 2))  # NCCL into a TP=2 engine
-    assert auto_keeps_checkpoint(KernelPlan.build(_Source(hf), _engine(hf, 2), tp_rank=0)) is None
-    assert senders.BROADCAST_TP_VALIDATED and auto_keeps_checkpoint(broadcast) is None  # 4xH200, 2026-11-27
-    monkeypatch.setattr(senders, "BROADCAST_TP_VALIDATED", False)
-    assert "NCCL into a tensor-parallel engine" in (auto_keeps_checkpoint(broadcast) or "")
-    monkeypatch.setattr(vllm_compat, "AUTO_KERNEL_SINCE_TRAINER_API", False)
-    reason = auto_keeps_checkpoint()
-    assert reason is not None and "until the kernel format is validated" in reason
-
-
 # ------------------------------------------------------------------------------------ MoE experts (EP)
 EXPERTS = "model.layers.0.mlp.experts"
 W13, W2 = f"{EXPERTS}.routed_experts.w13_weight", f"{EXPERTS}.routed_experts.w2_weight"
@@ -391,10 +359,9 @@ def test_engines_holding_different_experts_get_no_shared_stream_plan() -> None:
 
 
 def test_ipc_buffer_holds_the_largest_tensor_a_sync_sends() -> None:
-    """vLLM 0.33's packed IPC producer refuses a tensor larger than its buffer ("Tensor 'model.embed_tokens.weight'
-    has size 1244659712 bytes, which exceeds buffer_size_bytes=1073741824": Qwen3-8B's embedding, FSDP2x2 over IPC
-    on 4xH200, 2026-11-27): the sender's IPC buffer is at least the largest tensor, a trainer parameter as sent or a
-    fused engine parameter of the kernel plan, in the sync's dtype."""
+    """vLLM's packed IPC producer refuses a tensor larger than its buffer (a large model's embedding exceeds 1 GiB):
+    the sender's IPC buffer is at least the largest tensor, a trainer parameter as sent or a fused engine parameter
+    of the kernel plan, in the sync's dtype."""
     from types import SimpleNamespace
 
     from rlhf_runtime.weight_sync import KernelPlan, ParamSource

@@ -1,8 +1,9 @@
 """Weight-sync coordination: when the engines get the trainer's weights, and what happens around a transfer.
 
 * ``init_group``: (re-)create the weight-transfer group trainer rank 0 <-> every engine (after a replacement
-  too); every trainer rank takes part (FSDP2 gathers). LoRA: none (the adapter travels through Ray's object
-  store).
+  too) with the sync's options (``weight_sync.options.resolve``: the spec's ``weightSync`` and the layout,
+  resolved here once and passed whole to every trainer rank, which takes part: FSDP2 gathers). LoRA: none (the
+  adapter travels through Ray's object store).
 * ``sync``: pause (async mode: ``pause_generation(mode="keep")``) or wake the weights (colocated engines that
   sleep) -> transfer through vLLM's weight-transfer API (``Trainer.sync_weights``), or the adapter
   (``sync_adapter``) -> resume or wake the KV cache; timings and GB/s. The trainer's sender does the transfer
@@ -24,7 +25,9 @@ import time
 from typing import Any
 
 from rlhf_api.models import RLHFJobSpec
+from rlhf_api.models import WeightSync as WeightSyncSpec
 from rlhf_runtime.controller.actors import ActorGroup
+from rlhf_runtime.weight_sync.options import WeightSyncOptions, resolve
 
 
 class WeightSync:
@@ -39,6 +42,8 @@ class WeightSync:
         self.adapter_id = 0  # the engines' vLLM LoRA id: one more per adapter sync
         self.synced_at = 0  # the training step the engines' weights are from
         self.last: dict[str, float] | None = None  # the newest sync's result
+        self.options: WeightSyncOptions | None = None  # the group's (``init_group``)
+        self.in_use: dict[str, Any] = {}  # what trainer rank 0's sender uses (``TrainerEngineSender.describe``)
 
     def _desc(self) -> str:
         return f"trainer rank 0 -> {self.engines.describe()}"
@@ -47,16 +52,29 @@ class WeightSync:
         """Whether the engines need the weights of step ``done`` before its rollout."""
         return done - self.synced_at >= self.every
 
-    def init_group(self) -> None:
-        """(Re-)create the weight-transfer group trainer rank 0 <-> every engine."""
+    def _worlds(self) -> list[int]:
+        return self.engines.call("world_size", what=f"world size of {self.engines.describe()}")
+
+    def resolve(self, weight_sync: WeightSyncSpec | None = None, experimental: dict[str, Any] | None = None,
+                worlds: list[int] | None = None) -> WeightSyncOptions:
+        """The sync's options from ``weight_sync`` (default: the spec's ``weightSync``) and this job's layout
+        (``weight_sync.options.resolve``; ``experimental``: its ``EXPERIMENTAL`` options, for benchmarks)."""
+        return resolve(weight_sync or self.spec.weight_sync, backend=self.backend,
+                       engine_worlds=self._worlds() if worlds is None else worlds,
+                       trainer_world=len(self.trainers), experimental=experimental)
+
+    def init_group(self, options: WeightSyncOptions | None = None) -> dict[str, Any]:
+        """(Re-)create the weight-transfer group trainer rank 0 <-> every engine, with ``options`` (default:
+        ``resolve()``); returns what trainer rank 0's sender uses."""
         if self.lora:
-            return
-        worlds = self.engines.call("world_size", what=f"world size of {self.engines.describe()}")
-        ws = self.spec.weight_sync
-        args = [(list(self.engines) if r == 0 else [], worlds, self.backend, ws.packed, ws.bucket_size_mb * 1024 * 1024)
-                for r in range(len(self.trainers))]
-        self.trainers.deadlines.get(self.trainers.submit_each("init_weight_sync", args),
-                                    f"weight-sync group init: {self._desc()}")
+            return {}
+        worlds = self._worlds()
+        options = options or self.resolve(worlds=worlds)
+        args = [(list(self.engines) if r == 0 else [], worlds, options) for r in range(len(self.trainers))]
+        in_use = self.trainers.deadlines.get(self.trainers.submit_each("init_weight_sync", args),
+                                             f"weight-sync group init: {self._desc()}")
+        self.options, self.in_use = options, in_use[0]
+        return self.in_use
 
     def sync(self, step: int) -> dict[str, float]:
         """The weights of training step ``step`` to every engine; the result (also ``self.last``)."""

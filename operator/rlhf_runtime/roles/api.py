@@ -66,10 +66,10 @@ class PolicyActor(Protocol):
         """Remove the staged weights (no-op when none)."""
         ...
 
-    def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool,
-                         bucket_bytes: int, skip: list[str] | None = None) -> None:
-        """(Re-)create the weight-transfer group with the engines ``handles`` (rank 0; other ranks: empty).
-        Collective."""
+    def init_weight_sync(self, handles: list[Any], worlds: list[int], options: Any,
+                         skip: list[str] | None = None) -> dict[str, Any]:
+        """(Re-)create the weight-transfer group with the engines ``handles`` (rank 0; other ranks: empty) and a
+        sender of ``options`` (``weight_sync.options.WeightSyncOptions``); what the sender uses. Collective."""
         ...
 
     def sync_weights(self) -> dict[str, float]:

@@ -179,8 +179,8 @@ class Trainer(FSDPWorker):
         waits for this import too; bounded by the progress deadline, not by weightSync.timeoutSeconds (which is
         for the transfer itself) as it would be in the first init_weight_sync."""
         t = time.perf_counter()
-        from rlhf_runtime import weight_sync  # noqa: F401 - loaded here, not in the first sync
         from rlhf_runtime.vllm import plugin as vllm_plugin
+        from rlhf_runtime.weight_sync import senders  # noqa: F401 - loaded here, not in the first sync
 
         vllm_compat.require_supported_vllm()
         vllm_plugin.register()
@@ -229,23 +229,21 @@ class Trainer(FSDPWorker):
         return get_node_ip_address(), vllm_compat.open_port()
 
     # ----------------------------------------------------------------------------------- weight sync
-    def init_weight_sync(self, handles: list[Any], worlds: list[int], backend: str, packed: bool | None,
-                         bucket_bytes: int, skip: list[str] | None = None) -> None:
-        """(Re-)create the weight-transfer group with ``handles`` (rank 0; other ranks only gather). Called
-        again after an engine was replaced: the old group is dropped. Every engine call and the group's
-        collectives are bounded by ``weightSync.timeoutSeconds``."""
+    def init_weight_sync(self, handles: list[Any], worlds: list[int], options: Any,
+                         skip: list[str] | None = None) -> dict[str, Any]:
+        """(Re-)create the weight-transfer group with ``handles`` (rank 0; other ranks only gather) and a sender
+        of ``options`` (``weight_sync.options.WeightSyncOptions``, resolved by the driver); returns what the sender
+        uses (``TrainerEngineSender.describe``). Called again after an engine was replaced: the old group is
+        dropped. Every engine call and the group's collectives are bounded by ``options.timeout_s``."""
         from rlhf_runtime.weight_sync import EngineFanOut, ParamSource, make_sender
 
-        timeout = float(self.spec.weight_sync.timeout_seconds)
         addr, port = self.address()
-        init = {"master_address": addr, "master_port": port, "world_size": 1 + sum(worlds),
-                "packed": packed, "bucket_bytes": bucket_bytes, "rank": self.rank,
-                "trainer_world": self.world_size, "timeout_s": timeout}
+        group = {"master_address": addr, "master_port": port, "world_size": 1 + sum(worlds), "rank": self.rank}
         source = ParamSource(self.model, self.dtype, set(skip or []))
         self.sender = None
-        # sync-mode engines are sync actors (one call at a time, in order): the fan-out may pipeline their calls
-        fanout = EngineFanOut(handles, worlds, timeout, ordered=self.spec.weight_sync.mode == "sync")
-        self.sender = make_sender(backend, fanout, source, init, self.spec.weight_sync.format)
+        fanout = EngineFanOut(handles, worlds, options.timeout_s, options.rpc)
+        self.sender = make_sender(options, fanout, source, group)
+        return self.sender.describe()
 
     def sync_weights(self) -> dict[str, float]:
         if self.device.type == "cuda":

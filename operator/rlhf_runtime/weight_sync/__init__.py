@@ -1,36 +1,41 @@
 """Trainer -> engines weight sync through vLLM's weight-transfer API (vLLM >= 0.28: its trainer-side engines).
 
-Runs in the trainer process (rank 0 sends). ``make_sender(...)`` returns a ``Sender`` with ``send() -> dict``
-(stage timings and bytes). The package is split by responsibility:
-
-* ``producers``: what is sent (``ParamSource``: the trainer's weights in the checkpoint format) and
-  ``ResidentExport`` (CUDA IPC: the engines map the trainer's parameters once and copy from them);
+* ``options``: ``WeightSyncOptions``, everything a sender reads, resolved once by the driver (``resolve``);
+* ``senders``: ``TrainerEngineSender`` (``make_sender``), built from the options on every trainer rank;
+* ``producers``: what is sent (``ParamSource``) and the resident IPC sync's trainer side (``ResidentExport``);
 * ``formats``: checkpoint vs kernel format (``KernelPlan``, ``effective_format``);
-* ``senders``: ``TrainerEngineSender`` (vLLM's trainer engine of the backend, plus the kernel format and the
-  resident sync) and ``make_sender``;
 * ``fanout``: ``EngineFanOut``, the control plane over the engine actors;
-* ``ipc_exchange``: where several trainer ranks of an IPC sync exchange their buffers' handles (vLLM's NCCL
-  exchange, or a gloo group: opt-in);
-* ``gloo`` (the CPU backend, both sides) and ``kernel`` (the kernel-format worker engines), loaded by vLLM
-  through the plugin (``rlhf_runtime.vllm.plugin``).
+* ``direct`` and ``wire``: the direct NCCL sync; ``ipc_exchange``: the IPC handle exchange over gloo;
+* ``gloo`` (the CPU backend) and ``kernel`` (the kernel-format worker engines), loaded by vLLM through the plugin
+  (``rlhf_runtime.vllm.plugin``).
 
-Every vLLM version difference they depend on lives in ``rlhf_runtime.vllm.compat``.
+The names below load their module on first use, so the driver imports ``options`` without torch. Every vLLM
+version difference lives in ``rlhf_runtime.vllm.compat``.
 """
 
-from rlhf_runtime.weight_sync.fanout import EngineFanOut
-from rlhf_runtime.weight_sync.formats import FORMATS, KernelPlan, effective_format
-from rlhf_runtime.weight_sync.producers import ParamSource, ResidentExport, cuda_ipc_export
-from rlhf_runtime.weight_sync.senders import Sender, TrainerEngineSender, make_sender
+from __future__ import annotations
 
-__all__ = [
-    "FORMATS",
-    "EngineFanOut",
-    "KernelPlan",
-    "ParamSource",
-    "ResidentExport",
-    "Sender",
-    "TrainerEngineSender",
-    "cuda_ipc_export",
-    "effective_format",
-    "make_sender",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "EngineFanOut": "fanout",
+    "FORMATS": "options",
+    "KernelPlan": "formats",
+    "effective_format": "formats",
+    "ParamSource": "producers",
+    "ResidentExport": "producers",
+    "cuda_ipc_export": "producers",
+    "TrainerEngineSender": "senders",
+    "make_sender": "senders",
+    "WeightSyncOptions": "options",
+    "resolve": "options",
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -1,34 +1,22 @@
-"""The direct NCCL sync: the kernel format broadcast straight into the engine's parameters (``weightSync.packed:
-false`` over NCCL in the kernel format).
+"""The direct NCCL sync: the kernel format broadcast straight into the engines' parameters (NCCL, kernel format,
+not packed).
 
-vLLM's packed NCCL path copies every byte three times besides the wire: the trainer concatenates fused parameters
-(``qkv_proj`` from q, k, v), packs the chunk into a buffer, and the engine copies the received buffer into its
-parameters; its unpacked path broadcasts tensor by tensor, one NCCL launch each, into a fresh tensor the engine
-then copies. Here the engine receives into its parameters themselves: each tensor the trainer sends is a
-contiguous range of one engine parameter's memory (a whole parameter, a part of a fused one: vLLM fuses along dim
-0, so q, k and v are consecutive row ranges; the rows of a padded vocabulary that the Hugging Face tensor has),
-and a chunk's broadcasts go out as one NCCL group (``group_start`` / ``group_end``: one launch). The trainer sends
-its tensors as they are (the parts of a fused parameter unfused: ``formats.KernelPlan.iterate(fuse=False)``), so
-neither side copies.
+vLLM's packed NCCL path copies every byte three times besides the wire (the trainer fuses and packs, the engine
+unpacks); its unpacked path is one NCCL launch per tensor into a fresh tensor the engine then copies. Here each
+tensor the trainer sends, as it is (a fused parameter's parts unfused: ``KernelPlan.iterate(fuse=False)``), is a
+contiguous range of one engine parameter (vLLM fuses along dim 0), received in place, and a bucket's broadcasts
+go out as one NCCL group.
 
-Wire (both sides derive it from the update info and ``packed_buffer_size_bytes``, so they always agree): the
-entries ``(name, dtype, shape)`` in order; entries naming the same parameter one after another fill it from its
-start (``flat_plan``); the groups are the byte buckets of the entries (``buckets``). Into a tensor-parallel
-engine (every worker receives every broadcast) the trainer sends each split parameter as every rank's piece, one
-contiguous tensor each, rank after rank (``rank_pieces``: row pieces are views; a piece of columns is copied), so
-the entries of a name are the workers' parameters one after another; each worker receives its own pieces straight
-into its parameter and the others' into one throw-away buffer per group (``rank_plan``). A padded vocabulary (the
-Hugging Face rows, whole) is received into scratch tensors and each worker copies its rows after the group
-(``KernelTarget``).
+Wire (both sides derive it from the update info and ``packed_buffer_size_bytes``): the entries ``(name, dtype,
+shape)`` in order, consecutive entries of a name filling it from its start (``flat_plan``), one group per byte
+bucket (``buckets``). Into a TP engine every split parameter goes out as every rank's piece, rank after rank
+(``rank_pieces``); each worker receives its own pieces into its parameter and the others' into a throw-away
+buffer (``rank_plan``). A padded vocabulary's HF rows are received into scratch and copied after the group
+(``KernelTarget``). The packs of ``weight_sync.wire`` are received into scratch too. Every check runs on the
+metadata before the first broadcast: a plan that does not fit raises without writing a parameter.
 
-The trainer's wire options into TP=1 engines (a fused parameter as one broadcast; the small entries in packs,
-each received into scratch and copied into its parameters after its group) are ``weight_sync.wire``'s.
-
-Every check runs on the metadata before the first broadcast: a plan that does not fit the engine raises without
-writing a parameter (the trainer's broadcast then ends by ``weightSync.timeoutSeconds``, as for any engine error).
-
-Pure torch: ``send`` and ``receive`` take any communicator with ``broadcast(tensor, src, stream)``,
-``group_start()`` and ``group_end()`` (vLLM's ``PyNcclCommunicator`` on GPUs; a gloo one in the CPU tests).
+``send`` and ``receive`` take any communicator with ``broadcast(tensor, src, stream)``, ``group_start()`` and
+``group_end()`` (vLLM's ``PyNcclCommunicator``; a gloo one in the CPU tests).
 """
 
 from __future__ import annotations
@@ -44,6 +32,7 @@ from rlhf_runtime.weight_sync.wire import carriers, pack_size, wire_sizes
 
 #: ``Plan.buffers`` entry of a piece another TP worker keeps: received into the group's throw-away buffer.
 DISCARD = "discard"
+
 
 @dataclass
 class Plan:

@@ -16,35 +16,29 @@ log = logging.getLogger(__name__)
 
 
 class EngineFanOut:
-    """``VLLMWeightSyncClient`` over engine actors (``rlhf_runtime.rollout.engines``), with per-engine rank offsets."""
+    """``VLLMWeightSyncClient`` over engine actors, with per-engine rank offsets and ``rpc`` engine calls per
+    sync."""
 
     def __init__(self, handles: list[Any], worlds: list[int], timeout_s: float | None = None,
-                 ordered: bool = False) -> None:
+                 rpc: str = "three") -> None:
         self.handles = handles
-        #: the engine actors run one call at a time, in the order this process submits them (sync actors,
-        #: ``max_concurrency=1``: ``weightSync.mode: sync``); async engines run calls side by side
-        self.ordered = ordered
         self.worlds = worlds
         self.timeout_s = timeout_s  # spec.weightSync.timeoutSeconds: no engine call waits longer
         self.timings: dict[str, float] = {}
         self.calls = 0  # Ray calls per engine since ``new_sync`` (one per method call, fanned out to every engine)
         self.waits = 0  # times the trainer waited for the engines since ``new_sync`` (``get``)
-        #: the format of ``start_weight_update()`` called without one (vLLM >= 0.28's trainer engines call it so;
-        #: ``TrainerEngineSender`` sets it from ``spec.weightSync.format``)
+        #: the format of ``start_weight_update()`` called without one (vLLM's trainer engines call it so; the
+        #: sender sets it from the format in use)
         self.checkpoint_format = True
-        #: vLLM >= 0.28's trainer engines that call ``update_weights`` once per sync (NCCL, gloo): defer
-        #: ``start_weight_update`` and make ``update_weights`` one ``update_weights_round`` call per engine (start,
-        #: receive, finish), so a sync is one Ray round trip per engine instead of three; ``TrainerEngineSender``
-        #: sets it (option ``rpc``)
-        #: The first sync of a format after the group's init (or after a failed round) still makes three calls,
-        #: so a failing start raises before the trainer's broadcast instead of leaving it waiting for engines
-        #: that never join; later syncs of that format are one call.
-        self.one_round = False
-        #: ``ordered`` engines, trainer engines that call ``update_weights`` once per sync: start, update and
-        #: finish stay three engine calls (vLLM's own worker methods) but are submitted back to back: the trainer
-        #: waits for the start with the update, then for a finish that is already running, so a sync pays one
-        #: Ray round trip per engine instead of three. The same first-sync rule as ``one_round``.
-        self.pipelined = False
+        #: ``rpc`` (``options.RPCS``) for trainer engines that call ``update_weights`` once per sync (NCCL, gloo).
+        #: ``one``: ``start_weight_update`` is deferred and ``update_weights`` is one ``update_weights_round`` call
+        #: per engine (start, receive, finish). ``pipelined`` (engines that run calls one at a time, in order):
+        #: the three calls are submitted back to back, the trainer waits for the start with the update, then for
+        #: a finish already running. Either way the first sync of a format after the group's init (or after a
+        #: failed sync) makes three calls, so a failing start raises before the trainer's broadcast instead of
+        #: leaving it waiting for engines that never join.
+        self.one_round = rpc == "one"
+        self.pipelined = rpc == "pipelined"
         self._finish_refs: list[Any] = []  # pipelined: the finish calls submitted with the update
         #: the sync under way: (stage, format), stage "deferred" (start left to the round), "round" (the round
         #: finished the update), "three" (three calls), "pipelined" (the start submitted) or "pipelined-finish"
@@ -100,7 +94,7 @@ class EngineFanOut:
         if self.one_round and self._proven == fmt:  # the engines start inside the update's round
             self._open = ("deferred", fmt)
             return
-        if self.pipelined and self.ordered and self._proven == fmt:  # submitted now, waited on with the update
+        if self.pipelined and self._proven == fmt:  # submitted now, waited on with the update
             self.calls += 1
             self._start_refs = [h.start_weight_update.remote(fmt) for h in self.handles]
             self._open = ("pipelined", fmt)

@@ -1,20 +1,15 @@
 """Weight formats and the plans that produce them.
 
-Two formats reach an engine:
-
 * **checkpoint**: Hugging Face names and shapes (``ParamSource``), loaded through vLLM's layerwise reload
-  (``model.load_weights``): works for every engine layout and every supported vLLM;
+  (``model.load_weights``): every engine layout, every supported vLLM;
 * **kernel**: the engine's own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` / ``gate_up_proj``
-  written side by side), loaded by a plain ``param.copy_`` in the runtime's worker engines (``weight_sync.kernel``);
+  written side by side), loaded by a plain copy in the runtime's worker engines (``weight_sync.kernel``), for
   engines whose parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds
-  no source for them): TP=1; over IPC with each trainer rank sending what the engine worker on its GPU holds
-  (its TP shard, its experts under expert parallelism: ``senders.kernel_plan``); over NCCL into TP > 1 engines
-  with every rank's pieces side by side in the one broadcast, each worker copying its own. ``auto`` picks it
-  only where validated on GPUs (``senders.auto_keeps_checkpoint``); the rest is opt-in (``kernel``).
+  no source for them).
 
-``spec.weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engine, else
+``weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engines, else
 checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
-``checkpoint``. ``effective_format`` decides.
+``checkpoint``; ``effective_format`` decides.
 """
 
 from __future__ import annotations
@@ -24,42 +19,34 @@ from typing import Any
 
 import torch
 
+from rlhf_runtime.weight_sync.options import FORMATS
 from rlhf_runtime.weight_sync.producers import FusedParts, ParamSource
 
-FORMATS: tuple[str, ...] = ("auto", "checkpoint", "kernel")
+__all__ = ["FORMATS", "KernelPlan", "effective_format"]
 
 
 class KernelPlan:
     """HF (checkpoint) tensors -> the engine's own parameters, for a kernel-format update (a plain copy each).
 
-    For each engine parameter (name, shape, dtype, from the engine): the HF tensor of the same name, or the HF
-    tensors whose names substitute a fused module's parts (vLLM's ``packed_modules_mapping``: ``qkv_proj`` <-
-    ``q_proj, k_proj, v_proj``; ``gate_up_proj`` <- ``gate_proj, up_proj``), concatenated along dim 0 (vLLM's
-    fused layout). Packing writes the parts side by side, so the fusion costs no extra copy.
+    For each engine parameter (name, shape): the HF tensor of the same name, or the HF tensors of a fused module's
+    parts (vLLM's ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj, k_proj, v_proj``), concatenated along dim 0
+    (vLLM's fused layout); the producers write the parts side by side, so the fusion costs no extra copy.
 
-    Tensor parallelism (``tp`` > 1, ``tp_rank``: the engine worker this rank's tensors are for, e.g. the worker
-    on this trainer rank's GPU for CUDA IPC): a parameter whose engine shape is the whole source's is replicated;
-    otherwise it is split along the dimension the engine reports for it (``shard_dims``: vLLM's ``output_dim``
-    for column-parallel layers and vocabulary embeddings, ``input_dim`` for row-parallel ones), each part
-    (q, k, v; gate, up) chunked into ``tp`` equal pieces and piece ``tp_rank`` of each part concatenated
-    (vLLM's per-rank fused layout). Without ``tp_rank`` (one stream every worker receives whole: an NCCL
-    broadcast) the plan sends every rank's piece side by side, rank after rank along the split dimension (for a
-    fused parameter: rank 0's q, k, v pieces, then rank 1's, ...), so that each worker's own part is piece
-    ``tp_rank`` of what it receives (``weight_sync.kernel.KernelTarget`` takes it); for a parameter of one
-    part that is the trainer's tensor unchanged. ``all_ranks`` says which kind of plan it is. A padded vocabulary
-    (the engine reports ``vocab``: vLLM pads embeddings and output layers to a multiple of 64 rows, e.g. OPT-125m's
-    50,272 to 50,304, and splits the padded rows over the ranks) is sent as the Hugging Face tensor, whole, and
-    every worker copies its own rows (``weight_sync.kernel.KernelTarget``). Other uneven splits (KV heads fewer
-    than ``tp``) find no source: the plan is then not ``ok`` and ``reason`` says which parameter; the sender keeps
-    the checkpoint format (``auto``, with the reason in the sync record and the log) or refuses (``kernel``).
+    Tensor parallelism (``tp`` > 1): a parameter whose engine shape is the whole source's is replicated; otherwise
+    it is split along the dimension the engine reports (``shard_dims``: vLLM's ``output_dim`` / ``input_dim``),
+    each part chunked into ``tp`` pieces and piece ``tp_rank`` of each part concatenated (vLLM's per-rank fused
+    layout). Without ``tp_rank`` (one stream every worker receives whole: an NCCL broadcast, ``all_ranks``) it
+    sends every rank's pieces side by side, rank after rank, and each worker takes its own
+    (``kernel.KernelTarget``). A padded vocabulary (the engine reports ``vocab``: vLLM pads to a multiple of 64
+    rows, then splits over the ranks) is sent as the HF tensor, whole, and every worker copies its rows. Other
+    uneven splits (fewer KV heads than ``tp``) find no source: the plan is not ``ok`` and ``reason`` names the
+    parameter.
 
     MoE experts (``experts`` in the engine layout, ``workers.expert_layout``): vLLM holds a layer's local experts
-    as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, for each local
-    expert in local order (``ids``: global expert ids, so an expert-parallel engine gets only its own experts),
-    the per-expert HF tensors the stream yields (``moe.unfuse``) in the order the engine's MoE backend keeps
-    them (``parts``: gate then up for Triton, up then gate for FlashInfer CUTLASS). Side by side they are the
-    parameter's contiguous layout; the fused tensor is their concatenation viewed in the engine's shape.
-    Backends that re-layout the weights after loading report a reason instead, and the plan refuses with it.
+    as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, per local expert
+    in local order (``ids``: global expert ids), the per-expert HF tensors (``moe.unfuse``) in the order the MoE
+    backend keeps them (``parts``); side by side they are the parameter's layout. Backends that re-layout the
+    weights after loading report a reason instead, and the plan refuses with it.
     """
 
     def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str,
@@ -246,10 +233,8 @@ class KernelPlan:
 
 def effective_format(requested: str, plan: KernelPlan | None) -> str:
     """The format a sync uses: ``kernel`` when asked (``kernel`` or ``auto``) and ``plan`` covers the engines,
-    else ``checkpoint``. ``requested == "kernel"`` with no usable plan raises ValueError with the plan's reason
-    (``weightSync.format: kernel`` is a promise, not a preference). Pure."""
-    if requested not in FORMATS:
-        raise ValueError(f"weight format must be one of {', '.join(FORMATS)}, not {requested!r}")
+    else ``checkpoint``. ``kernel`` with no usable plan raises ValueError with the plan's reason (``weightSync.format:
+    kernel`` is a promise, not a preference). Pure."""
     if requested == "checkpoint":
         return "checkpoint"
     if plan is not None and plan.ok:

@@ -1,23 +1,14 @@
-"""``gloo``: a CPU weight-transfer backend for vLLM's native weight-transfer API.
+"""``gloo``: a CPU weight-transfer backend for vLLM's weight-transfer API.
 
-vLLM ships ``nccl`` and ``ipc`` backends, both GPU-only. This backend speaks the same engine protocol
-(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``)
-over a torch gloo ``ProcessGroup`` with its own ``TCPStore``, so CPU CI drives exactly the engine calls the
-GPU path drives. It is registered in every vLLM process by the plugin entry point
-(``rlhf_runtime.vllm.plugin:register``) and selected with ``WeightTransferConfig(backend="gloo")``.
+vLLM ships ``nccl`` and ``ipc``, both GPU-only. This backend speaks the same engine protocol (init, start, update,
+finish) over a torch gloo ``ProcessGroup`` with its own ``TCPStore``, so CPU CI drives exactly the engine calls the
+GPU path drives. The plugin entry point (``rlhf_runtime.vllm.plugin:register``) registers it in every vLLM process.
 
-Wire format (both sides derive it from the same metadata, so they always agree):
-
-* rank 0 is the trainer; an engine's workers sit at ``rank_offset + data_parallel_index * world + rank``;
-* ``packed``: parameters are concatenated as raw bytes into uint8 buckets of at most
-  ``packed_buffer_size_bytes`` (a larger single tensor gets its own bucket), one broadcast per bucket;
-  otherwise one broadcast per parameter.
-
-Received weights go through ``model.load_weights`` inside vLLM's layerwise reload (initialised in
-``start_weight_update``, finalised in ``finish_weight_update``), which is what lets a ``load_format="dummy"``
-engine take checkpoint-format (HF) weights. A parameter that is never sent keeps its previous value.
-
-The module imports torch and vLLM: import it only in processes that run engines or trainers.
+Wire (both sides derive it from the same metadata): rank 0 is the trainer, an engine's workers sit at
+``rank_offset + data_parallel_index * world + rank``; packed, the tensors go as raw bytes in uint8 buckets of at
+most ``packed_buffer_size_bytes`` (a larger tensor gets its own), one broadcast per bucket; otherwise one broadcast
+per tensor. Received weights go through ``model.load_weights`` inside vLLM's layerwise reload, which lets a
+``load_format="dummy"`` engine take checkpoint-format weights. Imports torch and vLLM.
 """
 
 from __future__ import annotations
@@ -96,11 +87,10 @@ def _reprepack_cpu_moe(model: torch.nn.Module) -> int:
     """Work around vLLM 0.32's CPU MoE path for weight updates; returns the layers fixed.
 
     On the first load, CPU experts prepack ``w13_weight``/``w2_weight`` into their grouped-GEMM layout
-    (``CPUUnquantizedExperts.process_weights_after_loading``). A later reload (RL weight update) copies the new,
-    plain-layout weights into that storage but skips the prepack (it only runs when ``moe_kernel`` is None),
-    so the kernel reads unpacked data: the synced engine then disagreed with a fresh one (seen on 2026-11-22,
-    3/8 prompts). Prepacking again after the reload restores the layout the kernel expects. GPU kernels do
-    not prepack this way, so this runs only for the CPU experts classes.
+    (``CPUUnquantizedExperts.process_weights_after_loading``); a later reload copies the new plain-layout weights
+    into that storage but skips the prepack (it runs only when ``moe_kernel`` is None), so the kernel would read
+    unpacked data and the synced engine would disagree with a fresh one. Prepacking again after the reload
+    restores the layout. GPU kernels do not prepack this way: this runs for the CPU experts classes only.
     """
     fixed = 0
     for module in model.modules():

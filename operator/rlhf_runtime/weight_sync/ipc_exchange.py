@@ -2,18 +2,13 @@
 
 vLLM's IPC trainer engine, with several trainer ranks (FSDP2 colocated with one engine worker per GPU), gathers
 every rank's CUDA IPC handle of each packed chunk to the sending rank over the default process group (NCCL:
-``all_gather_object``, whose sizes go through the GPU and back, ``.item()``), then a barrier and a device sync,
-and after each chunk another barrier (``_post_send_sync``). So the handles of a few hundred bytes travel through
-NCCL kernels on the GPUs the engine workers share, between the FSDP2 gathers of the same sync.
+``all_gather_object``, whose sizes go through the GPU and back), then a barrier and a device sync, and after each
+chunk another barrier (``_post_send_sync``): handles of a few hundred bytes travel through NCCL kernels on the
+GPUs the engine workers share, between the FSDP2 gathers of the same sync.
 
-With ``exchange="gloo"`` (``install``) the handles and both barriers go over a gloo group of the same ranks
-instead: host memory only, each exchange a rendezvous of the ranks' host threads; the data still moves by CUDA
-IPC, the FSDP2 gathers stay on NCCL. Why it exists: Qwen3-8B from FSDP2 x2 into one TP=2 engine hung at its
-second sync on 2xH200 (2026-11-27: the two ranks inside vLLM's NCCL handle gather, one in the data all-gather,
-one waiting on the sizes'), and ran all its syncs on 4xH200 with torch's collective checks on (2026-11-28:
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which adds such a host rendezvous before every collective);
-benchmarks/README.md, seventh session. Not the default until a GPU run shows that it holds; the benchmark's
-``ipc_exchange`` sender option picks it.
+``install`` moves the handles and both barriers to a gloo group of the same ranks (``options.EXPERIMENTAL``
+``ipc_exchange: gloo``): host memory only, each exchange a rendezvous of the ranks' host threads; the data still
+moves by CUDA IPC and the FSDP2 gathers stay on NCCL.
 """
 
 from __future__ import annotations
@@ -22,11 +17,7 @@ from typing import Any
 
 import torch
 
-#: Where the trainer ranks exchange IPC handles (``TrainerEngineSender.ipc_exchange``).
-EXCHANGES = ("nccl", "gloo")
-EXCHANGE_DEFAULT = "nccl"
-
-#: The trainer engine's methods ``install`` replaces (on the instance; ``uninstall`` removes them again).
+#: The trainer engine's methods ``install`` replaces (on the instance).
 REPLACED = ("_all_gather_and_merge_handles", "_post_send_sync")
 
 
@@ -72,8 +63,3 @@ def install(engine: Any, group: Any) -> None:
     engine._all_gather_and_merge_handles = lambda handles: exchange_handles(handles, group, engine.is_sender)
     engine._post_send_sync = lambda: host_barrier(group)
 
-
-def uninstall(engine: Any) -> None:
-    """Back to vLLM's own methods (NCCL over the default group)."""
-    for name in REPLACED:
-        engine.__dict__.pop(name, None)

@@ -1,27 +1,19 @@
-"""The kernel weight format: engine-side backends that copy into the engine's own parameters.
+"""The kernel weight format: worker engines that copy into the engine's own parameters.
 
-vLLM's ``nccl`` and ``ipc`` worker engines always run the layerwise reload (``initialize_layerwise_reload`` in
-``start_weight_update``, ``load_weights`` per chunk, ``finalize_layerwise_reload`` in ``finish_weight_update``),
-most of a NCCL sync's time (benchmarks/README.md, "Where the defaults come from"). vLLM leaves each engine its
-own lifecycle (``WeightTransferEngine``: "engines that apply weights in place leave those methods as no-ops"), so
-the runtime registers its own engines, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport unchanged, plus a
-per-engine format switch (``set_format``, a worker RPC the runtime sends when ``weightSync.format`` resolves to
-kernel). The CPU ``gloo`` engine has no switch (see below why the kernel format cannot apply on CPU).
+vLLM's ``nccl`` and ``ipc`` worker engines always run the layerwise reload (``initialize_layerwise_reload``,
+``load_weights`` per chunk, ``finalize_layerwise_reload``), most of a NCCL sync's time. The runtime registers its
+own engines, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport, plus a per-engine format switch (``set_format``, a
+worker RPC sent when the sender's format resolves to kernel):
 
 * checkpoint (default): exactly the parent engine (HF names, layerwise reload);
-* kernel: ``start_weight_update`` puts a ``KernelTarget`` where the engine loads into (``self.model``): its
-  ``load_weights`` copies each received tensor into the engine parameter of that name (names, shapes and dtypes
-  of the engine's own layout: ``weight_sync.KernelPlan`` builds them on the trainer); ``finish_weight_update``
-  puts the model back. No reload, no ``process_weights_after_loading``: right for layouts where the parameter
-  is what the kernels read (unquantized GPU linear layers); the plan refuses engines whose parameters are not
-  (on CPU vLLM prepacks linear weights and empties the parameters: their shapes no longer match any HF tensor).
+* kernel: ``start_weight_update`` puts a ``KernelTarget`` where the engine loads into (``self.model``); its
+  ``load_weights`` copies each tensor into the engine parameter of that name (``formats.KernelPlan`` builds the
+  names, shapes and dtypes on the trainer); ``finish_weight_update`` puts the model back. No reload, no
+  ``process_weights_after_loading``: right where the parameter is what the kernels read (unquantized GPU layers).
 
-The ``rlhf_ipc`` engine also takes the resident sync (``ResidentCopy``; trainer side
-``weight_sync.producers.ResidentExport``): an update info whose ``resident`` field names a generation of the
-trainer's exported parameters, mapped once and copied from in one multi-tensor copy per sync.
-
-The module imports torch and vLLM: import it only in processes that run engines (vLLM resolves the backends by
-module path, ``rlhf_runtime.vllm.plugin.register``).
+``rlhf_nccl`` also receives the direct sync (``weight_sync.direct``), ``rlhf_ipc`` the resident sync
+(``ResidentCopy``; trainer side ``producers.ResidentExport``). The module imports torch and vLLM: import it only in
+processes that run engines (vLLM resolves the backends by module path, ``rlhf_runtime.vllm.plugin.register``).
 """
 
 from __future__ import annotations

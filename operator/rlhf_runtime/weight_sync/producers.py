@@ -1,16 +1,12 @@
 """Producers: what the trainer sends, and the trainer side of the resident IPC sync.
 
-* ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF)
-  format with matching metadata: ``named_parameters(remove_duplicate=False)``, so a tied ``lm_head.weight``
-  goes out under its second name too (vLLM's layerwise reload would otherwise keep the engine's old value),
-  FSDP2 shards gathered (collectives: every rank iterates; consecutive dim-0 shards of one mesh in one all-gather
-  per ``gather_bucket_bytes``, ``gather_shard0``; others by ``full_tensor()``), fused HF MoE experts split per
-  expert (``rlhf_runtime.infra.moe``), cast to the spec dtype; ``skip`` drops names on purpose (the validation debug
-  option); ``local`` names go out as this rank's FSDP2 shard, ungathered (``local_candidates``: where the shard is
-  the piece a tensor-parallel engine worker on this rank's GPU holds), ``drop`` names not at all (``unneeded``).
-* ``FusedParts``: a fused engine parameter as its parts side by side (``KernelPlan.iterate(fuse=False)``).
-* ``ResidentExport`` / ``cuda_ipc_export``: the resident IPC sync's trainer side (the engines map the trainer's
-  parameters once and copy from them every sync).
+* ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF) format
+  with matching metadata: ``named_parameters(remove_duplicate=False)`` (a tied ``lm_head.weight`` goes out under
+  its second name too, or vLLM's layerwise reload would keep the engine's old value), FSDP2 shards gathered
+  (collectives: every rank iterates), fused HF MoE experts split per expert (``rlhf_runtime.infra.moe``), cast to
+  the spec dtype;
+* ``FusedParts``: a fused engine parameter as its parts side by side (``KernelPlan.iterate(fuse=False)``);
+* ``ResidentExport`` / ``cuda_ipc_export``: the resident IPC sync's trainer side.
 """
 
 from __future__ import annotations
@@ -36,10 +32,8 @@ class FusedParts(list):
         self.shape = shape
 
 
-#: Gathered bytes (in the sync's dtype) per all-gather of FSDP2 shards: ~2 decoder layers of Qwen3-1.7B. One
-#: ``full_tensor()`` per tensor cost 0.5-0.9 ms each on H200s (310 of them: 160-266 ms of a 277 ms sync, FSDP2 x2
-#: into two engines on 4xH200, benchmarks/README.md "Rendered cluster on GPUs", 2026-11-28); the bucket is what the gather
-#: adds to the trainer's memory while it runs (the gathered copy, then the tensors handed out).
+#: Gathered bytes (in the sync's dtype) per all-gather of FSDP2 shards (``gather_shard0``: one collective for a run
+#: of tensors instead of one ``full_tensor()`` each); what the gather adds to the trainer's memory while it runs.
 GATHER_BUCKET_BYTES = 256 << 20
 
 
@@ -149,8 +143,8 @@ class ParamSource:
         #: bytes per all-gather of consecutive dim-0 shards (``gather_shard0``); 0: one ``full_tensor()`` each
         self.gather_bucket_bytes = gather_bucket_bytes
         self.collectives = 0  # all-gathers of the last iteration (``gathers`` counts the tensors gathered)
-        #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered: every rank must hold the
-        #: same set (the gathers of the others are collectives); ``senders.agreed_gathers`` decides it
+        #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered, the same set on every
+        #: rank (the others' gathers are collectives): ``senders.agreed_gathers``
         self.local: set[str] = set()
         #: parameter names not yielded at all (``unneeded``: no engine takes them), on the same terms as ``local``
         self.drop: set[str] = set()
@@ -264,20 +258,16 @@ class ResidentExport:
     """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): the engines
     copy straight out of the trainer's parameters, mapped once.
 
-    vLLM's IPC trainer engine packs every tensor into a staging buffer each sync (a device copy of the model,
-    one copy launch per tensor, a fresh export of the buffer) and the engines map that buffer again each sync,
-    with three RPCs: a bound far above the device copy (benchmarks/README.md, "Where the defaults come from").
-    Here every tensor of the plan that is a view of a trainer parameter (same dtype: no cast; the engine's
-    fused parameters take their parts side by side) is exported once (``cuda_ipc_export``, torch's refcounted
-    CUDA IPC); the first sync of a ``generation`` sends the handles, later ones only the generation, and each
-    engine worker, holding the mapping from that first sync, copies the whole model in one multi-tensor copy
-    (``kernel_transfer.ResidentCopy``). The trainer must not write its parameters during the copy: the send
-    is synchronous (vLLM's ``update_weights`` waits for the device before it answers).
+    vLLM's IPC trainer engine packs every tensor into a staging buffer each sync and the engines map that buffer
+    again each sync, with three calls and one more per chunk. Here every tensor of the plan that is a view of a
+    trainer parameter (same dtype; a fused parameter's parts side by side) is exported once (``cuda_ipc_export``);
+    the first sync of a ``generation`` sends the handles, later ones only the generation, and each engine worker
+    copies the whole model in one multi-tensor copy (``kernel.ResidentCopy``). The send is synchronous, so the
+    trainer does not write its parameters during the copy.
 
-    ``message`` returns None and sets ``reason`` when a tensor of the plan is not a view of a parameter (a dtype
-    cast, a gathered FSDP shard, a copied TP piece): the sender then keeps vLLM's packed path. It exports again
-    (a new generation) when a parameter's storage moved since the last export (e.g. a checkpoint loaded by
-    assignment)."""
+    ``message`` returns None and sets ``reason`` where a tensor of the plan is not a view of a parameter (a cast,
+    a gathered shard, a copied TP piece): the sender then takes vLLM's path. It exports again (a new generation)
+    when a parameter's storage moved (e.g. a checkpoint loaded by assignment)."""
 
     def __init__(self, plan: Any, source: ParamSource, export: Any = None, device_type: str = "cuda") -> None:
         self.plan, self.source = plan, source
@@ -312,9 +302,8 @@ class ResidentExport:
         return entries
 
     def signature(self) -> tuple[int, ...]:
-        """Where the parameters' data are now (the parameter objects are listed once, not the module tree walked
-        every sync: benchmarks/README.md, "Where the defaults come from"; a parameter given new data,
-        ``p.data = ...`` or ``model.to``, moves)."""
+        """Where the parameters' data are now (a parameter given new data, ``p.data = ...`` or ``model.to``,
+        moves); the parameter objects are listed once, not the module tree walked every sync."""
         return tuple(p.data_ptr() for p in self._parameters())
 
     def _parameters(self) -> list[torch.Tensor]:

@@ -1,15 +1,14 @@
-"""The direct NCCL sync's wire options into TP=1 engines (``weight_sync.direct``; the trainer's settings
-``TrainerEngineSender.direct_fuse`` / ``direct_packs``). The entries the engines are told describe the wire, so the
-engines need no setting of their own: a change of option changes the metadata, which vLLM's trainer then sends,
-and the engines re-plan.
+"""The direct NCCL sync's wire options into TP=1 engines (``weight_sync.direct``; ``options.EXPERIMENTAL``
+``direct_fuse`` / ``direct_packs``). The entries the engines are told describe the wire, so the engines need no
+setting of their own.
 
 * fused (``fused``): a fused parameter (q, k, v; gate, up) as one tensor, its parts concatenated on a CUDA stream
   of its own while the previous group is on the wire (``SideStream``): one broadcast per engine parameter instead
   of one per part.
-* packs (``with_packs``, ``packed``): the entries smaller than ``SMALL_BYTES`` (norm weights: 113 of Qwen3-1.7B's
-  310 entries) move to the end of the wire, each run of them followed by an entry ``rlhf.pack:<k>`` (``PACK``)
-  that carries the ``k`` entries before it in one broadcast (``carriers``); the engine receives it into a scratch
-  tensor and copies the pieces into their parameters after its group (``direct.receive``).
+* packs (``with_packs``, ``packed``): the entries smaller than ``SMALL_BYTES`` (norm weights) move to the end of
+  the wire, each run of them followed by an entry ``rlhf.pack:<k>`` (``PACK``) that carries the ``k`` entries
+  before it in one broadcast (``carriers``); the engine receives it into a scratch tensor and copies the pieces
+  into their parameters after its group (``direct.receive``).
 
 Both cut the number of broadcasts NCCL runs one after another in a group. Pure torch.
 """
@@ -21,15 +20,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-
-#: The direct sync into TP=1 engines sends a fused parameter (q, k and v; gate and up) as one tensor (``fused``):
-#: one broadcast per engine parameter (Qwen3-1.7B: 226 instead of 310) for a device copy of the fused bytes on the
-#: trainer (1.88 GB). Off until measured on GPUs (``benchmarks/gpu_sync.py`` variant ``direct-fused``).
-FUSE_DEFAULT = False
-#: The direct sync into TP=1 engines sends the entries under ``SMALL_BYTES`` in packs (``with_packs``): Qwen3-1.7B
-#: 198 broadcasts instead of 310 (its 113 entries of 256 B - 4 KiB in one), both options together 114. Off until
-#: measured on GPUs (variant ``direct-packs``).
-PACKS_DEFAULT = False
 
 #: Name prefix of a pack entry (``with_packs``): ``rlhf.pack:<k>`` carries the ``k`` entries just before it.
 PACK = "rlhf.pack:"
