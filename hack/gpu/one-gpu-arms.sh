@@ -1,16 +1,14 @@
 #!/bin/bash
-# Issue 33 item 7 on one GPU (nvidia-h200), after staging vLLM 0.33 (python3 hack/gpu-stage.py --vllm 0.33.0
+# Interleaved arms on one GPU (nvidia-h200), after staging vLLM 0.33 (python3 hack/gpu-stage.py --vllm 0.33.0
 # --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200 --print-commands: the last call installs; chain
-# the first part after it). The one-GPU figures that still missed the issue's accounting (2026-12-01 audit):
+# the first part after it):
 #   ipc:     the resident colocated IPC sync (the default for one trainer GPU) beside vLLM's IPC trainer engine,
-#            Qwen3-1.7B shape, interleaved over 10 rounds, the floor a device copy of the bytes sent (3.44 GB:
-#            gpu_sync.sent_bytes; the 2026-11-24 runs copied 4.06 GB, the tied head too, and ran each path's
-#            syncs one after the other).
-#   trainer: trainer.compile against eager (1k, 4k and 16k tokens per sequence, checkpointing on, 32k budget: the
-#            rows the CRD's description quotes, measured 2026-11-27 over 1-2 rounds), then the output layer's
-#            chunk of 2^27 against 2^29 logits (the default's +2.0%, measured in 3-step runs on GPUs shared
-#            with two other lanes), each in one process with the arms taking turns (benchmarks/train_arms.py).
-# Usage, from the repository root: T0=<call start> LIMIT=570 bash hack/gpu/issue33-one-gpu.sh ipc|trainer
+#            Qwen3-1.7B shape, interleaved over 10 rounds, the floor a device copy of the bytes sent
+#            (gpu_sync.sent_bytes: the tied head once).
+#   trainer: trainer.compile against eager (1k, 4k and 16k tokens per sequence, checkpointing on, 32k budget), then
+#            the output layer's chunk of 2^27 against 2^29 logits, each in one process with the arms taking turns
+#            (benchmarks/train_arms.py).
+# Usage, from the repository root: T0=<call start> LIMIT=570 bash hack/gpu/one-gpu-arms.sh ipc|trainer
 # Each part leaves one file in $OUT (part-<PART>.tgz) and prints its summary.
 set -u
 part=${1:?part: ipc | trainer}
@@ -18,7 +16,7 @@ T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-570}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
-R=/tmp/issue33-one-gpu/$part
+R=/tmp/one-gpu-arms/$part
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/nvidia-smi.txt
 case $part in

@@ -1,34 +1,27 @@
 #!/bin/bash
-# Issue 33 item 7 on one GPU: the runtime's rollout against a bare `vllm.LLM` on the same batch, interleaved
-# (benchmarks/rollout_overhead.py), on nvidia-h200 after staging vLLM 0.33 (python3 hack/gpu-stage.py --vllm 0.33.0
-# --image-packages hack/gpu/image-freeze.txt --kind nvidia-h200, the part size computed from the working tree,
-# then --print-commands: ~55 calls back to back, the last one installs). Usage, from the repository root, one part
-# per device call:
-#     T0=<the call's start, Unix seconds> [LIMIT=560] [WAYS=...] bash hack/gpu/issue33-overhead.sh PART  # 8b | 1.7b
-# (WAYS: the part's other ways instead of its own, e.g. WAYS=bare_default for the most rounds of the comparison)
+# The runtime's rollout against a bare `vllm.LLM` on the same batch, interleaved (benchmarks/rollout_overhead.py), on
+# one GPU (nvidia-h200) after staging vLLM 0.33 (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages
+# hack/gpu/image-freeze.txt --kind nvidia-h200 --print-commands: the calls to make, the last one installs). Usage,
+# from the repository root, one part per device call:
+#     T0=<the call's start, Unix seconds> [LIMIT=560] [WAYS=...] bash hack/gpu/rollout-overhead.sh PART  # 8b | 1.7b
+# (WAYS: the part's other ways instead of its own, e.g. WAYS=bare_default for the most rounds of that comparison)
 # Both parts: layout colocated-ipc-resident (trainer and engine on the one GPU, the engine awake), CUDA graphs (the
 # API's default), the benchmark's batch (64 prompts x 8 samples x 128 tokens, temperature 1), rounds until
 # T0 + LIMIT - 45 s (the rest for the teardown and the results), every bare engine compiling its own model.
-#   8b:   the Qwen3-8B shape (host-bound too at this batch, 2026-11-29): ways runtime, in_actor, bare_default
-#         (vLLM as a user builds it: its engine core in a process of its own); the trainer without float32
-#         masters (a rollout does not use them) so that the engine and the bare one both get 0.3 of the GPU: the
-#         same KV cache.
-#   1.7b: the Qwen3-1.7B shape of every earlier table (CPU-bound: one engine thread): ways runtime, in_actor,
-#         bare (the runtime's engine settings in a plain process), bare_default; every engine at 0.2 of the GPU.
+#   8b:   the Qwen3-8B shape: ways runtime, in_actor, bare_default (vLLM as a user builds it: its engine core in a
+#         process of its own); the trainer without float32 masters (a rollout does not use them) so that the
+#         engine and the bare one both get 0.3 of the GPU: the same KV cache.
+#   1.7b: the Qwen3-1.7B shape: ways runtime, in_actor, bare (the runtime's engine settings in a plain process:
+#         the like-for-like comparison), bare_default; every engine at 0.2 of the GPU.
 # Writes $OUT/overhead-PART.json and $OUT/overhead-PART.log.gz (the rounds so far where the run has not ended).
-# Ran 2026-11-29 on one H200 (benchmarks/README.md, "2026-11-29 (one H200): issue 33 item 7"): 8b 16 rounds, 1.7b 9
-# (and 13 of runtime vs bare_default alone, the python command there; WAYS=bare_default runs the same); every
-# engine's compile before the rounds takes 60-120 s, so a call holds 10-16 rounds of three or four ways. Third
-# session: WAYS=bare_default 8b in three calls, 18 + 34 + 16 rounds, each call starting the engines again (~4.5 min
-# of its 9.5). Since then one run can last a whole session (one start):
-#     T0=<install call's start> LIMIT=575 BACKGROUND=1450 WAYS=bare_default bash hack/gpu/issue33-overhead.sh 8b
-#     T0=<call start> LIMIT=575 WATCH=8b bash hack/gpu/issue33-overhead.sh watch   # each later call, back to back
+# Every engine's compile before the rounds takes 60-120 s, so a call holds 10-35 rounds. One run can last a whole
+# session instead (one start, ~160 rounds at 8B in 1,450 s):
+#     T0=<install call's start> LIMIT=575 BACKGROUND=1450 WAYS=bare_default bash hack/gpu/rollout-overhead.sh 8b
+#     T0=<call start> LIMIT=575 WATCH=8b bash hack/gpu/rollout-overhead.sh watch   # each later call, back to back
 # (the run is started in its own process session, which the device keeps while the machine is held; every call
-# brings back the JSON as it stands, rewritten after each round; ~160 rounds at 8B in 1,450 s).
-# Fifth session (2026-11-29): that run, BACKGROUND=1440 in the install's call, then two watch calls (LIMIT=575,
-# then 375): 171 rounds, +0.2% (-1.7 .. +2.0): the target met at 8B (overhead-8b-2way-bg.json).
+# brings back the JSON as it stands, rewritten after each round).
 set -u
-part=${1:?usage: T0=... bash hack/gpu/issue33-overhead.sh 8b|1.7b|watch}
+part=${1:?usage: T0=... bash hack/gpu/rollout-overhead.sh 8b|1.7b|watch}
 T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-560}
 . benchmarks/gpu_env.sh /tmp/site-0.33.0

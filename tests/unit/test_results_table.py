@@ -1,0 +1,98 @@
+"""``benchmarks/RESULTS.md`` is what ``benchmarks/results_table.py`` makes of the files under ``benchmarks/results/``,
+and the generator keeps the newest run of each configuration, leaves figures a file lacks empty, and tolerates
+files it cannot read."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import results_table as rt
+
+REGENERATE = ".venv/bin/python benchmarks/results_table.py"
+
+
+def test_results_md_is_what_the_result_files_give() -> None:
+    current = rt.OUT.read_text() if rt.OUT.exists() else ""
+    assert current == rt.render(), f"benchmarks/RESULTS.md is stale: run {REGENERATE} and commit it"
+
+
+def test_corrected_figures_stand_beside_their_rows() -> None:
+    text = rt.OUT.read_text()
+    assert "-9.6% (-25.3 .. +3.8)" in text and "Not like for like" in text
+    assert "not a same-day comparison" in text
+
+
+def _sync_doc(date: str, sync_s: float, *, rollout: bool = True) -> dict:
+    doc = {
+        "layout": "separate-nccl", "model_name": "planted-1b", "device_kind": "nvidia-h200-x2",
+        "gpus": ["NVIDIA H200", "NVIDIA H200"], "date": date, "status": "ok",
+        "command": f"python3 benchmarks/gpu_sync.py planted {date}", "versions": {"vllm": "0.33.0"},
+        "spec": {"trainer": {"replicas": 1, "gpusPerReplica": 1}, "rollout": {"engines": 1, "tensorParallelSize": 1},
+                 "placement": {"mode": "separate"}},
+        "floor": {"kind": "nccl_broadcast", "bytes": 2_000_000_000, "whole_s": 0.005},
+        "summary": {"default": {"median_total_s": sync_s, "bytes": 2_000_000_000, "gbps": 2 / sync_s,
+                                "format": "kernel"}},
+        "validation": {"validated": True},
+    }
+    if rollout:
+        doc["rollout"] = {"tokens_per_second": 30_000.0}
+        doc["train"] = {"seconds": 2.5}
+    return doc
+
+
+def _cells(text: str, needle: str) -> list[list[str]]:
+    """The table rows of ``text`` that contain ``needle``, split into cells."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and needle in line]
+
+
+def test_the_newest_run_of_a_configuration_is_the_row(tmp_path: Path) -> None:
+    (tmp_path / "sync" / "old").mkdir(parents=True)
+    (tmp_path / "sync" / "new").mkdir(parents=True)
+    (tmp_path / "sync" / "old" / "gpu.json").write_text(json.dumps(_sync_doc("2026-11-20T10:00:00+00:00", 0.020)))
+    (tmp_path / "sync" / "new" / "gpu.json").write_text(
+        json.dumps(_sync_doc("2026-11-21T10:00:00+00:00", 0.010, rollout=False)))
+    text = rt.render(tmp_path)
+    rows = _cells(text, "planted-1b")
+    assert len(rows) == 1
+    cols = [h for h, _ in rt.COLUMNS["sync"]]
+    row = dict(zip(cols, rows[0]))
+    assert row["Sync ms"] == "10.00" and row["GPUs"] == "2x H200" and row["Date"] == "2026-11-21"
+    assert row["% of floor"] == "50.0%"  # 200 GB/s over the floor's 400 GB/s
+    assert row["Rollout tokens/s/GPU"] == "" and row["Train step s"] == ""  # not in the newest file: left empty
+    assert "planted 2026-11-21" in text and "planted 2026-11-20" not in text
+    assert "- superseded by a newer run of the same configuration: 1" in text
+
+
+def test_files_no_reader_knows_are_listed_not_fatal(tmp_path: Path) -> None:
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "memory_plan.json").write_text(json.dumps({"what": "a GPU memory plan", "gib": [1, 2]}))
+    (tmp_path / "plan" / "broken.json").write_text("{not json")
+    (tmp_path / "plan" / "list.json").write_text("[1, 2, 3]")
+    (tmp_path / "plan" / "run.log").write_text("a log, not a result")
+    text = rt.render(tmp_path)
+    assert "`plan/memory_plan.json`" in text and "`plan/broken.json`" in text and "`plan/list.json`" in text
+    assert "run.log" not in text
+    for area in rt.COLUMNS:  # every area keeps its (empty) table
+        assert f"## {rt.TITLES[area][0]}" in text
+
+
+def test_a_rollout_row_shows_its_paired_interval_and_baseline(tmp_path: Path) -> None:
+    doc = {
+        "command": "python3 benchmarks/rollout_overhead.py --model planted-2b --graphs", "date": "2026-11-22",
+        "device_kind": "nvidia-h100-x1", "layout": "colocated-ipc-resident", "versions": {"vllm": "0.33.0"},
+        "model": {"architecture": "Qwen3ForCausalLM"}, "batch": {"prompts": 64},
+        "engine_kwargs": {"enforce_eager": False}, "spec": {"rollout": {"engines": 1, "tensorParallelSize": 1}},
+        "median_tokens_per_second": {"runtime": 20_000.0, "bare": 21_000.0},
+        "paired": {"overhead": {"mean": 0.031, "low": -0.012, "high": 0.074, "rounds": 40}},
+    }
+    (tmp_path / "overhead.json").write_text(json.dumps(doc))
+    rows = _cells(rt.render(tmp_path), "planted-2b")
+    assert len(rows) == 1
+    row = dict(zip([h for h, _ in rt.COLUMNS["rollout"]], rows[0]))
+    assert row["Overhead (95%)"] == "+3.1% (-1.2 .. +7.4)" and row["Rounds"] == "40"
+    assert row["Against"] == "bare `vllm.LLM`, the runtime's settings" and row["Engine"] == "CUDA graphs"
