@@ -4,7 +4,7 @@ Builds a random-init Qwen2 locally (no hub), runs ``python -m rlhf_runtime.drive
 vLLM CPU engine, the gloo weight-transfer backend, a weight sync every step) and summarises the per-step
 reports (medians over the steps after the first ``--warmup``). Not a test: numbers depend on the machine.
 
-    .venv/bin/python benchmarks/cpu_runtime.py            # writes benchmarks/results/cpu_runtime.json
+    .venv/bin/python benchmarks/cpu_runtime.py            # writes benchmarks/results/learning/cpu_runtime.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from rlhf_api.models import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parent
-RESULT = ROOT / "results" / "cpu_runtime.json"
+RESULT = ROOT / "results" / "learning" / "cpu_runtime.json"
 
 
 def build_model(model: Path, hidden: int, layers: int) -> Path:

@@ -1,6 +1,6 @@
 """Where a vLLM engine's start goes in a fresh process: the colocated engine's start is the critical path of the
 learning benchmark's whole run (issue 32; on one H200 on 2026-11-28 its vLLM import took 23.6-27.9 s inside the
-runtime's engine actor and its build ~11 s, for a 4-layer model: benchmarks/README.md, "Six interleaved pairs").
+runtime's engine actor and its build ~11 s, for a 4-layer model: benchmarks/results/learning/README.md, "Six interleaved pairs").
 
 Each repeat is one fresh Python process that times, in order: the interpreter's start (launch to its first line),
 ``import torch``, CUDA's init (``torch.cuda.init()``; skipped on CPU), ``import vllm`` with ``from vllm import

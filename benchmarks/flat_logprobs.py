@@ -9,7 +9,7 @@ paired gain over the dicts with a 95% bootstrap interval. ``--none`` adds a sett
 for them costs).
 
     PYTHONPATH=operator .venv/bin/python benchmarks/flat_logprobs.py --rounds 15 --none \
-        --out benchmarks/results/flat_logprobs_cpu_none.json
+        --out benchmarks/results/rollout/flat_logprobs_cpu_none.json
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("model", help="a gpu_sync.MODELS name, e.g. qwen2-0.5b")
     p.add_argument("--engine", default="stepped", choices=["stepped", "asyncllm"])
     p.add_argument("--kind", default="unknown")
-    p.add_argument("--out", default=str(ROOT / "results"))
+    p.add_argument("--out", default=str(ROOT / "results" / "sync"))
     p.add_argument("--work", default="/tmp/rlhf-gpu-async")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--pause-after-tokens", type=int, default=32)

@@ -67,7 +67,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
     p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
-    p.add_argument("--out", default=str(ROOT / "results"))
+    p.add_argument("--out", default=str(ROOT / "results" / "learning"))
     p.add_argument("--work", default="/tmp/rlhf-gpu-ppo")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prompts", type=int, default=64)

@@ -1051,7 +1051,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="LAYOUT:MODEL, e.g. separate-nccl:qwen2-0.5b")
     p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
-    p.add_argument("--out", default=str(ROOT / "results"))
+    p.add_argument("--out", default=str(ROOT / "results" / "sync"))
     p.add_argument("--work", default="/tmp/rlhf-gpu-bench")
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")

@@ -20,8 +20,8 @@ One run measures one N (``--jobs``), on one machine, with the operator as a real
 6. deletion: ``kubectl delete rlhfjobs --all --wait=false`` -> no RLHFJob, RayJob, RayCluster or job pod left,
    with counts every 10 s.
 
-    .venv/bin/python benchmarks/operator_scale.py --jobs 10      # ~6 min; writes results/operator_scale_10.json
-    .venv/bin/python benchmarks/operator_scale.py --jobs 100     # ~10 min; results/operator_scale_100.json
+    .venv/bin/python benchmarks/operator_scale.py --jobs 10      # ~6 min; writes results/operator/operator_scale_10.json
+    .venv/bin/python benchmarks/operator_scale.py --jobs 100     # ~10 min; results/operator/operator_scale_100.json
     .venv/bin/python benchmarks/operator_scale.py --jobs 1000 --steady 120 --peer-until clusters \
         --converge-timeout 1200 --delete-timeout 900   # the peer waits for its RayClusters only, not Running
 
@@ -105,14 +105,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "has its RayCluster (enough for the ratio; at N=1000 KubeRay alone needs tens of minutes to Running)")
     p.add_argument("--namespace", default="scale")
     p.add_argument("--dir", type=Path, default=Path("/tmp/rlhf-scale-bench"), help="the local cluster's directory")
-    p.add_argument("--out", type=Path, help="default: benchmarks/results/operator_scale_<N>.json")
+    p.add_argument("--out", type=Path, help="default: benchmarks/results/operator/operator_scale_<N>.json")
     return p.parse_args(argv)
 
 
 def main() -> int:
     a = parse()
     a.operator_path = a.operator_path.resolve()
-    out = a.out or REPO / "benchmarks" / "results" / f"operator_scale_{a.jobs}.json"
+    out = a.out or REPO / "benchmarks" / "results" / "operator" / f"operator_scale_{a.jobs}.json"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
     urllib3.disable_warnings()  # the local apiserver's kubeconfig skips TLS verification
     shape = job_shape(a.operator_path)

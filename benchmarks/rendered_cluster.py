@@ -462,7 +462,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("layouts", nargs="+", choices=sorted(LAYOUTS))
     p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
-    p.add_argument("--out", default=str(ROOT / "results" / "rendered"))
+    p.add_argument("--out", default=str(ROOT / "results" / "learning" / "rendered"))
     p.add_argument("--work", default="/tmp/rlhf-rendered")
     p.add_argument("--model", default="qwen3-1.7b", help="a gpu_sync.MODELS name (GPU runs)")
     p.add_argument("--steps", type=int, default=4)

@@ -30,10 +30,10 @@ around it (CPU steal share, busy CPUs; on a GPU its SM clock, power and temperat
 ``noise`` correlates them with tokens/s, to say where a batch-to-batch spread comes from. Writes ``--out`` (JSON
 with the exact command).
 
-    .venv/bin/python benchmarks/rollout_overhead.py --cpu --out benchmarks/results/rollout_overhead_cpu.json
+    .venv/bin/python benchmarks/rollout_overhead.py --cpu --out benchmarks/results/rollout/rollout_overhead_cpu.json
     . benchmarks/gpu_env.sh /tmp/site-0.33.0 && python3 benchmarks/rollout_overhead.py --kind nvidia-h200-x2 \\
         --layout separate-nccl --model qwen3-1.7b --rounds 7 --out $OUT/rollout_overhead.json
-    T0=$(date +%s) bash hack/gpu/issue33-overhead.sh 1.7b      # one GPU, against vLLM as users build it
+    T0=$(date +%s) bash hack/gpu/rollout-overhead.sh 1.7b      # one GPU, against vLLM as users build it
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def main() -> int:
                    "(a device call's limit, so that the results are written before it)")
     p.add_argument("--write-every-round", action="store_true",
                    help="write --out after every round too (the batches so far, \"complete\": false), for a run "
-                   "that outlives the device calls that watch it (hack/gpu/issue33-overhead.sh, BACKGROUND)")
+                   "that outlives the device calls that watch it (hack/gpu/rollout-overhead.sh, BACKGROUND)")
     p.add_argument("--graphs", action="store_true", help="GPU: CUDA graphs (rollout.enforceEager false, the API's "
                    "default; gpu_sync.py's layouts run eager for a faster start)")
     p.add_argument("--prompts", type=int, default=0, help="prompts per batch (default: 64 GPU, 16 CPU)")
@@ -268,7 +268,7 @@ def main() -> int:
                    "settings, which a rollout does not use, to leave the GPU's memory to the engines)")
     p.add_argument("--kind", default="cpu", help="device kind, recorded")
     p.add_argument("--timeout", type=float, default=600, help="seconds for any one step (start, rollout)")
-    p.add_argument("--out", default=str(ROOT / "results" / "rollout_overhead_cpu.json"))
+    p.add_argument("--out", default=str(ROOT / "results" / "rollout" / "rollout_overhead_cpu.json"))
     p.add_argument("--pool", default="", help="comma-separated result JSONs (complete or a run's rounds so far): "
                    "print each one's and their pooled comparisons (rounds concatenated) and exit; nothing runs")
     a = p.parse_args()
@@ -359,7 +359,7 @@ def main() -> int:
         from vllm import envs as vllm_envs
 
         actor_cache = env.get("VLLM_CACHE_ROOT") or vllm_envs.VLLM_CACHE_ROOT  # where the actor's engine caches
-        if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (README: 2026-11-25)
+        if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (benchmarks/results/rollout/README.md)
             env["VLLM_CACHE_ROOT"] = str(work / "bare-vllm-cache")
         result["bare_compile_cache"] = env.get("VLLM_CACHE_ROOT", "shared with the engine actor")
         result["ways"] = ways_asked

@@ -22,16 +22,16 @@ and over all rounds. Not a test.
   without vLLM).
 * veRL (``--verl-python``, GPU only): ``benchmarks/verl_grpo_run.py`` under a Python that has veRL 0.9 (its
   default v1 trainer and vLLM rollout in its hybrid engine on the same GPU); per-step ``timing_s/step`` from
-  veRL's own metrics. Staging and the result: benchmarks/README.md, "veRL beside both".
+  veRL's own metrics. Staging and the result: benchmarks/results/learning/README.md, "veRL beside both".
 
-    .venv/bin/python benchmarks/trl_peer.py --trl-python /tmp/trl-venv/bin/python   # results/trl_peer_cpu.json
+    .venv/bin/python benchmarks/trl_peer.py --trl-python /tmp/trl-venv/bin/python   # results/learning/trl_peer_cpu.json
 
 On a GPU (``--gpu MODEL``, one of ``gpu_sync.MODELS``, random weights in bf16): both on one GPU, ours in its
 colocated layout (trainer and engine share the GPU, weights over CUDA IPC, the engine resident as TRL's colocate
 mode keeps it: ``placement.colocatedSleep: false``), TRL with ``vllm_mode="colocate"`` and its defaults
 otherwise. TRL 1.16.0 supports vLLM 0.22-0.31 and the runtime vLLM >= 0.28, so the GPU comparison runs on a
 vLLM in 0.28-0.31, e.g. 0.31.0 (staged with ``hack/gpu-stage.py --vllm 0.31.0 --with trl==1.16.0``). The
-comparison of 2026-11-24 in benchmarks/README.md ran on vLLM 0.24, which the runtime no longer supports::
+comparison of 2026-11-24 in benchmarks/results/learning/README.md ran on vLLM 0.24, which the runtime no longer supports::
 
     . benchmarks/gpu_env.sh /tmp/site-0.31.0 && CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_peer.py \
         --trl-python python3 --gpu qwen2-0.5b --kind nvidia-h200-x2 --out $OUT/trl_peer_gpu.json
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from cpu_runtime import build_model, run_driver
 
-RESULT = ROOT / "results" / "trl_peer_cpu.json"
+RESULT = ROOT / "results" / "learning" / "trl_peer_cpu.json"
 
 
 def work_of(a: argparse.Namespace, model: Path) -> dict[str, Any]:
