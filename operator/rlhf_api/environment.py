@@ -147,3 +147,14 @@ class Environment(Model):
 
     def wants_python(self) -> bool:
         return any(t.builtin == "python" for t in self.tools or [])
+
+
+def server_name(job: str) -> str:
+    """The Deployment and Service of a job's environment server (``environment.http.server``)."""
+    return f"{job}-env"
+
+
+def server_url(job: str, namespace: str, env: Environment) -> str:
+    """Where the runtime reaches the job's environment server (its Service's cluster DNS name)."""
+    port = env.http.server.port if env.http is not None and env.http.server is not None else 80
+    return f"http://{server_name(job)}.{namespace}.svc:{port}"

@@ -113,17 +113,18 @@ def hook_reward(hook: Callable[[str, str, str | None], object], ref: str) -> Rew
     return reward
 
 
-def make_reward(spec: Reward) -> RewardFn | None:
+def make_reward(spec: Reward, optional: bool = False) -> RewardFn | None:
     """A function ``(prompt, completion, answer, num_tokens=None, *, index=None, step=None) -> float`` for
     ``spec``'s rule or function; ``index``/``step`` only serve error messages (a hook's).
 
     ``None`` when ``spec`` has neither (its only sources are ``model`` and/or ``endpoint``): the caller then
     combines just those (``combine``), with no rule part. A ``spec`` with no source at all is an error, as is one
-    with both a rule and a function (the CRD rejects both; this guards specs built elsewhere)."""
+    with both a rule and a function (the CRD rejects both; this guards specs built elsewhere), unless ``optional``
+    (another source scores the samples: ``spec.environment``'s reward)."""
     if spec.rule and spec.function:
         raise RewardError("spec.reward takes rule or function, not both (use model or endpoint to combine sources)")
     if not spec.rule and not spec.function:
-        if spec.model is None and spec.endpoint is None:
+        if spec.model is None and spec.endpoint is None and not optional:
             raise RewardError("spec.reward needs a source: rule, function, model or endpoint")
         return None
     if spec.function:

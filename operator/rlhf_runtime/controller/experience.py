@@ -58,9 +58,18 @@ class Samples:
     tokens: int = 0
     swap: dict[str, int] = field(default_factory=lambda: {"mixed_samples": 0, "tokens_before_swap": 0,
                                                           "tokens_after_swap": 0})
+    #: multi-turn trajectories (``agent_experience``): per completion token 1 if the engine sampled it, 0 for
+    #: tool and environment tokens; the environment's reward (None where it gave none); trajectories whose
+    #: reward a fault zeroed (``environment.onError: zeroReward``)
+    loss_masks: list[list[int]] | None = None
+    env_rewards: list[float | None] | None = None
+    zeroed: list[bool] | None = None
 
     def seqs(self) -> dict[str, Any]:
-        return {"prompts": self.prompts, "completions": self.completions}
+        out: dict[str, Any] = {"prompts": self.prompts, "completions": self.completions}
+        if self.loss_masks is not None:
+            out["loss_masks"] = self.loss_masks
+        return out
 
     def lengths(self) -> list[int]:
         return [len(c) for c in self.completions]
@@ -144,14 +153,20 @@ class Experience:
         return lost, errors
 
     # ------------------------------------------------------------------------------------------ rewards
-    def score(self, items: list[tuple[Any, str]], lengths: list[int], reward_fn: Any, step: int) -> list[float]:
-        """The combined reward of each (sample, completion text); not yet normalised."""
+    def score(self, items: list[tuple[Any, str]], lengths: list[int], reward_fn: Any, step: int,
+              batch: Samples | None = None) -> list[float]:
+        """The combined reward of each (sample, completion text); not yet normalised. With multi-turn
+        ``batch``: the environment's reward is one more part (``environment.rewardWeight``; 0 where it gave
+        none), and a zeroed trajectory scores 0."""
         rw = self.spec.reward
         prompts, texts = [s.prompt for s, _ in items], [t for _, t in items]
         scorers = self.actors.role("reward")
         refs = [a.score.remote(prompts[r::len(scorers)], texts[r::len(scorers)]) for r, a in enumerate(scorers)]
         parts: dict[str, list[float]] = {}
         weights: dict[str, float] = {}
+        if batch is not None and batch.env_rewards is not None and self.spec.environment is not None:
+            parts["environment"] = [r or 0.0 for r in batch.env_rewards]
+            weights["environment"] = self.spec.environment.reward_weight
         if reward_fn is not None:
             parts["rule"] = [float(reward_fn(s.prompt, t, s.answer, n, index=i, step=step))
                              for i, ((s, t), n) in enumerate(zip(items, lengths))]
@@ -162,7 +177,10 @@ class Experience:
         if refs:
             parts["model"] = merge(scorers.deadlines.get(refs, f"reward model scoring of step {step}"))
             weights["model"] = rw.model.weight if rw.model else 1.0
-        return combine(parts, weights)
+        out = combine(parts, weights)
+        if batch is not None and batch.zeroed is not None:
+            out = [0.0 if z else r for r, z in zip(out, batch.zeroed)]
+        return out
 
     # ------------------------------------------------------------------------------------- token inputs
     def launch_token_inputs(self, seqs: dict[str, Any]) -> dict[str, Any] | None:

@@ -7,6 +7,11 @@
 * Engines (``rollout.api.engine_class`` of the job's mode, or ``ActorClasses.engine``): one per
   ``Layout.engines`` entry; an expert-parallel DP group gets vLLM's offline SPMD variables (``VLLM_DP_*``,
   master on engine 0's node) and starts together. A replacement takes the dead engine's bundle.
+* Memory (colocated on GPUs): before the engines are built, the memory plan (``infra.memory``, from the trainer
+  ranks' measurements) is checked: a layout whose engines do not fit beside the trainer's state after step 1 is
+  refused with what to change (``rlhf_api.memory_plan.MemoryPlanError``), and where the plan says so the trainers
+  keep their state in host memory during rollouts (``trainer.offloadDuringRollout``). The plan is in the progress
+  file's actors record (``memory_plan``).
 * Environment: the job's (``infra.config.actor_env``), the placement's, and on CPU-only jobs
   ``OMP_NUM_THREADS`` = the placement's ``threads`` (at most ``thread_cap`` in a local run) unless ``spec.env``
   sets it.
@@ -14,16 +19,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
 
+from rlhf_api.memory_plan import MemoryPlan
 from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.controller.actors import DP_PORTS, ActorClasses, ActorGroup, Placement
 from rlhf_runtime.controller.deadlines import Deadlines
 from rlhf_runtime.infra import config as rc
+from rlhf_runtime.infra import memory
 from rlhf_runtime.infra.placement import ActorPlacement, Layout, local_thread_cap
 from rlhf_runtime.rollout.api import RolloutEngine, engine_class
+
+log = logging.getLogger("rlhf_runtime")
+
+
+#: Calls one engine actor of a multi-turn job takes at once: a turn of every trajectory in flight.
+ENGINE_CALLS_IN_FLIGHT = 4096
 
 
 class JobActors:
@@ -46,7 +60,9 @@ class JobActors:
         classes = classes or ActorClasses()
         self.trainer_class = classes.trainer
         #: every engine actor serves ``rollout.api.RolloutEngine`` (``PausableEngine`` in async mode)
-        self.engine_class: type[RolloutEngine] = classes.engine or engine_class(self.async_mode,
+        # multi-turn rollouts send every trajectory's turns on their own: engines that batch concurrent calls
+        self.turns = spec.environment is not None
+        self.engine_class: type[RolloutEngine] = classes.engine or engine_class(self.async_mode or self.turns,
                                                                                spec.rollout.async_engine)
         self.placement = Placement(layout, cfg.name, deadlines)
         self.trainers = ActorGroup("trainer", deadlines)
@@ -64,6 +80,8 @@ class JobActors:
         self.trainers_asked: float | None = None  # when it asked for the trainers (``create_trainers``)
         self.transfer_loads: list[Any] = []  # the trainers' load_weight_transfer calls, until await_transfer
         self.replacements = {"engines": 0, "trainers": 0}
+        self.memory_plan: MemoryPlan | None = None  # colocated on GPUs: the plan checked before the engines' build
+        self.offload_start: dict[str, float] = {}  # the trainers' first move of their state to the host
 
     def actor_env(self, a: ActorPlacement, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The environment of the actor placed at ``a``: the job's (``self.env``), the placement's, ``extra``,
@@ -142,7 +160,10 @@ class JobActors:
         self.trainers.kill()
         self.trainers.actors = []
         self.replacements["trainers"] += 1
-        return self.start_trainers()
+        info = self.start_trainers()
+        if self.memory_plan is not None and self.memory_plan.offload:
+            self.trainers.call("set_offload", True, what=f"state offload of {self.trainers.describe()}")
+        return info
 
     # ----------------------------------------------------------------------------------------- roles
     def create_roles(self, resume_step: int | None, only: tuple[str, ...] | None = None) -> None:
@@ -210,7 +231,7 @@ class JobActors:
         e = self.layout.engines[i]
         env = self.actor_env(e, self.dp_env(i, self.dp_address) if self.dp_address else None)
         return ray.remote(self.engine_class).options(
-            **self._options(e, env, max_concurrency=16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env,
+            **self._options(e, env, max_concurrency=ENGINE_CALLS_IN_FLIGHT if self.turns else 16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env,
                                                                                         build=build)
 
     def start_engines(self) -> None:
@@ -218,8 +239,27 @@ class JobActors:
         build seconds in ``build_seconds``."""
         if not self.engines.actors:
             self.create_engines()
+        self.plan_memory()
         # a DP group starts together
         self.build_seconds = self.engines.call_step("build", what=f"start of {self.engines.describe()}")
+
+    def plan_memory(self) -> None:
+        """Colocated on GPUs, once: the memory plan from the trainer ranks' measurements, checked (a
+        ``MemoryPlanError`` with the numbers and what to change) before the engines are built, unless they were
+        built beside the trainers (``rollout.kvCacheMemoryGiB``: then before the first sync); the trainers' state
+        moved to the host where it says so."""
+        if not (self.gpu and self.spec.placement.mode == "colocated") or self.memory_plan is not None:
+            return
+        reports = self.trainers.call("memory_report", what=f"memory report of {self.trainers.describe()}")
+        p = memory.job_plan(self.spec, reports)
+        if p is None:
+            return
+        self.memory_plan = p
+        log.info("memory plan: %s", p.summary())
+        p.check()
+        if p.offload:
+            moved = self.trainers.call("set_offload", True, what=f"state offload of {self.trainers.describe()}")
+            self.offload_start = {k: round(max(float(m.get(k) or 0) for m in moved), 3) for k in moved[0]}
 
     def create_engines(self, build: bool = True) -> None:
         """Every engine actor created: each starts importing vLLM at once and, with ``build``, building its
@@ -262,7 +302,9 @@ class JobActors:
                 "trainer_threads": self.trainer_threads,
                 "engine_build_seconds": [round(float(b), 3) for b in self.build_seconds],
                 "trainer_start": self.trainer_start, "engine_start": self.engine_start(),
-                "first_asked": self.first_asked}  # the Unix time the *_start records' asked_after_s count from
+                "first_asked": self.first_asked,  # the Unix time the *_start records' asked_after_s count from
+                **({"memory_plan": {**self.memory_plan.record(), "offload_start": self.offload_start}}
+                   if self.memory_plan is not None else {})}
 
     def engine_start(self) -> dict[str, Any]:
         """Where each engine's start went (``RolloutEngine.startup``), in seconds after the driver asked for the

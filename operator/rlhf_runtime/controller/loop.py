@@ -25,38 +25,26 @@ import logging
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
-from rlhf_runtime.algo.data import ANSWER_RULES, check_samples, load_eval_samples, load_samples, step_batch
+from rlhf_runtime.algo.data import ANSWER_RULES, check_samples, step_batch
 from rlhf_runtime.algo.objectives import MISMATCH_HISTORY, mismatch_spike
-from rlhf_runtime.algo.rewards import make_reward, normalize
+from rlhf_runtime.algo.rewards import normalize
 from rlhf_runtime.controller.actors import ActorClasses
+from rlhf_runtime.controller.agent_experience import AgentExperience, build_rollout
 from rlhf_runtime.controller.deadlines import Deadlines, Watchdog
 from rlhf_runtime.controller.experience import Experience, Rollout, Samples, samples
+from rlhf_runtime.controller.inputs import Inputs, check_inputs, load_tokenizer
 from rlhf_runtime.controller.job_actors import JobActors
 from rlhf_runtime.controller.recovery import Recovered, Recovery
 from rlhf_runtime.controller.sync import WeightSync
 from rlhf_runtime.controller.validation import Validator
 from rlhf_runtime.infra import config as rc
-from rlhf_runtime.infra import storage
 from rlhf_runtime.infra.placement import compute_layout
 from rlhf_runtime.infra.report import now_rfc3339
 
 log = logging.getLogger("rlhf_runtime")
-
-
-@dataclass
-class Inputs:
-    """What every step reads: tokenizer, prompts, eval prompts, the reward rule or hook, sampling settings."""
-
-    tokenizer: Any
-    samples: list[Any]
-    eval_samples: list[Any]
-    reward_fn: Any
-    sampling: dict[str, Any]
-    n: int  # samples per prompt
 
 
 def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, samples: int,
@@ -69,41 +57,6 @@ def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, sam
         out["weight_sync_seconds"] = sync["total_s"]
         out["weight_sync_gbps"] = sync["gbps"]
     return out
-
-
-def check_inputs(spec: Any) -> tuple[list[Any], list[Any], Any]:
-    """Prompts, eval prompts and the reward rule or hook, that the model is there and that the object-store
-    checkpoint and export locations answer (bucket, credentials, endpoint): checked before Ray starts (a bad
-    input fails fast)."""
-    samples, eval_samples, reward_fn = load_samples(spec.data), load_eval_samples(spec.data), make_reward(spec.reward)
-    rc.check_model_path(spec.model.name)
-    for field, loc in (("spec.checkpoint.uri", spec.checkpoint), ("spec.output.uri", spec.output)):
-        if loc is not None and loc.uri:
-            try:
-                storage.Bucket(loc.uri).check()
-            except storage.StorageError as e:
-                raise storage.StorageError(f"{field}: {e}") from e
-    return samples, eval_samples, reward_fn
-
-
-def load_tokenizer(spec: Any) -> tuple[Any, int | None]:
-    """The model's tokenizer, its config checked against the spec, and the engines' context in tokens
-    (``rollout.maxModelLen``, else the model's ``max_position_embeddings``; None if it has none)
-    (``transformers``: seconds to import, so ``Runtime.run`` does it while Ray starts, before any actor does)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok_kw: dict[str, Any] = {"trust_remote_code": spec.model.trust_remote_code}
-    if spec.model.revision:
-        tok_kw["revision"] = spec.model.revision
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(spec.model.name, **tok_kw)
-    except OSError as e:
-        raise OSError(f"cannot load the tokenizer of spec.model.name {spec.model.name!r}: {e}") from e
-    config = AutoConfig.from_pretrained(spec.model.name, **tok_kw).to_dict()
-    rc.check_model(spec, config)
-    rc.check_lora(spec)
-    context = spec.rollout.max_model_len or (config.get("text_config") or config).get("max_position_embeddings")
-    return tokenizer, int(context) if context else None
 
 
 class Runtime:
@@ -139,6 +92,7 @@ class Runtime:
         self.output: dict[str, Any] | None = None  # status.output: the newest export
         self.evaluation: dict[str, Any] | None = None  # status.eval: the newest evaluation
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
+        self.agent: AgentExperience | None = None  # spec.environment: multi-turn rollouts (``inputs``)
         self.inputs_checked: float | None = None  # when ``inputs`` had checked the tokenizer, config and samples
         # where the driver's start went before its first actor (``inputs``; the actors record): Ray's connect or
         # local start, then the placement groups
@@ -178,6 +132,9 @@ class Runtime:
             self.create_actors()
             self.watchdog.doing("loading the tokenizer and the model's config")
             tok, context = tokenizer.result()
+        if self.spec.environment is not None:  # its template, parser, tools and environment checked now
+            self.agent = AgentExperience(build_rollout(self.cfg, tok, self.actors.engines, context,
+                                                       rc.sampling_kwargs(self.spec)), self.deadlines)
         samples = self.check_samples(samples, tok, context)
         self.inputs_checked = time.time()
         return Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
@@ -266,16 +223,12 @@ class Runtime:
         self.engines_ready(done)
         fresh = not self.async_mode and self.weights.synced_at == done  # this rollout samples just-synced weights
         self.maybe_evaluate(job, done)
-        ro = self.pending or self.launch(job, done)
-        outs = self.experience.collect(ro)
-        rollout_s = time.perf_counter() - ro.t_launch
-        self.pending = self.launch(job, done + 1) if self.async_mode and done + 1 < self.total else None
+        batch, rollout_s = self.rollout(job, done)
         if self.sleeps:  # free the GPU for training
             self.weights.sleep(next_syncs=not self.async_mode and self.weights.due(done + 1))
-        batch = samples(ro, outs, job.tokenizer, job.n)
         passes = self.experience.launch_token_inputs(batch.seqs())  # runs while the rewards are computed
         t_reward = time.perf_counter()
-        rewards = self.experience.score(batch.items, batch.lengths(), job.reward_fn, done + 1)
+        rewards = self.experience.score(batch.items, batch.lengths(), job.reward_fn, done + 1, batch)
         reward_s = time.perf_counter() - t_reward
         scores = normalize(rewards, self.spec.reward.normalize)
         plan, role_s = self.experience.token_inputs(passes, batch.seqs(), scores, job.n)
@@ -301,7 +254,11 @@ class Runtime:
                      learning_rate=self.spec.algorithm.learning_rate)
         rows = [{"prompt": s.prompt, "completion": text, "reward": r} for (s, text), r in zip(batch.items, rewards)] \
             if self.reporter.wants_samples(done) else None
-        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done), rows)
+        warning = self.mismatch_warning(stats, fresh, done)
+        if self.agent is not None:
+            stats.update(self.agent.stats())
+            warning = "; ".join(w for w in (warning, self.agent.warning()) if w) or None
+        self.report_step(tp, stats, batch, warning, rows)
         return tp
 
     def mismatch_warning(self, stats: dict[str, Any], fresh: bool, done: int) -> str | None:
@@ -322,6 +279,18 @@ class Runtime:
             self.weights.sync(done)
         else:
             self.weights.wake()
+
+    def rollout(self, job: Inputs, done: int) -> tuple[Samples, float]:
+        """The step's samples and the rollout's seconds (async mode: launched during the last step, and the next
+        one launched now; ``spec.environment``: multi-turn trajectories)."""
+        if self.agent is not None:
+            batch = step_batch(job.samples, done, self.spec.algorithm.prompts_per_step, self.spec.algorithm.seed)
+            return self.agent.samples(batch, job.n, done)
+        ro = self.pending or self.launch(job, done)
+        outs = self.experience.collect(ro)
+        rollout_s = time.perf_counter() - ro.t_launch
+        self.pending = self.launch(job, done + 1) if self.async_mode and done + 1 < self.total else None
+        return samples(ro, outs, job.tokenizer, job.n), rollout_s
 
     def launch(self, job: Inputs, step: int) -> Rollout:
         batch = step_batch(job.samples, step, self.spec.algorithm.prompts_per_step, self.spec.algorithm.seed)
@@ -374,6 +343,8 @@ class Runtime:
                                  "rerun_prompts": self.experience.rerun_prompts}
         if self.async_mode:
             extra["swap"] = batch.swap
+        if self.agent is not None:
+            extra["agent"] = self.agent.last
         log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,
                  tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
         self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
@@ -400,10 +371,15 @@ class Runtime:
         (not normalised); the mean goes to ``status.eval``."""
         greedy = {"n": 1, "temperature": 0.0, "max_tokens": self.spec.rollout.sampling.max_tokens}
         self.watchdog.doing(f"evaluation at step {self.done}")
-        ro = self.experience.launch(job.tokenizer, job.eval_samples, greedy, self.done)
-        comps = [o["samples"][0] for o in self.experience.collect(ro)]
-        items = [(s, job.tokenizer.decode(c, skip_special_tokens=True)) for s, c in zip(job.eval_samples, comps)]
-        rewards = self.experience.score(items, [len(c) for c in comps], job.reward_fn, self.done)
+        if self.agent is not None:  # multi-turn: one greedy trajectory per prompt
+            batch, _ = self.agent.samples(job.eval_samples, 1, self.done, {**job.sampling, **greedy})
+            items, comps = batch.items, batch.completions
+        else:
+            ro = self.experience.launch(job.tokenizer, job.eval_samples, greedy, self.done)
+            comps = [o["samples"][0] for o in self.experience.collect(ro)]
+            items = [(s, job.tokenizer.decode(c, skip_special_tokens=True)) for s, c in zip(job.eval_samples, comps)]
+            batch = None
+        rewards = self.experience.score(items, [len(c) for c in comps], job.reward_fn, self.done, batch)
         self.evaluation = {"reward_mean": sum(rewards) / len(rewards), "step": self.done, "prompts": len(rewards),
                            "time": now_rfc3339()}
         log.info("eval at step %d: mean reward %.4f over %d prompts", self.done, self.evaluation["reward_mean"],

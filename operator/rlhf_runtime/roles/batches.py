@@ -56,11 +56,13 @@ class Packed:
     lengths: list[int]  # each sample's completion length
     where: torch.Tensor  # [N] long, the positions scored: the completion tokens (or one padding token, see pack)
     cu: torch.Tensor  # [n + 1] int32, where each sequence of the row starts, and its end (varlen attention)
+    trained: int = -1  # completion tokens with loss mask 1 (all of them without loss masks)
 
     @property
     def tokens(self) -> int:
-        """Completion tokens (what a token-mean loss averages over)."""
-        return sum(self.lengths)
+        """Completion tokens the loss trains on (what a token-mean loss averages over): every completion token,
+        except those a loss mask leaves out (a multi-turn trajectory's tool and environment tokens)."""
+        return sum(self.lengths) if self.trained < 0 else self.trained
 
     @property
     def width(self) -> int:
@@ -92,9 +94,12 @@ def plan(lengths: list[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], idx: list[int], device: Any) -> Packed:
+def pack(prompts: list[list[int]], completions: list[list[int]], idx: list[int], device: Any,
+         loss_masks: list[list[int]] | None = None) -> Packed:
     """The samples ``idx`` as one packed row (module docstring). A completion token at a sequence's first
-    position has no previous token to be predicted from: every prompt must be non-empty.
+    position has no previous token to be predicted from: every prompt must be non-empty. ``loss_masks`` (per
+    sample, one 0/1 per completion token): ``mask`` is 0 where it is 0 (the tool and environment tokens of a
+    multi-turn trajectory: scored, never trained on).
 
     Without any completion token (``idx`` empty: a micro-batch that only keeps the FSDP ranks' passes in step)
     a padding token is appended and scored (``where``) with mask 0: the forward and backward still run through
@@ -121,11 +126,17 @@ def pack(prompts: list[list[int]], completions: list[list[int]], idx: list[int],
         bounds.append(2)
     cu = torch.tensor(bounds, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     mask = torch.zeros(len(ids))
-    for s, n in zip(starts, lengths):
-        mask[s : s + n] = 1
+    for i, s, n in zip(idx, starts, lengths):
+        if loss_masks is None:
+            mask[s : s + n] = 1
+        elif len(loss_masks[i]) != n:
+            raise ValueError(f"sample {i}: a loss mask of {len(loss_masks[i])} for {n} completion tokens")
+        elif n:
+            mask[s : s + n] = torch.tensor(loss_masks[i], dtype=torch.float32)
+    trained = -1 if loss_masks is None else int(mask.sum())
     row = lambda v: torch.tensor([v], dtype=torch.long, device=device)
     return Packed(list(idx), row(ids), row(pos), mask[None].to(device), row(seq), starts, lengths,
-                  torch.tensor(scored, dtype=torch.long, device=device), cu.to(device))
+                  torch.tensor(scored, dtype=torch.long, device=device), cu.to(device), trained)
 
 
 def to_lists(x: torch.Tensor, packed: Packed) -> list[list[float]]:

@@ -1,0 +1,161 @@
+"""The tools of ``spec.environment.tools``: the schemas the model sees and the calls that run them.
+
+``Tools(specs, limits)`` holds every tool: the builtin ``python`` (``isolation.run_python``: an isolated process
+with time, memory and output limits, no network, no credentials) and user tools ``module:function`` from the
+runtime image (a plain function in a thread, a coroutine function on the loop; both trusted code of the image:
+a plain function past its timeout keeps its thread until it returns, since threads cannot be stopped; code the
+model writes belongs in the ``python`` tool). ``await tools.call(call)`` never
+raises on the model's input or the tool's behaviour: an unknown tool, arguments that do not match the tool's
+schema, an exception, a timeout or an oversized answer become an ``Outcome`` with ``error`` set (its kind in
+``ERROR_KINDS``) and a ``text`` the model can read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_api.environment import Environment, Tool
+from rlhf_runtime.agent.calls import Call
+
+#: Kinds of tool faults counted in the metrics.
+ERROR_KINDS = ("unknown_tool", "bad_arguments", "malformed_call", "exception", "timeout", "memory",
+               "output_truncated", "isolation", "environment")
+
+
+@dataclass
+class Outcome:
+    """A tool call's answer: ``text`` for the model, ``error`` (an ``ERROR_KINDS`` entry) when it failed,
+    ``seconds`` it took."""
+
+    text: str
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def load_function(ref: str, field: str) -> Callable[..., Any]:
+    """``module:function`` imported, or ValueError naming ``field`` and what went wrong."""
+    module, _, name = ref.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except Exception as e:
+        raise ValueError(f"{field}: cannot import {ref!r}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"{field}: {ref!r} is not callable")  # noqa: TRY004 - the spec's error
+    return fn
+
+
+def openai_tools(specs: list[Tool]) -> list[dict[str, Any]]:
+    """The tools as the chat template and vLLM's parsers take them (OpenAI's function-tool shape)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in specs]
+
+
+def _cut(text: str, limit: int) -> tuple[str, bool]:
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= limit:
+        return text, False
+    return data[:limit].decode("utf-8", errors="ignore") + f"\n[... {len(data) - limit} bytes cut]", True
+
+
+class Tools:
+    """Every tool of an environment spec (module docstring)."""
+
+    def __init__(self, env: Environment) -> None:
+        import jsonschema
+
+        self.env = env
+        self.specs = {t.name: t for t in env.tools or []}
+        self.functions: dict[str, Callable[..., Any]] = {}
+        self.validators: dict[str, Any] = {}
+        for i, t in enumerate(env.tools or []):
+            field = f"spec.environment.tools[{i}]"
+            try:
+                jsonschema.Draft202012Validator.check_schema(t.parameters)
+            except jsonschema.SchemaError as e:
+                raise ValueError(f"{field}.parameters is not a valid JSON schema: {e.message}") from e
+            self.validators[t.name] = jsonschema.Draft202012Validator(t.parameters)
+            if t.function:
+                self.functions[t.name] = load_function(t.function, f"{field}.function")
+        if env.wants_python():
+            from rlhf_runtime.agent import isolation
+
+            why = isolation.check_isolation()
+            if why:
+                raise ValueError(f"the builtin python tool cannot run isolated here: {why}")
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return openai_tools(list(self.specs.values()))
+
+    async def call(self, call: Call) -> Outcome:
+        """Run one call; every fault is an ``Outcome`` with ``error`` (module docstring)."""
+        t0 = time.perf_counter()
+        out = await self._call(call)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    async def _call(self, call: Call) -> Outcome:
+        spec = self.specs.get(call.name)
+        if spec is None:
+            return Outcome(f"error: there is no tool {call.name!r} (tools: {', '.join(self.specs)})", "unknown_tool")
+        problems = sorted(self.validators[call.name].iter_errors(call.arguments), key=lambda e: list(e.path))
+        if problems:
+            where = "/".join(str(p) for p in problems[0].path) or "arguments"
+            return Outcome(f"error: bad arguments for {call.name} ({where}: {problems[0].message})", "bad_arguments")
+        if spec.builtin == "python":
+            return await self._python(call.arguments)
+        return await self._function(call)
+
+    async def _python(self, args: dict[str, Any]) -> Outcome:
+        from rlhf_runtime.agent import isolation
+
+        lim = self.env.python
+        code = args.get("code")
+        if not isinstance(code, str):
+            return Outcome("error: the python tool takes a string argument 'code'", "bad_arguments")
+        res = await isolation.run_python(code, isolation.Limits(timeout_s=lim.timeout_seconds,
+                                                                memory_mb=lim.memory_mib,
+                                                                max_output_bytes=lim.max_output_bytes))
+        kind = None
+        if res.error == "timeout":
+            kind = "timeout"
+        elif res.error == "memory":
+            kind = "memory"
+        elif res.error and res.error.startswith("isolation"):
+            kind = "isolation"
+        elif res.error == "output_truncated" or res.truncated:
+            kind = "output_truncated"
+        elif res.error:
+            kind = "exception"
+        text = res.output if kind is None or kind in ("output_truncated", "exception") else \
+            f"{res.output}\nerror: {res.error}"
+        return Outcome(text, kind)
+
+    async def _function(self, call: Call) -> Outcome:
+        fn = self.functions[call.name]
+        limit = self.env.python.max_output_bytes
+        try:
+            if inspect.iscoroutinefunction(fn):
+                value = await asyncio.wait_for(fn(**call.arguments), self.env.python.timeout_seconds)
+            else:
+                value = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments),
+                                               self.env.python.timeout_seconds)
+        except TimeoutError:
+            return Outcome(f"error: {call.name} took longer than {self.env.python.timeout_seconds} s", "timeout")
+        except Exception as e:  # noqa: BLE001 - a user tool's failure is the trajectory's data
+            return Outcome(f"error: {call.name} raised {type(e).__name__}: {e}", "exception")
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", errors="replace")
+        elif not isinstance(value, str):
+            try:
+                value = json.dumps(value)
+            except (TypeError, ValueError):
+                value = str(value)
+        text, cut = _cut(value, limit)
+        return Outcome(text, "output_truncated" if cut else None)
