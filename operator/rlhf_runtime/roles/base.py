@@ -347,15 +347,16 @@ class FSDPWorker:
                             self.compute_dtype)
 
     # ---------------------------------------------------------------------------------------- training
-    def micro_batches(self, prompts: list[list[int]], completions: list[list[int]]) -> list[Packed]:
+    def micro_batches(self, prompts: list[list[int]], completions: list[list[int]],
+                      loss_masks: list[list[int]] | None = None) -> list[Packed]:
         """This rank's samples packed into micro-batches of at most ``trainer.maxTokensPerMicroBatch`` tokens;
         under FSDP as many as the rank with the most has (empty ones fill up), since every forward is a
-        collective."""
+        collective. ``loss_masks``: see ``batches.pack``."""
         bins = plan([len(p) + len(c) for p, c in zip(prompts, completions)],
                     self.spec.trainer.max_tokens_per_micro_batch)
         if self.world_size > 1:
             bins += [[]] * (int(self.all_reduce([len(bins)], "max")[0]) - len(bins))
-        return [pack(prompts, completions, b, self.device) for b in bins]
+        return [pack(prompts, completions, b, self.device, loss_masks) for b in bins]
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """``values`` reduced over the workers (sum or max), a collective; themselves with one worker."""
@@ -381,7 +382,7 @@ class FSDPWorker:
         self.model.eval()
         with torch.no_grad(), self.computing():
             return [MicroBatch(m, self.micro_inputs(batch, m))
-                    for m in self.micro_batches(batch["prompts"], batch["completions"])]
+                    for m in self.micro_batches(batch["prompts"], batch["completions"], batch.get("loss_masks"))]
 
     def optimise(self, batch: dict[str, Any]) -> dict[str, float]:
         """One training step on ``batch`` (module docstring); returns the loss statistics and the grad norm."""
