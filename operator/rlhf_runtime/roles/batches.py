@@ -34,9 +34,8 @@ import torch
 import torch.utils.checkpoint
 
 #: Float32 logits (tokens x vocabulary) computed at once by ``token_logprobs``: 2^29 elements = 2 GiB, e.g.
-#: 3,533 tokens of a 152k vocabulary (Qwen3). From 2^27 (883 tokens) it took the Qwen3-1.7B training step on one
-#: H200 from 39.1-39.4% to 40.0-40.2% MFU (fewer, larger output-layer matrix multiplications: +2.0% tokens/s)
-#: for 4.5 GiB more peak memory (benchmarks/README.md, "The trainer's step", D).
+#: 3,533 tokens of a 152k vocabulary (Qwen3). Larger chunks mean fewer, larger output-layer matrix
+#: multiplications for more peak memory (the comparison: benchmarks/results/trainer/README.md).
 LOGIT_CHUNK_ELEMENTS = 1 << 29
 #: ``from_pretrained`` config attributes that scale a model's logits in ways ``OutputHead`` does not apply
 #: itself: such models score through their own (full) logits.
