@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from rlhf_api.base import (  # noqa: F401 - re-exported: the API's names stay importable from here
+from rlhf_api.base import (
     CPU_PATTERN,
     INT32_MAX,
     LABEL_KEY_PATTERN,
@@ -211,6 +211,17 @@ class Trainer(Model):
         "them. Peak activation memory grows with it; with FSDP2 every worker runs as many micro-batches as the "
         "busiest one, and each micro-batch gathers the parameters and reduce-scatters the gradients (float32 "
         "with master weights), so the largest budget that fits is the fastest.",
+    )
+    offload_during_rollout: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Colocated placement with sleeping engines only: move the trainer's state that a rollout does "
+        "not read to pinned host memory while the engines generate, and back before each training step, so that "
+        "the engines' KV cache can use that GPU memory. One worker moves its float32 master weights and AdamW "
+        "moments (12 bytes per parameter), FSDP2 its moments (8 bytes per parameter over the trainer GPUs); "
+        "gradients are freed after every step anyway. The trainer pods' memory (trainer.resources.memory) must "
+        "hold it. always: move it; never: keep it on the GPU; auto (default): move it only where the memory plan "
+        "finds that the engines (rollout.gpuMemoryUtilization or rollout.kvCacheMemoryGiB) do not fit beside it "
+        "and the trainer pods' memory holds it.",
     )
     lora: LoRA | None = Field(
         None,
@@ -1364,6 +1375,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("reward", "mathTimeoutSeconds"), 5),
     (("data", "promptField"), "prompt"),
     (("data", "invalidSamples"), "drop"),
+    (("trainer", "offloadDuringRollout"), "auto"),
 )
 
 

@@ -40,6 +40,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_api.memory_plan import explain_oom
 from rlhf_runtime.controller.actors import ActorClasses
 from rlhf_runtime.controller.deadlines import Watchdog
 from rlhf_runtime.controller.loop import Runtime
@@ -194,7 +195,9 @@ def run(runtime: Runtime, reporter: Reporter, watchdog: Watchdog) -> int:
     except BaseException as e:  # noqa: BLE001 - report every failure, including SIGTERM, before exiting
         log.error("run failed:\n%s", traceback.format_exc())
         try:
-            reporter.report("Failed", message=watchdog.fired or failure_message(e))
+            # a CUDA out-of-memory error with the memory plan's numbers and the fields to change
+            message = explain_oom(failure_message(e), runtime.actors.memory_plan)
+            reporter.report("Failed", message=watchdog.fired or message)
         except ForeignJobError:
             pass
         code = EXIT_FAILED

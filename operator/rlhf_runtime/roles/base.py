@@ -57,7 +57,7 @@ import torch
 from rlhf_api.models import RLHFJobSpec, RuntimeConfig
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import startup, storage
-from rlhf_runtime.roles import precision
+from rlhf_runtime.roles import offload, precision
 from rlhf_runtime.roles.batches import Packed, micro_share, pack, plan
 from rlhf_runtime.roles.optim_state import full_optimizer_state, load_optimizer_state
 
@@ -165,7 +165,7 @@ class MicroBatch:
         return self.packed.mask
 
 
-class FSDPWorker:
+class FSDPWorker(offload.StateOnHost):
     """The base of the FSDP2 roles (module docstring). Subclasses set ``self.model`` (loaded in ``train_dtype``)
     and call ``shard`` and ``make_optimizer`` in their ``__init__``, and define ``micro_inputs`` and
     ``micro_loss``."""
@@ -345,6 +345,9 @@ class FSDPWorker:
             if why:
                 log.warning("checkpoint %s: %s; the run goes on from its weights in %s", saved, why,
                             self.compute_dtype)
+        offload.init_optimizer_state(self.opt)  # the moments from the start: the memory held after step 1
+        self.state_offload = offload.StateOffload(self.opt, [m for _, m in self.master.pairs] if self.master else [],
+                                                  self.device)
 
     # ---------------------------------------------------------------------------------------- training
     def micro_batches(self, prompts: list[list[int]], completions: list[list[int]],
@@ -386,6 +389,7 @@ class FSDPWorker:
 
     def optimise(self, batch: dict[str, Any]) -> dict[str, float]:
         """One training step on ``batch`` (module docstring); returns the loss statistics and the grad norm."""
+        moved = self.state_offload.reload()  # trainer.offloadDuringRollout: the state back for the step
         prepared = self.prepare(batch)
         stats = self.run_passes(prepared)
         del prepared
@@ -394,6 +398,7 @@ class FSDPWorker:
         self.model.eval()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        stats.update(offload.memory_stats(self.device), **moved, **self.state_offload.offload())
         release_cached_gpu_memory(self.spec, self.device)  # colocated: the engines wake into this memory next
         return stats
 
@@ -434,7 +439,12 @@ class FSDPWorker:
 
     def save_step(self, root: str | Path, step: int, meta: dict[str, Any]) -> str | None:
         """Checkpoint the model and optimiser as step ``step`` under ``root`` (``meta`` joins its ``state.json``);
-        a collective under FSDP: every rank calls it, rank 0 writes and returns the step's directory."""
+        a collective under FSDP: every rank calls it, rank 0 writes and returns the step's directory. State moved
+        to the host (``offload``) is on the GPU while it is gathered and written."""
+        with self.state_offload.resident():
+            return self._save_step(root, step, meta)
+
+    def _save_step(self, root: str | Path, step: int, meta: dict[str, Any]) -> str | None:
         state = full_model_state(self.model, self.world_size)  # collectives under FSDP: every rank takes part
         optim = full_optimizer_state(self.model, self.opt, self.world_size)
         if self.master is not None:

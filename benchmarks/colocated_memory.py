@@ -1,0 +1,200 @@
+"""The colocated memory plan and the trainer-state offload through the runtime's own driver, on one GPU.
+
+Builds a random-initialised Qwen3-1.7B-shaped model (bfloat16, the character tokenizer of ``rlhf_testing.tiny``
+padded to the model's vocabulary), then runs ``python -m rlhf_runtime.driver --local`` once per variant: GRPO,
+colocated placement with sleeping engines, float32 master weights, gradient checkpointing, 32k-token micro-batches,
+``--prompts`` prompts x 8 samples of up to ``maxTokens`` tokens (a random model rarely samples its end token, so
+nearly every sample runs to the limit). A variant is ``NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS`` (OFFLOAD: the
+``trainer.offloadDuringRollout`` value). Per run it keeps the exit code, the Failed message, the memory plan (the
+progress file's actors record), and per step the step / rollout / train / sync seconds, rollout tokens/s, the
+trainer's memory (peak allocated in the step, allocated and reserved after it) and the offload's seconds and GiB.
+
+Writes ``<out>/colocated_memory.json`` and prints a table.
+
+    . benchmarks/gpu_env.sh && python3 benchmarks/colocated_memory.py --out $OUT \\
+        --variants refused:0.75:never:1024:3 offload:0.75:auto:1024:3
+    python3 benchmarks/colocated_memory.py --cpu --out /tmp/cm          # smoke test on CPU (separate placement)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "operator"))
+
+QWEN3_17B = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+             "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+TINY = {"vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
+        "tie_word_embeddings": True}
+
+
+def build_model(path: Path, gpu: bool) -> dict[str, Any]:
+    """The random-initialised model (bfloat16 on a GPU, float32 on a CPU) and its tokenizer at ``path``."""
+    import torch
+    from rlhf_testing.tiny import build_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = QWEN3_17B if gpu else TINY
+    if (path / "config.json").exists():
+        return {"config": shape, "reused": True}
+    cfg = Qwen3Config(**shape, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    with torch.device("cuda" if gpu else "cpu"):
+        model = Qwen3ForCausalLM._from_config(cfg, dtype=dtype)
+    model.save_pretrained(str(path))
+    build_tokenizer(path, shape["vocab_size"])
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if gpu:
+        torch.cuda.empty_cache()
+    return {"config": shape, "params": params}
+
+
+def job(model: Path, name: str, util: float, offload: str, max_tokens: int, steps: int, prompts: int,
+        gpu: bool) -> dict[str, Any]:
+    return {
+        "model": {"name": str(model), "dtype": "bfloat16" if gpu else "float32"},
+        "image": "local",
+        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "gradientCheckpointing": True,
+                    "maxTokensPerMicroBatch": 32768 if gpu else 256, "offloadDuringRollout": offload,
+                    "resources": {"memory": "100Gi"}},
+        "rollout": {"engines": 1, "gpuMemoryUtilization": util, "enforceEager": True,
+                    "maxModelLen": max_tokens + 256,
+                    "sampling": {"temperature": 1.0, "maxTokens": max_tokens, "samplesPerPrompt": 8}},
+        "placement": {"mode": "colocated" if gpu else "separate"},
+        "weightSync": {"backend": "ipc" if gpu else "nccl"},
+        "algorithm": {"name": "grpo", "steps": steps, "promptsPerStep": prompts, "learningRate": 1e-6, "seed": 0},
+        "data": {"prompts": [f"{name} prompt {i}: " + "count the letters of this line " * 3 for i in range(256)]},
+        "reward": {"rule": "length", "targetLength": max_tokens // 2},
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
+    }
+
+
+STEP_KEYS = ("step_seconds", "rollout_seconds", "train_seconds", "weight_sync_seconds", "rollout_tokens_per_second",
+             "train_tokens_per_second_per_gpu", "mfu")
+TRAIN_KEYS = ("gpu_peak_allocated_gib", "gpu_allocated_gib", "gpu_reserved_gib", "offload_s", "offload_pin_s",
+              "offload_gib", "reload_s", "train_s")
+
+
+def snake(k: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in k)
+
+
+def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[str, Any]:
+    """One driver run of ``variant`` (NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS); what its progress file recorded."""
+    from rlhf_api.models import RuntimeConfig
+
+    name, util, offload, max_tokens, steps = variant.split(":")
+    spec = job(model, name, float(util), offload, int(max_tokens), int(steps), args.prompts, not args.cpu)
+    cfg = tmp / f"{name}.json"
+    cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name, spec=spec).model_dump_json(by_alias=True))
+    progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
+    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
+           "--progress-file", str(progress)]
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        try:
+            rc = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, timeout=args.run_timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] \
+        if progress.exists() else []
+    result: dict[str, Any] = {"variant": variant, "exit_code": rc, "wall_seconds": round(wall, 1), "steps": []}
+    for r in records:
+        plan = (r.get("actors") or {}).get("memory_plan")
+        if plan:
+            result["memory_plan"] = plan
+        runtime = r.get("runtime") or {}
+        if runtime.get("state") == "Failed":
+            result["failed"] = runtime.get("message")
+        tp, train = r.get("throughput"), r.get("train") or {}
+        if tp and runtime.get("state") == "Running":
+            row = {"step": r.get("step"), **{k: tp.get(k) for k in STEP_KEYS if k in tp},
+                   **{snake(k): v for k, v in tp.items() if snake(k) in STEP_KEYS},
+                   **{k: train[k] for k in TRAIN_KEYS if k in train}}
+            result["steps"].append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+    result["log_tail"] = log.read_text(errors="replace").splitlines()[-30:] if rc else []
+    return result
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ("| variant | exit | plan: rollout / training GiB, KV GiB (seqs), offload | step s | rollout s | train s | "
+            "tok/s | peak GiB | offload s / reload s / GiB |")
+    lines = [head, "|---" * 9 + "|"]
+    for r in results:
+        p = r.get("memory_plan") or {}
+        plan = (f"{p.get('rollout_total_gib')} / {p.get('training_total_gib')}, {p.get('kv_cache_gib')} "
+                f"({p.get('sequences_at_once')}/{p.get('batch_sequences')}), {p.get('offload')}") if p else "-"
+        for s in r["steps"] or [{}]:
+            lines.append(f"| {r['variant']} | {r['exit_code']} | {plan} | {s.get('step_seconds', '-')} | "
+                         f"{s.get('rollout_seconds', '-')} | {s.get('train_seconds', '-')} | "
+                         f"{round(s.get('rollout_tokens_per_second') or 0)} | {s.get('gpu_peak_allocated_gib', '-')} | "
+                         f"{s.get('offload_s', '-')} / {s.get('reload_s', '-')} / {s.get('offload_gib', '-')} |")
+        if r.get("failed"):
+            lines.append(f"| {r['variant']} failed: {r['failed'][:600]} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variants", nargs="+", default=["refused:0.75:never:1024:3", "offload:0.75:auto:1024:3"])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/colocated-memory/model"))
+    ap.add_argument("--run-timeout", type=float, default=540)
+    ap.add_argument("--cpu", action="store_true", help="a tiny model on the CPU (separate placement)")
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.model_dir.parent
+    tmp.mkdir(parents=True, exist_ok=True)
+    if args.build_only:  # in a process of its own: no CUDA context of this process stays on the GPU
+        t0 = time.perf_counter()
+        built = build_model(args.model_dir, not args.cpu)
+        print(json.dumps({"model": {**built, "seconds": round(time.perf_counter() - t0, 1)}, "device": device()}))
+        return 0
+    build = subprocess.run([sys.executable, __file__, "--build-only", "--out", str(args.out), "--model-dir",
+                            str(args.model_dir)] + (["--cpu"] if args.cpu else []),
+                           check=True, capture_output=True, text=True)
+    out = args.out / "colocated_memory.json"
+    result: dict[str, Any] = {"command": " ".join(sys.argv), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                              **json.loads(build.stdout.strip().splitlines()[-1]), "runs": []}
+    for v in args.variants:
+        result["runs"].append(run(args, tmp, args.model_dir, v))
+        out.write_text(json.dumps(result, indent=1) + "\n")  # a cut run keeps what finished
+        print(f"{v}: exit {result['runs'][-1]['exit_code']} in {result['runs'][-1]['wall_seconds']} s", flush=True)
+    print(table(result["runs"]))
+    return 0
+
+
+def device() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"torch": torch.__version__}
+    if torch.cuda.is_available():
+        _, total = torch.cuda.mem_get_info()
+        out.update(name=torch.cuda.get_device_name(0), total_gib=round(total / 2**30, 2))
+    try:
+        out["vllm"] = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
