@@ -4,13 +4,13 @@
 #   python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --skip nvidia-cudnn-cu13 \
 #       --skip nvidia-cublas --skip nvidia-cusparselt-cu13 --out .stage/vllm-0.33.0-lean --kind nvidia-h100-x1
 # and its device commands (the last one installs into /tmp/site-0.33.0).
-# Usage, from the repository root: bash hack/gpu/colocated-memory-plan.sh VARIANT...
+# Usage, from the repository root: [RUN_TIMEOUT=seconds per driver run] bash hack/gpu/colocated-memory-plan.sh VARIANT...
 #   VARIANT: NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS (benchmarks/colocated_memory.py --variants)
 # Leaves colocated_memory.json, run.log, nvidia-smi.txt and the drivers' logs and progress files (logs.tgz) in $OUT.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
-python3 benchmarks/colocated_memory.py --out $OUT --variants "$@" > $OUT/run.log 2>&1
+python3 benchmarks/colocated_memory.py --out $OUT --run-timeout ${RUN_TIMEOUT:-540} --variants "$@" > $OUT/run.log 2>&1
 echo "exit $?"
 tail -c 6000 $OUT/run.log
 tar czf $OUT/logs.tgz -C /tmp/colocated-memory --exclude model .
