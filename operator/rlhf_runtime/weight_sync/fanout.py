@@ -146,14 +146,6 @@ class EngineFanOut:
         if stage == "three":
             self._proven = fmt
 
-    def update_weights_nowait(self, update_info: Any, round_trip: bool = False) -> list[Any]:
-        """``update_weights`` (or, ``round_trip``, the whole ``update_weights_round`` in the kernel format) on
-        every engine without waiting: the Ray refs to wait on before the chunk's buffer is reused."""
-        self.calls += 1
-        if round_trip:
-            return [h.update_weights_round.remote(update_info, False) for h in self.handles]
-        return [h.update_weights.remote(update_info) for h in self.handles]
-
     def update_round(self, update_info: Any, checkpoint_format: bool = True) -> None:
         """start -> update -> finish in one actor call per engine (one Ray round trip instead of three); the
         engines' own stage times are recorded as the three calls' (the slowest engine's)."""
