@@ -36,7 +36,8 @@ endpoint and region (``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``) and credentials Se
 
 Security: every container runs without privilege escalation and without Linux capabilities, under the
 runtime's default seccomp profile (Pod Security ``baseline`` and most of ``restricted``; ``runAsNonRoot`` is
-left to the image: the official vLLM images run as root).
+left to the image: the official vLLM images run as root), except the head container of a job with the builtin
+python tool, which runs unconfined so that the tool can isolate the model's code in namespaces of its own.
 
 Nothing here reads the environment or the cluster: same input, same output (golden-tested).
 """
@@ -250,6 +251,15 @@ def _tracking_credentials(head: dict[str, Any], spec: RLHFJobSpec) -> None:
             {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
+def _python_tool_isolation(head: dict[str, Any], spec: RLHFJobSpec) -> None:
+    """The builtin python tool (``spec.environment``) runs the model's code in the head container, in user, network
+    and mount namespaces of its own (``rlhf_runtime.agent.isolation``); the runtime's default seccomp profile
+    forbids creating them, so that container (only) runs unconfined. Its other restrictions stay."""
+    if spec.environment is not None and spec.environment.wants_python():
+        main = head["template"]["spec"]["containers"][0]
+        main["securityContext"] = {**CONTAINER_SECURITY, "seccompProfile": {"type": "Unconfined"}}
+
+
 def _submitter_template(job: Job) -> dict[str, Any]:
     """KubeRay's submitter pod (``ray job submit``): the runtime image, small requests, the job's scheduling.
     KubeRay fills the command and its environment; ``restartPolicy: Never`` as in KubeRay's default."""
@@ -284,6 +294,7 @@ def render_ray_job(job: Job) -> dict[str, Any]:
     }
     _serve_runtime_metrics(head, spec.head.metrics_port)
     _tracking_credentials(head, spec)
+    _python_tool_isolation(head, spec)
     workers = [
         {
             "groupName": g.name,

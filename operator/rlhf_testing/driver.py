@@ -8,7 +8,10 @@ extension point), subclasses of the runtime's:
 * ``--skip-tensor NAME``: the trainer leaves this tensor out of every weight sync (LoRA: every adapter tensor
   whose name contains it), which the validation mode must catch;
 * ``--pause-after-tokens N`` (async mode): before a sync, the engine waits until a live sample has ``N`` tokens,
-  so that the sync pauses requests mid-generation.
+  so that the sync pauses requests mid-generation;
+* ``--turn-script PATH`` (multi-turn jobs, ``spec.environment``): a JSON object {user prompt: [the text of each
+  assistant turn]}; the engine generates that text, character by character under vLLM's structured outputs (a
+  regular expression matching only it), so a random tiny model makes exactly the tool calls a test needs.
 
 The settings reach the actors inside the classes: ``classes`` makes them per run, in a function, so that they
 are not importable by name and Ray ships them to the workers by value, settings included (the workers of a Ray
@@ -26,8 +29,49 @@ from rlhf_runtime.rollout.engines import AsyncEngine
 from rlhf_runtime.rollout.stepped import SteppedEngine
 
 
-def classes(config: str | None, skip_tensor: str | None = None, pause_after_tokens: int = 0) -> ActorClasses:
+def literal_regex(text: str) -> str:
+    """A regular expression matching exactly ``text``."""
+    return "".join("\\" + c if c in "\\.^$*+?()[]{}|" else c for c in text)
+
+
+def scripted_turn(script: dict[str, list[str]], prompt: str) -> str | None:
+    """The text the script gives the turn whose engine prompt (decoded, ChatML) is ``prompt``: the user
+    prompt's list, at the index of this assistant turn (its last item for later turns); None if unscripted."""
+    if "<|im_start|>user\n" not in prompt:
+        return None
+    user = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    turns = script.get(user)
+    if not turns:
+        return None
+    return turns[min(prompt.count("<|im_start|>assistant") - 1, len(turns) - 1)]
+
+
+def scripted(base: type, script: dict[str, list[str]]) -> type:
+    """``base`` (an async engine class) generating ``script``'s turns (``--turn-script``)."""
+
+    class ScriptedEngine(base):  # type: ignore[valid-type, misc]
+        def __init__(self, kwargs, env=None, build=True):  # type: ignore[no-untyped-def]
+            from transformers import AutoTokenizer
+
+            self.script_tokenizer = AutoTokenizer.from_pretrained(kwargs["model"])
+            super().__init__({**kwargs, "skip_tokenizer_init": False}, env, build)  # structured outputs need it
+
+        async def generate(self, prompts, sampling):  # type: ignore[no-untyped-def]
+            from vllm.sampling_params import StructuredOutputsParams
+
+            text = scripted_turn(script, self.script_tokenizer.decode(prompts[0], skip_special_tokens=False))
+            if text is not None:
+                sampling = {**sampling, "structured_outputs": StructuredOutputsParams(regex=literal_regex(text))}
+            return await super().generate(prompts, sampling)
+
+    return ScriptedEngine
+
+
+def classes(config: str | None, skip_tensor: str | None = None, pause_after_tokens: int = 0,
+            turn_script: str | None = None) -> ActorClasses:
     """The hooked classes for the job at ``config`` (its engine class depends on the spec)."""
+    import json
+
     from rlhf_runtime.infra import config as rc
 
     skipped = [skip_tensor] if skip_tensor else None
@@ -54,6 +98,10 @@ def classes(config: str | None, skip_tensor: str | None = None, pause_after_toke
     engine = None
     if spec.weight_sync.mode == "async":
         engine = LatePauseSteppedEngine if spec.rollout.async_engine == "stepped" else LatePauseAsyncEngine
+    if turn_script:
+        with open(turn_script) as f:
+            base = SteppedEngine if spec.rollout.async_engine == "stepped" else AsyncEngine
+            engine = scripted(base, json.load(f))
     return ActorClasses(trainer=SkippingTrainer, engine=engine)
 
 
@@ -63,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlhf_testing.driver", add_help=False)
     p.add_argument("--skip-tensor")
     p.add_argument("--pause-after-tokens", type=int, default=0)
+    p.add_argument("--turn-script")
     p.add_argument("--config", default=os.environ.get("RLHF_JOB_CONFIG"))
     a, rest = p.parse_known_args(argv)
-    hooked = classes(a.config, a.skip_tensor, a.pause_after_tokens)
+    hooked = classes(a.config, a.skip_tensor, a.pause_after_tokens, a.turn_script)
     return runtime_main.main([*rest, *(["--config", a.config] if a.config else [])], classes=hooked)
 
 

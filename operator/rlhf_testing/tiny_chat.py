@@ -1,4 +1,4 @@
-"""A tiny chat model for multi-turn tests: a character-level tokenizer with chat special tokens and a chat
+"""A tiny chat model for multi-turn tests: a byte-level tokenizer with chat special tokens and a chat
 template with tools, in two formats, and a random-init Qwen2 of its vocabulary (``build_tiny_chat_model``).
 
 * ``chatml``: Qwen2.5's ChatML shape with Hermes tool calls (``<tool_call>{json}</tool_call>``; tool results as
@@ -12,14 +12,12 @@ template with tools, in two formats, and a random-init Qwen2 of its vocabulary (
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
            "<tool_response>", "</tool_response>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
            "<|python_tag|>"]
-CHARS = string.printable.replace("\x0b", "").replace("\x0c", "").replace("\r", "")
-VOCAB = 128
+VOCAB = 320  # the 256 byte symbols, the special tokens, padding to a multiple of 64
 
 CHATML = (
     "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
@@ -51,22 +49,27 @@ TEMPLATES = {"chatml": (CHATML, "<|im_end|>"), "llama3": (LLAMA3, "<|eot_id|>")}
 
 
 def build_chat_tokenizer(path: str | Path, template: str = "chatml") -> None:
-    """A character-level ``PreTrainedTokenizerFast`` with the chat special tokens and ``template``'s chat
-    template, saved to ``path``; its eos is the template's end-of-turn token."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer without merges (one token per byte, as Qwen's tokenizer is before its merges, so
+    Qwen2's tokenizer class loads it as it is), the chat special tokens and ``template``'s chat template, saved to
+    ``path``; its eos is the template's end-of-turn token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chat_template, eos = TEMPLATES[template]
-    tokens = SPECIAL + list(CHARS)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = SPECIAL + alphabet
     tokens += [f"<extra_{i}>" for i in range(VOCAB - len(tokens))]
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<bos>",
                                    eos_token=eos)
     fast.chat_template = chat_template
     fast.save_pretrained(str(path))
+    config = Path(path) / "config.json"
+    if not config.exists():  # loaded as the model's tokenizer class is (Qwen2's), as the runtime loads it
+        config.write_text('{"model_type": "qwen2"}')
 
 
 def build_tiny_chat_model(path: str | Path, template: str = "chatml", *, hidden_size: int = 128, layers: int = 2,
@@ -84,5 +87,5 @@ def build_tiny_chat_model(path: str | Path, template: str = "chatml", *, hidden_
                       bos_token_id=2, eos_token_id=eos, pad_token_id=0)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(str(path))
-    build_chat_tokenizer(path, template)
+    build_chat_tokenizer(path, template)  # after the model: its config.json stays
     return path

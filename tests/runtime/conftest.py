@@ -45,6 +45,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen2 with a chat tokenizer and a ChatML template with Hermes tool calls."""
+    path = tmp_path_factory.mktemp("tiny-chat-model")
+    code = f"from rlhf_testing.tiny_chat import build_tiny_chat_model; build_tiny_chat_model({str(path)!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
+    return path
+
+
 def job_config(model: Path, **over: Any) -> dict[str, Any]:
     """A tiny CPU job: 1 trainer (CPU), 1 engine, reward for emitting '7'; ``over`` patches spec keys."""
     spec: dict[str, Any] = tiny_job_spec(model, steps=20)
