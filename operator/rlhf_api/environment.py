@@ -57,7 +57,8 @@ class Tool(Model):
 
 class PythonLimits(Model):
     timeout_seconds: float = Field(10.0, gt=0, le=600, description="Wall-clock limit of one python tool call.")
-    memory_mib: int = Field(512, ge=32, le=65536, description="Address-space limit of one python tool call, MiB.")
+    memory_mib: int = Field(512, alias="memoryMiB", ge=64, le=65536,
+                            description="Address-space limit of one python tool call, MiB.")
     max_output_bytes: int = Field(
         16384, ge=256, le=1 << 20, description="Output kept of one call (stdout then stderr); the rest is cut "
         "with a marker that says how much was cut.")

@@ -157,6 +157,26 @@ INVALID = [
      "tracking.wandb with mode offline needs volume and path"),
     ("mlflow uri not http", with_spec(tracking={"mlflow": {"trackingUri": "mlflow:5000"}}),
      "spec.tracking.mlflow.trackingUri: Invalid value"),
+    ("tool without a schema", with_spec(environment={"tools": [{"name": "python", "builtin": "python"}]}),
+     "spec.environment.tools[0].parameters: Required value"),
+    ("tool schema not an object", with_spec(environment={"tools": [{"name": "f", "function": "m:f",
+                                                                    "parameters": {"type": "array"}}]}),
+     "a tool's parameters must be a JSON schema of type object"),
+    ("tool both builtin and function", with_spec(environment={"tools": [
+        {"name": "f", "function": "m:f", "builtin": "python", "parameters": {"type": "object"}}]}),
+     "a tool takes exactly one of function"),
+    ("unknown tool parser", with_spec(environment={"className": "m:Env", "toolParser": "regex"}),
+     'Unsupported value: "regex"'),
+    ("zero turns", with_spec(environment={"className": "m:Env", "maxTurns": 0}),
+     "spec.environment.maxTurns: Invalid value: 0"),
+    ("environment with nothing", with_spec(environment={}), "spec.environment needs tools, className or http"),
+    ("environment with async sync", with_spec(environment={"className": "m:Env"}, weightSync__mode="async"),
+     "spec.environment runs with weightSync.mode 'sync'"),
+    ("environment class not module:Class", with_spec(environment={"className": "my_env"}),
+     "spec.environment.className: Invalid value"),
+    ("http environment with url and server", with_spec(environment={"http": {
+        "url": "http://env:8000", "server": {"image": "env:1"}}}), "environment.http takes exactly one of url"),
+    ("reward without a source", with_spec(reward={"normalize": "batch"}), "reward needs a source"),
     ("missing model", with_spec(model=DELETE), "spec.model: Required value"),
     ("missing image", with_spec(image=DELETE), "spec.image: Required value"),
 ]
@@ -178,7 +198,7 @@ def test_long_name_is_rejected(cluster) -> None:
 
 def test_valid_samples_pass_admission(cluster) -> None:
     for sample in ("separate-nccl-tp2", "colocated-ipc-dp", "async-pause-resume", "multinode-trainer",
-                   "moe-expert-parallel", "ppo-reward-model", "lora-adapter-sync"):
+                   "moe-expert-parallel", "ppo-reward-model", "lora-adapter-sync", "agent-python-tool"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
 
