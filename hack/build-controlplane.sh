@@ -9,11 +9,9 @@
 #   kubelet, kube-proxy (real nodes)                                         (k8s.io/kubernetes)
 #   coredns with the plugins a local cluster needs (real nodes)              (github.com/coredns/coredns)
 #
-#   weed (SeaweedFS: S3-compatible object storage for the tests of s3:// checkpoints) (github.com/seaweedfs/seaweedfs)
-#
-# Targets: etcd kwok kuberay helm k8s (the default: the control plane), kueue (tests/integration/test_kueue.py),
-# seaweedfs (tests/s3.py) and node (kubelet, kube-proxy,
-# coredns: what `localcluster.py up --real-nodes N` needs besides Debian's containerd, runc and CNI plugins).
+# Targets: etcd kwok kuberay helm k8s (the default: the control plane), kueue (tests/integration/test_kueue.py)
+# and node (kubelet, kube-proxy, coredns: what `localcluster.py up --real-nodes N` needs besides Debian's
+# containerd, runc and CNI plugins). The tests' S3 server is not built here: hack/fetch-s3proxy.sh fetches it.
 #
 # Binaries land in $RLHF_CACHE/bin/<name>-<version>; a symlink farm in $RLHF_CACHE/bin/current/ points at
 # the versions pinned here. A version already built is never rebuilt, so reruns take seconds.
@@ -30,8 +28,6 @@ HELM_VERSION="${HELM_VERSION:-v3.19.5}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
 # The module proxy lists no Kueue versions but serves exact ones (v0.17.1 yes, v0.18.0 no).
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.1}"
-# SeaweedFS tags no Go-module releases; the proxy serves this pseudo-version of master.
-SEAWEEDFS_VERSION="${SEAWEEDFS_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}"
 
 CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
 BIN="$CACHE/bin"
@@ -200,24 +196,6 @@ build_kueue() {
   fi
   link kueue "$KUEUE_VERSION"
   ln -sfn "$cfg" "$BIN/current/kueue-config"
-}
-
-# SeaweedFS's `weed` (one binary: master, volume, filer and S3 gateway). Its go.mod replaces one module, and a
-# dependency's replace directives do not apply to the module that requires it, so the wrapper repeats them.
-build_seaweedfs() {
-  if have "$SEAWEEDFS_VERSION" weed; then log "seaweedfs $SEAWEEDFS_VERSION cached"; else
-    log "building seaweedfs $SEAWEEDFS_VERSION"
-    local dir="$WORK/seaweedfs-$SEAWEEDFS_VERSION" mod=github.com/seaweedfs/seaweedfs gomod
-    gomod=$(go mod download -json "$mod@$SEAWEEDFS_VERSION" | sed -n 's/^\s*"GoMod": "\(.*\)",\{0,1\}$/\1/p')
-    [ -f "$gomod" ] || { log "go mod download gave no go.mod for $mod@$SEAWEEDFS_VERSION"; return 1; }
-    grep '^replace ' "$gomod" | wrapper "$dir" "$mod" "$SEAWEEDFS_VERSION"
-    (
-      cd "$dir"
-      go get "$mod/weed@$SEAWEEDFS_VERSION"
-      go build -ldflags "$LDFLAGS" -o "$BIN/weed-$SEAWEEDFS_VERSION" "$mod/weed"
-    )
-  fi
-  link weed "$SEAWEEDFS_VERSION"
 }
 
 # Version stamp for binaries built from k8s.io/kubernetes (helm, kubectl and the node read it).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare a fresh machine: Python venv with the operator, runtime (vLLM on CPU) and dev dependencies, the
-# control-plane and node binaries and SeaweedFS (the tests' S3 server), built from Go modules and cached under
-# ~/.cache/rlhf-operator, and, as root,
+# control-plane and node binaries built from Go modules, S3Proxy (the tests' S3 server: a jar fetched by Maven, run
+# with the machine's Java), all cached under ~/.cache/rlhf-operator, and, as root,
 # the Debian packages real nodes and image builds use (containerd, runc, CNI plugins, iptables, buildah,
 # debootstrap). Idempotent.
 set -euo pipefail
@@ -43,6 +43,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: real nodes need these Debian packages (run as root to install them): ${missing[*]}" >&2
   fi
 fi
-bash hack/build-controlplane.sh etcd kwok kuberay helm k8s node seaweedfs >/dev/null
+bash hack/build-controlplane.sh etcd kwok kuberay helm k8s node >/dev/null
+bash hack/fetch-s3proxy.sh >/dev/null
 # MLflow's tracking server for the tests of spec.tracking (its own venv).
 bash hack/mlflow-server.sh >/dev/null
