@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,6 +27,7 @@ from tests.helpers import free_port
 REPO = Path(__file__).resolve().parents[1]
 ACCESS_KEY = "rlhf-test-access"
 SECRET_KEY = "rlhf-test-secret-0123456789"
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 def s3proxy_jar() -> str:
@@ -50,6 +52,9 @@ class S3Server:
                 "AWS_ENDPOINT_URL_S3": self.endpoint, "AWS_REGION": "us-east-1"}
 
     def start(self, timeout: float = 90) -> Self:
+        bad = [b for b in self.buckets if not BUCKET_NAME.fullmatch(b)]
+        if bad:  # S3Proxy would not serve them: every request would answer NoSuchBucket
+            raise ValueError(f"not S3 bucket names (3-63 of a-z 0-9 . -, a letter or digit at each end): {bad}")
         jar = s3proxy_jar()
         data = self.root / "data"
         for b in self.buckets:  # the filesystem backend's buckets are the directories under its base directory

@@ -43,7 +43,7 @@ def test_lost_pods_resume_from_the_newest_checkpoint_and_duplicate_nothing(real_
     """A node's worth of faults at once: the trainer pod and the operator's pod are deleted together mid-run.
     The run fails and KubeRay's retry resumes it from its newest checkpoint on a new Ray cluster; the chart's
     Deployment replaces the operator pod, and the new operator follows the job to Succeeded and creates nothing
-    twice. The checkpoints go to an S3 bucket (SeaweedFS on the nodes' bridge address; keys from a Secret):
+    twice. The checkpoints go to an S3 bucket (S3Proxy on the nodes' bridge address; keys from a Secret):
     the retry resumes from the bucket. (A lost head pod is the same retry, with checkpoints on a volume, and the
     "resumes from checkpoint" Event is checked there: ``test_frozen_driver_is_ended_and_the_run_retried``, which
     ends its run by deleting the head pod.)"""

@@ -1,7 +1,7 @@
 """FSDP2 checkpoints: every rank's optimiser shards and parameters survive save -> resume. Two real ``Trainer``
 processes shard a real tiny model with ``fully_shard`` over gloo (CPU), train one GRPO step, checkpoint, and
 two fresh processes resume from it; each resumed rank must hold exactly the shards it saved. Killed mid-save, on
-a shared path and in an S3 bucket (SeaweedFS, ``tests/s3.py``), every rank resumes from the newest complete step."""
+a shared path and in an S3 bucket (S3Proxy, ``tests/s3.py``), every rank resumes from the newest complete step."""
 
 from __future__ import annotations
 
@@ -169,8 +169,8 @@ def test_fsdp2_trainer_killed_while_saving_resumes_every_rank_from_the_newest_co
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """SeaweedFS (``tests/s3.py``) with a bucket for the checkpoints."""
-    server = S3Server(tmp_path_factory.mktemp("seaweedfs"), buckets=("ckpt",)).start()
+    """S3Proxy (``tests/s3.py``) with a bucket for the checkpoints."""
+    server = S3Server(tmp_path_factory.mktemp("s3proxy"), buckets=("ckpt",)).start()
     try:
         yield server
     finally:

@@ -1,4 +1,4 @@
-"""Object-storage checkpoints (``rlhf_runtime.infra.storage``) against a real S3-compatible server (SeaweedFS,
+"""Object-storage checkpoints (``rlhf_runtime.infra.storage``) against a real S3-compatible server (S3Proxy,
 ``tests/s3.py``): save and find the newest, a save killed mid-upload (a real subprocess SIGKILLed while it
 uploads) is not a checkpoint, re-saves keep a complete copy, pruning, downloads, and the errors for a missing
 bucket, bad credentials and an unreachable endpoint. Nothing is mocked."""
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
-    server = S3Server(tmp_path_factory.mktemp("seaweedfs"), buckets=("ckpt",)).start()
+    server = S3Server(tmp_path_factory.mktemp("s3proxy"), buckets=("ckpt",)).start()
     try:
         with server.environ():
             yield server
