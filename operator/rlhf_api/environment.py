@@ -35,14 +35,13 @@ class Tool(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("(has(self.function) ? 1 : 0) + (has(self.builtin) ? 1 : 0) == 1",
             "a tool takes exactly one of function (a user tool 'module:function') or builtin"),
-        cel("has(self.parameters.type) && self.parameters.type == 'object'",
-            "a tool's parameters must be a JSON schema of type object (its arguments)", fieldPath=".parameters"),
     ]})
-    name: str = Field(pattern=TOOL_NAME, description="The tool's name, as the model calls it.")
+    name: str = Field(pattern=TOOL_NAME, max_length=64, description="The tool's name, as the model calls it.")
     description: str = Field("", max_length=4096, description="What the tool does, shown to the model.")
     parameters: dict[str, Any] = Field(
         description="JSON schema (type object) of the tool's arguments, given to the model through the chat "
-        "template's tools argument. Arguments that do not match it reach the model as an error observation.",
+        "template's tools argument (checked before the first step). Arguments that do not match it reach the "
+        "model as an error observation.",
         json_schema_extra=JSON_SCHEMA)
     builtin: Literal["python"] | None = Field(
         None, description="python: runs the argument 'code' with the Python of the runtime image in an isolated "
@@ -105,8 +104,6 @@ class Environment(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("!has(self.http) || !has(self.className)",
             "environment takes className or http, not both"),
-        cel("!has(self.tools) || self.tools.all(t, self.tools.exists_one(u, u.name == t.name))",
-            "environment.tools names must be unique", fieldPath=".tools"),
         cel("!has(self.maxTokensPerTurn) || self.maxTokensPerTurn <= self.maxTokens",
             "environment.maxTokensPerTurn must not exceed environment.maxTokens", fieldPath=".maxTokensPerTurn"),
     ]})
@@ -118,7 +115,9 @@ class Environment(Model):
         "the model answers without a tool call).")
     http: HttpEnvironment | None = Field(
         None, description="An environment served over HTTP (OpenEnv's reset/step protocol).")
-    tools: list[Tool] | None = Field(None, max_length=64, description="Tools the model may call.")
+    tools: list[Tool] | None = Field(
+        None, max_length=64, description="Tools the model may call (names unique).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     tool_parser: Literal[TOOL_PARSERS] = Field(  # type: ignore[valid-type]
         "hermes", description="vLLM's tool-call parser for the model's chat format (hermes for the Qwen2.5/Qwen3 "
         "<tool_call> format).")

@@ -1,5 +1,6 @@
 """The job's children: its runtime RBAC, its ConfigMap and its RayJob, created when missing and patched where they
-may change; and the RayClusters of its RayJob that KubeRay no longer uses, deleted.
+may change; its environment server (``spec.environment.http.server``: a Deployment and a Service), created with
+the RayJob; and the RayClusters of its RayJob that KubeRay no longer uses, deleted.
 
 Creating a missing child is the one risky step (a job deleted meanwhile would get it again): it is preceded by a
 fresh read of the job, the only read outside the caches. Requests that do not depend on each other run side by
@@ -15,6 +16,7 @@ import kopf
 from rlhf_api import models as m
 from rlhf_operator import cache, kube, metrics, naming, render, status
 from rlhf_operator.effects import Outcome, post_event
+from rlhf_operator.environment_server import render_environment_server
 
 #: Requests of one reconcile that do not depend on each other run side by side here (the reconcile's own thread
 #: waits for them): a new job's reads, then its runtime RBAC and ConfigMap, cost one round trip each, not four.
@@ -96,9 +98,18 @@ def ensure(job: render.Job, body: Any, snap: cache.Snapshot, out: Outcome,
              lambda: _ensure_config_map(cm, snap, body, out))
     if live is None and data_missing:
         return None  # its pods could not mount the data: they would hold GPUs and never start
-    if live is None:
+    if live is None:  # the environment server with the RayJob: the runtime waits for it before its first rollout
+        _create_environment_server(job, body)
         return _create_ray_job(job, rj, body, out)
     return _patch_ray_job(job, rj, live, body, out)
+
+
+def _create_environment_server(job: render.Job, body: Any) -> None:
+    """The job's environment server (``spec.environment.http.server``), owned by the job; none is made twice."""
+    for obj in render_environment_server(job):
+        kopf.adopt(obj, owner=body)
+        if kube.create_server_object(obj) is not None:
+            post_event(body, "Created", f"{obj['kind']} {obj['metadata']['name']} (the environment server)")
 
 
 def _ensure_rbac(obj: dict[str, Any], snap: cache.Snapshot, body: Any, out: Outcome) -> None:

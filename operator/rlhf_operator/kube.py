@@ -60,6 +60,11 @@ def custom() -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api())
 
 
+@functools.cache
+def apps() -> client.AppsV1Api:
+    return client.AppsV1Api(api())
+
+
 #: Keep-alive connections opened at startup: a burst of new jobs right after a start would otherwise open them
 #: all at once, one TLS handshake each, and on a busy machine every request of the burst would wait for those.
 WARM_CONNECTIONS = 16
@@ -110,6 +115,12 @@ def _created(call: Any, *args: Any) -> dict[str, Any] | None:
 
 def create_config_map(body: dict[str, Any]) -> dict[str, Any] | None:
     return _created(core().create_namespaced_config_map, body["metadata"]["namespace"], body)
+
+
+def create_server_object(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Create an environment server's Deployment or Service; None when it already exists."""
+    call = apps().create_namespaced_deployment if body["kind"] == "Deployment" else core().create_namespaced_service
+    return _created(call, body["metadata"]["namespace"], body)
 
 
 def replace_config_map_data(ns: str, name: str, data: dict[str, str]) -> dict[str, Any]:

@@ -159,9 +159,10 @@ INVALID = [
      "spec.tracking.mlflow.trackingUri: Invalid value"),
     ("tool without a schema", with_spec(environment={"tools": [{"name": "python", "builtin": "python"}]}),
      "spec.environment.tools[0].parameters: Required value"),
-    ("tool schema not an object", with_spec(environment={"tools": [{"name": "f", "function": "m:f",
-                                                                    "parameters": {"type": "array"}}]}),
-     "a tool's parameters must be a JSON schema of type object"),
+    ("tool names not unique", with_spec(environment={"tools": [
+        {"name": "f", "function": "m:f", "parameters": {"type": "object"}},
+        {"name": "f", "function": "m:g", "parameters": {"type": "object"}}]}),
+     "spec.environment.tools[1]: Duplicate value"),
     ("tool both builtin and function", with_spec(environment={"tools": [
         {"name": "f", "function": "m:f", "builtin": "python", "parameters": {"type": "object"}}]}),
      "a tool takes exactly one of function"),

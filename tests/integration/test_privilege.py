@@ -55,6 +55,10 @@ GRANTED_NOT_CALLED = {
                                       "one (test_event_driven.py::test_no_finalizer_old_one_removed_...)",
     ("ray.io", "rayclusters", "delete"): "a RayJob's duplicate RayCluster; none here "
                                         "(test_event_driven.py::test_a_ray_jobs_older_second_cluster_is_deleted)",
+    ("apps", "deployments", "create"): "a job's environment server; none here "
+                                      "(test_environment_server.py::test_environment_server_is_made_and_goes_with_the_job)",
+    ("", "services", "create"): "the environment server's Service; none here "
+                               "(test_environment_server.py::test_environment_server_is_made_and_goes_with_the_job)",
 }
 
 
@@ -413,8 +417,11 @@ def test_runtime_pods_under_pod_security(pcluster, papi, chart_op) -> None:
         print(f"\n--- PodSecurity {level}")
         for msg, whats in _group(res).items():
             print(f"{len(whats)} pod(s): {msg or 'ADMITTED'}\n    " + "\n    ".join(whats))
-    # A sample's own hostPath volume is the user's choice; everything render.py and KubeRay add must be baseline.
+    # A sample's own hostPath volume is the user's choice; everything render.py and KubeRay add must be baseline,
+    # except the head container of a job with the builtin python tool: unconfined seccomp, so that the tool can
+    # isolate the model's code in namespaces of its own (render._python_tool_isolation; docs/agents.md)
     user_hostpath = {w for w in candidates if any("hostPath" in v for v in candidates[w].get("volumes", []))}
+    user_hostpath |= {w for w in candidates if w == "render agent-python-tool head"}
     baseline_refused = {w: msg for w, msg in findings["baseline"].items() if msg and w not in user_hostpath}
     assert not baseline_refused, baseline_refused
     # restricted: everything but runAsNonRoot, which is the image's (render.py: the vLLM images run as root)

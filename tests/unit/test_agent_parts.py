@@ -133,6 +133,9 @@ def test_tool_specs_that_cannot_work_are_refused() -> None:
     with pytest.raises(ValueError, match=r"tools\[0\].function: cannot import 'tests.unit.nosuch:f'"):
         Tools(Environment.model_validate({"tools": [{"name": "f", "function": "tests.unit.nosuch:f",
                                                      "parameters": SCHEMA}]}))
+    with pytest.raises(ValueError, match="must be a JSON schema of type object"):
+        Tools(Environment.model_validate({"tools": [{"name": "f", "function": "tests.unit.test_agent_parts:double",
+                                                     "parameters": {"type": "array"}}]}))
     with pytest.raises(ValueError, match="not a valid JSON schema"):
         Tools(Environment.model_validate({"tools": [{"name": "f", "function": "tests.unit.test_agent_parts:double",
                                                      "parameters": {"type": "object", "required": 3}}]}))
@@ -202,12 +205,17 @@ class Server:
 
     def __init__(self) -> None:
         self.fail = 0
+        self.ready = False
         self.episodes: dict[str, int] = {}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self.send_response(200 if outer.ready and self.path == "/health" else 503)
+                self.end_headers()
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -254,6 +262,14 @@ def test_http_environment_episodes_and_a_short_outage(server: Server) -> None:
     s = run(a.step({"role": "assistant", "content": "x"}))
     assert (s.observations, s.reward) == ([{"role": "user", "content": "ok 1"}], 0.5)
     assert server.episodes == {"a": 1, "b": 0}
+
+
+def test_waiting_for_the_server_to_be_ready(server: Server) -> None:
+    envs = Environments(Environment.model_validate({"http": {"url": server.url, "unreachableSeconds": 0.5}}))
+    with pytest.raises(EnvironmentUnreachable, match=r"/health was not ready within .*0.5 \(HTTPError: Service Unavailable"):
+        envs.wait_ready()
+    server.ready = True
+    envs.wait_ready()
 
 
 def test_http_environment_down_past_its_deadline_fails_the_run(server: Server) -> None:

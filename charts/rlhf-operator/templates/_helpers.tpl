@@ -50,6 +50,12 @@ is never called: RBAC lets the operator create the runtime Role only with permis
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "update"]   # update: a Role/RoleBinding follows the rendered one
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["create"]   # a job's environment server (spec.environment.http.server), owned by the job
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create"]   # the environment server's Service
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["list", "watch", "patch"]   # spec.scheduling.queueName: why a job waits; spec.suspend -> Workload spec.active

@@ -222,6 +222,27 @@ class Environments:
         self.url = url or (spec.http.url if spec.http else None)
         self.outage = Outage(spec.http.unreachable_seconds if spec.http else 0.0)
 
+    def wait_ready(self) -> None:
+        """Before the first rollout: an HTTP environment's server answers its readiness path (``server.readyPath``,
+        else ``/health``) with 2xx, polled for at most ``http.unreachableSeconds``; else ``EnvironmentUnreachable``
+        naming it. Nothing to wait for otherwise."""
+        if self.spec.http is None or not self.url:
+            return
+        path = self.spec.http.server.ready_path if self.spec.http.server else "/health"
+        url, limit = f"{self.url.rstrip('/')}{path}", self.spec.http.unreachable_seconds
+        end, why = time.monotonic() + limit, "no answer"
+        while time.monotonic() < end:
+            try:
+                with urllib.request.urlopen(url, timeout=min(5.0, limit)) as resp:  # noqa: S310 - the spec's server
+                    if 200 <= resp.status < 300:
+                        return
+                    why = f"HTTP {resp.status}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            time.sleep(0.5)
+        raise EnvironmentUnreachable(f"the environment server {url} was not ready within "
+                                     f"spec.environment.http.unreachableSeconds {limit:g} ({why})")
+
     def make(self, episode: str) -> Any:
         if self.cls is not None:
             return ClassEnvironment(self.cls)

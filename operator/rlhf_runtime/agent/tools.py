@@ -80,6 +80,9 @@ class Tools:
                 jsonschema.Draft202012Validator.check_schema(t.parameters)
             except jsonschema.SchemaError as e:
                 raise ValueError(f"{field}.parameters is not a valid JSON schema: {e.message}") from e
+            if t.parameters.get("type") != "object":
+                raise ValueError(f"{field}.parameters must be a JSON schema of type object (the call's arguments), "
+                                 f"not type {t.parameters.get('type')!r}")
             self.validators[t.name] = jsonschema.Draft202012Validator(t.parameters)
             if t.function:
                 self.functions[t.name] = load_function(t.function, f"{field}.function")

@@ -71,11 +71,16 @@ class AgentExperience:
     def __init__(self, rollout: AgentRollout, deadlines: Deadlines) -> None:
         self.rollout, self.deadlines = rollout, deadlines
         self.last: dict[str, Any] = {}
+        self.ready = False  # the environment server answered its readiness path (``Environments.wait_ready``)
 
     def samples(self, batch: list[Any], n: int, step: int,
                 sampling: dict[str, Any] | None = None) -> tuple[Samples, float]:
         """A rollout of ``n`` trajectories per sample of ``batch`` (``sampling``: instead of the job's), as
         ``Samples``, and its seconds."""
+        if not self.ready:
+            self.deadlines.watchdog.doing("waiting for the environment server to be ready")
+            self.rollout.envs.wait_ready()
+            self.ready = True
         launch = self.launch(batch, n, step, sampling)
         results = self.collect(launch)
         return to_samples(results), time.perf_counter() - launch.t_launch
