@@ -158,3 +158,25 @@ def server_url(job: str, namespace: str, env: Environment) -> str:
     """Where the runtime reaches the job's environment server (its Service's cluster DNS name)."""
     port = env.http.server.port if env.http is not None and env.http.server is not None else 80
     return f"http://{server_name(job)}.{namespace}.svc:{port}"
+
+
+class AgentStatus(Model):
+    """The last step's multi-turn rollout (``spec.environment``), as the runtime counted it."""
+
+    step: int | None = Field(None, description="Training step these figures are of.")
+    trajectories: int | None = Field(None, description="Trajectories of the step.")
+    turns_mean: float | None = Field(None, description="Assistant turns per trajectory, mean.")
+    tool_calls: int | None = Field(None, description="Tool calls of the step.")
+    fault_share: float | None = Field(
+        None, description="Failed tool and environment calls (malformed calls included) per call.")
+    timeout_share: float | None = Field(None, description="Tool calls that timed out, per tool call.")
+    truncated_share: float | None = Field(
+        None, description="Trajectories cut by the token budget or a turn's length limit, per trajectory.")
+    env_latency_p50_seconds: float | None = Field(None, description="Environment call latency, median.")
+    env_latency_p99_seconds: float | None = Field(None, description="Environment call latency, 99th percentile.")
+    engine_busy_share: float | None = Field(
+        None, description="Share of the rollout's wall time the least busy engine had a request in flight.")
+    errors: dict[str, int] | None = Field(None, description="Faults of the step by kind (timeout, exception, ...).")
+    warning: str | None = Field(
+        None, description="Set when the step's faults passed environment.errorWarningFraction (with a Warning "
+        "Event); cleared by a step below it.")

@@ -30,7 +30,7 @@ from rlhf_api.base import (
     cel,
     sub,
 )
-from rlhf_api.environment import Environment
+from rlhf_api.environment import AgentStatus, Environment
 
 GROUP = "rlhf.dev"
 VERSION = "v1alpha1"
@@ -1340,6 +1340,7 @@ class RLHFJobStatus(Model):
     runtime: RuntimeReport | None = Field(None, description="The runtime's own report.")
     output: OutputStatus | None = Field(None, description="The newest exported model (spec.output).")
     eval: EvalStatus | None = Field(None, description="The newest evaluation on spec.data.eval.")
+    agent: AgentStatus | None = Field(None, description="The last step's multi-turn rollout (spec.environment).")
     tracking: TrackingStatus | None = Field(None, description="Where the run's metrics go (spec.tracking).")
     data: DataStatus | None = Field(None, description="The training data as checked before the first step.")
     start_time: datetime | None = Field(None, description="When the job started running.")

@@ -250,6 +250,9 @@ def _announce(body: Any, obs: status.Observed, new: dict[str, Any], patch: dict[
     mismatch = (old.get("runtime") or {}).get("warning")  # what turned EnginesInSync False
     if mismatch and _condition_flipped(old, new, "EnginesInSync"):
         post_event(body, "MismatchSpike", mismatch, warning=True)
+    tools = (old.get("agent") or {}).get("warning")  # what turned ToolsHealthy False
+    if tools and _condition_flipped(old, new, "ToolsHealthy"):
+        post_event(body, "ToolErrors", tools, warning=True)
 
 
 def _invalid_before(st: dict[str, Any]) -> bool:

@@ -401,6 +401,9 @@ def conditions(obs: Observed, v: Verdict) -> list[dict[str, Any]]:
         # a runtime that measures the trainer-vs-engine mismatch: False while it reports a spike after a sync
         out.append(_condition("EnginesInSync", not warning, "MismatchSpike" if warning else "Matching",
                               warning or "", gen))
+    fault = (obs.old_status.get("agent") or {}).get("warning")
+    if obs.old_status.get("agent"):  # spec.environment: False while a step's tool faults pass their threshold
+        out.append(_condition("ToolsHealthy", not fault, "ToolErrors" if fault else "Fine", fault or "", gen))
     data = obs.old_status.get("data") or {}
     if data:  # the runtime checked the samples before the first step (spec.data.invalidSamples)
         dropped = int(data.get("dropped") or 0)

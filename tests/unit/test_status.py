@@ -197,6 +197,19 @@ def test_missing_data_config_map_stalls_and_says_why() -> None:
     assert fine["DataAvailable"]["status"] == "True" and fine["Stalled"]["status"] == "False"
 
 
+def test_tools_healthy_follows_the_runtimes_tool_fault_warning() -> None:
+    def conds(old: dict) -> dict:
+        out = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=old), NOW)
+        return {c["type"]: c for c in out["conditions"]}
+
+    assert "ToolsHealthy" not in conds({"runtime": {"state": "Running"}})
+    healthy = conds({"runtime": {"state": "Running"}, "agent": {"step": 3, "faultShare": 0.1}})["ToolsHealthy"]
+    assert (healthy["status"], healthy["reason"]) == ("True", "Fine")
+    faulty = conds({"runtime": {"state": "Running"}, "agent": {"step": 4, "warning": "60% of the calls failed"}})
+    assert (faulty["ToolsHealthy"]["status"], faulty["ToolsHealthy"]["reason"],
+            faulty["ToolsHealthy"]["message"]) == ("False", "ToolErrors", "60% of the calls failed")
+
+
 def test_engines_in_sync_follows_the_runtimes_mismatch_warning() -> None:
     def conds(old: dict) -> dict:
         out = st.compute(obs(ray_job=rayjob("Running"), ray_cluster=READY_CLUSTER, old_status=old), NOW)

@@ -11,6 +11,7 @@ that ``zeroReward`` ended scores 0 whatever its sources say (``zeroed``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -26,6 +27,8 @@ from rlhf_runtime.agent.rollout import AgentRollout, Result
 from rlhf_runtime.agent.tools import Tools
 from rlhf_runtime.controller.deadlines import WAIT_SLICE_SECONDS, DeadlineExceeded, Deadlines
 from rlhf_runtime.controller.experience import Samples
+
+log = logging.getLogger("rlhf_runtime")
 
 
 @dataclass
@@ -121,6 +124,20 @@ class AgentExperience:
         """The step's numeric ``agent`` figures as training statistics (``agent_*``: tracking, status)."""
         return {f"agent_{k}": float(v) for k, v in self.last.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def status(self, step: int) -> dict[str, Any]:
+        """``status.agent`` of the step (``rlhf_api.environment.AgentStatus``, snake_case names)."""
+        a = self.last
+        warning = self.warning()
+        if warning:
+            log.warning("%s", warning)
+        return {"step": step, "trajectories": a.get("trajectories"), "turns_mean": a.get("turns_mean"),
+                "tool_calls": a.get("tool_calls"), "fault_share": a.get("fault_share"),
+                "timeout_share": a.get("timeout_share"), "truncated_share": a.get("truncated_share"),
+                "env_latency_p50_seconds": a.get("env_latency_p50_s"),
+                "env_latency_p99_seconds": a.get("env_latency_p99_s"),
+                "engine_busy_share": a.get("engine_busy_share"), "errors": a.get("tool_errors") or {},
+                "warning": warning}
 
     def warning(self) -> str | None:
         """A Warning's message when the step's tool and environment faults passed

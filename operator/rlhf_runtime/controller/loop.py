@@ -254,11 +254,9 @@ class Runtime:
                      learning_rate=self.spec.algorithm.learning_rate)
         rows = [{"prompt": s.prompt, "completion": text, "reward": r} for (s, text), r in zip(batch.items, rewards)] \
             if self.reporter.wants_samples(done) else None
-        warning = self.mismatch_warning(stats, fresh, done)
         if self.agent is not None:
             stats.update(self.agent.stats())
-            warning = "; ".join(w for w in (warning, self.agent.warning()) if w) or None
-        self.report_step(tp, stats, batch, warning, rows)
+        self.report_step(tp, stats, batch, self.mismatch_warning(stats, fresh, done), rows)
         return tp
 
     def mismatch_warning(self, stats: dict[str, Any], fresh: bool, done: int) -> str | None:
@@ -349,7 +347,7 @@ class Runtime:
                  tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
         self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
                              f"{self.total}", resumed_from_step=self.resumed, extra=extra, warning=warning,
-                             samples=rows)
+                             samples=rows, agent=self.agent.status(self.done) if self.agent is not None else None)
 
     # -------------------------------------------------------------------------------------- recovery
     def recover_engines(self, engines: list[int], where: str, error: BaseException) -> None:

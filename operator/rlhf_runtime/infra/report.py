@@ -12,6 +12,7 @@ body holds ONLY::
                 "throughput": {<rlhf_api.models.Throughput wire names>},
                 "output": {"path", "step", "time"},   # the newest export (spec.output), when there is one
                 "eval": {"rewardMean", "step", "prompts", "time"},   # the newest evaluation (spec.data.eval)
+                "agent": {<rlhf_api.environment.AgentStatus wire names>},   # the last step's trajectories
                 "data": {"samples", "dropped", "message"},   # the training data as checked before the first step
                 "tracking": {"tensorboardDir", "mlflowRunId", "mlflowRunUrl", "wandbRunId", "wandbRunUrl",
                              "message"},                    # where spec.tracking writes (infra.tracking)
@@ -73,6 +74,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rlhf_api.environment import AgentStatus
 from rlhf_api.models import (
     GROUP,
     PLURAL,
@@ -150,6 +152,7 @@ def status_patch(
     warning: str | None = KEEP,
     tracking: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
+    agent: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``), ``evaluation``
     (``EvalStatus``), ``tracking`` (``TrackingStatus``) and ``data`` (``DataStatus``) use snake_case field names.
@@ -182,6 +185,10 @@ def status_patch(
         status["tracking"] = TrackingStatus(**tracking).wire()
     if data:
         status["data"] = DataStatus(**data).wire()
+    if agent:
+        body = AgentStatus(**agent).wire()
+        body["warning"] = agent.get("warning")  # None clears an earlier one
+        status["agent"] = body
     return {"status": status}
 
 
@@ -352,6 +359,7 @@ class Reporter:
         evaluation: dict[str, Any] | None = None,
         warning: str | None = KEEP,
         samples: list[dict[str, Any]] | None = None,
+        agent: dict[str, Any] | None = None,
     ) -> None:
         """One report to every sink. ``samples``: rows (prompt, completion, reward) for the trackers' table."""
         if self.tracker is not None and self.tracker.started and step is not None and state == "Running":
@@ -365,7 +373,7 @@ class Reporter:
             state, step=step, throughput=throughput, message=message, resumed_from_step=resumed_from_step,
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
             observed_generation=self.observed_generation, output=output, evaluation=evaluation, warning=warning,
-            tracking=self.tracker.status if self.tracker is not None else None, data=self.data,
+            tracking=self.tracker.status if self.tracker is not None else None, data=self.data, agent=agent,
         )
         with self.lock:
             self.state = state
