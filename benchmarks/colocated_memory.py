@@ -102,6 +102,7 @@ def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[
     cfg = tmp / f"{name}.json"
     cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name, spec=spec).model_dump_json(by_alias=True))
     progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
+    progress.unlink(missing_ok=True)  # the driver appends: an earlier run's records are not this run's
     cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
            "--progress-file", str(progress)]
     t0 = time.perf_counter()
