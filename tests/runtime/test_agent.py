@@ -34,7 +34,7 @@ def test_tool_calls_environment_and_faults_train_without_failing_the_run(tiny_ch
         reward={},
         rollout={"maxModelLen": 768, "sampling": {"temperature": 1.0, "maxTokens": 120, "samplesPerPrompt": 2}},
         environment={"className": "rlhf_testing.agent_envs:AnswerEnv", "tools": [PYTHON], "toolParser": "hermes",
-                     "maxTurns": 3, "maxTokens": 760, "python": {"timeoutSeconds": 2}},
+                     "maxTurns": 3, "maxTokens": 760, "python": {"timeoutSeconds": 2}, "errorWarningFraction": 0.25},
     )
     cfg = write_config(tmp_path / "job.json", spec)
     script = tmp_path / "script.json"
@@ -44,7 +44,11 @@ def test_tool_calls_environment_and_faults_train_without_failing_the_run(tiny_ch
     steps = run.steps()
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        agent = r["agent"]
+        agent = r["agent_rollout"]
+        status = r["agent"]  # status.agent, as the RLHFJob gets it
+        assert status["step"] == r["step"] and status["errors"] == agent["tool_errors"]
+        # 12 faults in 40 calls: 6 tool calls, 2 malformed ones, 10 resets and 22 steps of the environment
+        assert abs(status["faultShare"] - 12 / 40) < 1e-3 and "errorWarningFraction 0.25" in status["warning"]
         assert agent["trajectories"] == 2 * len(SCRIPT)
         errors = agent["tool_errors"]
         # per step: 2 trajectories each of hang, bad, nosuch; crash's 2 trajectories fail on every turn (3)

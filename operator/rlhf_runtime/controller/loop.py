@@ -341,8 +341,8 @@ class Runtime:
                                  "rerun_prompts": self.experience.rerun_prompts}
         if self.async_mode:
             extra["swap"] = batch.swap
-        if self.agent is not None:
-            extra["agent"] = self.agent.last
+        if self.agent is not None:  # the whole count (status.agent: its summary)
+            extra["agent_rollout"] = self.agent.last
         log.info("step %d/%d reward %.3f rollout %.2fs train %.2fs step %.2fs", self.done, self.total,
                  tp["reward_mean"], tp["rollout_seconds"], tp["train_seconds"], tp["step_seconds"])
         self.reporter.report("Running", step=self.done, throughput=tp, message=f"training: step {self.done}/"
