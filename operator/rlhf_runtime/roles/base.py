@@ -17,7 +17,9 @@
   module around it whose forward must gather the parameters outside the layers); nothing with one worker.
 * Optimiser (``make_optimizer``): AdamW at the role's learning rate with ``trainer.optimizer``'s betas and weight
   decay over ``trainable`` (the masters, with one worker and master weights; AdamW's fused kernel, on CPU and
-  under FSDP2 too), its state optionally restored from a checkpoint (``load_optimizer_state``).
+  under FSDP2 too), its state optionally restored from a checkpoint (``load_optimizer_state``), else created at once
+  (``offload.init_optimizer_state``). With ``trainer.offloadDuringRollout`` (the driver's ``set_offload``) the
+  masters and moments wait in host memory between steps (``offload.StateOffload``; back for each step and save).
 * Micro-batches (``micro_batches``): packed by tokens (``roles.batches.plan``/``pack``, at most
   ``trainer.maxTokensPerMicroBatch`` tokens each, no padding); under FSDP every rank runs the same number of them
   (the largest count of any rank; the others are filled with empty ones), since each forward is a collective.
