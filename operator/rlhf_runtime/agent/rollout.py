@@ -26,7 +26,7 @@ from typing import Any
 
 from rlhf_api.environment import Environment as EnvironmentSpec
 from rlhf_runtime.agent.calls import Call, CallParser, Parsed
-from rlhf_runtime.agent.chat import ChatTokens, Trajectory
+from rlhf_runtime.agent.chat import ChatTokens, TemplateError, Trajectory
 from rlhf_runtime.agent.environments import (
     EnvironmentFault,
     Environments,
@@ -90,7 +90,14 @@ class AgentRollout:
         try:
             start = await self._reset(env, sample, res)
             if start is not None:
-                res.traj = Trajectory(self.chat.prompt_ids(start))
+                try:
+                    res.traj = Trajectory(self.chat.prompt_ids(start))
+                except TemplateError as e:  # the environment's first messages cannot be rendered
+                    self.counters.error("environment", str(e))
+                    res.traj = Trajectory(self.chat.prompt_ids(first_messages(sample)))
+                    res.zeroed, res.ended = True, "error"
+                    start = None
+            if start is not None:
                 res.messages = list(start)
                 await self._turns(env, res)
         finally:
@@ -139,7 +146,12 @@ class AgentRollout:
             if step.done or res.turns >= self.spec.max_turns:
                 res.ended = "done" if step.done else "max_turns"
                 return
-            obs = self.chat.observation_ids(step.observations)
+            try:
+                obs = self.chat.observation_ids(step.observations)
+            except TemplateError as e:  # observations the chat template cannot render: the environment's fault
+                self.counters.error("environment", str(e))
+                res.zeroed, res.ended = self.spec.on_error == "zeroReward", "error"
+                return
             if len(traj) + len(obs) >= self.spec.max_tokens:
                 res.ended = "budget"
                 return
