@@ -253,6 +253,12 @@ class MemoryPlan:
                 "host_gib": {k: gib(v) for k, v in self.host.items()}, "fits": self.fits, "problems": self.problems,
                 "notes": self.notes}
 
+    def status(self) -> dict[str, Any]:
+        """``status.memory`` (``models.MemoryStatus``, snake_case names)."""
+        return {"rollout_gib": gib(sum(self.rollout.values())), "training_gib": gib(sum(self.training.values())),
+                "kv_cache_gib": gib(self.kv_cache), "sequences_at_once": self.sequences_at_once,
+                "batch_sequences": self.batch_sequences, "offload": self.offload, "summary": self.summary()}
+
     def summary(self) -> str:
         return (f"per GPU of {gib(self.gpu_total)} GiB: rollout {gib(sum(self.rollout.values()))} GiB (KV cache "
                 f"{gib(self.kv_cache)} GiB, {self.sequences_at_once} of {self.batch_sequences} sequences at once), "

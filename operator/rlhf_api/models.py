@@ -1321,6 +1321,16 @@ class RuntimeReport(Model):
         "EnginesInSync condition and a Warning Event.")
 
 
+class MemoryStatus(Model):
+    rollout_gib: float | None = Field(None, alias="rolloutGiB", description="Planned GPU memory during rollouts, GiB.")
+    training_gib: float | None = Field(None, alias="trainingGiB", description="Planned GPU memory while training, GiB.")
+    kv_cache_gib: float | None = Field(None, alias="kvCacheGiB", description="The engine's KV cache, GiB.")
+    sequences_at_once: int | None = Field(None, description="Sequences the KV cache holds at once.")
+    batch_sequences: int | None = Field(None, description="Sequences of a step's rollout.")
+    offload: bool | None = Field(None, description="Whether the trainer's state leaves the GPU during rollouts.")
+    summary: str | None = Field(None, description="The plan in one line.")
+
+
 class RLHFJobStatus(Model):
     phase: Phase | None = Field(None, description="Pending, Provisioning, Running, Succeeded, Failed or Suspended.")
     message: str | None = Field(None, description="Why the job is in this phase.")
@@ -1341,6 +1351,8 @@ class RLHFJobStatus(Model):
     output: OutputStatus | None = Field(None, description="The newest exported model (spec.output).")
     eval: EvalStatus | None = Field(None, description="The newest evaluation on spec.data.eval.")
     agent: AgentStatus | None = Field(None, description="The last step's multi-turn rollout (spec.environment).")
+    memory: MemoryStatus | None = Field(
+        None, description="The colocated layout's memory plan per GPU, checked before the engines were built.")
     tracking: TrackingStatus | None = Field(None, description="Where the run's metrics go (spec.tracking).")
     data: DataStatus | None = Field(None, description="The training data as checked before the first step.")
     start_time: datetime | None = Field(None, description="When the job started running.")

@@ -160,3 +160,13 @@ def test_a_job_config_that_does_not_parse_is_reported_failed(fake_api: tuple[Job
     assert "JSONDecodeError" in messages["not json"]
     assert "'rlhf.dev/v2' is not 'rlhf.dev/v1alpha1'" in messages["other version"]
     assert "algorithm.steps" in messages["invalid value"]
+
+
+def test_status_patch_carries_the_memory_plan_and_the_agent_record() -> None:
+    from rlhf_runtime.infra.report import status_patch
+
+    body = status_patch("Running", step=3, memory={"rollout_gib": 70.1, "kv_cache_gib": 50.0, "offload": True},
+                        agent={"step": 3, "turns_mean": 2.5, "errors": {"timeout": 2}, "warning": None})["status"]
+    assert body["memory"] == {"rolloutGiB": 70.1, "kvCacheGiB": 50.0, "offload": True}
+    # a step below the fault threshold clears an earlier warning (a JSON null in the merge patch)
+    assert body["agent"] == {"step": 3, "turnsMean": 2.5, "errors": {"timeout": 2}, "warning": None}

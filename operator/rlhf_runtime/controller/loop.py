@@ -174,6 +174,10 @@ class Runtime:
         if roles:
             self.reporter.write_progress({"time": time.time(), "roles": roles})
         self.actors.start_engines()
+        plan = self.actors.memory_plan
+        if plan is not None:  # status.memory: what the engines were sized beside
+            self.reporter.report("Starting", step=self.done, message=f"memory plan: {plan.summary()}",
+                                 memory=plan.status())
         self.actors.await_transfer()
         self.record_actors()
         self.weights.init_group()

@@ -13,6 +13,7 @@ body holds ONLY::
                 "output": {"path", "step", "time"},   # the newest export (spec.output), when there is one
                 "eval": {"rewardMean", "step", "prompts", "time"},   # the newest evaluation (spec.data.eval)
                 "agent": {<rlhf_api.environment.AgentStatus wire names>},   # the last step's trajectories
+                "memory": {<rlhf_api.models.MemoryStatus wire names>},   # a colocated layout's memory plan
                 "data": {"samples", "dropped", "message"},   # the training data as checked before the first step
                 "tracking": {"tensorboardDir", "mlflowRunId", "mlflowRunUrl", "wandbRunId", "wandbRunUrl",
                              "message"},                    # where spec.tracking writes (infra.tracking)
@@ -81,6 +82,7 @@ from rlhf_api.models import (
     VERSION,
     DataStatus,
     EvalStatus,
+    MemoryStatus,
     OutputStatus,
     RuntimeReport,
     Throughput,
@@ -153,6 +155,7 @@ def status_patch(
     tracking: dict[str, Any] | None = None,
     data: dict[str, Any] | None = None,
     agent: dict[str, Any] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The merge-patch body (pure). ``throughput``, ``output`` (``OutputStatus``), ``evaluation``
     (``EvalStatus``), ``tracking`` (``TrackingStatus``) and ``data`` (``DataStatus``) use snake_case field names.
@@ -185,6 +188,8 @@ def status_patch(
         status["tracking"] = TrackingStatus(**tracking).wire()
     if data:
         status["data"] = DataStatus(**data).wire()
+    if memory:
+        status["memory"] = MemoryStatus(**memory).wire()
     if agent:
         body = AgentStatus(**agent).wire()
         body["warning"] = agent.get("warning")  # None clears an earlier one
@@ -360,6 +365,7 @@ class Reporter:
         warning: str | None = KEEP,
         samples: list[dict[str, Any]] | None = None,
         agent: dict[str, Any] | None = None,
+        memory: dict[str, Any] | None = None,
     ) -> None:
         """One report to every sink. ``samples``: rows (prompt, completion, reward) for the trackers' table."""
         if self.tracker is not None and self.tracker.started and step is not None and state == "Running":
@@ -374,6 +380,7 @@ class Reporter:
             ray_cluster=own_ray_cluster(), progress_time=self.progress_time,
             observed_generation=self.observed_generation, output=output, evaluation=evaluation, warning=warning,
             tracking=self.tracker.status if self.tracker is not None else None, data=self.data, agent=agent,
+            memory=memory,
         )
         with self.lock:
             self.state = state
