@@ -63,7 +63,7 @@ TOOL_FAULTS = {
 #: Faults that are a turn of their own.
 ALONE = {
     "malformed_call": '<tool_call>{{"name": "echo", "arguments": {{"query": "{q}"}}</tool_call>',
-    "bad_arguments": '<tool_call>{{"name": "echo", "arguments": {{"q": 1}}}}</tool_call>',
+    "bad_arguments": '<tool_call>{{"name": "echo", "arguments": {{"q": "{q}"}}}}</tool_call>',
 }
 #: Environment faults of a turn by environment kind: fault -> the text before the turn's calls.
 ENV_FAULTS = {
