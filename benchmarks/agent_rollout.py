@@ -74,12 +74,14 @@ ENV_FAULTS = {
 #: Which of the runtime's fault kinds (``Counters.errors``) counts each injected fault; None: not a counted
 #: fault (retried until it answered, or the bytes replaced): contained, checked otherwise.
 COUNTED_AS = {
-    "timeout": "timeout", "exception": "exception", "output_truncated": "output_truncated", "invalid_utf8": None,
+    "timeout": "timeout", "exception": "exception", "output_truncated": "output_truncated",
+    "invalid_utf8": "invalid_utf8",
     "unknown_tool": "unknown_tool", "malformed_call": "malformed_call", "bad_arguments": "bad_arguments",
     "env_exception": "environment", "env_reset_exception": "environment", "http_5xx_down": "environment",
-    "http_5xx_flaky": None, "http_4xx": "environment", "http_garbage": "environment", "http_invalid_utf8": None,
+    "http_5xx_flaky": None, "http_4xx": "environment", "http_garbage": "environment",
+    "http_invalid_utf8": "environment",
 }
-REPLACED = ("invalid_utf8", "http_invalid_utf8")
+REPLACED = ("invalid_utf8",)
 
 
 # ----------------------------------------------------------------------------------------------- plans
@@ -148,7 +150,8 @@ def injected(plan: dict[str, list[list[str]]], n: int) -> dict[str, int]:
 def planned(plans: dict[str, dict[str, list[list[str]]]]) -> dict[str, dict[str, int]]:
     """Each prompt's planned turns (its fault turns and the final answer; none after a reset crash) and how many
     observations carry U+FFFD (a turn with bytes that are not UTF-8 whose environment step answered)."""
-    lost = ("env_exception", "http_5xx_down", "http_4xx", "http_garbage")  # the step's answer is an error instead
+    # the step's answer is an error instead
+    lost = ("env_exception", "http_5xx_down", "http_4xx", "http_garbage", "http_invalid_utf8")
     out = {}
     for plan in plans.values():
         for p, turns in plan.items():

@@ -39,7 +39,8 @@ def env_spec(**over: Any) -> Environment:
     tools = [{"name": "double", "function": "tests.unit.test_agent_parts:double", "parameters": SCHEMA},
              {"name": "boom", "function": "tests.unit.test_agent_parts:boom", "parameters": SCHEMA},
              {"name": "slow", "function": "tests.unit.test_agent_parts:slow", "parameters": SCHEMA},
-             {"name": "big", "function": "tests.unit.test_agent_parts:big", "parameters": SCHEMA}]
+             {"name": "big", "function": "tests.unit.test_agent_parts:big", "parameters": SCHEMA},
+             {"name": "binary", "function": "tests.unit.test_agent_parts:binary", "parameters": SCHEMA}]
     return Environment.model_validate({"tools": tools, "python": {"timeoutSeconds": 0.5, "maxOutputBytes": 256},
                                        **over})
 
@@ -55,6 +56,10 @@ def boom(x: int) -> str:
 async def slow(x: int) -> str:
     await asyncio.sleep(30)
     return "late"
+
+
+def binary(x: int) -> bytes:
+    return b"ok\xff"
 
 
 def big(x: int) -> bytes:
@@ -114,7 +119,7 @@ def run(coro: Any) -> Any:
 
 def test_tools_answer_and_every_fault_is_an_outcome() -> None:
     tools = Tools(env_spec())
-    assert [t["function"]["name"] for t in tools.schemas()] == ["double", "boom", "slow", "big"]
+    assert [t["function"]["name"] for t in tools.schemas()] == ["double", "boom", "slow", "big", "binary"]
     ok = run(tools.call(Call("double", {"x": 21})))
     assert (ok.text, ok.error) == ("42", None)
     cases = {"unknown_tool": Call("nope", {}), "bad_arguments": Call("double", {"x": "a"}),
@@ -126,6 +131,8 @@ def test_tools_answer_and_every_fault_is_an_outcome() -> None:
         assert out.text
     big_out = run(tools.call(Call("big", {"x": 1})))
     assert len(big_out.text.encode()) < 400 and "bytes cut" in big_out.text and "\ufffd" in big_out.text
+    bad_utf8 = run(tools.call(Call("binary", {"x": 1})))
+    assert (bad_utf8.error, bad_utf8.text) == ("invalid_utf8", "ok\ufffd")
     assert run(tools.call(Call("slow", {"x": 1}))).seconds < 5
 
 

@@ -77,9 +77,11 @@ def test_what_the_runtime_should_count() -> None:
     inj = ar.injected(plan, 2)
     assert inj == {"env_reset_exception": 2, "exception": 2, "http_5xx_down": 2, "http_5xx_flaky": 2,
                    "http_invalid_utf8": 2, "invalid_utf8": 2, "malformed_call": 2, "timeout": 2}
-    assert ar.expected_counted(inj) == {"environment": 4, "exception": 2, "malformed_call": 2, "timeout": 2}
+    assert ar.expected_counted(inj) == {"environment": 6, "exception": 2, "invalid_utf8": 2, "malformed_call": 2,
+                                        "timeout": 2}
+    # an HTTP answer that is not UTF-8 is an environment fault (its error is the observation), a tool's is replaced
     assert ar.planned({"x": plan}) == {"a": {"turns": 3, "replaced": 1}, "b": {"turns": 0, "replaced": 0},
-                                       "c": {"turns": 3, "replaced": 1}}
+                                       "c": {"turns": 3, "replaced": 0}}
     # a turn whose environment step failed answers the error, not the tool's replaced bytes
     assert ar.planned({"x": {"d": [["invalid_utf8", "env_exception"]]}})["d"]["replaced"] == 0
 
@@ -107,12 +109,12 @@ def test_perf_summary_leaves_out_the_warm_up_and_pairs_the_arms_by_round() -> No
 def test_fuzz_summary_and_targets() -> None:
     plans = {"class": {"p": [["timeout"], ["invalid_utf8"]], "q": [["env_reset_exception"]]}}
     good = {"arm": "class", "seconds": 1.0, "injected": ar.injected(plans["class"], 1),
-            "agent_rollout": {"tool_errors": {"timeout": 1, "environment": 1}},
+            "agent_rollout": {"tool_errors": {"timeout": 1, "invalid_utf8": 1, "environment": 1}},
             "trajectories": [{"prompt": "p", "turns": 3, "ended": "done", "replaced": 1},
                              {"prompt": "q", "turns": 0, "ended": "error", "replaced": 0}]}
     out = ar.fuzz_summary([good], plans, {"ok": 3})
     assert out["failed_runs"] == 0 and out["trajectories_off_plan_count"] == 0
-    assert out["faults_injected"] == 3 and out["faults_counted"] == 2
+    assert out["faults_injected"] == 3 and out["faults_counted"] == 3
     assert out["faults_counted_by_kind"] == out["faults_counted_expected_by_kind"]
     assert out["observations_with_replacement_char"] == out["observations_with_replacement_char_expected"] == 1
     cut = {**good, "trajectories": [{"prompt": "p", "turns": 2, "ended": "budget", "replaced": 1}]}

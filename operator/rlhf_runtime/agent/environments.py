@@ -152,7 +152,7 @@ class HttpEnvironment:
         req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read().decode("utf-8", errors="replace"))
+            return json.loads(resp.read().decode("utf-8"))  # invalid UTF-8: a ValueError, the server's fault
 
     async def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = 0.2
@@ -169,8 +169,8 @@ class HttpEnvironment:
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-            except ValueError as e:
-                raise EnvironmentFault(f"{self.url}{path} answered invalid JSON: {e}") from e
+            except ValueError as e:  # UnicodeDecodeError too
+                raise EnvironmentFault(f"{self.url}{path} answered invalid JSON or UTF-8: {e}") from e
             self.outage.failed(f"{self.url}{path}: {why}")  # raises past the deadline
             if delay > 5.0:
                 raise EnvironmentFault(f"{self.url}{path}: {why}")
@@ -233,7 +233,7 @@ class Environments:
         end, why = time.monotonic() + limit, "no answer"
         while time.monotonic() < end:
             try:
-                with urllib.request.urlopen(url, timeout=min(5.0, limit)) as resp:  # noqa: S310 - the spec's server
+                with urllib.request.urlopen(url, timeout=min(5.0, limit)) as resp:
                     if 200 <= resp.status < 300:
                         return
                     why = f"HTTP {resp.status}"

@@ -26,7 +26,7 @@ from rlhf_runtime.agent.calls import Call
 
 #: Kinds of tool faults counted in the metrics.
 ERROR_KINDS = ("unknown_tool", "bad_arguments", "malformed_call", "exception", "timeout", "memory",
-               "output_truncated", "isolation", "environment")
+               "output_truncated", "invalid_utf8", "isolation", "environment")
 
 
 @dataclass
@@ -153,12 +153,16 @@ class Tools:
             return Outcome(f"error: {call.name} took longer than {self.env.python.timeout_seconds} s", "timeout")
         except Exception as e:  # noqa: BLE001 - a user tool's failure is the trajectory's data
             return Outcome(f"error: {call.name} raised {type(e).__name__}: {e}", "exception")
+        invalid = False
         if isinstance(value, bytes):
-            value = value.decode("utf-8", errors="replace")
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError:  # the model still sees it, with replacement characters
+                value, invalid = value.decode("utf-8", errors="replace"), True
         elif not isinstance(value, str):
             try:
                 value = json.dumps(value)
             except (TypeError, ValueError):
                 value = str(value)
         text, cut = _cut(value, limit)
-        return Outcome(text, "output_truncated" if cut else None)
+        return Outcome(text, "output_truncated" if cut else "invalid_utf8" if invalid else None)
