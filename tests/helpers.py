@@ -25,6 +25,13 @@ from localcluster import free_port  # re-exported: every tier's servers take the
 LOADED_MACHINE_RAY_ENV = {"RAY_health_check_failure_threshold": "20", "RAY_health_check_timeout_ms": "30000"}
 
 
+def audit_lines(path: Path) -> list[str]:
+    """The complete lines of an apiserver audit log (JSON lines): split on newlines only, since an event's strings
+    may hold characters that ``str.splitlines()`` also breaks at (U+2028, U+001C... in a refused object's field
+    names); the text after the last newline, a line still being written, is left out."""
+    return [line for line in path.read_text().split("\n")[:-1] if line.strip()]
+
+
 def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.5) -> T:
     """Call ``check`` until it returns a truthy value; fail with ``what`` and the last value/error after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from rlhf_api import models as m
-from tests.helpers import touch_pod_scheduled, wait_for
+from tests.helpers import audit_lines, touch_pod_scheduled, wait_for
 from tests.integration.conftest import Operator, apply, load_sample
 from tests.integration.test_lifecycle import get_job, phase, ray_objects
 
@@ -27,13 +27,13 @@ def job_events(api, ns: str, name: str) -> list[client.CoreV1Event]:
 def audit_since(cluster, start: str, ns: str) -> list[dict]:
     """The operator's audited requests in ``ns`` after ``start`` (the policy logs every write and every request on
     rlhf.dev and ray.io objects)."""
-    return [e for e in map(json.loads, cluster.audit_log.read_text().splitlines())
+    return [e for e in map(json.loads, audit_lines(cluster.audit_log))
             if e["stageTimestamp"] > start and (e.get("objectRef") or {}).get("namespace") == ns
             and e.get("userAgent", "").startswith(("OpenAPI-Generator", "kopf")) and e["verb"] != "watch"]
 
 
 def last_audit_stamp(cluster) -> str:
-    return json.loads(cluster.audit_log.read_text().splitlines()[-1])["stageTimestamp"]
+    return json.loads(audit_lines(cluster.audit_log)[-1])["stageTimestamp"]
 
 
 def test_each_transition_posts_one_event_and_reconciles_read_only_caches(cluster, api, operator, namespace) -> None:

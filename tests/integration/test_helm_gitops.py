@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.helpers import events_until, touch_pod_scheduled, wait_for
+from tests.helpers import audit_lines, events_until, touch_pod_scheduled, wait_for
 from tests.integration.conftest import REPO, Operator, apply, load_sample
 from tests.integration.test_lifecycle import get_job, phase
 
@@ -76,7 +76,7 @@ OUR_AGENTS = ("kubectl", "kopf", "OpenAPI-Generator")
 
 def audit_writes(cluster, ns: str, since: str) -> list[dict]:
     out = []
-    for line in cluster.audit_log.read_text().splitlines():
+    for line in audit_lines(cluster.audit_log):
         e = json.loads(line)
         ref = e.get("objectRef") or {}
         if (e["verb"] in ("create", "update", "patch", "delete") and ref.get("namespace") == ns
@@ -99,7 +99,7 @@ def test_reapplying_unchanged_manifest_writes_nothing(cluster, api, operator, na
         "configmap": core.read_namespaced_config_map(f"{name}-config", namespace).metadata.resource_version,
         "rayjob": client.CustomObjectsApi(api).get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", name)["metadata"]["resourceVersion"],
     }
-    start = json.loads(cluster.audit_log.read_text().splitlines()[-1])["stageTimestamp"]
+    start = json.loads(audit_lines(cluster.audit_log)[-1])["stageTimestamp"]
     for _ in range(10):
         apply(cluster, job, namespace)
     # An unchanged apply is no event at all; make the operator reconcile the job anyway: an event of one of its
@@ -113,7 +113,7 @@ def test_reapplying_unchanged_manifest_writes_nothing(cluster, api, operator, na
     assert writes == [], yaml.safe_dump(writes)
     # and read nothing: a reconcile works from the watch caches (the audit policy logs reads of rlhf.dev and
     # ray.io objects; the test's own reads of them are all before ``start``)
-    reads = [f"{e['verb']} {e['requestURI']}" for e in map(json.loads, cluster.audit_log.read_text().splitlines())
+    reads = [f"{e['verb']} {e['requestURI']}" for e in map(json.loads, audit_lines(cluster.audit_log))
              if e["stageTimestamp"] > start and e["verb"] in ("get", "list")
              and e.get("userAgent", "").startswith(("OpenAPI-Generator", "kopf"))
              and (e.get("objectRef") or {}).get("namespace") == namespace]

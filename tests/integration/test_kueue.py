@@ -18,7 +18,7 @@ import pytest
 from kubernetes import client, watch
 
 from rlhf_api import models as m
-from tests.helpers import wait_for
+from tests.helpers import audit_lines, wait_for
 from tests.integration.conftest import apply, load_sample
 
 pytestmark = pytest.mark.cluster
@@ -115,7 +115,7 @@ def history(api, namespace):
 
 
 def audit_events(cluster) -> list[dict]:
-    return [json.loads(line) for line in cluster.audit_log.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in audit_lines(cluster.audit_log) if line.strip()]
 
 
 def writer(event: dict) -> tuple[str, str]:

@@ -35,7 +35,7 @@ from rlhf_testing.tiny import tiny_job_spec
 from rlhf_api import models as m
 from rlhf_operator import naming, render
 from rlhf_runtime.infra.report import StatusClient, status_patch
-from tests.helpers import wait_for
+from tests.helpers import audit_lines, wait_for
 from tests.integration.conftest import REPO, Operator, apply, free_port, load_sample, localcluster
 
 pytestmark = pytest.mark.cluster
@@ -187,7 +187,7 @@ def forbidden(call, *args, **kwargs) -> int:
 
 def audit_events(cluster, user: str) -> list[dict]:
     seen, out = set(), []
-    for line in cluster.audit_log.read_text().splitlines():
+    for line in audit_lines(cluster.audit_log):
         e = json.loads(line)
         if e["user"]["username"] != user or e["auditID"] in seen:
             continue

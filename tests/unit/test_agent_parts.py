@@ -220,11 +220,11 @@ class Server:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 self.send_response(200 if outer.ready and self.path == "/health" else 503)
                 self.end_headers()
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if outer.fail > 0:
                     outer.fail -= 1
