@@ -22,7 +22,7 @@ import pytest
 from rlhf_testing.tiny import tiny_job_spec
 
 from rlhf_api.models import RuntimeConfig
-from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, wait_for
+from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, free_port, wait_for
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,22 +36,26 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MLflowSe
         server.close()
 
 
+def built(factory: pytest.TempPathFactory, name: str, builder: str, args: str = "") -> Path:
+    """A fresh folder ``name`` with what ``builder`` (``module:function`` of ``rlhf_testing``, called with the folder
+    and ``args``) writes there, built in a subprocess that keeps torch out of pytest."""
+    path = factory.mktemp(name)
+    module, fn = builder.split(":")
+    code = f"from {module} import {fn}; {fn}({str(path)!r}{', ' + args if args else ''})"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen2 (untied embeddings) and a char-level tokenizer, built locally."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path)!r}, seed=0)"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)  # keeps torch out of pytest
-    return path
+    return built(tmp_path_factory, "tiny-model", "rlhf_testing.tiny:build_tiny_model", "seed=0")
 
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen2 with a chat tokenizer and a ChatML template with Hermes tool calls."""
-    path = tmp_path_factory.mktemp("tiny-chat-model")
-    code = f"from rlhf_testing.tiny_chat import build_tiny_chat_model; build_tiny_chat_model({str(path)!r})"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
-    return path
+    return built(tmp_path_factory, "tiny-chat-model", "rlhf_testing.tiny_chat:build_tiny_chat_model")
 
 
 def job_config(model: Path, **over: Any) -> dict[str, Any]:
@@ -63,6 +67,19 @@ def job_config(model: Path, **over: Any) -> dict[str, Any]:
         else:
             spec[key] = value
     return spec
+
+
+def rank_results(worker: str, world: int, tmp: Path, args: str) -> list[Any]:
+    """Run the code ``worker`` as ``world`` rank processes (``python -c worker <rank> <world> <port> <tmp>
+    <args>``, one free rendezvous port) and return each rank's result: the JSON of its last stdout line; a rank that
+    failed fails the test with the end of its stderr."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(r), str(world), str(port), str(tmp), args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    done = [p.communicate(timeout=600) for p in procs]
+    failed = [f"rank {r}: {e[-2500:]}" for r, (p, (_, e)) in enumerate(zip(procs, done)) if p.returncode]
+    assert not failed, "\n".join(failed)
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in done]
 
 
 def write_config(path: Path, spec: dict[str, Any], uid: str = "uid-1") -> Path:

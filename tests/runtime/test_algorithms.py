@@ -4,13 +4,11 @@ against the synced engine; an eval set."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import job_config, start_driver, write_config
+from tests.runtime.conftest import built, job_config, start_driver, write_config
 
 pytestmark = pytest.mark.runtime
 
@@ -18,10 +16,7 @@ pytestmark = pytest.mark.runtime
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny sequence-classification reward model whose score rises with the share of '7' in the text."""
-    path = tmp_path_factory.mktemp("tiny-rm")
-    code = f"from rlhf_testing.tiny import build_tiny_reward_model; build_tiny_reward_model({str(path)!r}, target='7')"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
-    return path
+    return built(tmp_path_factory, "tiny-rm", "rlhf_testing.tiny:build_tiny_reward_model", "target='7'")
 
 
 def _mean(xs: list[float]) -> float:

@@ -3,23 +3,18 @@ matches a fresh engine loaded from the trainer's weights token for token (real v
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import job_config, start_driver, write_config
+from tests.runtime.conftest import built, job_config, start_driver, write_config
 
 pytestmark = pytest.mark.runtime
 
 
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-moe")
-    code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path)!r}, arch='qwen3_moe', seed=0)"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
-    return path
+    return built(tmp_path_factory, "tiny-moe", "rlhf_testing.tiny:build_tiny_model", "arch='qwen3_moe', seed=0")
 
 
 def test_moe_sync_unfuses_experts_and_validates(tiny_moe: Path, tmp_path: Path) -> None:

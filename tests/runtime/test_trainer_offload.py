@@ -8,14 +8,11 @@ steps the moved tensors are out (``state_offload.moved``), and the AdamW moments
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
-from tests.runtime.conftest import job_config, write_config
+from tests.runtime.conftest import job_config, rank_results, write_config
 
 pytestmark = pytest.mark.runtime
 
@@ -63,13 +60,7 @@ exit_rank()
 
 def _train(tmp: Path, runs: list[tuple[str, dict, bool]], world: int) -> dict:
     args = json.dumps([[name, str(write_config(tmp / f"{name}.json", spec)), off] for name, spec, off in runs])
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(tmp), args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    done = [p.communicate(timeout=600) for p in procs]
-    failed = [f"rank {r}: {e[-2500:]}" for r, (p, (_, e)) in enumerate(zip(procs, done)) if p.returncode]
-    assert not failed, "\n".join(failed)
-    return json.loads(done[0][0].strip().splitlines()[-1])
+    return rank_results(WORKER, world, tmp, args)[0]
 
 
 def _spec(model: Path, root: Path, world: int) -> dict:

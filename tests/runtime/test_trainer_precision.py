@@ -22,14 +22,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
-from tests.runtime.conftest import job_config, write_config
+from tests.runtime.conftest import job_config, rank_results, write_config
 
 pytestmark = pytest.mark.runtime
 
@@ -107,21 +104,11 @@ exit_rank()  # not a plain return: see rlhf_testing.ranks
 """
 
 
-def _port() -> int:
-    return free_port()
-
-
 def _train(tmp: Path, runs: list[tuple[str, dict, int]], world: int = 1) -> list[dict]:
     """The trainings ``runs`` (name, spec, steps) one after another in ``world`` rank processes; each update
     (rank 0's gathered weights after minus before) lands in ``tmp/<name>.pt``."""
     args = json.dumps([[name, str(write_config(tmp / f"{name}.json", spec)), steps] for name, spec, steps in runs])
-    port = _port()
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(world), str(port), str(tmp), args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    done = [p.communicate(timeout=600) for p in procs]
-    failed = [f"rank {r}: {e[-2500:]}" for r, (p, (_, e)) in enumerate(zip(procs, done)) if p.returncode]
-    assert not failed, "\n".join(failed)
-    return [json.loads(o.strip().splitlines()[-1]) for o, _ in done]
+    return rank_results(WORKER, world, tmp, args)
 
 
 def _spec(model: Path, dtype: str, lr: float = 1e-6, **trainer: object) -> dict:
