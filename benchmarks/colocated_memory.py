@@ -32,9 +32,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "operator"))
 
-QWEN3_17B = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
-             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-             "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+sys.path.insert(0, str(ROOT))
+from gpu_sync import MODELS  # after the path: the GPU benchmarks' model shapes
+
+QWEN3_17B = MODELS["qwen3-1.7b"][1]
 TINY = {"vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
         "tie_word_embeddings": True}
