@@ -214,7 +214,7 @@ class Environments:
         self.spec = spec
         self.cls: type | None = None
         if spec.class_name:
-            cls = load_function(spec.class_name, "spec.environment.className")
+            cls = load_function(spec.class_name, "spec.environment.className", "environment class")
             if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
                 raise ValueError(f"spec.environment.className {spec.class_name!r} is not a class with a step "
                                  "method (see docs/agents.md for the protocol)")

@@ -13,7 +13,6 @@ schema, an exception, a timeout or an oversized answer become an ``Outcome`` wit
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 from rlhf_api.environment import Environment, Tool
 from rlhf_runtime.agent.calls import Call
+from rlhf_runtime.algo.rewards import load_ref
 
 #: Kinds of tool faults counted in the metrics.
 ERROR_KINDS = ("unknown_tool", "bad_arguments", "malformed_call", "exception", "timeout", "memory",
@@ -39,16 +39,9 @@ class Outcome:
     seconds: float = 0.0
 
 
-def load_function(ref: str, field: str) -> Callable[..., Any]:
-    """``module:function`` imported, or ValueError naming ``field`` and what went wrong."""
-    module, _, name = ref.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except Exception as e:
-        raise ValueError(f"{field}: cannot import {ref!r}: {type(e).__name__}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"{field}: {ref!r} is not callable")  # noqa: TRY004 - the spec's error
-    return fn
+def load_function(ref: str, field: str, what: str = "tool function") -> Callable[..., Any]:
+    """``module:function`` imported, or ValueError naming ``field`` and what went wrong (``rewards.load_ref``)."""
+    return load_ref(ref, what, field)
 
 
 def openai_tools(specs: list[Tool]) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from rlhf_api.models import Reward, RewardEndpoint
 
@@ -49,25 +50,31 @@ class RewardError(ValueError):
     pass
 
 
-def load_hook(ref: str) -> Callable[[str, str, str | None], float]:
+def load_ref(ref: str, what: str, field: str, error: type[Exception] = ValueError) -> Callable[..., Any]:
+    """The attribute ``module:name`` of ``ref``, imported and callable, else ``error`` naming ``what`` (e.g.
+    "reward function") and the spec ``field`` that gave it, with why: not importable, failing at import,
+    missing, not callable."""
     module, _, name = ref.partition(":")
     if not module or not name:
-        raise RewardError(f"spec.reward.function must be 'module:function', got {ref!r}")
+        raise error(f"{field} must be 'module:function', got {ref!r}")
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise RewardError(f"cannot import reward function {ref!r} (spec.reward.function): {e}; the module must "
-                          "be importable in the image (installed, or on PYTHONPATH)") from e
+        raise error(f"cannot import {what} {ref!r} ({field}): {e}; the module must be importable in the image "
+                    "(installed, or on PYTHONPATH)") from e
     except Exception as e:  # the module itself fails: a syntax error, an error at import time
-        raise RewardError(f"cannot import reward function {ref!r} (spec.reward.function): importing {module!r} "
-                          f"raised {type(e).__name__}: {e}") from e
+        raise error(f"cannot import {what} {ref!r} ({field}): importing {module!r} raised {type(e).__name__}: "
+                    f"{e}") from e
     fn = getattr(mod, name, None)
     if fn is None:
-        raise RewardError(f"cannot import reward function {ref!r} (spec.reward.function): module {module!r} "
-                          f"has no {name!r}")
+        raise error(f"cannot import {what} {ref!r} ({field}): module {module!r} has no {name!r}")
     if not callable(fn):
-        raise RewardError(f"reward function {ref!r} (spec.reward.function) is not callable")
+        raise error(f"{what} {ref!r} ({field}) is not callable")
     return fn
+
+
+def load_hook(ref: str) -> Callable[[str, str, str | None], float]:
+    return load_ref(ref, "reward function", "spec.reward.function", RewardError)
 
 
 def _clip(text: str, n: int = 60) -> str:
