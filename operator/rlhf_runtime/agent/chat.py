@@ -51,6 +51,7 @@ class ChatTokens:
     stop_ids: set[int]
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     turn_suffix: list[int] = field(default_factory=list)
+    base: list[int] = field(default_factory=list)  # the fixed conversation's rendering (``check``)
 
     def __post_init__(self) -> None:
         self.check()
@@ -74,7 +75,7 @@ class ChatTokens:
         if not ends:
             raise TemplateError("the chat template ends an assistant turn with none of the engine's stop tokens "
                                 f"{sorted(self.stop_ids)}: the engine would not stop where a turn ends")
-        self.turn_suffix = base[ends[-1] + 1:]
+        self.turn_suffix, self.base = base[ends[-1] + 1:], base
         longer = self.render([*_BASE, {"role": "user", "content": "?"}], True)
         if longer[: len(base)] != base:
             raise TemplateError("the chat template renders earlier turns differently once a later turn follows, "
@@ -87,7 +88,7 @@ class ChatTokens:
     def observation_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The tokens after an assistant turn that ended with a stop token: ``turn_suffix``, ``messages`` (tool or
         user messages) and the next generation prompt."""
-        base = self.render(_BASE, False)
+        base = self.base
         full = self.render([*_BASE, *messages], True)
         if full[: len(base)] != base:
             raise TemplateError(f"the chat template renders the conversation differently once "
