@@ -39,3 +39,16 @@ LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                      r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 INT32_MAX = 2**31 - 1
+
+
+# ------------------------------------------------------------------------------------------- the API
+GROUP = "rlhf.dev"
+VERSION = "v1alpha1"
+KIND = "RLHFJob"
+PLURAL = "rlhfjobs"
+SINGULAR = "rlhfjob"
+SHORT_NAMES = ["rlhf"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: Longest RLHFJob name: children append suffixes and KubeRay appends more (cluster, group, pod hash).
+MAX_NAME_LENGTH = 40

@@ -32,8 +32,6 @@ _STAGER = "stages GPU wheels from a package index, which no test here reaches; n
 
 #: Modules over ``MAX_MODULE_LINES``, repository-relative, with why.
 LONG_MODULES: dict[str, str] = {
-    "operator/rlhf_api/models.py": "the API's spec, status, validation rules and the runtime's config in one "
-                                   "module, until it is split into those",
     "benchmarks/gpu_sync.py": _REFACTORED,
     "benchmarks/gpu_learning.py": _SCRIPT,
     "hack/localcluster.py": _HARNESS,
