@@ -4,8 +4,9 @@ Builds a random-initialised Qwen3-1.7B-shaped model (bfloat16, the character tok
 padded to the model's vocabulary), then runs ``python -m rlhf_runtime.driver --local`` once per variant: GRPO,
 colocated placement with sleeping engines, float32 master weights, gradient checkpointing, 32k-token micro-batches,
 ``--prompts`` prompts x 8 samples of up to ``maxTokens`` tokens (a random model rarely samples its end token, so
-nearly every sample runs to the limit). A variant is ``NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS`` (OFFLOAD: the
-``trainer.offloadDuringRollout`` value). Per run it keeps the exit code, the Failed message, the memory plan (the
+nearly every sample runs to the limit). A variant is ``NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]`` (OFFLOAD: the
+``trainer.offloadDuringRollout`` value; FLAGS, comma-separated: ``graphs`` for CUDA graphs in the engine instead of
+``enforceEager``, ``compile`` for ``trainer.compile``). Per run it keeps the exit code, the Failed message, the memory plan (the
 progress file's actors record), and per step the step / rollout / train / sync seconds, rollout tokens/s, the
 trainer's memory (peak allocated in the step, allocated and reserved after it) and the offload's seconds and GiB.
 
@@ -65,14 +66,14 @@ def build_model(path: Path, gpu: bool) -> dict[str, Any]:
 
 
 def job(model: Path, name: str, util: float, offload: str, max_tokens: int, steps: int, prompts: int,
-        gpu: bool) -> dict[str, Any]:
+        gpu: bool, flags: frozenset[str] = frozenset()) -> dict[str, Any]:
     return {
         "model": {"name": str(model), "dtype": "bfloat16" if gpu else "float32"},
         "image": "local",
         "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "gradientCheckpointing": True,
                     "maxTokensPerMicroBatch": 32768 if gpu else 256, "offloadDuringRollout": offload,
-                    "resources": {"memory": "100Gi"}},
-        "rollout": {"engines": 1, "gpuMemoryUtilization": util, "enforceEager": True,
+                    "compile": "compile" in flags, "resources": {"memory": "100Gi"}},
+        "rollout": {"engines": 1, "gpuMemoryUtilization": util, "enforceEager": "graphs" not in flags,
                     "maxModelLen": max_tokens + 256,
                     "sampling": {"temperature": 1.0, "maxTokens": max_tokens, "samplesPerPrompt": 8}},
         "placement": {"mode": "colocated" if gpu else "separate"},
@@ -95,11 +96,14 @@ def snake(k: str) -> str:
 
 
 def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[str, Any]:
-    """One driver run of ``variant`` (NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS); what its progress file recorded."""
+    """One driver run of ``variant`` (NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]); what its progress file recorded."""
     from rlhf_api.models import RuntimeConfig
 
-    name, util, offload, max_tokens, steps = variant.split(":")
-    spec = job(model, name, float(util), offload, int(max_tokens), int(steps), args.prompts, not args.cpu)
+    name, util, offload, max_tokens, steps, *rest = variant.split(":")
+    flags = frozenset(f for f in (rest[0] if rest else "").split(",") if f)
+    if flags - {"graphs", "compile"}:
+        raise SystemExit(f"unknown flags {sorted(flags - {'graphs', 'compile'})} in {variant}: graphs, compile")
+    spec = job(model, name, float(util), offload, int(max_tokens), int(steps), args.prompts, not args.cpu, flags)
     cfg = tmp / f"{name}.json"
     cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name, spec=spec).model_dump_json(by_alias=True))
     progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
