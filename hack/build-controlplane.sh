@@ -8,8 +8,10 @@
 #   kueue manager + its CRDs, RBAC and webhook configurations                (sigs.k8s.io/kueue)
 #   kubelet, kube-proxy (real nodes)                                         (k8s.io/kubernetes)
 #   coredns with the plugins a local cluster needs (real nodes)              (github.com/coredns/coredns)
+#   agent-sandbox controller + its CRDs and ClusterRoles                      (sigs.k8s.io/agent-sandbox)
 #
-# Targets: etcd kwok kuberay helm k8s (the default: the control plane), kueue (tests/integration/test_kueue.py)
+# Targets: etcd kwok kuberay helm k8s (the default: the control plane), kueue (tests/integration/test_kueue.py),
+# agent-sandbox (the sandboxes of agent rollouts, tests/pods/test_sandbox.py)
 # and node (kubelet, kube-proxy, coredns: what `localcluster.py up --real-nodes N` needs besides Debian's
 # containerd, runc and CNI plugins). The tests' S3 server is not built here: hack/fetch-s3proxy.sh fetches it.
 #
@@ -28,6 +30,7 @@ HELM_VERSION="${HELM_VERSION:-v3.19.5}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.15.0}"
 # The module proxy lists no Kueue versions but serves exact ones (v0.17.1 yes, v0.18.0 no).
 KUEUE_VERSION="${KUEUE_VERSION:-v0.17.1}"
+AGENT_SANDBOX_VERSION="${AGENT_SANDBOX_VERSION:-v1.0.1}"
 
 CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
 BIN="$CACHE/bin"
@@ -196,6 +199,34 @@ build_kueue() {
   fi
   link kueue "$KUEUE_VERSION"
   ln -sfn "$cfg" "$BIN/current/kueue-config"
+}
+
+# The agent-sandbox controller (cmd/agent-sandbox-controller: the core Sandbox controller, and with --extensions
+# the SandboxClaim, SandboxTemplate and SandboxWarmPool ones) and, from the module's k8s/, its four CRDs and the
+# ClusterRoles of the core and extensions controllers. Only the controller's main package is built.
+build_agent-sandbox() {
+  local cfg="$CACHE/agent-sandbox-config-$AGENT_SANDBOX_VERSION" mod=sigs.k8s.io/agent-sandbox
+  if have "$AGENT_SANDBOX_VERSION" agent-sandbox-controller && [ -d "$cfg" ]; then
+    log "agent-sandbox $AGENT_SANDBOX_VERSION cached"
+  else
+    log "building agent-sandbox controller $AGENT_SANDBOX_VERSION"
+    local dir="$WORK/agent-sandbox-$AGENT_SANDBOX_VERSION"
+    wrapper "$dir" "$mod" "$AGENT_SANDBOX_VERSION" </dev/null
+    (
+      cd "$dir"
+      go get "$mod/cmd/agent-sandbox-controller@$AGENT_SANDBOX_VERSION"
+      go build -ldflags "$LDFLAGS -X $mod/internal/version.gitVersion=$AGENT_SANDBOX_VERSION" \
+        -o "$BIN/agent-sandbox-controller-$AGENT_SANDBOX_VERSION" "$mod/cmd/agent-sandbox-controller"
+      src=$(go list -m -f '{{.Dir}}' "$mod")/k8s
+      rm -rf "$cfg.tmp" && mkdir -p "$cfg.tmp/crd"
+      cp "$src"/crds/*.yaml "$cfg.tmp/crd/"
+      cp "$src/rbac.generated.yaml" "$cfg.tmp/rbac-role.yaml"
+      cp "$src/extensions-rbac.generated.yaml" "$cfg.tmp/rbac-extensions-role.yaml"
+      chmod -R u+w "$cfg.tmp" && rm -rf "$cfg" && mv "$cfg.tmp" "$cfg"
+    )
+  fi
+  link agent-sandbox-controller "$AGENT_SANDBOX_VERSION"
+  ln -sfn "$cfg" "$BIN/current/agent-sandbox-config"
 }
 
 # Version stamp for binaries built from k8s.io/kubernetes (helm, kubectl and the node read it).

