@@ -1,7 +1,7 @@
 """Multi-turn rollout on CPU (``spec.environment``): the runtime's own time per turn, the engine's busy share with
 a 200 ms tool beside the same rollout in lockstep, and a fuzz of tool and environment faults, in one run.
 
-The job is started as the driver starts it (``controller.loop.Runtime``: ``inputs`` then ``start``: a local Ray,
+The job is started as the driver starts it (``controller.loop.Runtime.run_stages``: a local Ray,
 the trainer and one vLLM CPU engine, the first weight sync) with the driver's test hook for scripted turns
 (``rlhf_testing.driver.classes``, ``--turn-script``): a random tiny chat model (``rlhf_testing.tiny_chat``)
 generates each turn's scripted text under vLLM's structured outputs, so every trajectory makes exactly the tool
@@ -224,12 +224,13 @@ class Bench:
         self.step = 0
 
     def start(self, envs: dict[str, dict[str, Any]]) -> None:
-        """The driver's start (``inputs``, ``start``), then each arm's rollout on the job's engine."""
+        """The driver's start (every stage of ``Runtime.run_stages``), then each arm's rollout on the job's
+        engine."""
         from rlhf_runtime.controller.agent_experience import AgentExperience, build_rollout
 
         t0 = time.perf_counter()
-        self.job = self.rt.inputs()
-        self.rt.start(self.job)
+        self.rt.run_stages()
+        self.job = self.rt.job
         self.start_seconds = time.perf_counter() - t0
         self.samples = {s.prompt: s for s in self.job.samples}
         for arm, env in envs.items():

@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -43,49 +41,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
 
-#: Real architecture configs (Qwen2.5-0.5B, Qwen3-0.6B, -1.7B, -8B, as published), random-initialised here.
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen2-0.5b": ("Qwen2", {
-        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
-    "qwen3-1.7b": ("Qwen3", {
-        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
-    "qwen3-0.6b": ("Qwen3", {
-        "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
-    "qwen3-8b": ("Qwen3", {
-        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-        "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
-    # Qwen3-30B-A3B's published layer shapes (128 experts of 768, top-8, untied embeddings), 4 of its 48 layers.
-    "qwen3-moe-a3b-4l": ("Qwen3Moe", {
-        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
-    # Qwen3-30B-A3B as published: 48 layers, 128 experts of 768, top-8 (30.5 B parameters, 61 GB in bfloat16); the
-    # rlhf_ipc_fsdp_ep example's model (issue 33 item 2: FSDP2 x4 colocated with DP=4 expert-parallel engines)
-    "qwen3-30b-a3b": ("Qwen3Moe", {
-        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-        "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}),
-    # vLLM's rlhf_nccl example's model, facebook/opt-125m as published: its 50,272-row vocabulary is padded to 50,304
-    # in the engine (the kernel format's padded-vocabulary case, weight_sync.kernel.vocab_slices)
-    "opt-125m": ("OPT", {
-        "vocab_size": 50272, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
-        "num_attention_heads": 12, "max_position_embeddings": 2048, "word_embed_proj_dim": 768,
-        "do_layer_norm_before": True, "tie_word_embeddings": True}),
-    "tiny": ("Qwen2", {
-        "vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
-        "tie_word_embeddings": True}),
-}
+import harness
+from harness import MODELS, SAFE_ENV, base_spec, build_model, median, merge  # noqa: F401 - shared builders
 
 #: Spec overrides per layout (on top of ``base_spec``).
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -192,37 +151,10 @@ ENV_RECORDED = ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_US
                 "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_NO_USAGE_STATS", "NCCL_NVLS_ENABLE",
                 "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "VLLM_BATCH_INVARIANT")
 
-#: Never turn NVLink multicast on (the lent multi-GPU machines require it off).
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def base_spec(model_path: str, gpu: bool) -> dict[str, Any]:
-    return {
-        "model": {"name": model_path, "dtype": "bfloat16" if gpu else "float32"},
-        "image": "local",
-        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0},
-        "rollout": {"engines": 1, "tensorParallelSize": 1, "maxModelLen": 1024 if gpu else 96,
-                    "enforceEager": True,
-                    "sampling": {"temperature": 1.0, "maxTokens": 128 if gpu else 8, "samplesPerPrompt": 8}},
-        "placement": {"mode": "separate"},
-        "weightSync": {"backend": "nccl", "mode": "sync", "bucketSizeMB": 1024},
-        "algorithm": {"steps": 1, "promptsPerStep": 64 if gpu else 8, "learningRate": 1e-6, "seed": 0},
-        "data": {"prompts": [f"prompt {i}: count to {i % 10}" for i in range(256)]},
-        "reward": {"rule": "length", "targetLength": 64},
-    }
-
-
 def layout_parts(layout: str) -> tuple[dict[str, Any], dict[str, str]]:
     """A layout's spec overrides and the extra environment of the runtime's actors (its ``_env`` key)."""
     over = dict(LAYOUTS[layout])
     return over, over.pop("_env", {})
-
-
-def merge(spec: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(spec)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 # The three FSDP2x2 layouts with the kernel format as the job's own (``weightSync.format: kernel``), so the first
@@ -240,35 +172,6 @@ for _base, _env in (("colocated-ipc", None), ("colocated-ipc-resident", None), (
 #: does not fit an H200's memory in its forward without checkpointing (16k-token micro-batches); train_step.py fits
 #: its 16k-token sequences with checkpointing.
 MODEL_TRAINER: dict[str, dict[str, Any]] = {"qwen3-8b": {"gradientCheckpointing": True}}
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
-# ------------------------------------------------------------------------------------------------ model
-def build_model(path: Path, name: str, gpu: bool, head: str = "ForCausalLM", seed: int = 0,
-                **config: Any) -> dict[str, Any]:
-    """Random-init model from the architecture config (``<arch><head>``, ``config`` added to it), saved in bf16
-    (GPU) / fp32 (CPU), plus tokenizer."""
-    import torch
-    import transformers
-    from rlhf_testing.tiny import build_tokenizer
-
-    arch, cfg_kw = MODELS[name]
-    cfg = getattr(transformers, f"{arch}Config")(**cfg_kw, bos_token_id=2, eos_token_id=3, pad_token_id=0, **config)
-    torch.manual_seed(seed)
-    dtype = torch.bfloat16 if gpu else torch.float32
-    with torch.device("cuda" if gpu else "cpu"):  # built in its dtype: 30B-A3B in float32 would not fit a GPU
-        model = getattr(transformers, f"{arch}{head}")._from_config(cfg, dtype=dtype)
-    model.save_pretrained(str(path))
-    build_tokenizer(path, cfg_kw["vocab_size"])
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    if gpu:
-        torch.cuda.empty_cache()
-    return {"architecture": f"{arch}{head}", "config": cfg_kw, "params": params,
-            "param_bytes": params * dtype.itemsize, "dtype": str(dtype).split(".")[-1]}
 
 
 # ------------------------------------------------------------------------------------------------ floors
@@ -483,8 +386,7 @@ OUT_FILE: Path | None = None
 def save(result: dict[str, Any]) -> None:
     """Write the result so far (a run killed at its time limit still leaves what it measured)."""
     if OUT_FILE is not None:
-        OUT_FILE.parent.mkdir(parents=True, exist_ok=True)
-        OUT_FILE.write_text(json.dumps(result, indent=1, default=str))
+        harness.write_result(OUT_FILE, result)
 
 
 def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -587,32 +489,11 @@ def interleaved_variants(rt: Any, arms: list[tuple[str, dict[str, Any]]], rounds
     save(result)
 
 
-def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    import bench_actors
-    import ray
-    from transformers import AutoTokenizer
-
-    from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime.algo.data import load_samples, render_prompt, step_batch
-    from rlhf_runtime.controller.loop import Runtime
-    from rlhf_runtime.controller.validation import ValidationError
-    from rlhf_runtime.infra.report import Metrics, Reporter
-
+def job_spec(layout: str, model_name: str, model_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The job's spec: ``base_spec`` of the built model, the layout's overrides, the model's trainer settings, the
+    command's prompts and tokens; the layout's environment, ``SAFE_ENV`` (and batch-invariant kernels for the
+    async layout) in ``spec.env``, which every actor gets."""
     gpu = not args.cpu
-    work = Path(args.work) / f"{layout}_{model_name}"
-    work.mkdir(parents=True, exist_ok=True)
-    model_path = work / "model"
-    t = time.perf_counter()
-    if (model_path / "info.json").is_file():  # built by an earlier run on this machine (same layout, model)
-        result["model"] = {**json.loads((model_path / "info.json").read_text()), "reused": True}
-    else:
-        result["model"] = build_model(model_path, model_name, gpu)
-        (model_path / "info.json").write_text(json.dumps(result["model"]))
-    result["model"]["build_s"] = time.perf_counter() - t
-    print(f"[{layout}:{model_name}] model {result['model']['params'] / 1e9:.3f}B params {'reused' if result['model'].get('reused') else 'built'}", flush=True)
-    if args.build_only:  # the model alone, for a later call on the same machine (a 30B model's build and write
-        return            # take a call's 77 s of its 570)
-
     over, actor_env = layout_parts(layout)
     spec = merge(base_spec(str(model_path), gpu), over)
     if model_name in MODEL_TRAINER and gpu:
@@ -622,153 +503,202 @@ def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict
     if args.max_tokens:  # longer samples (the context grows with them: the prompts are short)
         spec = merge(spec, {"rollout": {"maxModelLen": max(spec["rollout"]["maxModelLen"], args.max_tokens + 128),
                                         "sampling": {"maxTokens": args.max_tokens}}})
-    result["spec"] = spec
-    backend = spec["weightSync"]["backend"] if gpu else "gloo"
-    cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=spec)
-    reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
-    # engines with scramble_weights/load_stats, trainers with timelines (the runtime's extension point)
-    rt = Runtime(cfg, reporter, local=True, validate=True, classes=bench_actors.classes(cfg.spec))
-    rt.actors.env.update(SAFE_ENV)
-    rt.actors.env.update(actor_env)
-    if layout.endswith("async"):
-        rt.actors.env["VLLM_BATCH_INVARIANT"] = "1"
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    samples = load_samples(cfg.spec.data)
-    stages: dict[str, float] = {}
+    env = {**SAFE_ENV, **actor_env, **({"VLLM_BATCH_INVARIANT": "1"} if layout.endswith("async") else {})}
+    return harness.with_env(spec, env)
+
+
+def start(rt: Any, args: argparse.Namespace, result: dict[str, Any], tag: str) -> None:
+    """The runtime's start (``Runtime.run_stages``), as the driver runs it: through the trainers' weight-transfer
+    modules, then (``--sender-options``) the group with the command's options, the engine- and trainer-side
+    timers, the first sync and the first sync's validation (``--skip-validation``: none). Each stage's seconds in
+    ``result["stages"]``; the first sync and the validation in the result."""
+    import ray
+
+    from rlhf_runtime.controller.validation import ValidationError
+
     try:
-        t = time.perf_counter()
-        rt.connect()
-        rt.actors.placement.place()
-        rt.actors.start_trainers()
-        stages["trainers_start_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        rt.actors.start_engines()
-        stages["engines_start_s"] = time.perf_counter() - t
-        t = time.perf_counter()
+        rt.run_stages(until="transfer")
         first = json.loads(args.sender_options) if args.sender_options else None  # the variants reset them
-        result["sync_options"] = rt.weights.init_group(sync_options(rt, first) if first else None)
-        stages["init_sync_s"] = time.perf_counter() - t
-        # installs the engine-side timers (bench_actors.TIMED); --engine-device-sync: each waits for the GPU too
+        if first:
+            rt.weights.init_group(sync_options(rt, first))
+        # the engine-side timers (bench_actors.TIMED; --engine-device-sync: each waits for the GPU too), the trainer
+        # side's (bench_actors.IPC_TRAINER_TIMED) and the direct NCCL sync's timeline (bench_actors.DirectTimeline)
         ray.get([e.load_stats.remote(True, args.engine_device_sync) for e in rt.actors.engines])
-        ray.get(rt.actors.trainers[0].send_stats.remote(True))  # the trainer side's (bench_actors.IPC_TRAINER_TIMED)
-        # the direct NCCL sync's timeline on both sides (bench_actors.DirectTimeline; timed_sync reads it)
+        ray.get(rt.actors.trainers[0].send_stats.remote(True))
         ray.get([rt.actors.trainers[0].direct_timeline.remote()]
                 + [e.direct_timeline.remote() for e in rt.actors.engines])
-        t = time.perf_counter()
-        result["first_sync"] = rt.weights.sync(0)
-        stages["first_sync_s"] = time.perf_counter() - t
-        print(f"[{layout}:{model_name}] first sync {result['first_sync']}", flush=True)
+        rt.run_stages(until="weight_sync")
+        result["sync_options"], result["first_sync"] = rt.weights.in_use, rt.weights.last
+        print(f"[{tag}] first sync {result['first_sync']}", flush=True)
         save(result)
-        t = time.perf_counter()
-        if args.skip_validation:  # the later checks compare with the greedy tokens after the first sync instead
-            result["validation"] = {"validated": None, "skipped": True}
-        else:
-            try:
-                v = rt.validator.validate(tokenizer, samples)
-                result["validation"] = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched",
-                                                           "mismatched_by_engine")}
-            except ValidationError as e:
-                result["validation"] = {"validated": False, "error": str(e)}
-        stages["validate_s"] = time.perf_counter() - t
-        print(f"[{layout}:{model_name}] validation {result['validation']}", flush=True)
-        save(result)
-        prompts = [render_prompt(s, tokenizer) for s in samples[:8]]
-        max_new = cfg.spec.rollout.sampling.max_tokens
-        reference = greedy(rt, prompts, max_new)
-
-        # steady-state syncs, default sender settings (what the driver uses); one warm-up sync first
-        time.sleep(2)  # let the killed validation engine go
-        timed_sync(rt)
-        ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
-        result["syncs"] = {"default": [timed_sync(rt) for _ in range(args.syncs)]}
-        result["summary"] = {"default": {**summarize(result["syncs"]["default"]),
-                                         "greedy_equals_validated": greedy(rt, prompts, max_new) == reference}}
-        print(f"[{layout}:{model_name}] default {result['summary']['default']}", flush=True)
-        save(result)
-        result["variant_checks"] = {}
-        if not args.no_variants:
-            arms, tokens = sender_arms(args, backend, spec), (prompts, max_new, reference)
-            if args.sequential:
-                sequential_variants(rt, arms[1:], args.syncs, tokens, result, f"{layout}:{model_name}")
-            elif len(arms) > 1:
-                interleaved_variants(rt, arms, args.syncs, tokens, result, f"{layout}:{model_name}")
-            if args.revalidate:  # the fastest path again under the driver's fresh-engine validation
-                pool = result.get("summary_interleaved") or result["summary"]
-                fastest = min((n for n, v in pool.items() if v.get("greedy_equals_validated")),
-                              key=lambda n: pool[n]["median_total_s"], default=None)
-                options = dict(arms[1:]).get(fastest) if fastest else None  # full settings (sender_arms)
-                if options:
-                    _configure(rt, options)
-                    ray.get([e.scramble_weights.remote(99) for e in rt.actors.engines])
-                    sync = timed_sync(rt)
-                    t = time.perf_counter()
-                    try:
-                        v = rt.validator.validate(tokenizer, samples)
-                        check = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched")}
-                    except ValidationError as e:
-                        check = {"validated": False, "error": str(e)}
-                    result["validation_fastest"] = {"variant": fastest, "options": options, "sync": sync,
-                                                    **check, "seconds": time.perf_counter() - t}
-                    print(f"[{layout}:{model_name}] validation of {fastest}: {check}", flush=True)
-                    save(result)
-            # back on the sender's defaults (the job's format) for the training step's sync; a re-created group
-            # (a packed variant last) first makes its three-call sync, so the one after training is as the job's
-            if _configure(rt, arms[0][1])["regrouped"]:
-                timed_sync(rt)
-
-        # rollout throughput (one warm-up), as the driver launches it
-        rt.weights.wake()
-        from rlhf_runtime.infra import config as rc
-
-        sampling = rc.sampling_kwargs(cfg.spec)
-        rollouts = []
-        for i in range(1 + args.rollouts):  # a warm-up on batch 0, then the same batch 1 every time
-            batch = step_batch(samples, min(i, 1), cfg.spec.algorithm.prompts_per_step, 0)
-            ro = rt.experience.launch(tokenizer, batch, sampling, 0)
-            outs = rt.experience.collect(ro)
-            batch, dt = ro.batch, time.perf_counter() - ro.t_launch
-            tokens = sum(len(c) for o in outs for c in o["samples"])
-            rollouts.append({"seconds": dt, "tokens": tokens, "samples": sum(len(o["samples"]) for o in outs),
-                             "tokens_per_second": tokens / dt})
-        BARE_INPUTS.update(prompts=[render_prompt(x, tokenizer) for x in batch], sampling=sampling,
-                           kwargs=dict(rt.actors.engine_kwargs[0], model=str(model_path), load_format="auto"),
-                           env=dict(rt.actors.env), engine_gpu=0 if cfg.spec.placement.mode == "colocated" else 1,
-                           engines=len(rt.actors.engines),
-                           runs=args.rollouts)
-        result["rollout"] = {"runs": rollouts, "tokens_per_second": median([r["tokens_per_second"] for r in rollouts[1:]]),
-                             "sampling": sampling, "prompts": cfg.spec.algorithm.prompts_per_step,
-                             "enforce_eager": cfg.spec.rollout.enforce_eager, "engines": len(rt.actors.engines)}
-        print(f"[{layout}:{model_name}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
-        save(result)
-        if len(rt.actors.engines) > 1 and not rt.layout.dp_group:
-            def keep(records: list[dict[str, Any]]) -> None:  # saved after every rollout: a cut run keeps them
-                result["rollout"]["scaling"] = records
-                result["rollout"]["scaling_summary"] = scaling_summary(records)
-                save(result)
-
-            dp_scaling(rt, samples, tokenizer, sampling, args.scaling_rounds, f"[{layout}:{model_name}]", keep,
-                       args.scaling_per_engine)
-
-        # one GRPO step on the last rollout, then the sync the driver would do
-        if rt.sleeps:
-            rt.weights.sleep(next_syncs=True)
-        w = len(rt.actors.trainers)
-        pr = [ro.prompt_ids[i] for i, o in enumerate(outs) for _ in o["samples"]]
-        comps = [c for o in outs for c in o["samples"]]
-        adv = [((i % 8) - 3.5) / 2.3 for i in range(len(comps))]
-        before = ray.get([tr.memory.remote() for tr in rt.actors.trainers])  # resets the peaks: the step's own next
-        t = time.perf_counter()
-        stats = ray.get([tr.train.remote({"prompts": pr[r::w], "completions": comps[r::w], "advantages": adv[r::w]})
-                         for r, tr in enumerate(rt.actors.trainers)])[0]
-        result["train"] = {"seconds": time.perf_counter() - t, "stats": stats,
-                           "memory_before": before, "memory": ray.get([tr.memory.remote() for tr in rt.actors.trainers])}
-        result["sync_after_train"] = rt.weights.sync(1)
-        after = greedy(rt, prompts, max_new)
-        result["sync_after_train"]["greedy_changed"] = after != reference
-        print(f"[{layout}:{model_name}] train {result['train']['seconds']:.2f}s, sync after train "
-              f"{result['sync_after_train']['total_s'] * 1e3:.1f} ms", flush=True)
+        try:
+            rt.run_stages()
+            result["validation"] = ({"validated": None, "skipped": True} if rt.validation is None else
+                                    {k: rt.validation[k] for k in ("validated", "prompts", "engines", "mismatched",
+                                                                   "mismatched_by_engine")})
+        except ValidationError as e:
+            result["validation"] = {"validated": False, "error": str(e)}
     finally:
-        result["stages"] = stages
+        result["stages"] = dict(rt.startup.seconds)
+    print(f"[{tag}] validation {result['validation']}", flush=True)
+    save(result)
+
+
+def steady_syncs(rt: Any, args: argparse.Namespace, result: dict[str, Any], tag: str,
+                 check: tuple[list[Any], int, list[list[int]]]) -> None:
+    """``--syncs`` syncs with the job's own options after a warm-up one; then the variants (``--variants``,
+    interleaved or ``--sequential``) and ``--revalidate``; back on the job's options at the end."""
+    import ray
+
+    prompts, max_new, reference = check
+    time.sleep(2)  # let the killed validation engine go
+    timed_sync(rt)
+    ray.get([e.load_stats.remote(True) for e in rt.actors.engines])
+    result["syncs"] = {"default": [timed_sync(rt) for _ in range(args.syncs)]}
+    result["summary"] = {"default": {**summarize(result["syncs"]["default"]),
+                                     "greedy_equals_validated": greedy(rt, prompts, max_new) == reference}}
+    print(f"[{tag}] default {result['summary']['default']}", flush=True)
+    save(result)
+    result["variant_checks"] = {}
+    if args.no_variants:
+        return
+    arms = sender_arms(args, rt.weights.backend, result["spec"])
+    if args.sequential:
+        sequential_variants(rt, arms[1:], args.syncs, check, result, tag)
+    elif len(arms) > 1:
+        interleaved_variants(rt, arms, args.syncs, check, result, tag)
+    if args.revalidate:
+        revalidate_fastest(rt, arms, result, tag)
+    # back on the sender's defaults (the job's format) for the training step's sync; a re-created group (a packed
+    # variant last) first makes its three-call sync, so the one after training is as the job's
+    if _configure(rt, arms[0][1])["regrouped"]:
+        timed_sync(rt)
+
+
+def revalidate_fastest(rt: Any, arms: list[tuple[str, dict[str, Any]]], result: dict[str, Any], tag: str) -> None:
+    """``--revalidate``: the fastest variant whose greedy tokens matched, synced into scrambled weights, under the
+    driver's fresh-engine validation again."""
+    import ray
+
+    from rlhf_runtime.controller.validation import ValidationError
+
+    pool = result.get("summary_interleaved") or result["summary"]
+    fastest = min((n for n, v in pool.items() if v.get("greedy_equals_validated")),
+                  key=lambda n: pool[n]["median_total_s"], default=None)
+    options = dict(arms[1:]).get(fastest) if fastest else None  # full settings (sender_arms)
+    if not options:
+        return
+    _configure(rt, options)
+    ray.get([e.scramble_weights.remote(99) for e in rt.actors.engines])
+    sync = timed_sync(rt)
+    t = time.perf_counter()
+    try:
+        v = rt.validator.validate(rt.job.tokenizer, rt.job.samples)
+        check = {k: v[k] for k in ("validated", "prompts", "engines", "mismatched")}
+    except ValidationError as e:
+        check = {"validated": False, "error": str(e)}
+    result["validation_fastest"] = {"variant": fastest, "options": options, "sync": sync, **check,
+                                    "seconds": time.perf_counter() - t}
+    print(f"[{tag}] validation of {fastest}: {check}", flush=True)
+    save(result)
+
+
+def rollouts(rt: Any, args: argparse.Namespace, result: dict[str, Any], tag: str, model_path: Path) -> Any:
+    """A warm-up rollout, then ``--rollouts`` timed ones of the same batch, as the driver launches them (tokens/s);
+    the DP scaling pass on layouts of several independent engines. Returns the last rollout and its outputs."""
+    from rlhf_runtime.algo.data import render_prompt, step_batch
+
+    rt.weights.wake()
+    job, spec = rt.job, rt.cfg.spec
+    runs = []
+    for i in range(1 + args.rollouts):  # a warm-up on batch 0, then the same batch 1 every time
+        batch = step_batch(job.samples, min(i, 1), spec.algorithm.prompts_per_step, 0)
+        ro = rt.experience.launch(job.tokenizer, batch, job.sampling, 0)
+        outs = rt.experience.collect(ro)
+        dt = time.perf_counter() - ro.t_launch
+        tokens = sum(len(c) for o in outs for c in o["samples"])
+        runs.append({"seconds": dt, "tokens": tokens, "samples": sum(len(o["samples"]) for o in outs),
+                     "tokens_per_second": tokens / dt})
+    BARE_INPUTS.update(prompts=[render_prompt(x, job.tokenizer) for x in ro.batch], sampling=job.sampling,
+                       kwargs=dict(rt.actors.engine_kwargs[0], model=str(model_path), load_format="auto"),
+                       env=dict(rt.actors.env), engine_gpu=0 if spec.placement.mode == "colocated" else 1,
+                       engines=len(rt.actors.engines), runs=args.rollouts)
+    result["rollout"] = {"runs": runs, "tokens_per_second": median([r["tokens_per_second"] for r in runs[1:]]),
+                         "sampling": job.sampling, "prompts": spec.algorithm.prompts_per_step,
+                         "enforce_eager": spec.rollout.enforce_eager, "engines": len(rt.actors.engines)}
+    print(f"[{tag}] rollout {result['rollout']['tokens_per_second']:.0f} tokens/s", flush=True)
+    save(result)
+    if len(rt.actors.engines) > 1 and not rt.layout.dp_group:
+        def keep(records: list[dict[str, Any]]) -> None:  # saved after every rollout: a cut run keeps them
+            result["rollout"]["scaling"] = records
+            result["rollout"]["scaling_summary"] = scaling_summary(records)
+            save(result)
+
+        dp_scaling(rt, job.samples, job.tokenizer, job.sampling, args.scaling_rounds, f"[{tag}]", keep,
+                   args.scaling_per_engine)
+    return ro, outs
+
+
+def train_and_sync(rt: Any, ro: Any, outs: Any, result: dict[str, Any], tag: str,
+                   check: tuple[list[Any], int, list[list[int]]]) -> None:
+    """One GRPO step on the last rollout (every trainer rank on its share), then the sync the driver would do; the
+    greedy tokens must have changed."""
+    import ray
+
+    prompts, max_new, reference = check
+    if rt.sleeps:
+        rt.weights.sleep(next_syncs=True)
+    trainers = rt.actors.trainers
+    w = len(trainers)
+    pr = [ro.prompt_ids[i] for i, o in enumerate(outs) for _ in o["samples"]]
+    comps = [c for o in outs for c in o["samples"]]
+    adv = [((i % 8) - 3.5) / 2.3 for i in range(len(comps))]
+    before = ray.get([tr.memory.remote() for tr in trainers])  # resets the peaks: the step's own next
+    t = time.perf_counter()
+    stats = ray.get([tr.train.remote({"prompts": pr[r::w], "completions": comps[r::w], "advantages": adv[r::w]})
+                     for r, tr in enumerate(trainers)])[0]
+    result["train"] = {"seconds": time.perf_counter() - t, "stats": stats, "memory_before": before,
+                       "memory": ray.get([tr.memory.remote() for tr in trainers])}
+    result["sync_after_train"] = rt.weights.sync(1)
+    result["sync_after_train"]["greedy_changed"] = greedy(rt, prompts, max_new) != reference
+    print(f"[{tag}] train {result['train']['seconds']:.2f}s, sync after train "
+          f"{result['sync_after_train']['total_s'] * 1e3:.1f} ms", flush=True)
+
+
+def run_one(layout: str, model_name: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """One layout and model: the model (built, or found under ``--work``), the runtime started as the driver starts
+    it (``start``), the steady syncs and variants, rollouts, a training step and its sync."""
+    import bench_actors
+
+    from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime.algo.data import render_prompt
+    from rlhf_runtime.controller.loop import Runtime
+    from rlhf_runtime.infra.report import Metrics, Reporter
+
+    tag, gpu = f"{layout}:{model_name}", not args.cpu
+    work = Path(args.work) / f"{layout}_{model_name}"
+    work.mkdir(parents=True, exist_ok=True)
+    model_path = harness.model_dir(model_name, gpu, Path(args.work) / "models")
+    result["model"] = harness.cached_model(model_path, model_name, gpu)
+    print(f"[{tag}] model {result['model']['params'] / 1e9:.3f}B params "
+          f"{'reused' if result['model'].get('reused') else 'built'}", flush=True)
+    if args.build_only:  # the model alone, for a later call on the same machine
+        return
+    result["spec"] = job_spec(layout, model_name, model_path, args)
+    cfg = RuntimeConfig(name=f"bench-{layout}", namespace="bench", spec=result["spec"])
+    reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
+    # engines with scramble_weights/load_stats, trainers with timelines (the runtime's extension point)
+    rt = Runtime(cfg, reporter, local=True, validate=not args.skip_validation,
+                 classes=bench_actors.classes(cfg.spec))
+    try:
+        start(rt, args, result, tag)
+        prompts = [render_prompt(s, rt.job.tokenizer) for s in rt.job.samples[:8]]
+        max_new = cfg.spec.rollout.sampling.max_tokens
+        check = (prompts, max_new, greedy(rt, prompts, max_new))  # the later checks compare with these tokens
+        steady_syncs(rt, args, result, tag, check)
+        ro, outs = rollouts(rt, args, result, tag, model_path)
+        train_and_sync(rt, ro, outs, result, tag, check)
+    finally:
         rt.shutdown()
 
 
@@ -879,7 +809,7 @@ def child(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "layout": layout, "model_name": model_name, "device_kind": args.kind,
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "command": args.command,
-        "status": "running",
+        "status": "running", "provenance": harness.provenance(args.command),
         "env": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ},
     }
     out = Path(args.out) / f"gpu_{layout}_{model_name}.json"
@@ -1097,8 +1027,7 @@ def main() -> int:
     if args.one:
         return child(args)
 
-    env_prefix = " ".join(f"{k}={os.environ[k]}" for k in sorted(SAFE_ENV) if k in os.environ)
-    command = (env_prefix + " " if env_prefix else "") + " ".join(shlex.quote(x) for x in ["python3", *sys.argv])
+    command = harness.command_line()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "gpu_sync.log"

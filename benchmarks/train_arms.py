@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent / "operator"))
 
+import harness
+
 SETTINGS = ("eager", "compiled", "chunk")
 
 
@@ -112,17 +114,12 @@ def arm_settings(trainer: Any, arm: dict[str, Any]) -> Iterator[None]:
 
 
 def run(a: argparse.Namespace, arms: list[dict[str, Any]], result: dict[str, Any], save: Any) -> None:
-    import gpu_sync
     import torch
     import train_step
 
     gpu = not a.cpu
-    model = Path(a.model_dir) if a.model_dir else Path("/tmp/train-arms") / a.model
-    if (model / "info.json").exists():
-        info = json.loads((model / "info.json").read_text())
-    else:
-        info = gpu_sync.build_model(model, a.model, gpu)
-        (model / "info.json").write_text(json.dumps(info))
+    model = Path(a.model_dir) if a.model_dir else harness.model_dir(a.model, gpu)
+    info = harness.cached_model(model, a.model, gpu)
     lengths = [int(x) for x in a.lengths.split(",")]
     budget = max(a.budget, max(lengths))
     compiled = any(arm["compiled"] for arm in arms)
@@ -176,8 +173,9 @@ def run(a: argparse.Namespace, arms: list[dict[str, Any]], result: dict[str, Any
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", required=True, help="comma-separated arms, settings joined by + (eager, compiled, chunk=N)")
-    p.add_argument("--model", default="qwen3-1.7b", help="a gpu_sync.MODELS name")
-    p.add_argument("--model-dir", default="", help="build the model here, or reuse the one an earlier run built here")
+    p.add_argument("--model", default="qwen3-1.7b", help="a harness.MODELS name")
+    p.add_argument("--model-dir", default="", help="build the model here, or reuse the one an earlier run built here "
+                   "(default: harness.model_dir, shared with the other benchmarks on this machine)")
     p.add_argument("--lengths", default="4096", help="sequence lengths (prompt + completion)")
     p.add_argument("--step-tokens", type=int, default=65536, help="tokens per training step")
     p.add_argument("--budget", type=int, default=16384, help="trainer.maxTokensPerMicroBatch (at least the longest)")
@@ -197,17 +195,17 @@ def main() -> int:
         train_step.PROMPT = 16
         a.model, a.lengths, a.step_tokens, a.budget = "tiny", "64", 256, 256
         a.rounds, a.repeats = min(a.rounds, 2), min(a.repeats, 1)
-    import torch
-
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "model": a.model, "arms": arms,
+    prov = harness.provenance()
+    gpus = prov["device"]["gpus"]
+    result: dict[str, Any] = {"command": prov["command"], "model": a.model, "arms": arms,
                               "rounds": a.rounds, "repeats": a.repeats,
-                              "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu",
-                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+                              "device": gpus[0] if gpus and not a.cpu else "cpu",
+                              "torch": prov["device"]["versions"]["torch"], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "provenance": prov}
 
     def save() -> None:
         if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(result, indent=1))
+            harness.write_result(a.out, result)
 
     try:
         run(a, arms, result, save)

@@ -24,7 +24,8 @@ import collections
 import logging
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from rlhf_api.models import RuntimeConfig
@@ -43,6 +44,7 @@ from rlhf_runtime.controller.validation import Validator
 from rlhf_runtime.infra import config as rc
 from rlhf_runtime.infra.placement import compute_layout
 from rlhf_runtime.infra.report import now_rfc3339
+from rlhf_runtime.infra.startup import Stages
 
 log = logging.getLogger("rlhf_runtime")
 
@@ -94,11 +96,48 @@ class Runtime:
         self.mismatch_history: collections.deque[float] = collections.deque(maxlen=MISMATCH_HISTORY)
         self.agent: AgentExperience | None = None  # spec.environment: multi-turn rollouts (``inputs``)
         self.inputs_checked: float | None = None  # when ``inputs`` had checked the tokenizer, config and samples
-        # where the driver's start went before its first actor (``inputs``; the actors record): Ray's connect or
-        # local start, then the placement groups
-        self.start_seconds: dict[str, float] = {}
+        self.job: Inputs | None = None  # what every step reads (the ``inputs`` stage)
+        self.checked: tuple[Any, Any, Any] | None = None  # samples, eval samples, reward (``check``)
+        self.loading: Future[Any] | None = None  # the tokenizer and the model's config, loading (``check``)
+        self.validation: dict[str, Any] | None = None  # the first sync's validation, when it ran (``validation``)
+        #: the start as named stages with their seconds (``stages``, ``run_stages``; the progress file's
+        #: ``startup`` record once every stage ran)
+        self.startup = Stages(self.stages())
 
     # ------------------------------------------------------------------------------------------ start
+    def stages(self) -> list[tuple[str, Callable[[], Any]]]:
+        """The start, in order: ``check`` (the prompts, the reward and the storage before Ray: a bad input fails
+        before any actor starts; the tokenizer and the model's config begin loading beside what follows),
+        ``connect`` (Ray), ``placement`` (the placement groups), ``actors`` (every actor that needs nothing from
+        another asked for, so that each starts importing and loading at once), ``inputs`` (the tokenizer and the
+        samples checked against the model's context), ``trainers`` (started: resumed from the newest checkpoint),
+        ``roles``, ``engines`` (built, beside the memory plan), ``transfer`` (the trainers' weight-transfer
+        modules), ``weight_sync`` (the group and the first sync: engines start with dummy weights),
+        ``validation`` (when asked)."""
+        return [("check", self.check), ("connect", self.connect), ("placement", self.actors.placement.place),
+                ("actors", self.create_actors), ("inputs", self.load_inputs), ("trainers", self.start_trainers),
+                ("roles", self.start_roles), ("engines", self.start_engines), ("transfer", self.await_transfer),
+                ("weight_sync", self.first_sync), ("validation", self.validate_start)]
+
+    def run_stages(self, until: str | None = None) -> dict[str, float]:
+        """The start's stages not run yet, through ``until`` (default: all); the seconds of each run so far. Once
+        every stage ran, the progress file gets them (``startup``)."""
+        finished = self.startup.finished
+        seconds = self.startup.run(until)
+        if self.startup.finished and not finished:
+            self.reporter.write_progress({"time": time.time(), "startup": seconds})
+        return seconds
+
+    def check(self) -> None:
+        self.watchdog.doing("loading data, tokenizer and reward")
+        self.checked = check_inputs(self.spec)  # before Ray
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.loading = pool.submit(load_tokenizer, self.spec)
+        pool.shutdown(wait=False)  # its one task runs on
+        self.refresh_spec()
+        self.reporter.report("Starting", message="starting Ray actors")
+        self.watchdog.doing("connecting to Ray and placing actors")
+
     def connect(self) -> None:
         import ray
 
@@ -115,41 +154,29 @@ class Runtime:
         # address="local": a new Ray even where one already runs on this machine (plain ray.init() would join it)
         ray.init(address="local", num_cpus=cpus, resources=resources, runtime_env=env, include_dashboard=False)
 
-    def inputs(self) -> Inputs:
-        """What every step reads, checked, with Ray connected and the actors asked for: the prompts, the reward
-        and the storage before Ray (a bad input fails before any actor starts); the tokenizer and the model's
-        config (``load_tokenizer``: seconds of imports) while Ray starts and the actors begin theirs (engines and
-        trainers are independent until the first sync), checked before the driver waits for any of them."""
-        samples, eval_samples, reward_fn = check_inputs(self.spec)  # before Ray
-        with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(load_tokenizer, self.spec)
-            self.refresh_spec()
-            self.reporter.report("Starting", message="starting Ray actors")
-            self.watchdog.doing("connecting to Ray and placing actors")
-            t = time.perf_counter()
-            self.connect()
-            self.start_seconds["ray_connect_seconds"] = round(time.perf_counter() - t, 3)
-            self.create_actors()
-            self.watchdog.doing("loading the tokenizer and the model's config")
-            tok, context = tokenizer.result()
+    def create_actors(self) -> None:
+        """Every actor that needs nothing from another asked for, so that each starts importing and loading at
+        once: the roles beside the policy that do not resume (reward, reference), the engines (built now where
+        they can be: ``JobActors.engines_build_early``) and the trainer ranks."""
+        self.actors.create_roles(None, only=("reward", "reference"))
+        self.actors.create_engines(build=self.actors.engines_build_early)
+        self.actors.create_trainers()
+
+    def load_inputs(self) -> None:
+        """The tokenizer and the model's config (``load_tokenizer``: seconds of imports, loaded while Ray started
+        and the actors began theirs; engines and trainers are independent until the first sync), the
+        multi-turn rollout (``spec.environment``) and the samples checked, before the driver waits for any actor."""
+        assert self.loading is not None and self.checked is not None, "the check stage runs first"
+        self.watchdog.doing("loading the tokenizer and the model's config")
+        tok, context = self.loading.result()
+        samples, eval_samples, reward_fn = self.checked
         if self.spec.environment is not None:  # its template, parser, tools and environment checked now
             self.agent = AgentExperience(build_rollout(self.cfg, tok, self.actors.engines, context,
                                                        rc.sampling_kwargs(self.spec)), self.deadlines)
         samples = self.check_samples(samples, tok, context)
         self.inputs_checked = time.time()
-        return Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
-                      self.spec.rollout.sampling.samples_per_prompt)
-
-    def create_actors(self) -> None:
-        """Placement groups, then every actor that needs nothing from another asked for, so that each starts
-        importing and loading at once: the roles beside the policy that do not resume (reward, reference), the
-        engines (built now where they can be: ``JobActors.engines_build_early``) and the trainer ranks."""
-        t = time.perf_counter()
-        self.actors.placement.place()
-        self.start_seconds["placement_seconds"] = round(time.perf_counter() - t, 3)
-        self.actors.create_roles(None, only=("reward", "reference"))
-        self.actors.create_engines(build=self.actors.engines_build_early)
-        self.actors.create_trainers()
+        self.job = Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
+                          self.spec.rollout.sampling.samples_per_prompt)
 
     def check_samples(self, samples: Any, tokenizer: Any, context: int | None) -> Any:
         """``data.check_samples`` before the first step: the samples the run can take (``data.invalidSamples``),
@@ -163,34 +190,51 @@ class Runtime:
             log.warning("%s", self.reporter.data["message"])
         return kept
 
-    def start(self, job: Inputs) -> None:
-        """The actors (``create_actors``) started: trainers (resuming from the newest checkpoint), roles,
-        engines, then the weight-transfer group and the first sync (validated when asked)."""
-        info = self.actors.start_trainers(defer_transfer=True)  # their vLLM imports beside the engines' start
+    def start_trainers(self) -> None:
+        """Every trainer rank started (resuming from the newest checkpoint); their vLLM imports beside the engines'
+        start (``transfer``)."""
+        info = self.actors.start_trainers(defer_transfer=True)
         self.done, self.resumed = int(info["step"]), info["resumed_from"]
         msg = f"resumed from checkpoint step {self.resumed}" if self.resumed is not None else "starting engines"
         self.reporter.report("Starting", step=self.done, message=msg, resumed_from_step=self.resumed)
+
+    def start_roles(self) -> None:
         roles = self.actors.start_roles(self.done)
         if roles:
             self.reporter.write_progress({"time": time.time(), "roles": roles})
+
+    def start_engines(self) -> None:
         self.actors.start_engines()
         plan = self.actors.memory_plan
         if plan is not None:  # status.memory: what the engines were sized beside
             self.reporter.report("Starting", step=self.done, message=f"memory plan: {plan.summary()}",
                                  memory=plan.status())
+
+    def await_transfer(self) -> None:
         self.actors.await_transfer()
         self.record_actors()
-        self.weights.init_group()
-        self.weights.sync(self.done)  # engines start with dummy weights
+
+    def first_sync(self) -> None:
+        """The weight-transfer group (unless one was made with other options before this stage) and the first
+        sync: engines start with dummy weights."""
+        if self.weights.options is None:
+            self.weights.init_group()
+        self.weights.sync(self.done)
+
+    def validate_start(self) -> None:
         if self.validate_first_sync:
+            assert self.job is not None
             self.watchdog.doing("weight-sync validation")
-            self.validator.validate(job.tokenizer, job.samples)
+            self.validation = self.validator.validate(self.job.tokenizer, self.job.samples)
 
     def record_actors(self) -> None:
         """``JobActors.record``, and when the driver had checked the tokenizer, the model's config and the samples
         (``inputs``), in seconds after the run's first actor was asked for; how long Ray's connect (or local
         start) and the placement groups took before it (``ray_connect_seconds``, ``placement_seconds``)."""
-        rec = {**self.actors.record(), **self.start_seconds}
+        rec = self.actors.record()
+        for stage, key in (("connect", "ray_connect_seconds"), ("placement", "placement_seconds")):
+            if stage in self.startup.seconds:
+                rec[key] = self.startup.seconds[stage]
         first = rec.get("first_asked")
         if first is not None and self.inputs_checked is not None:
             rec["inputs_checked_after_s"] = round(self.inputs_checked - first, 3)
@@ -198,9 +242,9 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------- run
     def run(self) -> None:
-        self.watchdog.doing("loading data, tokenizer and reward")
-        job = self.inputs()
-        self.start(job)
+        self.run_stages()
+        job = self.job
+        assert job is not None
         self.watchdog.doing("starting the trackers (spec.tracking)")
         self.reporter.start_tracking(self.cfg.spec.wire(), self.done)
         self.reporter.report("Running", step=self.done, message=f"training: step {self.done}/{self.total}",
