@@ -43,10 +43,11 @@ class Tool(Model):
         "template's tools argument (checked before the first step). Arguments that do not match it reach the "
         "model as an error observation.",
         json_schema_extra=JSON_SCHEMA)
-    builtin: Literal["python"] | None = Field(
-        None, description="python: runs the argument 'code' with the Python of the runtime image in an isolated "
-        "process (no network, no credentials, an empty working directory) within environment.python's limits; "
-        "the tool's output is what the code prints.")
+    builtin: Literal["python", "shell"] | None = Field(
+        None, description="python: runs the argument 'code' with Python and returns what it prints; without "
+        "environment.sandbox in an isolated process of the runtime image (no network, no credentials, an empty "
+        "working directory) within environment.python's limits, with it in the trajectory's sandbox pod. shell: "
+        "runs the argument 'command' with sh in the trajectory's sandbox pod (needs environment.sandbox).")
     function: str | None = Field(
         None, pattern=IMPORT_REF,
         description="A user tool 'module:function' importable in the runtime image, called with the call's "
@@ -61,6 +62,64 @@ class PythonLimits(Model):
     max_output_bytes: int = Field(
         16384, ge=256, le=1 << 20, description="Output kept of one call (stdout then stderr); the rest is cut "
         "with a marker that says how much was cut.")
+
+
+#: The port of the sandbox image's server (agent-sandbox's python-runtime HTTP API: ``POST /execute``).
+SANDBOX_PORT = 8888
+#: Where the sandbox pods' scratch emptyDir is mounted (their working directory and HOME; the root is read-only).
+SANDBOX_SCRATCH = "/tmp"
+#: A DNS-1123 subdomain (a RuntimeClass name).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class SandboxResources(Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("quantity(self.memory).compareTo(quantity('64Mi')) >= 0",
+            "environment.sandbox.resources.memory must be at least 64Mi: the sandbox's server and the code's "
+            "Python interpreter need it", fieldPath=".memory"),
+        cel("quantity(self.ephemeralStorage).compareTo(quantity('16Mi')) >= 0",
+            "environment.sandbox.resources.ephemeralStorage must be at least 16Mi (the scratch directory)",
+            fieldPath=".ephemeralStorage"),
+    ]})
+    cpu: str = Field("500m", pattern=CPU_PATTERN, max_length=32,
+                     description="CPU request and limit of one sandbox pod.")
+    memory: str = Field("512Mi", pattern=MEMORY_PATTERN, max_length=32,
+                        description="Memory request and limit of one sandbox pod (at least 64Mi).")
+    ephemeral_storage: str = Field(
+        "1Gi", pattern=MEMORY_PATTERN, max_length=32,
+        description="Ephemeral-storage request and limit of one sandbox pod, and the size of its scratch "
+        "directory (/tmp, the only writable path; at least 16Mi).")
+
+
+class Sandbox(Model):
+    """Sandboxes for the builtin tools, through kubernetes-sigs/agent-sandbox (a prerequisite, like KubeRay)."""
+
+    image: str = Field(
+        min_length=1, max_length=1024,
+        description="Image of the sandbox pods: serves agent-sandbox's python-runtime HTTP API (POST /execute) on "
+        "port 8888 and runs as a non-root user (the project's rlhf-sandbox image does both).")
+    resources: SandboxResources = sub(SandboxResources, "CPU, memory and ephemeral storage of one sandbox pod.")
+    warm_pool: int = Field(
+        2, ge=0, le=1024,
+        description="Sandboxes kept started and ready for the job (its SandboxWarmPool's replicas): a claim takes "
+        "one at once and the pool starts a replacement. 0: every claim starts a sandbox cold. The pool is "
+        "scaled to 0 while the job is suspended, queued or preempted by Kueue, and once it has finished.")
+    timeout_seconds: float = Field(
+        30.0, gt=0, le=3600,
+        description="Wall-clock limit of one python or shell call in a sandbox: past it the command and everything "
+        "it started are killed and the call is a timeout error observation.")
+    max_output_bytes: int = Field(
+        16384, ge=256, le=1 << 20,
+        description="Output kept of one sandbox call (stdout then stderr); the rest is cut with a marker that says "
+        "how much was cut. Binary output reaches the model with replacement characters.")
+    claim_timeout_seconds: float = Field(
+        120.0, gt=0, le=3600,
+        description="How long a trajectory waits for its sandbox (a warm one is bound at once, a cold one when its "
+        "pod is ready); past it the call is a sandbox error observation and the next call tries again.")
+    runtime_class_name: str | None = Field(
+        None, pattern=DNS_SUBDOMAIN, max_length=253,
+        description="RuntimeClass of the sandbox pods (e.g. gVisor or Kata where the cluster has one); default: "
+        "the cluster's default container runtime.")
 
 
 class ServerResources(Model):
@@ -106,6 +165,12 @@ class Environment(Model):
             "environment takes className or http, not both"),
         cel("!has(self.maxTokensPerTurn) || self.maxTokensPerTurn <= self.maxTokens",
             "environment.maxTokensPerTurn must not exceed environment.maxTokens", fieldPath=".maxTokensPerTurn"),
+        cel("has(self.sandbox) || !has(self.tools) || !self.tools.exists(t, has(t.builtin) && t.builtin == 'shell')",
+            "the builtin shell tool runs only in a sandbox: set environment.sandbox (or remove the shell tool)",
+            fieldPath=".tools"),
+        cel("!has(self.sandbox) || (has(self.tools) && self.tools.exists(t, has(t.builtin)))",
+            "environment.sandbox runs the builtin python and shell tools: add one of them to environment.tools "
+            "(builtin: python or shell) or remove environment.sandbox", fieldPath=".sandbox"),
     ]})
     class_name: str | None = Field(
         None, alias="className", pattern=IMPORT_REF,
@@ -140,18 +205,34 @@ class Environment(Model):
         1.0, ge=-1000, le=1000,
         description="Weight of the environment's reward (the sum of what its steps returned) in the combined "
         "reward; spec.reward's sources, if any, score the trajectory's final assistant answer beside it.")
-    python: PythonLimits = sub(PythonLimits, "Limits of the builtin python tool.")
+    python: PythonLimits = sub(PythonLimits, "Limits of the builtin python tool when it runs without a sandbox.")
+    sandbox: Sandbox | None = Field(
+        None, description="Run the builtin python and shell tools in sandbox pods of kubernetes-sigs/agent-sandbox "
+        "instead of a process of the runtime: each trajectory claims one sandbox from the job's warm pool at its "
+        "first builtin call and releases it when it ends. The operator makes a SandboxTemplate and a "
+        "SandboxWarmPool owned by the job (pods without a service-account token, non-root, a read-only root "
+        "filesystem with a scratch emptyDir, no capabilities, seccomp RuntimeDefault, these limits; no egress, "
+        "ingress only from the job's own pods). Needs agent-sandbox's CRDs and controller with its extensions.")
     error_warning_fraction: float = Field(
         0.5, ge=0, le=1,
         description="A step whose tool and environment calls fail more often than this raises a Warning Event.")
 
     def wants_python(self) -> bool:
-        return any(t.builtin == "python" for t in self.tools or [])
+        """The builtin python tool runs in the runtime's own isolated process (no sandbox)."""
+        return self.sandbox is None and any(t.builtin == "python" for t in self.tools or [])
+
+    def wants_sandbox(self) -> bool:
+        return self.sandbox is not None
 
 
 def server_name(job: str) -> str:
     """The Deployment and Service of a job's environment server (``environment.http.server``)."""
     return f"{job}-env"
+
+
+def sandbox_name(job: str) -> str:
+    """The SandboxTemplate and SandboxWarmPool of a job (``environment.sandbox``)."""
+    return f"{job}-sandbox"
 
 
 def server_url(job: str, namespace: str, env: Environment) -> str:
@@ -177,6 +258,26 @@ class AgentStatus(Model):
     engine_busy_share: float | None = Field(
         None, description="Share of the rollout's wall time the least busy engine had a request in flight.")
     errors: dict[str, int] | None = Field(None, description="Faults of the step by kind (timeout, exception, ...).")
+    sandbox_claims: int | None = Field(None, description="Sandboxes claimed in the step (environment.sandbox).")
+    sandbox_claim_p50_seconds: float | None = Field(
+        None, description="Time from a trajectory's claim to its sandbox being ready, median.")
+    sandbox_claim_p99_seconds: float | None = Field(
+        None, description="Time from a trajectory's claim to its sandbox being ready, 99th percentile.")
+    sandbox_failures: int | None = Field(
+        None, description="Sandbox faults of the step: claims that failed or timed out, sandboxes lost mid-call.")
     warning: str | None = Field(
         None, description="Set when the step's faults passed environment.errorWarningFraction (with a Warning "
         "Event); cleared by a step below it.")
+
+
+class SandboxStatus(Model):
+    """The job's warm pool of sandboxes (``spec.environment.sandbox``), as the operator observed it."""
+
+    warm_pool: str | None = Field(None, description="The job's SandboxWarmPool.")
+    replicas: int | None = Field(
+        None, description="Sandboxes the pool is asked to keep warm now (0 while the job is suspended, queued, "
+        "preempted or finished).")
+    ready: int | None = Field(None, description="Warm sandboxes ready to be claimed.")
+    failure: str | None = Field(
+        None, description="Why the pool cannot fill (agent-sandbox not installed, no controller, image pull, "
+        "scheduling, pod creation refused), as in the SandboxesReady condition; unset while it can.")

@@ -10,7 +10,7 @@ from pydantic import Field
 from rlhf_api.base import (
     Model,
 )
-from rlhf_api.environment import AgentStatus
+from rlhf_api.environment import AgentStatus, SandboxStatus
 
 # ---------------------------------------------------------------------------------------------- status
 PHASES = ("Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended")
@@ -132,7 +132,7 @@ class RLHFJobStatus(Model):
         description="Ready, Reconciling, Stalled (kstatus), PodsScheduled, RayClusterReady, Complete, InvalidSpec, "
         "DataAvailable; Admitted under Kueue; EnginesInSync once the runtime measures the trainer-vs-engine mismatch; "
         "SamplesValid once it has checked the samples (False, reason SamplesDropped, when data.invalidSamples drop left "
-        "some out).",
+        "some out); SandboxesReady with spec.environment.sandbox (False with the cause when its warm pool cannot fill).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     children: Children | None = Field(None, description="Objects the operator owns for this job.")
@@ -143,6 +143,8 @@ class RLHFJobStatus(Model):
     output: OutputStatus | None = Field(None, description="The newest exported model (spec.output).")
     eval: EvalStatus | None = Field(None, description="The newest evaluation on spec.data.eval.")
     agent: AgentStatus | None = Field(None, description="The last step's multi-turn rollout (spec.environment).")
+    sandbox: SandboxStatus | None = Field(
+        None, description="The job's warm pool of sandboxes (spec.environment.sandbox), as the operator observed it.")
     memory: MemoryStatus | None = Field(
         None, description="The colocated layout's memory plan per GPU, checked before the engines were built.")
     tracking: TrackingStatus | None = Field(None, description="Where the run's metrics go (spec.tracking).")
