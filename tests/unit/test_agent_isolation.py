@@ -96,10 +96,16 @@ def test_output_flood_is_cut_and_stopped():
     assert r.output.startswith("out\neee")
 
 
-def test_invalid_utf8_becomes_replacement_characters():
+def test_invalid_utf8_becomes_replacement_characters_and_is_flagged():
     r = run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe\\xc3 end\\n')\nsys.stderr.buffer.write(b'\\x80\\n')")
-    assert r.ok
+    assert (r.ok, r.invalid_utf8) == (True, True)
     assert r.output == "ok \ufffd\ufffd\ufffd end\n\ufffd\n"
+    assert run("import sys\nsys.stderr.buffer.write(b'\\xff')").invalid_utf8  # stderr's bytes too
+    assert not run("print('caf\\u00e9 \\u2713')").invalid_utf8
+    # a character the cap splits is the cut's, not the code's: flagged only as truncated
+    cut = run("print('\\u00e9' * 100)", limits=Limits(timeout_s=20, max_output_bytes=51))
+    assert (cut.error, cut.invalid_utf8) == ("output_truncated", False)
+    assert cut.output.startswith("\u00e9" * 25 + "\ufffd\n[output truncated")
 
 
 def test_no_network_not_even_the_hosts_loopback():

@@ -159,6 +159,14 @@ def test_the_python_tool_runs_isolated_and_a_hang_times_out() -> None:
     assert hang.error == "timeout" and hang.seconds < 10
     crash = run(tools.call(Call("python", {"code": "raise ValueError('x')"})))
     assert crash.error == "exception" and "ValueError" in crash.text
+    # bytes that are not UTF-8: the model reads replacement characters, the step counts a fault
+    binary = run(tools.call(Call("python", {"code": "import sys; sys.stdout.buffer.write(b'ok\\xff\\n')"})))
+    assert (binary.error, binary.text) == ("invalid_utf8", "ok\ufffd\n")
+    counters = Counters()
+    for out in (ok, binary):
+        counters.tool(out.seconds, out.error, out.text)
+    summary = counters.summary([])
+    assert (summary["tool_errors"], summary["fault_share"]) == ({"invalid_utf8": 1}, 0.5)
 
 
 # ------------------------------------------------------------------------------------------ environments

@@ -34,6 +34,7 @@ profile that allows ``unshare``). Where the namespaces cannot be created, :func:
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import functools
 import json
@@ -113,6 +114,9 @@ class RunResult:
     """Wall-clock seconds of the whole run, the isolation's setup included."""
     truncated: bool
     """Output was cut."""
+    invalid_utf8: bool = False
+    """The output kept held bytes that are not UTF-8 (replaced in ``output``); a multi-byte character split by the
+    cut is not counted."""
 
 
 def default_masks() -> tuple[str, ...]:
@@ -143,17 +147,31 @@ class _Output:
             if self.seen > self.cap:
                 self.overflow.set()
 
-    def text(self) -> tuple[str, bool]:
+    def text(self) -> tuple[str, bool, bool]:
+        """(stdout then stderr, cut at the cap with a marker; whether it was cut; whether the bytes it shows
+        are not UTF-8)."""
         data = bytes(self.kept[0] + self.kept[1])
         truncated = self.seen > self.cap
         text = data[: self.cap].decode("utf-8", errors="replace")
         if truncated:
             text += f"\n[output truncated: more than {self.cap} bytes]"
-        return text, truncated
+        out, err = bytes(self.kept[0][: self.cap]), bytes(self.kept[1][: self.cap - len(self.kept[0])])
+        valid = _utf8(out, len(out) >= self.cap) and _utf8(err, len(out) + len(err) >= self.cap)
+        return text, truncated, not valid
 
     def memory_error(self) -> bool:
         lines = bytes(self.kept[1]).strip().splitlines()
         return bool(lines) and lines[-1].startswith(b"MemoryError")
+
+
+def _utf8(data: bytes, cut: bool) -> bool:
+    """Is ``data`` UTF-8? When ``cut`` (it may end where the cap split a character) an unfinished last character
+    is allowed."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _config(limits: Limits, python: str, masks: Sequence[str], workdir: str, status_fd: int) -> str:
@@ -283,10 +301,10 @@ async def run_python(code: str, limits: Limits, *, python: str = sys.executable,
         error, exit_code = _classify(_read_status(status_r), killed, proc.returncode, out)
     finally:
         os.close(status_r)
-    text, truncated = out.text()
+    text, truncated, invalid = out.text()
     if error and error.startswith("isolation:"):
         exit_code = None
-    return RunResult(error is None, text, error, exit_code, time.monotonic() - start, truncated)
+    return RunResult(error is None, text, error, exit_code, time.monotonic() - start, truncated, invalid)
 
 
 @functools.cache

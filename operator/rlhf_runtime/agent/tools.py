@@ -6,8 +6,8 @@ runtime image (a plain function in a thread, a coroutine function on the loop; b
 a plain function past its timeout keeps its thread until it returns, since threads cannot be stopped; code the
 model writes belongs in the ``python`` tool). ``await tools.call(call)`` never
 raises on the model's input or the tool's behaviour: an unknown tool, arguments that do not match the tool's
-schema, an exception, a timeout or an oversized answer become an ``Outcome`` with ``error`` set (its kind in
-``ERROR_KINDS``) and a ``text`` the model can read.
+schema, an exception, a timeout, an oversized answer or one that is not UTF-8 become an ``Outcome`` with
+``error`` set (its kind in ``ERROR_KINDS``) and a ``text`` the model can read.
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ class Tools:
             kind = "output_truncated"
         elif res.error:
             kind = "exception"
-        text = res.output if kind is None or kind in ("output_truncated", "exception") else \
+        elif res.invalid_utf8:  # the model still sees it, with replacement characters
+            kind = "invalid_utf8"
+        text = res.output if kind in (None, "output_truncated", "exception", "invalid_utf8") else \
             f"{res.output}\nerror: {res.error}"
         return Outcome(text, kind)
 
