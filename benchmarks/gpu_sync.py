@@ -403,7 +403,7 @@ def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) ->
 def sync_options(rt: Any, arm: dict[str, Any]) -> Any:
     """The driver's sync options for ``arm`` (``SPEC_FIELDS`` over the job's ``weightSync``, the rest
     ``EXPERIMENTAL``), resolved as the driver resolves its own (``WeightSync.resolve``)."""
-    ws = rt.spec.weight_sync.model_copy(update={k: arm[k] for k in SPEC_FIELDS if k in arm})
+    ws = rt.cfg.spec.weight_sync.model_copy(update={k: arm[k] for k in SPEC_FIELDS if k in arm})
     return rt.weights.resolve(ws, {k: v for k, v in arm.items() if k not in SPEC_FIELDS})
 
 

@@ -60,7 +60,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-import gpu_sync  # the models, layouts and base spec of the GPU benchmarks
+import gpu_sync  # the layouts of the GPU benchmarks
+import harness
 
 #: The ways a batch is timed (the module's docstring).
 WAYS = ("runtime", "in_actor", "bare", "bare_default", "bare_loaded")
@@ -287,59 +288,50 @@ def main() -> int:
 
     import bench_actors
     import ray
-    from transformers import AutoTokenizer
 
     from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime.algo.data import load_samples, render_prompt, step_batch
+    from rlhf_runtime.algo.data import render_prompt, step_batch
     from rlhf_runtime.controller.loop import Runtime
-    from rlhf_runtime.infra import config as rc
     from rlhf_runtime.infra.report import Metrics, Reporter
 
     work = Path(tempfile.mkdtemp(prefix="rlhf-rollout-"))
     model_path = work / "model"
     if gpu:
-        model = gpu_sync.build_model(model_path, a.model or "qwen3-1.7b", True)
+        model = harness.build_model(model_path, a.model or "qwen3-1.7b", True)
     else:
         from rlhf_testing.tiny import build_tiny_model
 
         build_tiny_model(str(model_path), hidden_size=a.hidden, layers=a.layers)
         model = {"architecture": "Qwen2ForCausalLM", "hidden": a.hidden, "layers": a.layers, "dtype": "float32"}
     over, actor_env = gpu_sync.layout_parts(layout)
-    spec = gpu_sync.merge(gpu_sync.base_spec(str(model_path), gpu), over)
-    spec = gpu_sync.merge(spec, {"algorithm": {"promptsPerStep": prompts_n},
+    spec = harness.merge(harness.base_spec(str(model_path), gpu), over)
+    spec = harness.merge(spec, {"algorithm": {"promptsPerStep": prompts_n},
                                  "rollout": {"sampling": {"maxTokens": max_tokens,
                                                           "samplesPerPrompt": a.samples_per_prompt}}})
     if not gpu:
-        spec = gpu_sync.merge(spec, {"rollout": {"maxModelLen": 32 + max_tokens}})
+        spec = harness.merge(spec, {"rollout": {"maxModelLen": 32 + max_tokens}})
     elif a.graphs:
-        spec = gpu_sync.merge(spec, {"rollout": {"enforceEager": False}})
+        spec = harness.merge(spec, {"rollout": {"enforceEager": False}})
     if a.spec_json:
-        spec = gpu_sync.merge(spec, json.loads(a.spec_json))
+        spec = harness.merge(spec, json.loads(a.spec_json))
     if spec["rollout"].get("engines", 1) != 1 or spec["weightSync"].get("mode") == "async":
         raise SystemExit(f"{layout}: one engine in sync mode only (the bare engine stands for one engine)")
+    spec = harness.with_env(spec, {**harness.SAFE_ENV, **actor_env})  # every actor's (the engine's too)
     cfg = RuntimeConfig(name="rollout-overhead", namespace="bench", spec=spec)
     reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
     rt = Runtime(cfg, reporter, local=True, classes=bench_actors.classes(cfg.spec))
-    rt.actors.env.update(gpu_sync.SAFE_ENV)
-    rt.actors.env.update(actor_env)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    samples = load_samples(cfg.spec.data)
-    sampling = rc.sampling_kwargs(cfg.spec)
     result: dict[str, Any] = {
         "command": command, "date": datetime.now(UTC).isoformat(timespec="seconds"), "device_kind": a.kind,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "layout": layout, "model": model, "spec": spec, "sampling": sampling,
+        "layout": layout, "model": model, "spec": spec,
     }
     bares: dict[str, Bare] = {}
     clocks: GpuClocks | None = None
     try:
-        rt.connect()
-        rt.actors.placement.place()
-        rt.actors.start_trainers()
-        rt.actors.start_engines()
-        rt.weights.init_group()
-        rt.weights.sync(0)  # the engine started with dummy weights: now it holds the model's, as the bare one does
+        rt.run_stages()  # the driver's start: the first sync gives the engine the model's weights, as the bare one has
         rt.weights.wake()
+        tokenizer, samples, sampling = rt.job.tokenizer, rt.job.samples, rt.job.sampling
+        result["sampling"] = sampling
         import vllm
 
         result["versions"] = {"vllm": vllm.__version__, "ray": ray.__version__}
