@@ -20,6 +20,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_api.environment import sandbox_name
 from rlhf_operator import naming, render
 
 GPU = "nvidia.com/gpu"
@@ -113,6 +114,7 @@ class Snapshot:
     config_map: dict[str, Any] | None = None
     rbac: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (kind, name) -> object
     workloads: list[dict[str, Any]] = field(default_factory=list)
+    sandbox_pool: dict[str, Any] | None = None  # the job's SandboxWarmPool (spec.environment.sandbox)
 
     def pods(self, cluster: str | None) -> list[dict[str, Any]]:
         return list(self.pods_by_cluster.get(cluster or "", []))
@@ -215,6 +217,8 @@ class Caches:
             config_map=self._newest("ConfigMap", (ns, names.config_map), cm),
             rbac=rbac,
             workloads=self._each("Workload", ns, self._values("rlhf_workloads", (ns, names.ray_job))),
+            sandbox_pool=self._newest("SandboxWarmPool", (ns, sandbox_name(name)),
+                                      next(iter(self._values("rlhf_sandbox_pools", (ns, name))), None)),
         )
 
     def _each(self, kind: str, ns: str, indexed: list[dict[str, Any]]) -> list[dict[str, Any]]:

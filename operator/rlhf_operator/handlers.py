@@ -29,7 +29,7 @@ import kopf
 from kubernetes.client.rest import ApiException
 
 from rlhf_api import models as m
-from rlhf_operator import cache, kube, metrics, naming, reconcile
+from rlhf_operator import cache, kube, metrics, naming, reconcile, sandboxes
 from rlhf_operator.workqueue import WorkQueue
 
 log = logging.getLogger("rlhf_operator")
@@ -77,7 +77,7 @@ async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     selector = naming.LABEL_JOB  # label present: only what we made (KubeRay copies the RayJob's labels down)
     for res in (("ray.io", "rayjobs"), ("ray.io", "rayclusters"), ("v1", "pods"), ("v1", "configmaps"),
                 ("v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
-                ("rbac.authorization.k8s.io", "rolebindings")):
+                ("rbac.authorization.k8s.io", "rolebindings"), (sandboxes.GROUP, sandboxes.POOLS)):
         settings.watching.label_selectors[res] = selector
     settings.watching.label_selectors[kube.KUEUE_GROUP, "workloads"] = kube.KUEUE_JOB_UID_LABEL
     CACHE.bind({k: v for k, v in kwargs.items() if k.startswith("rlhf_")})
@@ -144,6 +144,11 @@ def rlhf_workloads(body: kopf.Body, namespace: str, **_: Any) -> dict[Any, Any]:
     return {(namespace, owner): cache.workload(body)} if owner else {}
 
 
+@kopf.index(sandboxes.GROUP, sandboxes.VERSION, sandboxes.POOLS, labels={naming.LABEL_JOB: kopf.PRESENT})
+def rlhf_sandbox_pools(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> dict[Any, Any]:
+    return {(namespace, labels[naming.LABEL_JOB]): sandboxes.pool(body)}
+
+
 # ------------------------------------------------------------------------------------- triggers (events)
 @kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
 async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
@@ -165,7 +170,7 @@ async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name:
 #: The projection each child kind is cached as (see the indexes above).
 PROJECTIONS = {"RayJob": cache.ray_job, "RayCluster": cache.ray_cluster, "Pod": cache.pod,
                "ConfigMap": cache.config_map, "ServiceAccount": cache.rbac_object, "Role": cache.rbac_object,
-               "RoleBinding": cache.rbac_object, "Workload": cache.workload}
+               "RoleBinding": cache.rbac_object, "Workload": cache.workload, "SandboxWarmPool": sandboxes.pool}
 
 
 def _child_event(kind: str) -> Any:
@@ -202,6 +207,8 @@ kopf.on.event("rbac.authorization.k8s.io", "v1", "roles", id="role_event", label
 kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings", id="rolebinding_event", labels=_PRESENT)(
     _child_event("RoleBinding"))
 kopf.on.event(kube.KUEUE_GROUP, "workloads", id="workload_event")(_child_event("Workload"))
+kopf.on.event(sandboxes.GROUP, sandboxes.VERSION, sandboxes.POOLS, id="sandboxpool_event", labels=_PRESENT)(
+    _child_event("SandboxWarmPool"))
 
 
 # ------------------------------------------------------------------------------------------- reconcile

@@ -23,7 +23,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from rlhf_api import models as m
-from rlhf_operator import cache, children, kube, kueue, metrics, naming, render, status
+from rlhf_operator import cache, children, kube, kueue, metrics, naming, render, sandboxes, status
 from rlhf_operator.effects import Outcome, post_event
 
 #: Re-check a missing data ConfigMap after these many seconds (doubling, at most DATA_RECHECK_MAX).
@@ -52,13 +52,18 @@ def reconcile(snap: cache.Snapshot, now: dt.datetime | None = None) -> Outcome:
     if meta.get("deletionTimestamp"):
         return out
     spec, obs.invalid = _parsed(body)
+    pool = None
     if spec is not None:
         _observe_spec(obs, spec)
-        _converge(render.Job(meta["name"], meta["namespace"], meta["uid"], spec), body, snap, obs, out)
+        job = render.Job(meta["name"], meta["namespace"], meta["uid"], spec)
+        _converge(job, body, snap, obs, out)
+        if not obs.kuberay_missing:
+            pool = sandboxes.converge(job, body, snap.sandbox_pool, obs.old_status.get("phase"), obs.ray_job, out)
     obs.now = now or dt.datetime.now(dt.UTC)
     if spec is not None and obs.ray_cluster and obs.old_status.get("phase") not in status.TERMINAL:
         _end_stuck_run(obs, body, out)
     new = _new_status(obs, naming.child_names(meta["name"]).as_status() if spec is not None else {})
+    _sandbox_status(new, sandboxes.report(pool, obs.old_status, obs.generation, obs.now))
     out.look_again(status.next_check(obs))
     metrics.observe(meta["namespace"], meta["name"], {**obs.old_status, **new})
     _write_status(body, obs, new, out)
@@ -70,6 +75,7 @@ def forget(ns: str, name: str) -> None:
     for memo in (_PARSED, _DATA_CHECKS):
         memo.pop((ns, name), None)
     children.forget(ns, name)
+    sandboxes.forget(ns, name)
 
 
 # ------------------------------------------------------------------------------------------------ the spec
@@ -219,6 +225,13 @@ def _new_status(obs: status.Observed, child_names: dict[str, str]) -> dict[str, 
     return new
 
 
+def _sandbox_status(new: dict[str, Any], rep: dict[str, Any]) -> None:
+    """``status.sandbox`` and the SandboxesReady condition (``sandboxes.report``) into the new status."""
+    if rep:
+        new["conditions"].append(rep["condition"])
+        new["sandbox"] = rep["sandbox"]
+
+
 def _write_status(body: dict[str, Any], obs: status.Observed, new: dict[str, Any], out: Outcome) -> None:
     """Write what changed of the status (nothing when nothing did), then announce the transition."""
     patch = status.changed(obs.old_status, new)
@@ -250,6 +263,7 @@ def _announce(body: Any, obs: status.Observed, new: dict[str, Any], patch: dict[
     mismatch = (old.get("runtime") or {}).get("warning")  # what turned EnginesInSync False
     if mismatch and _condition_flipped(old, new, "EnginesInSync"):
         post_event(body, "MismatchSpike", mismatch, warning=True)
+    sandboxes.announce(body, old, new)
     tools = (old.get("agent") or {}).get("warning")  # what turned ToolsHealthy False
     if tools and _condition_flipped(old, new, "ToolsHealthy"):
         post_event(body, "ToolErrors", tools, warning=True)

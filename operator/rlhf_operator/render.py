@@ -329,15 +329,27 @@ def render_ray_job(job: Job) -> dict[str, Any]:
     return ray_job
 
 
+#: With ``spec.environment.sandbox``: the runtime claims, reads and releases SandboxClaims (created with generated
+#: names, so not limited by name) and reads the claimed Sandboxes (their pod IPs), in the job's namespace only.
+SANDBOX_RUNTIME_RULES = (
+    {"apiGroups": ["extensions.agents.x-k8s.io"], "resources": ["sandboxclaims"],
+     "verbs": ["create", "get", "list", "watch", "delete"]},
+    {"apiGroups": ["agents.x-k8s.io"], "resources": ["sandboxes"], "verbs": ["get"]},
+)
+
+
 def render_runtime_rbac(job: Job) -> list[dict[str, Any]]:
     """ServiceAccount + Role + RoleBinding for the job's pods.
 
     The runtime may patch the status of its own RLHFJob and nothing else (``resourceNames``), so a
-    compromised or buggy driver cannot touch other jobs; it may read its own ConfigMap.
+    compromised or buggy driver cannot touch other jobs; it may read its own ConfigMap; with
+    ``spec.environment.sandbox`` it may claim sandboxes in its own namespace (``SANDBOX_RUNTIME_RULES``).
     """
     names = naming.child_names(job.name)
     ident, ns, lbl = names.runtime_identity, job.namespace, naming.labels(job.name)
     meta = {"name": ident, "namespace": ns, "labels": lbl}
+    env = job.spec.environment
+    sandbox_rules = [] if env is None or env.sandbox is None else SANDBOX_RUNTIME_RULES
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta), "automountServiceAccountToken": True},
         {
@@ -349,6 +361,7 @@ def render_runtime_rbac(job: Job) -> list[dict[str, Any]]:
                  "verbs": ["get", "patch"]},
                 {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [job.name], "verbs": ["get"]},
                 {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [names.config_map], "verbs": ["get"]},
+                *sandbox_rules,
             ],
         },
         {

@@ -59,6 +59,22 @@ is never called: RBAC lets the operator create the runtime Role only with permis
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
   verbs: ["list", "watch", "patch"]   # spec.scheduling.queueName: why a job waits; spec.suspend -> Workload spec.active
+# spec.environment.sandbox (kubernetes-sigs/agent-sandbox): a job's SandboxTemplate and SandboxWarmPool, owned by
+# the job; the pool is watched (status.sandbox) and scaled to 0 while the job is suspended, queued or finished.
+- apiGroups: ["extensions.agents.x-k8s.io"]
+  resources: ["sandboxtemplates"]
+  verbs: ["create"]
+- apiGroups: ["extensions.agents.x-k8s.io"]
+  resources: ["sandboxwarmpools"]
+  verbs: ["list", "watch", "create", "patch"]
+# create/get/list/watch/delete: what a job's runtime Role grants on claims (RBAC lets the operator grant only what
+# it holds); deletecollection: the claims of a held job are released with its pool.
+- apiGroups: ["extensions.agents.x-k8s.io"]
+  resources: ["sandboxclaims"]
+  verbs: ["create", "get", "list", "watch", "delete", "deletecollection"]
+- apiGroups: ["agents.x-k8s.io"]
+  resources: ["sandboxes"]
+  verbs: ["get", "list"]   # get: the runtime Role's; list: why a warm pool cannot fill
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]   # the operator posts core/v1 Events (never events.k8s.io)
