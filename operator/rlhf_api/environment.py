@@ -12,11 +12,12 @@ Imports only pydantic (shared by the operator and the runtime, like ``models``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from rlhf_api.base import CPU_PATTERN, MEMORY_PATTERN, Model, cel, sub
+from rlhf_api.base import CPU_PATTERN, LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN, MEMORY_PATTERN, Model, cel, sub
+from rlhf_api.inputs import Toleration
 
 #: vLLM tool-call parsers a job may name (``--tool-call-parser`` names); the runtime refuses a name its vLLM lacks
 #: before the first step.
@@ -137,6 +138,15 @@ class EnvironmentServer(Model):
     resources: ServerResources = sub(ServerResources, "CPU and memory per server pod.")
     ready_path: str = Field("/health", pattern=r"^/\S*$", max_length=1024,
                             description="HTTP path of the pods' readiness probe.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] | None = Field(
+        None,
+        description="Node labels the server pods require (spec.scheduling places the job's GPU pods, not these).",
+        json_schema_extra={"maxProperties": 64, "x-kubernetes-validations": [cel(
+            "self.all(k, size(k) <= 316 && k.matches('" + LABEL_KEY_PATTERN.replace("\\", "\\\\") + "'))",
+            "environment.http.server.nodeSelector keys must be label keys ([prefix/]name, name at most 63 "
+            "characters of letters, digits, '-', '_', '.')")]},
+    )
+    tolerations: list[Toleration] | None = Field(None, max_length=64, description="Tolerations of the server pods.")
 
 
 class HttpEnvironment(Model):

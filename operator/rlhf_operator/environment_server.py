@@ -4,7 +4,8 @@ created and owned by the RLHFJob (deleted with it), reached by the runtime at ``
 The pods run the user's image with the job's security defaults (no privilege escalation, no capabilities, the
 runtime's default seccomp profile) and no service-account token (an environment server has no business with the
 Kubernetes API), a readiness probe on ``readyPath``, and requests equal to limits. They are not placed with the
-job's GPU pods: they ask for no GPU and take no node selector or toleration of ``spec.scheduling``.
+job's GPU pods: they ask for no GPU and take no node selector or toleration of ``spec.scheduling``, only the
+server's own (``server.nodeSelector``, ``server.tolerations``).
 
 Pure: same input, same output.
 """
@@ -44,15 +45,16 @@ def render_environment_server(job: Job) -> list[dict[str, Any]]:
         container["command"] = list(server.command)
     if server.args:
         container["args"] = list(server.args)
+    pod: dict[str, Any] = {"automountServiceAccountToken": False, "containers": [container],
+                           "securityContext": POD_SECURITY, "enableServiceLinks": False}
+    if server.node_selector:
+        pod["nodeSelector"] = dict(sorted(server.node_selector.items()))
+    if server.tolerations:
+        pod["tolerations"] = [t.wire() for t in server.tolerations]
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
-        "spec": {
-            "replicas": server.replicas,
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "automountServiceAccountToken": False, "containers": [container],
-                "securityContext": POD_SECURITY, "enableServiceLinks": False}},
-        },
+        "spec": {"replicas": server.replicas, "selector": {"matchLabels": labels},
+                 "template": {"metadata": {"labels": labels}, "spec": pod}},
     }
     service = {
         "apiVersion": "v1", "kind": "Service", "metadata": meta,

@@ -288,6 +288,31 @@ def test_waiting_for_the_server_to_be_ready(server: Server) -> None:
     envs.wait_ready()
 
 
+def test_the_test_environment_server_answers_the_runtimes_client() -> None:
+    """``rlhf_testing.env_server`` (what the pods tier runs as a job's environment server pods) speaks the shape
+    the runtime's client expects: episodes side by side, tool results back, a final answer scored and done."""
+    from rlhf_testing.env_server import serve
+
+    httpd = serve(0, "127.0.0.1")
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        envs = Environments(Environment.model_validate({"http": {"url": f"http://127.0.0.1:{httpd.server_port}"}}))
+        envs.wait_ready()
+        a, b = envs.make("a"), envs.make("b")
+        first = run(a.reset({"prompt": "6*7?", "answer": "42", "messages": None}))
+        assert len(first) == 1 and first[0]["content"].endswith("] 6*7?"), first
+        run(b.reset({"prompt": "2+2?", "answer": "4", "messages": None}))
+        tool = {"role": "tool", "content": "42"}
+        assert run(a.step({"role": "assistant", "content": "", "tool_results": [tool]})) == Step([tool], None, False)
+        assert run(a.step({"role": "assistant", "content": "it is 42"})) == Step([], 1.0, True)
+        assert run(b.step({"role": "assistant", "content": "5"})) == Step([], 0.0, True)
+        with pytest.raises(EnvironmentFault, match="answered HTTP 404"):  # the episode ended
+            run(a.step({"role": "assistant", "content": "42"}))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_http_environment_down_past_its_deadline_fails_the_run(server: Server) -> None:
     url = server.url
     server.close()  # nothing listens there now
