@@ -268,6 +268,13 @@ class AgentStatus(Model):
     engine_busy_share: float | None = Field(
         None, description="Share of the rollout's wall time the least busy engine had a request in flight.")
     errors: dict[str, int] | None = Field(None, description="Faults of the step by kind (timeout, exception, ...).")
+    staleness_max: int | None = Field(
+        None, description="The largest staleness of the step's trained trajectories: steps between the step and "
+        "the weights that sampled a trajectory's oldest token (weightSync.maxStaleness bounds it in async mode).")
+    staleness_mean: float | None = Field(None, description="The staleness of the step's trained trajectories, mean.")
+    stale_dropped: int | None = Field(
+        None, description="Trajectories dropped past weightSync.maxStaleness while the step's rollout ran (their "
+        "prompts generated again).")
     sandbox_claims: int | None = Field(None, description="Sandboxes claimed in the step (environment.sandbox).")
     sandbox_claim_p50_seconds: float | None = Field(
         None, description="Time from a trajectory's claim to its sandbox being ready, median.")

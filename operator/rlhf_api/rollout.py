@@ -126,6 +126,17 @@ class WeightSync(Model):
         description="sync: generation stops between steps. async: the next rollout runs while training, "
         "generation is paused mid-request for the swap and resumed (tokens before/after are recorded).",
     )
+    max_staleness: int = Field(
+        1, ge=0, le=64,
+        description="Multi-turn rollouts (spec.environment) in mode async: the most steps a trained trajectory's "
+        "oldest sampled token may lag the step that trains it (its staleness: that step minus the step of the "
+        "weights that sampled the token). The rollout keeps the prompts of up to this many steps ahead of the "
+        "engines' weights in flight; trajectories in flight at a sync go on with the new weights; a step trains "
+        "the first promptsPerStep groups to finish and the rest carry over into the next step; a group past the "
+        "bound is dropped whole and its prompt generated again. 0: no rollout ahead of the weights. Every "
+        "trained trajectory's staleness is recorded (status.agent, the step's metrics). Default 1; at least "
+        "everyNSteps - 1.",
+    )
     timeout_seconds: int = Field(
         600, ge=5, le=24 * 3600,
         description="Deadline of one weight sync and of every other call between the driver and its Ray actors "

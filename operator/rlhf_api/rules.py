@@ -24,10 +24,19 @@ SPEC_RULES = [
         fieldPath=".environment",
     ),
     cel(
-        "!has(self.environment) || self.weightSync.mode == 'sync'",
-        "spec.environment runs with weightSync.mode 'sync' (multi-turn rollouts across an async weight swap are "
-        "not supported yet)",
-        fieldPath=".weightSync.mode",
+        "!has(self.environment) || self.weightSync.mode == 'sync' || "
+        "self.weightSync.everyNSteps <= self.weightSync.maxStaleness + 1",
+        "spec.environment with weightSync.mode 'async' needs weightSync.everyNSteps <= weightSync.maxStaleness + 1: "
+        "between syncs the engines' weights grow older than maxStaleness allows, so no trajectory could be "
+        "trained; lower everyNSteps or raise maxStaleness",
+        fieldPath=".weightSync.maxStaleness",
+    ),
+    cel(
+        "self.weightSync.maxStaleness == 1 || (has(self.environment) && self.weightSync.mode == 'async')",
+        "weightSync.maxStaleness applies to multi-turn rollouts (spec.environment) in weightSync.mode 'async' "
+        "only: remove it (a single-turn async rollout runs one step ahead; sync mode trains what the engines' "
+        "current weights sampled)",
+        fieldPath=".weightSync.maxStaleness",
     ),
     cel(
         "!has(self.environment) || (!self.rollout.expertParallel && !has(self.trainer.lora))",

@@ -46,6 +46,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("data", "promptField"), "prompt"),
     (("data", "invalidSamples"), "drop"),
     (("trainer", "offloadDuringRollout"), "auto"),
+    (("weightSync", "maxStaleness"), 1),
 )
 
 
