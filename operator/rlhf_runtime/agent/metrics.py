@@ -31,6 +31,7 @@ class Counters:
     env_seconds: list[float] = field(default_factory=list)
     overheads: list[float] = field(default_factory=list)
     first_errors: list[str] = field(default_factory=list)  # a few messages, for the logs and the warning
+    claim_seconds: list[float] = field(default_factory=list)  # each sandbox claim's wait (environment.sandbox)
 
     def trajectory(self, turns: int, ended: str) -> None:
         self.turns.append(turns)
@@ -67,6 +68,9 @@ class Counters:
             "truncated_share": (self.ended["budget"] + self.ended["length"]) / n, "ended": dict(self.ended),
             "env_latency_p50_s": quantile(self.env_seconds, 0.5), "env_latency_p99_s": quantile(self.env_seconds, 0.99),
             "tool_latency_p50_s": quantile(self.tool_seconds, 0.5),
+            "sandbox_claims": len(self.claim_seconds), "sandbox_failures": self.errors["sandbox"],
+            "sandbox_claim_p50_s": quantile(self.claim_seconds, 0.5),
+            "sandbox_claim_p99_s": quantile(self.claim_seconds, 0.99),
             "turn_overhead_p50_ms": None if not self.overheads else 1000 * (quantile(self.overheads, 0.5) or 0.0),
             "engine_busy_share": min(busy) if busy else None, "engine_busy_shares": busy,
         }

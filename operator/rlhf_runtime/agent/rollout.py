@@ -85,6 +85,14 @@ class AgentRollout:
 
     # --------------------------------------------------------------------------------------- one trajectory
     async def trajectory(self, sample: Any) -> Result:
+        """One trajectory of ``sample`` in a tool session of its own (``Tools.session``: with
+        environment.sandbox, the trajectory's sandbox, released when it ends)."""
+        async with self.tools.session() as tools:
+            res = await self._trajectory(sample)
+        self.counters.claim_seconds += tools.claim_seconds
+        return res
+
+    async def _trajectory(self, sample: Any) -> Result:
         env = self.envs.make(uuid.uuid4().hex)
         res = Result(sample, Trajectory([]))
         try:

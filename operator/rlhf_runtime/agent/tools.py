@@ -8,16 +8,22 @@ model writes belongs in the ``python`` tool). ``await tools.call(call)`` never
 raises on the model's input or the tool's behaviour: an unknown tool, arguments that do not match the tool's
 schema, an exception, a timeout, an oversized answer or one that is not UTF-8 become an ``Outcome`` with
 ``error`` set (its kind in ``ERROR_KINDS``) and a ``text`` the model can read.
+
+With ``environment.sandbox`` the builtin ``python`` and ``shell`` tools run in sandbox pods instead
+(``sandbox.SandboxPool``): ``async with tools.session()`` around a trajectory gives it its own sandbox, claimed at
+its first builtin call and released when the block ends (``session().claim_seconds``: how long its claims took).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_api.environment import Environment, Tool
@@ -26,7 +32,16 @@ from rlhf_runtime.algo.rewards import load_ref
 
 #: Kinds of tool faults counted in the metrics.
 ERROR_KINDS = ("unknown_tool", "bad_arguments", "malformed_call", "exception", "timeout", "memory",
-               "output_truncated", "invalid_utf8", "isolation", "environment")
+               "output_truncated", "invalid_utf8", "isolation", "environment", "sandbox")
+#: The trajectory's tool session (``Tools.session``), seen by the calls it makes (asyncio copies it into them).
+_SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("rlhf_tool_session", default=None)
+
+
+@dataclass
+class NoSession:
+    """A trajectory's tool state without sandboxes: nothing to claim or release."""
+
+    claim_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -60,10 +75,18 @@ def _cut(text: str, limit: int) -> tuple[str, bool]:
 class Tools:
     """Every tool of an environment spec (module docstring)."""
 
-    def __init__(self, env: Environment) -> None:
+    def __init__(self, env: Environment, job: tuple[str, str, str | None] | None = None) -> None:
+        """``job``: (name, namespace, uid) of the RLHFJob, whose warm pool the sandboxes are claimed from."""
         import jsonschema
 
         self.env = env
+        self.sandboxes: Any = None
+        if env.sandbox is not None:
+            from rlhf_runtime.agent.sandbox import SandboxPool
+
+            if job is None:
+                raise ValueError("spec.environment.sandbox: the sandboxes need the job's name and namespace")
+            self.sandboxes = SandboxPool(env.sandbox, *job, threads=env.concurrency)
         self.specs = {t.name: t for t in env.tools or []}
         self.functions: dict[str, Callable[..., Any]] = {}
         self.validators: dict[str, Any] = {}
@@ -86,6 +109,22 @@ class Tools:
             if why:
                 raise ValueError(f"the builtin python tool cannot run isolated here: {why}")
 
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[Any]:
+        """One trajectory's tool state: with sandboxes, its sandbox (released at the end of the block)."""
+        if self.sandboxes is None:
+            yield NoSession()
+            return
+        from rlhf_runtime.agent.sandbox import Session
+
+        session = Session(self.sandboxes)
+        token = _SESSION.set(session)
+        try:
+            yield session
+        finally:
+            _SESSION.reset(token)
+            await session.close()
+
     def schemas(self) -> list[dict[str, Any]]:
         return openai_tools(list(self.specs.values()))
 
@@ -104,9 +143,19 @@ class Tools:
         if problems:
             where = "/".join(str(p) for p in problems[0].path) or "arguments"
             return Outcome(f"error: bad arguments for {call.name} ({where}: {problems[0].message})", "bad_arguments")
+        if spec.builtin and self.sandboxes is not None:
+            return await self._sandboxed(spec.builtin, call.arguments)
         if spec.builtin == "python":
             return await self._python(call.arguments)
         return await self._function(call)
+
+    async def _sandboxed(self, builtin: str, args: dict[str, Any]) -> Outcome:
+        """A builtin call in the trajectory's sandbox (outside a session: a sandbox of its own for this call)."""
+        session = _SESSION.get()
+        if session is not None:
+            return Outcome(*await session.call(builtin, args))
+        async with self.session() as own:
+            return Outcome(*await own.call(builtin, args))
 
     async def _python(self, args: dict[str, Any]) -> Outcome:
         from rlhf_runtime.agent import isolation

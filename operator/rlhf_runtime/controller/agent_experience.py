@@ -60,7 +60,7 @@ def build_rollout(cfg: RuntimeConfig, tokenizer: Any, engines: Any, context: int
     if context is not None and env.max_tokens > context:
         raise ValueError(f"spec.environment.maxTokens {env.max_tokens} exceeds the engines' context of {context} "
                          "tokens (rollout.maxModelLen, else the model's): lower it or raise rollout.maxModelLen")
-    tools = Tools(env)
+    tools = Tools(env, (cfg.name, cfg.namespace, cfg.uid))
     chat = ChatTokens(tokenizer, tools.schemas() or None, stop_ids(tokenizer, generation_config(spec.model.name)))
     parser = CallParser(tokenizer, env.tool_parser, tools.schemas()) if env.tools else None
     url = server_url(cfg.name, cfg.namespace, env) if env.http is not None and env.http.server else None
@@ -137,6 +137,9 @@ class AgentExperience:
                 "env_latency_p50_seconds": a.get("env_latency_p50_s"),
                 "env_latency_p99_seconds": a.get("env_latency_p99_s"),
                 "engine_busy_share": a.get("engine_busy_share"), "errors": a.get("tool_errors") or {},
+                "sandbox_claims": a.get("sandbox_claims") or None, "sandbox_failures": a.get("sandbox_failures"),
+                "sandbox_claim_p50_seconds": a.get("sandbox_claim_p50_s"),
+                "sandbox_claim_p99_seconds": a.get("sandbox_claim_p99_s"),
                 "warning": warning}
 
     def warning(self) -> str | None:
