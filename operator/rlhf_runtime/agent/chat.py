@@ -122,7 +122,8 @@ def stop_ids(tokenizer: Any, generation_config: dict[str, Any] | None = None) ->
 @dataclass
 class Trajectory:
     """One trajectory's tokens: ``prompt`` (the first prompt), then ``response`` (every later token) with
-    ``mask`` (1: sampled by the engine, 0: observation) and ``logprobs`` (the engine's for sampled tokens, 0.0 on
+    ``mask`` (1: sampled by the engine, 0: observation), ``logprobs`` (the engine's for sampled tokens, 0.0 on
+    observations) and ``versions`` (the policy version that sampled each token, ``agent.partial``; -1 on
     observations); ``turn_starts``: where each turn's engine prompt ended in ``prompt + response`` (the engine saw
     exactly ``(prompt + response)[:turn_starts[k]]`` at turn ``k``)."""
 
@@ -131,6 +132,7 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turn_starts: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
     def ids(self) -> list[int]:
         return self.prompt + self.response
@@ -138,13 +140,24 @@ class Trajectory:
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
 
-    def add_turn(self, sampled: list[int], logprobs: list[float] | None) -> None:
+    def add_turn(self, sampled: list[int], logprobs: list[float] | None, versions: list[int] | None = None) -> None:
         self.response += sampled
         self.mask += [1] * len(sampled)
         lps = list(logprobs) if logprobs is not None and len(logprobs) == len(sampled) else [0.0] * len(sampled)
         self.logprobs += lps
+        self.versions += list(versions) if versions is not None and len(versions) == len(sampled) \
+            else [-1] * len(sampled)
 
     def add_observation(self, ids: list[int]) -> None:
         self.response += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def oldest_version(self) -> int | None:
+        """The version of the oldest sampled token (None when no token has one)."""
+        return min((v for v in self.versions if v >= 0), default=None)
+
+    def mixed_versions(self) -> bool:
+        """Whether more than one policy version sampled the trajectory's tokens (it spans a weight sync)."""
+        return len({v for v in self.versions if v >= 0}) > 1

@@ -32,6 +32,7 @@ class Counters:
     overheads: list[float] = field(default_factory=list)
     first_errors: list[str] = field(default_factory=list)  # a few messages, for the logs and the warning
     claim_seconds: list[float] = field(default_factory=list)  # each sandbox claim's wait (environment.sandbox)
+    paused_turns: int = 0  # turns a weight sync paused mid-generation (async mode)
 
     def trajectory(self, turns: int, ended: str) -> None:
         self.turns.append(turns)
@@ -73,6 +74,7 @@ class Counters:
             "sandbox_claim_p99_s": quantile(self.claim_seconds, 0.99),
             "turn_overhead_p50_ms": None if not self.overheads else 1000 * (quantile(self.overheads, 0.5) or 0.0),
             "engine_busy_share": min(busy) if busy else None, "engine_busy_shares": busy,
+            "paused_turns": self.paused_turns,
         }
         if self.first_errors:
             out["first_errors"] = list(self.first_errors)
@@ -105,6 +107,17 @@ class EngineLoad:
 
     def finish(self) -> None:
         self.t1 = time.perf_counter()
+
+    def carry(self) -> EngineLoad:
+        """End this window (``shares`` from now on are its own) and start the next: the requests in flight now
+        stay in flight, busy from now on (a rollout that runs across steps, counted per step)."""
+        now = time.perf_counter()
+        nxt = EngineLoad(len(self.inflight))
+        for i, k in enumerate(self.inflight):
+            if k:
+                self.busy[i] += now - self.since[i]
+        nxt.inflight, nxt.since, nxt.t0, self.t1 = list(self.inflight), [now] * len(self.inflight), now, now
+        return nxt
 
     def shares(self) -> list[float]:
         wall = (self.t1 or time.perf_counter()) - self.t0

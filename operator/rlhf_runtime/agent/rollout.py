@@ -14,13 +14,20 @@ length (no stop token: the template cannot continue it). Faults are data (``Coun
 tool's error, timeout or oversized output, an environment's exception or error answer become an error
 observation (``onError: observation``) or end the trajectory with reward 0 (``zeroReward``). Only
 ``EnvironmentUnreachable`` (a server down past its deadline) leaves the rollout, and fails the run.
+
+Every sampled token records the policy version that sampled it (``version``: the engines' weights, read when a
+turn is sent and when it comes back; ``partial.turn_versions``). ``run`` is one rollout of a batch with counters
+of its own; a rollout that runs across steps (``weightSync.mode: async``) starts once (``begin``), launches
+``trajectory`` as it goes and takes each step's counts with ``window``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +43,7 @@ from rlhf_runtime.agent.environments import (
     sample_dict,
 )
 from rlhf_runtime.agent.metrics import Counters, EngineLoad
+from rlhf_runtime.agent.partial import turn_versions
 from rlhf_runtime.agent.tools import Outcome, Tools
 
 
@@ -70,14 +78,32 @@ class AgentRollout:
         self.counters = Counters()
         self.load = EngineLoad(len(engines))
         self.sem: asyncio.Semaphore | None = None
+        self.version: Callable[[], int] = lambda: 0  # the engines' policy version (the driver's weight sync)
 
-    async def run(self, samples: list[Any], n: int, sampling: dict[str, Any] | None = None) -> list[Result]:
-        """``n`` trajectories of each sample, in order (sample 0's n, then sample 1's, ...); ``sampling``: for
-        this run instead of the job's (evaluation: greedy)."""
+    def begin(self, sampling: dict[str, Any] | None = None) -> None:
+        """Start a rollout: ``sampling`` (instead of the job's: evaluation's greedy), new counters."""
         self.sampling = {k: v for k, v in (sampling or self.job_sampling).items() if k not in ("n", "max_tokens")}
         self.sem = asyncio.Semaphore(self.spec.concurrency)
         self.counters = Counters()
         self.load = EngineLoad(len(self.engines))
+
+    def fork(self) -> AgentRollout:
+        """The same parts (chat, parser, tools, environments, engines) for a rollout of its own beside this one's:
+        ``run`` and ``begin`` replace the copy's counters and sampling, never this one's."""
+        return copy.copy(self)
+
+    def window(self) -> dict[str, Any]:
+        """The counts since ``begin`` or the last window (``Counters.summary``), then new counters; on the
+        rollout's event loop."""
+        load, self.load = self.load, self.load.carry()
+        out = self.counters.summary(load.shares())
+        self.counters = Counters()
+        return out
+
+    async def run(self, samples: list[Any], n: int, sampling: dict[str, Any] | None = None) -> list[Result]:
+        """``n`` trajectories of each sample, in order (sample 0's n, then sample 1's, ...); ``sampling``: for
+        this run instead of the job's (evaluation: greedy)."""
+        self.begin(sampling)
         tasks = [self.trajectory(s) for s in samples for _ in range(n)]
         results = list(await asyncio.gather(*tasks))
         self.load.finish()
@@ -137,9 +163,9 @@ class AgentRollout:
             if left <= 0:
                 res.ended = "budget"
                 return
-            ids, lps = await self._generate(traj, min(self.turn_tokens, left))
+            ids, lps, versions = await self._generate(traj, min(self.turn_tokens, left))
             t_turn = time.perf_counter()
-            traj.add_turn(ids, lps)
+            traj.add_turn(ids, lps, versions)
             res.turns += 1
             parsed = self.parser.parse(self.chat.text(ids)) if self.parser else Parsed(self.chat.text(ids))
             res.final_text = parsed.content
@@ -167,18 +193,23 @@ class AgentRollout:
             res.messages += step.observations
             self.counters.overhead(time.perf_counter() - t_turn - busy)
 
-    async def _generate(self, traj: Trajectory, max_tokens: int) -> tuple[list[int], list[float] | None]:
-        """One turn on the least busy engine: its sampled ids and log-probabilities."""
+    async def _generate(self, traj: Trajectory, max_tokens: int) -> tuple[list[int], list[float] | None, list[int]]:
+        """One turn on the least busy engine: its sampled ids, their log-probabilities and policy versions."""
         traj.turn_starts.append(len(traj))
         i = self.load.pick()
         self.load.start(i)
+        sent = self.version()
         try:
             out = await self.engines[i].generate.remote([traj.ids()], {**self.sampling, "n": 1,
                                                                        "max_tokens": max_tokens})
         finally:
             self.load.end(i)
+        ids = list(out[0]["samples"][0])
+        swap = (out[0].get("swap_index") or [-1])[0]
+        if 0 < swap < len(ids):
+            self.counters.paused_turns += 1
         lps = (out[0].get("logprobs") or [None])[0]
-        return list(out[0]["samples"][0]), lps
+        return ids, lps, turn_versions(len(ids), sent, self.version(), swap)
 
     async def _answer(self, env: Any, parsed: Parsed, res: Result) -> tuple[Step | None, float]:
         """Run the turn's calls, then the environment's step on it; ``(None, s)`` when the trajectory ends on a
