@@ -172,7 +172,8 @@ class Runtime:
         samples, eval_samples, reward_fn = self.checked
         if self.spec.environment is not None:  # its template, parser, tools and environment checked now
             self.agent = AgentExperience(build_rollout(self.cfg, tok, self.actors.engines, context,
-                                                       rc.sampling_kwargs(self.spec)), self.deadlines)
+                                                       rc.sampling_kwargs(self.spec)), self.deadlines,
+                                         self.spec.weight_sync)
         samples = self.check_samples(samples, tok, context)
         self.inputs_checked = time.time()
         self.job = Inputs(tok, samples, eval_samples, reward_fn, rc.sampling_kwargs(self.spec),
@@ -329,9 +330,10 @@ class Runtime:
     def rollout(self, job: Inputs, done: int) -> tuple[Samples, float]:
         """The step's samples and the rollout's seconds (async mode: launched during the last step, and the next
         one launched now; ``spec.environment``: multi-turn trajectories)."""
-        if self.agent is not None:
-            batch = step_batch(job.samples, done, self.spec.algorithm.prompts_per_step, self.spec.algorithm.seed)
-            return self.agent.samples(batch, job.n, done)
+        if self.agent is not None:  # in async mode of a rollout that runs across steps (AgentExperience)
+            a = self.spec.algorithm
+            return self.agent.rollout_step(lambda step: step_batch(job.samples, step, a.prompts_per_step, a.seed),
+                                           job.n, done, self.total, lambda: self.weights.synced_at)
         ro = self.pending or self.launch(job, done)
         outs = self.experience.collect(ro)
         rollout_s = time.perf_counter() - ro.t_launch
