@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -45,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 import harness
 from harness import MODELS, SAFE_ENV, base_spec, build_model, median, merge  # noqa: F401 - shared builders
+from stack_dumps import watch
+from sync_floors import copy_floor, floor_shares, nccl_floor, sent_bytes
 
 #: Spec overrides per layout (on top of ``base_spec``).
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -172,107 +173,6 @@ for _base, _env in (("colocated-ipc", None), ("colocated-ipc-resident", None), (
 #: does not fit an H200's memory in its forward without checkpointing (16k-token micro-batches); train_step.py fits
 #: its 16k-token sequences with checkpointing.
 MODEL_TRAINER: dict[str, dict[str, Any]] = {"qwen3-8b": {"gradientCheckpointing": True}}
-
-
-# ------------------------------------------------------------------------------------------------ floors
-def _nccl_floor_rank(rank: int, port: int, nbytes: int, chunk: int, q: Any, world: int = 2) -> None:
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(SAFE_ENV)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    if rank == 0:
-        buf.random_(0, 255)
-
-    def timed(fn: Any, n: int = 10) -> list[float]:
-        out = []
-        for i in range(n + 3):
-            dist.barrier()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            if i >= 3:
-                out.append(time.perf_counter() - t)
-        return out
-
-    whole = timed(lambda: dist.broadcast(buf, 0))
-    chunked = timed(lambda: [dist.broadcast(buf[i:i + chunk], 0) for i in range(0, nbytes, chunk)])
-    if rank == 0:
-        q.put({"whole_s": whole, "chunked_s": chunked, "chunk_bytes": chunk})
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def nccl_floor(nbytes: int, chunk: int, world: int = 2) -> dict[str, Any]:
-    """A raw NCCL broadcast of ``nbytes`` from GPU0 to GPUs 1..world-1 (one process each), whole and in
-    ``chunk`` pieces: the same GPUs and group size as the trainer -> engines sync."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_nccl_floor_rank, args=(r, port, nbytes, chunk, q, world)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=180)
-    for p in procs:
-        p.join(60)
-    w, c = median(res["whole_s"]), median(res["chunked_s"])
-    return {"kind": f"nccl_broadcast_gpu0_to_gpu1-{world - 1}", "world": world, "bytes": nbytes, "whole_s": w, "whole_gbps": nbytes / w / 1e9,
-            "chunked_s": c, "chunked_gbps": nbytes / c / 1e9, "chunk_bytes": chunk, "samples": res}
-
-
-def sent_bytes(model: Any, itemsize: int = 2) -> int:
-    """The bytes the default sync sends for ``model`` (bfloat16: ``itemsize`` 2), on which the floor is measured:
-    the kernel format sends every parameter once, so a tied head (the embedding's alias, which
-    ``named_parameters()`` drops) is not counted again; ``floor_shares`` flags an arm whose syncs sent other bytes
-    than its floor moved."""
-    return sum(p.numel() for _, p in model.named_parameters()) * itemsize
-
-
-def floor_shares(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Each timed arm's bandwidth as a share of its run's floor (the raw broadcast, whole, or the device copy),
-    beside the bytes each moved: ``same_bytes`` false means the share compares other bytes (by bandwidth only).
-    Keyed like the results: ``summary`` (the default alone, sequential variants) and ``summary_interleaved``."""
-    fl = result.get("floor") or {}
-    floor_gbps = fl.get("whole_gbps", fl.get("copy_gbps"))
-    if not floor_gbps:
-        return {}
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for key in ("summary", "summary_interleaved"):
-        arms = {name: {"share": v["gbps"] / floor_gbps, "bytes": v["bytes"], "floor_bytes": fl.get("bytes"),
-                       "same_bytes": v["bytes"] == fl.get("bytes")}
-                for name, v in (result.get(key) or {}).items() if v.get("gbps")}
-        if arms:
-            out[key] = arms
-    return out
-
-
-def copy_floor(nbytes: int) -> dict[str, Any]:
-    """A device-to-device copy of ``nbytes`` on one GPU (what an IPC sync must at least do once)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ts = []
-    for i in range(13):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        if i >= 3:
-            ts.append(time.perf_counter() - t)
-    m = median(ts)
-    return {"kind": "device_to_device_copy", "bytes": nbytes, "copy_s": m, "copy_gbps": nbytes / m / 1e9,
-            "samples": ts}
 
 
 # ------------------------------------------------------------------------------------------------ runtime
@@ -800,7 +700,48 @@ def bare_rollout(gpu: bool) -> dict[str, Any]:
     return out
 
 
+def measure_floor(layout: str, model_name: str, result: dict[str, Any]) -> None:
+    """The run's floor (``sync_floors``), before Ray and the engines take the GPUs, for the bytes the default sync
+    sends: a raw NCCL broadcast to every engine GPU for NCCL layouts, a device copy for IPC ones."""
+    import torch
+    import transformers
+
+    arch, cfg_kw = MODELS[model_name]
+    with torch.device("meta"):
+        m = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**cfg_kw))
+    nbytes = sent_bytes(m)
+    del m
+    if "nccl" in layout:
+        r = merge(base_spec("m", True), layout_parts(layout)[0])["rollout"]
+        result["floor"] = nccl_floor(nbytes, 1 << 30, 1 + r["engines"] * r["tensorParallelSize"])
+    else:
+        result["floor"] = copy_floor(nbytes)
+        torch.cuda.empty_cache()
+    print(f"[{layout}:{model_name}] floor {({k: v for k, v in result['floor'].items() if k != 'samples'})}",
+          flush=True)
+    save(result)
+
+
+def versions(gpu: bool) -> dict[str, Any]:
+    """The versions the run imported (torch, vLLM, Ray, Python) and on a GPU the GPUs' names."""
+    import torch
+
+    out: dict[str, Any] = {"versions": {"torch": torch.__version__, "python": sys.version.split()[0]}}
+    try:
+        import ray
+        import vllm
+
+        out["versions"].update(vllm=vllm.__version__, ray=ray.__version__)
+    except Exception as e:  # noqa: BLE001 - recorded: the run goes on to fail where it needs them
+        out["versions"]["import_error"] = repr(e)
+    if gpu:
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
+
+
 def child(args: argparse.Namespace) -> int:
+    """One ``LAYOUT:MODEL`` run (``--one``) into ``gpu_<layout>_<model>.json``: the floor, ``run_one``, and with
+    ``--bare-rollout`` the last rollout on a bare engine; every failure recorded in the result."""
     import bench_actors
 
     bench_actors.enable_stack_dumps()  # the parent asks for the stacks before it kills a run past its limit
@@ -812,50 +753,18 @@ def child(args: argparse.Namespace) -> int:
         "status": "running", "provenance": harness.provenance(args.command),
         "env": {k: os.environ.get(k) for k in ENV_RECORDED if k in os.environ},
     }
-    out = Path(args.out) / f"gpu_{layout}_{model_name}.json"
     global OUT_FILE
-    OUT_FILE = out
+    OUT_FILE = Path(args.out) / f"gpu_{layout}_{model_name}.json"
     try:
-        import torch
-
-        result["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-        try:
-            import ray
-            import vllm
-
-            result["versions"].update(vllm=vllm.__version__, ray=ray.__version__)
-        except Exception as e:  # noqa: BLE001
-            result["versions"]["import_error"] = repr(e)
+        result.update(versions(gpu))
         if gpu:
-            result["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        # the floor comes first (no Ray, no engines on the GPUs yet); bytes as the default sync sends them
-        from transformers import AutoConfig  # noqa: F401 - warm import
-
-        arch, cfg_kw = MODELS[model_name]
-        if gpu:
-            import transformers
-
-            with torch.device("meta"):
-                m = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**cfg_kw))
-            nbytes = sent_bytes(m)
-            del m
-            if "nccl" in layout:
-                r = merge(base_spec("m", True), layout_parts(layout)[0])["rollout"]
-                world = 1 + r["engines"] * r["tensorParallelSize"]
-                result["floor"] = nccl_floor(nbytes, 1 << 30, world)
-            else:
-                result["floor"] = copy_floor(nbytes)
-                torch.cuda.empty_cache()
-            print(f"[{layout}:{model_name}] floor {({k: v for k, v in result['floor'].items() if k != 'samples'})}",
-                  flush=True)
-            save(result)
+            measure_floor(layout, model_name, result)
         run_one(layout, model_name, args, result)
         if args.bare_rollout and BARE_INPUTS:
-            result["bare_rollout"] = bare_rollout(gpu)
-            if "tokens_per_second" in result["bare_rollout"]:
-                result["rollout"]["overhead"] = 1 - result["rollout"]["tokens_per_second"] / result["bare_rollout"][
-                    "tokens_per_second"]
-            print(f"[{layout}:{model_name}] bare vLLM rollout {result['bare_rollout']}", flush=True)
+            result["bare_rollout"] = bare = bare_rollout(gpu)
+            if "tokens_per_second" in bare:
+                result["rollout"]["overhead"] = 1 - result["rollout"]["tokens_per_second"] / bare["tokens_per_second"]
+            print(f"[{layout}:{model_name}] bare vLLM rollout {bare}", flush=True)
         result["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - record every failure in the result file
         result["status"] = "failed"
@@ -866,87 +775,6 @@ def child(args: argparse.Namespace) -> int:
         result["floor_shares"] = floor_shares(result)
         save(result)
     return 0 if result["status"] == "ok" else 1
-
-
-# ------------------------------------------------------------------------------------------------ parent
-#: ``bench_actors.STACK_SIGNAL`` and ``ACTOR_TITLE`` (the parent does not import the runtime); the most seconds to
-#: wait for the stacks; where Ray keeps each worker's stderr (``worker-<id>-<pid>.err``: the actors' stacks).
-STACK_SIGNAL, ACTOR_TITLE, STACK_WAIT_S = signal.SIGUSR1, "ray::Bench", 10.0
-RAY_LOGS = Path("/tmp/ray/session_latest/logs")
-
-
-def actor_stacks(pids: list[int], polls: dict[str, str] | None = None) -> str:
-    """The stacks the actors ``pids`` wrote to their stderr on ``STACK_SIGNAL`` (Ray's worker logs, ``RAY_LOGS``),
-    one section per actor. Polling (``polls``: a dict the caller keeps between calls): "" until every one of them
-    has written its stacks and they read the same as at the previous poll (faulthandler writes a dump in pieces,
-    so the first sight of one may be cut off mid-line)."""
-    parts = []
-    for pid in pids:
-        text = "".join(f.read_text(errors="replace") for f in RAY_LOGS.glob(f"worker-*-{pid}.err"))
-        start = min((i for i in (text.find("Current thread 0x"), text.find("Thread 0x")) if i >= 0), default=-1)
-        if start < 0 and polls is not None:
-            return ""
-        parts.append(f"\n=== stacks of actor pid {pid}\n" + (text[start:] if start >= 0 else "(none written)\n"))
-    text = "".join(parts)
-    if polls is not None:
-        stable, polls["last"] = polls.get("last") == text, text
-        return text if stable else ""
-    return text
-
-
-def titled_processes(run_pid: int, title: bytes) -> list[int]:
-    """The run ``run_pid`` first, then every other process on this machine whose command line starts with
-    ``title`` (a process title such as ``ray::``)."""
-    pids = [run_pid]
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != run_pid:
-            try:
-                if (d / "cmdline").read_bytes().startswith(title):
-                    pids.append(int(d.name))
-            except OSError:  # gone meanwhile
-                continue
-    return pids
-
-
-def ray_processes(run_pid: int) -> list[int]:
-    """The run ``run_pid`` and every Ray process on this machine (process title ``ray::...``: actors, vLLM's
-    engine workers, Ray's own), for ``native_stacks``."""
-    return titled_processes(run_pid, b"ray::")
-
-
-def native_stacks(py_spy: str, pids: list[int], timeout_s: float = 20.0) -> str:
-    """``py-spy dump --native`` of each of ``pids``: every thread's Python and native frames, read from outside
-    the process (no signal handler needed, so vLLM's engine workers too; where a host thread blocks inside NCCL or
-    CUDA). One section per process, its command line first."""
-    parts = []
-    for pid in pids:
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        except OSError:
-            continue
-        try:
-            out = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
-                                 timeout=timeout_s, check=False)
-            text = out.stdout + out.stderr
-        except subprocess.TimeoutExpired:
-            text = f"(py-spy took over {timeout_s:.0f} s)\n"
-        parts.append(f"\n=== native stacks of pid {pid}: {title}\n{text}")
-    return "".join(parts)
-
-
-def stack_dump(run_pid: int) -> list[int]:
-    """Ask a run past its limit (``run_pid``, which registered the dump in ``child``) and every benchmark actor
-    (process title ``ACTOR_TITLE``...: they register it when they start) for the stacks of their threads; the pids
-    asked, the run's first. Other processes are left alone: the signal would end a process that did not register
-    it."""
-    asked = []
-    for pid in titled_processes(run_pid, ACTOR_TITLE.encode()):
-        try:
-            os.kill(pid, STACK_SIGNAL)
-            asked.append(pid)
-        except ProcessLookupError:
-            continue
-    return asked
 
 
 def table(out: Path, names: list[str]) -> str:
@@ -977,7 +805,7 @@ def table(out: Path, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="LAYOUT:MODEL, e.g. separate-nccl:qwen2-0.5b")
     p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
@@ -1021,82 +849,72 @@ def main() -> int:
                    "same machine reuses the model")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
+    return p
+
+
+#: Options passed on to each run's child as they are (flags, and options with a value where one is set).
+FLAGS = ("cpu", "no_variants", "sequential", "bare_rollout", "revalidate", "engine_device_sync", "build_only",
+         "skip_validation")
+VALUED = ("variants", "prompts", "max_tokens", "sender_options")
+
+
+def child_argv(args: argparse.Namespace, name: str, out: Path, command: str) -> list[str]:
+    """The child process of run ``name``: this script with ``--one`` and the parent's options."""
+    cmd = [sys.executable, __file__, "--one", name, "--kind", args.kind, "--out", str(out), "--work", args.work,
+           "--syncs", str(args.syncs), "--command", command, "--scaling-rounds", str(args.scaling_rounds),
+           "--scaling-per-engine", str(args.scaling_per_engine), "--rollouts", str(args.rollouts)]
+    cmd += [f"--{f.replace('_', '-')}" for f in FLAGS if getattr(args, f)]
+    for k in VALUED:
+        if getattr(args, k):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    return cmd
+
+
+def marked(line: str) -> bool:
+    """A child's line the parent prints as it comes: the run's own reports and errors."""
+    return line.startswith("[") or "Error" in line or "error" in line[:200]
+
+
+def run_child(args: argparse.Namespace, name: str, out: Path, command: str, limit: float) -> int | None:
+    """One run's child, watched (``stack_dumps.watch``) into ``gpu_sync.log``; past ``limit`` its result says so.
+    Ray is stopped after it either way. The exit code, None at the limit."""
+    log = out / "gpu_sync.log"
+    with open(log, "ab") as f:
+        f.write(f"\n=== {name}\n".encode())
+    try:
+        code = watch(child_argv(args, name, out, command), log, limit, marked,
+                     native=out / f"native_stacks_{name.replace(':', '_')}.txt", py_spy=args.py_spy)
+        if code is None:
+            res = out / f"gpu_{name.replace(':', '_')}.json"
+            r = json.loads(res.read_text()) if res.exists() else {"layout": name}
+            r.update(status="timeout", error=f"no result within {limit:.0f}s")
+            harness.write_result(res, r)
+        return code
+    finally:
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                       capture_output=True, timeout=60, check=False)
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     if args.revalidate and args.no_variants:  # it syncs with the fastest variant: there is none without variants
         p.error("--revalidate needs the variants (it re-validates the fastest one): drop --no-variants")
     if args.one:
         return child(args)
-
-    command = harness.command_line()
-    out = Path(args.out)
+    command, out = harness.command_line(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "gpu_sync.log"
-    start = time.time()
-    codes = {}
+    start, codes = time.time(), {}
     for name in args.runs:
         elapsed = time.time() - start
         if args.deadline and elapsed + 60 > args.deadline:
             print(f"skip {name}: {elapsed:.0f}s spent of the {args.deadline:.0f}s deadline", flush=True)
             continue
         limit = args.timeout if not args.deadline else min(args.timeout, args.deadline - elapsed)
-        cmd = [sys.executable, __file__, "--one", name, "--kind", args.kind, "--out", str(out), "--work", args.work,
-               "--syncs", str(args.syncs), "--command", command]
-        cmd += ["--cpu"] if args.cpu else []
-        cmd += ["--no-variants"] if args.no_variants else []
-        cmd += ["--variants", args.variants] if args.variants else []
-        cmd += ["--sequential"] if args.sequential else []
-        cmd += ["--prompts", str(args.prompts)] if args.prompts else []
-        cmd += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
-        cmd += ["--scaling-rounds", str(args.scaling_rounds), "--scaling-per-engine", str(args.scaling_per_engine)]
-        cmd += ["--rollouts", str(args.rollouts)]
-        cmd += ["--bare-rollout"] if args.bare_rollout else []
-        cmd += ["--revalidate"] if args.revalidate else []
-        cmd += ["--engine-device-sync"] if args.engine_device_sync else []
-        cmd += ["--build-only"] if args.build_only else []
-        cmd += ["--skip-validation"] if args.skip_validation else []
-        cmd += ["--sender-options", args.sender_options] if args.sender_options else []
         print(f"=== {name} (limit {limit:.0f}s)", flush=True)
         t = time.time()
-        with open(log, "ab") as f:
-            f.write(f"\n=== {name}\n".encode())
-            f.flush()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                assert proc.stdout is not None
-                deadline = time.time() + limit
-                os.set_blocking(proc.stdout.fileno(), False)
-                while proc.poll() is None and time.time() < deadline:
-                    chunk = proc.stdout.read() or b""
-                    f.write(chunk)
-                    for line in chunk.decode(errors="replace").splitlines():
-                        if line.startswith("[") or "Error" in line or "error" in line[:200]:
-                            print("   ", line[:400], flush=True)
-                    time.sleep(0.5)
-                if proc.poll() is None:
-                    if args.py_spy:  # before the signals below: the stacks as the run hung
-                        (out / f"native_stacks_{name.replace(':', '_')}.txt").write_text(
-                            native_stacks(args.py_spy, ray_processes(proc.pid)))
-                    asked = stack_dump(proc.pid)
-                    print(f"TIMEOUT {name} after {limit:.0f}s; stacks of {len(asked)} processes in {log}", flush=True)
-                    until = time.time() + STACK_WAIT_S  # the run's own goes to its output, the actors' to Ray's logs
-                    polls: dict[str, str] = {}
-                    while proc.poll() is None and time.time() < until and not actor_stacks(asked[1:], polls):
-                        f.write(proc.stdout.read() or b"")
-                        time.sleep(0.5)
-                    f.write(proc.stdout.read() or b"")
-                    f.write(actor_stacks(asked[1:]).encode())
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    res = out / f"gpu_{name.replace(':', '_')}.json"
-                    r = json.loads(res.read_text()) if res.exists() else {"layout": name}
-                    r.update(status="timeout", error=f"no result within {limit:.0f}s")
-                    res.write_text(json.dumps(r, indent=1))
-                f.write(proc.stdout.read() or b"")
-            finally:
-                subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-                               capture_output=True, timeout=60, check=False)
-        codes[name] = proc.returncode
-        print(f"=== {name}: exit {proc.returncode} in {time.time() - t:.0f}s", flush=True)
+        codes[name] = run_child(args, name, out, command, limit)
+        print(f"=== {name}: exit {codes[name]} in {time.time() - t:.0f}s", flush=True)
     print(table(out, args.runs))
     return 0 if all(c == 0 for c in codes.values()) else 1
 

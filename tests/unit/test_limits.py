@@ -39,8 +39,6 @@ LONG_MODULES: dict[str, str] = {
 }
 #: Functions over ``MAX_FUNCTION_LINES``, as ``path::qualified name``, with why.
 LONG_FUNCTIONS: dict[str, str] = {
-    "benchmarks/gpu_sync.py::child": _REFACTORED,
-    "benchmarks/gpu_sync.py::main": _REFACTORED,
     "benchmarks/cpu_runtime.py::main": _SCRIPT,
     "benchmarks/flat_logprobs.py::main": _SCRIPT,
     "benchmarks/gpu_async.py::main": _SCRIPT,
