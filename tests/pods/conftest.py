@@ -71,6 +71,14 @@ def operator_release(real_cluster) -> str:
 
 
 @pytest.fixture(scope="package")
+def agent_sandbox(real_cluster) -> localcluster.Cluster:
+    """The real agent-sandbox controller (its CRDs, RBAC and the controller as a host process with
+    ``--extensions``; ``Cluster.install_agent_sandbox``), installed once for the tier and stopped with the cluster."""
+    real_cluster.install_agent_sandbox()
+    return real_cluster
+
+
+@pytest.fixture(scope="package")
 def shared_dir() -> Path:
     """A directory every pod mounts (hostPath): the tiny model and the checkpoints."""
     return cpujob.make_shared_dir(Path(f"/tmp/rlhf-pods-shared-{uuid.uuid4().hex[:6]}"))
