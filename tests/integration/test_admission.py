@@ -171,8 +171,15 @@ INVALID = [
     ("zero turns", with_spec(environment={"className": "m:Env", "maxTurns": 0}),
      "spec.environment.maxTurns: Invalid value: 0"),
     ("environment with nothing", with_spec(environment={}), "spec.environment needs tools, className or http"),
-    ("environment with async sync", with_spec(environment={"className": "m:Env"}, weightSync__mode="async"),
-     "spec.environment runs with weightSync.mode 'sync'"),
+    ("environment async with syncs rarer than the staleness bound", with_spec(
+        environment={"className": "m:Env"}, weightSync__mode="async", weightSync__everyNSteps=3),
+     "needs weightSync.everyNSteps <= weightSync.maxStaleness + 1"),
+    ("max staleness without an environment", with_spec(weightSync__mode="async", weightSync__maxStaleness=2),
+     "weightSync.maxStaleness applies to multi-turn rollouts (spec.environment) in weightSync.mode 'async' only"),
+    ("max staleness in sync mode", with_spec(environment={"className": "m:Env"}, weightSync__maxStaleness=0),
+     "weightSync.maxStaleness applies to multi-turn rollouts"),
+    ("negative max staleness", with_spec(environment={"className": "m:Env"}, weightSync__mode="async",
+                                         weightSync__maxStaleness=-1), "spec.weightSync.maxStaleness: Invalid value"),
     ("environment class not module:Class", with_spec(environment={"className": "my_env"}),
      "spec.environment.className: Invalid value"),
     ("http environment with url and server", with_spec(environment={"http": {
@@ -202,6 +209,15 @@ def test_valid_samples_pass_admission(cluster) -> None:
                    "moe-expert-parallel", "ppo-reward-model", "lora-adapter-sync", "agent-python-tool"):
         out = apply(cluster, load_sample(sample), "default", "--dry-run=server", check=False)
         assert out.returncode == 0, f"{sample}: {out.stderr}"
+
+
+def test_environment_in_async_mode_passes_admission(cluster) -> None:
+    """Multi-turn rollouts across async weight syncs, with the staleness bound at its default and raised to
+    allow rarer syncs."""
+    for weight_sync in ({"mode": "async"}, {"mode": "async", "everyNSteps": 3, "maxStaleness": 2}):
+        job = with_spec(environment={"className": "m:Env"}, **{f"weightSync__{k}": v for k, v in weight_sync.items()})
+        out = apply(cluster, job, "default", "--dry-run=server", check=False)
+        assert out.returncode == 0, f"{weight_sync}: {out.stderr}"
 
 
 def test_object_store_checkpoint_passes_admission(cluster) -> None:
