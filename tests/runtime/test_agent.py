@@ -66,3 +66,40 @@ def test_tool_calls_environment_and_faults_train_without_failing_the_run(tiny_ch
         assert 0 < r["tokens"] < r["train"]["response_length_mean"] * 2 * len(SCRIPT)
     log = run.log.read_text(errors="replace")
     assert "ScriptedEngine pid=" in log
+
+
+def test_async_mode_trajectories_span_a_sync_within_the_staleness_bound(tiny_chat_model: Path,
+                                                                        tmp_path: Path) -> None:
+    """``weightSync.mode: async``: the rollout runs across steps, one batch ahead of the weights. A 'hold'
+    trajectory's environment holds its first step until step 1 is trained, so those launched before step 1's sync
+    finish after it, on the new weights: step 1 trains the 'fast' groups and carries the 'hold' ones over, and a
+    later step trains them with tokens of two policy versions (staleness 1). No trained trajectory is older than
+    ``maxStaleness``; one that would be is dropped and generated again."""
+    spec = job_config(
+        tiny_chat_model,
+        algorithm={"steps": 3, "promptsPerStep": 2},
+        data={"prompts": ["hold", "fast"]},
+        rollout={"maxModelLen": 512, "sampling": {"temperature": 1.0, "maxTokens": 32, "samplesPerPrompt": 2}},
+        weightSync={"mode": "async", "maxStaleness": 1},
+        environment={"className": "rlhf_testing.agent_envs:HeldAnswerEnv", "maxTurns": 3, "maxTokens": 500},
+    )
+    cfg = write_config(tmp_path / "job.json", spec)
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"hold": ["let me think", "the answer is 42"], "fast": ["the answer is 42"]}))
+    run = start_driver(tmp_path, cfg, "--turn-script", str(script), hooks=True,
+                       env={"RLHF_TEST_PROGRESS": str(tmp_path / "run.progress.jsonl")})
+    assert run.wait(timeout=600) == 0, run.tail()
+    steps = run.steps()
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    records = [r["agent_rollout"] for r in steps]
+    for r, agent in zip(steps, records):
+        # a full batch of 2 groups x 2 trajectories every step, none older than maxStaleness
+        assert sum(agent["staleness_histogram"].values()) == 4, agent
+        assert agent["staleness_max"] <= 1 and r["agent"]["stalenessMax"] == agent["staleness_max"], agent
+        assert r["train"]["agent_staleness_max"] == agent["staleness_max"]
+        assert abs(r["throughput"]["rewardMean"] - 1.0) < 1e-6, r["throughput"]  # every trained one answered
+    # step 1 (weights of step 0): the 'fast' groups of the first two batches; the 'hold' ones carry over
+    assert records[0]["staleness_histogram"] == {"0": 4} and records[0]["carried_groups"] == 2, records[0]
+    # a 'hold' group began on version 0 and ended on version 1: tokens of both versions, staleness 1
+    assert sum(a["mixed_version_trajectories"] for a in records) >= 2, records
+    assert sum(a["staleness_histogram"].get("1", 0) for a in records) >= 2, records
