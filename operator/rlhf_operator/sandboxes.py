@@ -227,7 +227,7 @@ def cause_from_pods(pods: list[dict[str, Any]], sandboxes: list[dict[str, Any]])
 
 def no_controller(live: dict[str, Any], now: dt.datetime) -> tuple[str, str] | None:
     """A pool no agent-sandbox controller has acted on ``CONTROLLER_GRACE_SECONDS`` after its creation."""
-    if (live.get("status") or {}).get("observedGeneration"):
+    if live.get("status"):  # a controller wrote the pool's status
         return None
     try:
         created = dt.datetime.fromisoformat(str(live["metadata"].get("creationTimestamp")))
@@ -286,9 +286,12 @@ def converge(job: Job, body: Any, live: dict[str, Any] | None, phase: str | None
         obs.cause = ("AgentSandboxMissing", missing)
         out.look_again(MISSING_RECHECK_SECONDS)
         return obs
+    if live is None:  # not in the watch cache (yet): a pool made before the watch of pools began is read
+        live = _get(job)
     if live is None or live["metadata"].get("deletionTimestamp"):
         if live is None and phase not in ("Succeeded", "Failed"):
             live = _create(job, body, obs.wanted, out)
+        out.look_again(DIAGNOSE_SECONDS)
         return obs
     if (live.get("spec") or {}).get("replicas") != obs.wanted:
         live = _scale(job, body, live, obs, out)
@@ -299,14 +302,25 @@ def converge(job: Job, body: Any, live: dict[str, Any] | None, phase: str | None
     return obs
 
 
+def _get(job: Job) -> dict[str, Any] | None:
+    found = kube._missing_ok(kube.custom().get_namespaced_custom_object, GROUP, VERSION, job.namespace, POOLS,
+                             sandbox_name(job.name))
+    return pool(found) if found else None
+
+
 def _create(job: Job, body: Any, replicas: int, out: Outcome) -> dict[str, Any] | None:
     template, warm = render_template(job), render_warm_pool(job, replicas)
     assert template is not None and warm is not None
     made = None
     for obj, plural in ((template, TEMPLATES), (warm, POOLS)):
         kopf.adopt(obj, owner=body)
-        made = kube._created(kube.custom().create_namespaced_custom_object, GROUP, VERSION, job.namespace, plural,
-                             obj)
+        try:
+            made = kube._created(kube.custom().create_namespaced_custom_object, GROUP, VERSION, job.namespace,
+                                 plural, obj)
+        except ApiException as e:
+            if e.status == 404:  # the namespace is being deleted, or the CRDs went: the next reconcile says which
+                return None
+            raise
         if made is not None:
             post_event(body, "Created", f"{obj['kind']} {obj['metadata']['name']} ({replicas} warm sandboxes)"
                        if plural == POOLS else f"{obj['kind']} {obj['metadata']['name']}")

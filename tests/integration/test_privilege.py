@@ -60,6 +60,21 @@ GRANTED_NOT_CALLED = {
     ("", "services", "create"): "the environment server's Service; none here "
                                "(test_environment_server.py::test_environment_server_is_made_and_goes_with_the_job)",
 }
+#: spec.environment.sandbox: agent-sandbox is not installed in this scenario's cluster (no job here has a sandbox).
+_SANDBOX_IT = "test_sandboxes.py::test_template_pool_policy_claims_release_and_cleanup"
+_RUNTIME_GRANT = f"RBAC escalation check: a sandbox job's runtime Role grants it, so its creator must hold it ({_SANDBOX_IT})"
+GRANTED_NOT_CALLED.update({
+    ("extensions.agents.x-k8s.io", "sandboxtemplates", "create"): f"a sandbox job's template ({_SANDBOX_IT})",
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "create"): f"a sandbox job's warm pool ({_SANDBOX_IT})",
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "patch"): f"a held job's pool scaled to 0 ({_SANDBOX_IT})",
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "list"): f"the pools' watch, without the CRD ({_SANDBOX_IT})",
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "watch"): f"the pools' watch, without the CRD ({_SANDBOX_IT})",
+    ("extensions.agents.x-k8s.io", "sandboxclaims", "deletecollection"): f"a held job's claims ({_SANDBOX_IT})",
+    ("agents.x-k8s.io", "sandboxes", "list"): f"why a pool cannot fill ({_SANDBOX_IT})",
+    **{("extensions.agents.x-k8s.io", "sandboxclaims", v): _RUNTIME_GRANT
+       for v in ("create", "get", "list", "watch", "delete")},
+    ("agents.x-k8s.io", "sandboxes", "get"): _RUNTIME_GRANT,
+})
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
