@@ -7,7 +7,7 @@ PY := .venv/bin/python
 setup:
 	bash hack/setup.sh
 
-# Container images for real nodes (operator, CPU runtime, KubeRay, pause), cached by content hash.
+# Container images for real nodes (operator, CPU runtime, KubeRay, pause, sandbox), cached by content hash.
 images: setup
 	bash hack/build-images.sh >/dev/null
 
