@@ -58,9 +58,10 @@ def test_default_render_is_hardened_cluster_scoped(helm) -> None:
     rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-        # children go away by owner references; the deletes: a stuck run's Ray head pod (reconcile._end_stuck_run)
-        # and a RayCluster its RayJob no longer uses (children.delete_duplicates)
-        assert "delete" not in rule["verbs"] or rule["resources"] in (["pods"], ["rayclusters"]), rule
+        # children go away by owner references; the deletes: a stuck run's Ray head pod (reconcile._end_stuck_run),
+        # a RayCluster its RayJob no longer uses (children.delete_duplicates) and sandbox claims (a sandbox job's
+        # runtime Role releases its own; a held job's are deleted with deletecollection: sandboxes.converge)
+        assert "delete" not in rule["verbs"] or rule["resources"] in (["pods"], ["rayclusters"], ["sandboxclaims"]), rule
     # Kopf's namespace observer runs only with --namespace; Kopf posts core/v1 Events only
     # (tests/integration/test_privilege.py checks every granted rule against the audit log of a scenario)
     assert not [r for r in rules if "namespaces" in r["resources"] or "events.k8s.io" in r["apiGroups"]], rules
