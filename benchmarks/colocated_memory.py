@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,35 +32,13 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "operator"))
 
 sys.path.insert(0, str(ROOT))
-from gpu_sync import MODELS  # after the path: the GPU benchmarks' model shapes
-
-QWEN3_17B = MODELS["qwen3-1.7b"][1]
-TINY = {"vocab_size": 64, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 512,
-        "tie_word_embeddings": True}
+import harness
 
 
 def build_model(path: Path, gpu: bool) -> dict[str, Any]:
-    """The random-initialised model (bfloat16 on a GPU, float32 on a CPU) and its tokenizer at ``path``."""
-    import torch
-    from rlhf_testing.tiny import build_tokenizer
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    shape = QWEN3_17B if gpu else TINY
-    if (path / "config.json").exists():
-        return {"config": shape, "reused": True}
-    cfg = Qwen3Config(**shape, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if gpu else torch.float32
-    with torch.device("cuda" if gpu else "cpu"):
-        model = Qwen3ForCausalLM._from_config(cfg, dtype=dtype)
-    model.save_pretrained(str(path))
-    build_tokenizer(path, shape["vocab_size"])
-    params = sum(p.numel() for p in model.parameters())
-    del model
-    if gpu:
-        torch.cuda.empty_cache()
-    return {"config": shape, "params": params}
+    """The random-initialised model (the Qwen3-1.7B shape in bfloat16 on a GPU, the tiny one in float32 on a CPU)
+    and its tokenizer at ``path`` (``harness.cached_model``: reused where a run built it)."""
+    return harness.cached_model(path, "qwen3-1.7b" if gpu else "tiny", gpu)
 
 
 def job(model: Path, name: str, util: float, offload: str, max_tokens: int, steps: int, prompts: int,
@@ -97,29 +73,13 @@ def snake(k: str) -> str:
 
 def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[str, Any]:
     """One driver run of ``variant`` (NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]); what its progress file recorded."""
-    from rlhf_api.models import RuntimeConfig
-
     name, util, offload, max_tokens, steps, *rest = variant.split(":")
     flags = frozenset(f for f in (rest[0] if rest else "").split(",") if f)
     if flags - {"graphs", "compile"}:
         raise SystemExit(f"unknown flags {sorted(flags - {'graphs', 'compile'})} in {variant}: graphs, compile")
     spec = job(model, name, float(util), offload, int(max_tokens), int(steps), args.prompts, not args.cpu, flags)
-    cfg = tmp / f"{name}.json"
-    cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name, spec=spec).model_dump_json(by_alias=True))
-    progress, log = tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
-    progress.unlink(missing_ok=True)  # the driver appends: an earlier run's records are not this run's
-    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
-           "--progress-file", str(progress)]
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        try:
-            rc = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    wall = time.perf_counter() - t0
-    records = [json.loads(line) for line in progress.read_text().splitlines() if line.strip()] \
-        if progress.exists() else []
+    ran, records = harness.run_driver(spec, tmp, name=name, timeout=args.run_timeout)
+    rc, wall, log = ran["exit"], ran["seconds"], ran["log"]
     result: dict[str, Any] = {"variant": variant, "exit_code": rc, "wall_seconds": round(wall, 1), "steps": []}
     for r in records:
         plan = (r.get("actors") or {}).get("memory_plan")
@@ -178,11 +138,12 @@ def main() -> int:
                             str(args.model_dir)] + (["--cpu"] if args.cpu else []),
                            check=True, capture_output=True, text=True)
     out = args.out / "colocated_memory.json"
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    prov = harness.provenance()
+    result: dict[str, Any] = {"command": prov["command"], "date": prov["date"], "provenance": prov,
                               **json.loads(build.stdout.strip().splitlines()[-1]), "runs": []}
     for v in args.variants:
         result["runs"].append(run(args, tmp, args.model_dir, v))
-        out.write_text(json.dumps(result, indent=1) + "\n")  # a cut run keeps what finished
+        harness.write_result(out, result)  # a cut run keeps what finished
         print(f"{v}: exit {result['runs'][-1]['exit_code']} in {result['runs'][-1]['wall_seconds']} s", flush=True)
     print(table(result["runs"]))
     return 0

@@ -10,21 +10,20 @@ reports (medians over the steps after the first ``--warmup``). Not a test: numbe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_api.models import RuntimeConfig
-
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import harness
+
 RESULT = ROOT / "results" / "learning" / "cpu_runtime.json"
 
 
@@ -37,29 +36,7 @@ def build_model(model: Path, hidden: int, layers: int) -> Path:
     return model
 
 
-def run_driver(spec: dict[str, Any], work: Path, log: Path | None = None,
-               timeout: float | None = None) -> tuple[int, list[dict[str, Any]], float]:
-    """``python -m rlhf_runtime.driver --local`` on ``spec`` in ``work`` (config and progress file there; output to
-    ``log``, else discarded): (exit code, 124 past ``timeout`` seconds; progress records; wall seconds)."""
-    work.mkdir(parents=True, exist_ok=True)
-    cfg = work / "job.json"
-    cfg.write_text(RuntimeConfig(name="bench", namespace="default", uid="bench", spec=spec).model_dump_json(by_alias=True))
-    progress = work / "progress.jsonl"
-    t0 = time.perf_counter()
-    with open(log or os.devnull, "w") as out:
-        try:
-            rc = subprocess.run([sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local",
-                                 "--no-report", "--progress-file", str(progress)], stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    wall = time.perf_counter() - t0
-    records = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
-    return rc, records, wall
-
-
-def main() -> int:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
@@ -73,11 +50,11 @@ def main() -> int:
                    help="spec.env OMP_NUM_THREADS for every actor (1: as every actor ran before the runtime gave "
                    "CPU jobs' actors their pod's CPUs; default: the runtime's choice)")
     p.add_argument("--out", default=str(RESULT))
-    a = p.parse_args()
-    command = " ".join(shlex.quote(x) for x in [".venv/bin/python", "benchmarks/cpu_runtime.py", *sys.argv[1:]])
+    return p.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
-    model = build_model(work / "model", a.hidden, a.layers)
+
+def job_spec(a: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """The CPU job: one trainer and one engine, a length reward, a sync every step over gloo."""
     spec = {
         "model": {"name": str(model), "dtype": "float32"},
         "image": "local",
@@ -90,45 +67,49 @@ def main() -> int:
         "data": {"prompts": [f"prompt {i}:" for i in range(64)]},
         "reward": {"rule": "length", "targetLength": a.max_tokens // 2},
     }
-    if a.omp_threads:
-        spec["env"] = [{"name": "OMP_NUM_THREADS", "value": str(a.omp_threads)}]
-    rc, records, wall = run_driver(spec, work)
-    if rc:
-        raise subprocess.CalledProcessError(rc, "python -m rlhf_runtime.driver")
-    steps = [r for r in records if "throughput" in r and r["runtime"]["state"] == "Running"][a.warmup:]
-    med = lambda xs: statistics.median(xs)
-    tp = {k: med([r["throughput"][k] for r in steps]) for k in steps[0]["throughput"]}
+    return harness.with_env(spec, {"OMP_NUM_THREADS": str(a.omp_threads)}) if a.omp_threads else spec
+
+
+def medians(records: list[dict[str, Any]], warmup: int) -> tuple[int, dict[str, Any], int]:
+    """Medians over the steps after ``warmup``: the step's figures (and its sync's stages), the steps measured and
+    the bytes a sync sends."""
+    steps = [r for r in records if "throughput" in r and r["runtime"]["state"] == "Running"][warmup:]
+    tp = {k: statistics.median([r["throughput"][k] for r in steps]) for k in steps[0]["throughput"]}
     syncs = [r["sync"] for r in steps]
-    sync = {k: med([s[k] for s in syncs]) for k in syncs[0] if isinstance(syncs[0][k], (int, float))}  # not "format"
+    sync = {k: statistics.median([s[k] for s in syncs]) for k in syncs[0]
+            if isinstance(syncs[0][k], int | float)}  # not "format"
+    stages = ("pause_s", "start_s", "gather_s", "transfer_s", "finish_s", "resume_s", "total_s")
+    return len(steps), {
+        "rollout_tokens_per_second": tp["rolloutTokensPerSecond"], "samples_per_second": tp["samplesPerSecond"],
+        "step_seconds": tp["stepSeconds"], "rollout_seconds": tp["rolloutSeconds"],
+        "train_seconds": tp["trainSeconds"], "weight_sync_seconds": tp["weightSyncSeconds"],
+        "weight_sync_gbps": tp["weightSyncGbps"], "sync_stages_seconds": {k: sync[k] for k in stages},
+        "sync_transfer_gbps": sync["transfer_gbps"]}, int(sync["bytes"])
+
+
+def main() -> int:
+    a = parse()
+    work = Path(tempfile.mkdtemp(prefix="rlhf-bench-"))
+    ran, records = harness.run_driver(job_spec(a, build_model(work / "model", a.hidden, a.layers)), work)
+    if ran["exit"]:
+        raise subprocess.CalledProcessError(ran["exit"], "python -m rlhf_runtime.driver")
+    measured, m, sent = medians(records, a.warmup)
+    prov = harness.provenance(harness.command_line(python=".venv/bin/python"))
     result = {
-        "command": command,
+        "command": prov["command"], "provenance": prov,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "model": {"hidden": a.hidden, "layers": a.layers, "param_bytes": int(sync["bytes"]), "dtype": "float32"},
-        "workload": {"steps": a.steps, "measured_steps": len(steps), "prompts_per_step": a.prompts_per_step,
+        "model": {"hidden": a.hidden, "layers": a.layers, "param_bytes": sent, "dtype": "float32"},
+        "workload": {"steps": a.steps, "measured_steps": measured, "prompts_per_step": a.prompts_per_step,
                      "samples_per_prompt": a.samples_per_prompt, "max_tokens": a.max_tokens,
                      "bucket_mb": a.bucket_mb, "weight_sync_backend": "gloo (CPU)",
                      "omp_threads": a.omp_threads or "the runtime's (trainer/rollout resources.cpu, capped)"},
-        "median": {
-            "rollout_tokens_per_second": tp["rolloutTokensPerSecond"],
-            "samples_per_second": tp["samplesPerSecond"],
-            "step_seconds": tp["stepSeconds"],
-            "rollout_seconds": tp["rolloutSeconds"],
-            "train_seconds": tp["trainSeconds"],
-            "weight_sync_seconds": tp["weightSyncSeconds"],
-            "weight_sync_gbps": tp["weightSyncGbps"],
-            "sync_stages_seconds": {k: sync[k] for k in
-                                    ("pause_s", "start_s", "gather_s", "transfer_s", "finish_s", "resume_s", "total_s")},
-            "sync_transfer_gbps": sync["transfer_gbps"],
-        },
-        "driver_wall_seconds": wall,
+        "median": m, "driver_wall_seconds": ran["seconds"],
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    m = result["median"]
+    harness.write_result(a.out, result)
     print(f"rollout {m['rollout_tokens_per_second']:.0f} tokens/s, {m['samples_per_second']:.1f} samples/s")
     print(f"step {m['step_seconds']:.3f}s = rollout {m['rollout_seconds']:.3f}s + train {m['train_seconds']:.3f}s "
           f"+ sync {m['weight_sync_seconds']:.3f}s (+ scoring/bookkeeping)")
-    print(f"weight sync {result['model']['param_bytes'] / 1e6:.1f} MB: {m['weight_sync_gbps']:.3f} GB/s end to end, "
+    print(f"weight sync {sent / 1e6:.1f} MB: {m['weight_sync_gbps']:.3f} GB/s end to end, "
           f"{m['sync_transfer_gbps']:.3f} GB/s send; stages {m['sync_stages_seconds']}")
     print(f"wrote {a.out}")
     return 0

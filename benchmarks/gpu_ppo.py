@@ -4,7 +4,7 @@ and critic train beside a reference and a reward model, with per-role times from
 Layout on two GPUs (``separate`` placement): GPU 0 holds the trainer (actor), the critic, the reference and the
 reward model, each a Ray actor colocated on the trainer's bundle (a quarter GPU share each); GPU 1 holds one
 vLLM engine (TP=1), synced over NCCL every step. Models: a policy from a real architecture config
-(``gpu_sync.MODELS``, random weights, no hub) and a reward model of the same architecture with a one-output
+(``harness.MODELS``, random weights, no hub) and a reward model of the same architecture with a one-output
 sequence-classification head (random weights: the scores carry no meaning here, the throughput does). The
 first sync is checked against a fresh engine (``weightSync.validate``) and the trained model is exported in
 Hugging Face format at the end and checked against the synced engine the same way.
@@ -18,21 +18,18 @@ prints a table. ``--cpu`` runs the same on CPU with the tiny model (a smoke test
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
+import shutil
 import statistics
-import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from gpu_sync import MODELS, build_model
+import harness
+from harness import MODELS, build_model
 
 ROLE_KEYS = ("stepSeconds", "rolloutSeconds", "rewardSeconds", "referenceSeconds", "criticSeconds", "trainSeconds",
              "weightSyncSeconds", "rolloutTokensPerSecond")
@@ -63,7 +60,7 @@ def job_spec(model: Path, rm: Path, out: Path, args: argparse.Namespace) -> dict
     }
 
 
-def main() -> int:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2-0.5b", choices=sorted(MODELS))
     p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
@@ -78,41 +75,16 @@ def main() -> int:
     args = p.parse_args()
     if args.cpu:
         args.model = "tiny"
-    command = " ".join(shlex.quote(x) for x in ["python3", *sys.argv])
-    work, out = Path(args.work), Path(args.out)
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    model_info = build_model(work / "policy", args.model, not args.cpu)
-    # the policy's architecture with a one-output sequence-classification head, random weights
-    rm_info = build_model(work / "rm", args.model, not args.cpu, head="ForSequenceClassification", seed=1,
-                          num_labels=1)
-    build_s = time.time() - t0
+    return args
 
-    from rlhf_api.models import RuntimeConfig
 
-    spec = job_spec(work / "policy", work / "rm", work / "export", args)
-    cfg = work / "job.json"
-    cfg.write_text(RuntimeConfig(name="gpu-ppo", namespace="bench", uid="bench", spec=spec)
-                   .model_dump_json(by_alias=True))
-    progress = work / "progress.jsonl"
-    progress.unlink(missing_ok=True)
-    log = out / f"gpu_ppo_{args.model}.log"
-    t1 = time.time()
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(cfg), "--local", "--no-report",
-             "--progress-file", str(progress)], stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
-    wall = time.time() - t1
-    records = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()] if progress.exists() else []
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """From the driver's progress records: the first sync's and the export's validation, every step's role times,
+    the final state, and the medians after step 1."""
     steps = [r for r in records if "throughput" in r and r["runtime"]["state"] == "Running" and "train" in r]
     validation = next((r["validation"] for r in records if "validation" in r), None)
     exported = next((r["export_validation"] for r in records if "export_validation" in r), None)
-    result = {
-        "benchmark": "gpu_ppo", "device": args.kind, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": command, "exit_code": proc.returncode, "driver_wall_s": round(wall, 1),
-        "build_s": round(build_s, 1), "model": {"policy": model_info, "reward_model": rm_info}, "spec": spec,
+    out: dict[str, Any] = {
         "first_sync_validated": bool(validation and validation["validated"]),
         "export_validated": bool(exported and exported["validated"]),
         "steps": [{"step": r["step"], **{k: r["throughput"].get(k) for k in ROLE_KEYS},
@@ -121,19 +93,40 @@ def main() -> int:
         "final_state": records[-1]["runtime"]["state"] if records else None,
         "final_message": records[-1]["runtime"].get("message") if records else None,
     }
-    later = result["steps"][1:] or result["steps"]
-    result["median_after_step_1"] = {k: statistics.median([s[k] for s in later if s.get(k) is not None] or [0])
-                                     for k in ROLE_KEYS}
-    path = out / f"gpu_ppo_{args.model}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"exit {proc.returncode}, driver {wall:.0f}s, validated first sync {result['first_sync_validated']}, "
+    later = out["steps"][1:] or out["steps"]
+    out["median_after_step_1"] = {k: statistics.median([s[k] for s in later if s.get(k) is not None] or [0])
+                                  for k in ROLE_KEYS}
+    return out
+
+
+def main() -> int:
+    args = parse()
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model_info = build_model(work / "policy", args.model, not args.cpu)
+    # the policy's architecture with a one-output sequence-classification head, random weights
+    rm_info = build_model(work / "rm", args.model, not args.cpu, head="ForSequenceClassification", seed=1,
+                          num_labels=1)
+    build_s = time.time() - t0
+    spec = job_spec(work / "policy", work / "rm", work / "export", args)
+    ran, records = harness.run_driver(spec, work, name="gpu-ppo", timeout=args.timeout)
+    log = out / f"gpu_ppo_{args.model}.log"
+    shutil.copyfile(ran["log"], log)
+    prov = harness.provenance()
+    result = {"benchmark": "gpu_ppo", "device": args.kind, "date": prov["date"], "command": prov["command"],
+              "provenance": prov, "exit_code": ran["exit"], "driver_wall_s": round(ran["seconds"], 1),
+              "build_s": round(build_s, 1), "model": {"policy": model_info, "reward_model": rm_info}, "spec": spec,
+              **summary(records)}
+    path = harness.write_result(out / f"gpu_ppo_{args.model}.json", result)
+    print(f"exit {ran['exit']}, driver {ran['seconds']:.0f}s, validated first sync {result['first_sync_validated']}, "
           f"export {result['export_validated']}; {path}")
     print("step | " + " | ".join(ROLE_KEYS))
     for s in result["steps"]:
         print(f"{s['step']} | " + " | ".join(f"{s[k]:.3g}" if s.get(k) is not None else "-" for k in ROLE_KEYS))
-    if proc.returncode != 0:
+    if ran["exit"] != 0:
         print("\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-    return proc.returncode
+    return ran["exit"]
 
 
 if __name__ == "__main__":

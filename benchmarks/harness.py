@@ -282,3 +282,23 @@ def run_logged(argv: list[str], log: Path, timeout: float | None = None, env: di
             code, timed_out = 124, True
             f.write(f"\n=== killed after {timeout:.0f} s\n".encode())
     return {"exit": code, "timed_out": timed_out, "seconds": round(time.perf_counter() - t, 3)}
+
+
+def run_driver(spec: dict[str, Any], work: Path, name: str = "bench", timeout: float | None = None,
+               module: str = "rlhf_runtime.driver", extra: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The runtime's driver (``python -m module --local --no-report``, or the test hooks' ``rlhf_testing.driver``)
+    on ``spec``, its config ``<work>/<name>.json``, its output ``<work>/<name>.log`` and its progress file
+    ``<work>/<name>.progress.jsonl`` (started empty), ``extra`` arguments after them, ``env`` over this process's
+    environment; ``run_logged``'s record (with ``log``) and the progress records."""
+    from rlhf_api.models import RuntimeConfig
+
+    work.mkdir(parents=True, exist_ok=True)
+    cfg, progress, log = work / f"{name}.json", work / f"{name}.progress.jsonl", work / f"{name}.log"
+    cfg.write_text(RuntimeConfig(name=name, namespace="bench", uid=name, spec=spec).model_dump_json(by_alias=True))
+    progress.unlink(missing_ok=True)  # the driver appends: an earlier run's records are not this run's
+    argv = [sys.executable, "-m", module, "--config", str(cfg), "--local", "--no-report", "--progress-file",
+            str(progress), *extra]
+    ran = run_logged(argv, log, timeout, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return {**ran, "log": log}, read_records(progress)
+

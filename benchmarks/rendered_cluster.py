@@ -2,8 +2,8 @@
 
 For each layout (``separate-nccl``, ``colocated-ipc``; ``cpu-gloo`` as a CPU smoke test) this script
 
-1. builds a random-init model from a published config (``gpu_sync.MODELS``; no hub on the device) and an
-   RLHFJob spec for it (``gpu_sync.base_spec`` + the layout + ``spec.weightSync.validate: true``);
+1. builds a random-init model from a published config (``harness.MODELS``; no hub on the device) and an
+   RLHFJob spec for it (``harness.base_spec`` + the layout + ``spec.weightSync.validate: true``);
 2. renders it with the operator's own ``rlhf_operator.render.render_ray_job`` / ``render_config_map``;
 3. turns every pod the RayJob describes into the ``ray start`` command KubeRay v1.6.1 would put in that pod
    (``setMissingRayStartParams`` + ``generateRayStartCommand``: ``num-cpus`` from the container's CPU
@@ -61,7 +61,7 @@ from kuberay_pods import HEAD_PORT, KUBERAY_VERSION, plan_pods
 
 HEAD_ADDRESS = f"127.0.0.1:{HEAD_PORT}"
 
-#: Spec overrides per layout (on top of ``gpu_sync.base_spec``). gpusPerNode = what this one host has.
+#: Spec overrides per layout (on top of ``harness.base_spec``). gpusPerNode = what this one host has.
 LAYOUTS: dict[str, dict[str, Any]] = {
     # (a) 1 trainer pod x 1 GPU + 1 engine pod, TP=1 (GPU 0 -> trainer pod, GPU 1 -> engine pod), NCCL
     "separate-nccl": {"placement": {"mode": "separate", "gpusPerNode": 2}, "weightSync": {"backend": "nccl"},
@@ -127,12 +127,12 @@ def ray_stop(env: dict[str, str]) -> dict[str, Any]:
 
 
 def build_model_cached(name: str, path: Path, cpu: bool, env: dict[str, str]) -> dict[str, Any]:
-    """``gpu_sync.build_model`` in a child process (no CUDA context left in this one), cached on disk."""
+    """``harness.build_model`` in a child process (no CUDA context left in this one), cached on disk."""
     meta = path / "rendered_model.json"
     if meta.exists():
         return {**json.loads(meta.read_text()), "cached": True}
     t = time.perf_counter()
-    code = ("import json,sys; sys.path[:0]=[sys.argv[1], sys.argv[2]]; from gpu_sync import build_model; "
+    code = ("import json,sys; sys.path[:0]=[sys.argv[1], sys.argv[2]]; from harness import build_model; "
             "r=build_model(__import__('pathlib').Path(sys.argv[3]), sys.argv[4], sys.argv[5]=='gpu'); "
             "open(sys.argv[3]+'/rendered_model.json','w').write(json.dumps(r))")
     benv = dict(env)
@@ -144,7 +144,7 @@ def build_model_cached(name: str, path: Path, cpu: bool, env: dict[str, str]) ->
 
 
 def make_spec(layout: str, model_path: str, args: argparse.Namespace) -> dict[str, Any]:
-    from gpu_sync import base_spec, merge
+    from harness import base_spec, merge
 
     gpu = not args.cpu
     spec = merge(base_spec(model_path, gpu), LAYOUTS[layout])
@@ -464,10 +464,10 @@ def main() -> int:
     p.add_argument("--kind", default="unknown", help="the device kind, recorded in the results")
     p.add_argument("--out", default=str(ROOT / "results" / "learning" / "rendered"))
     p.add_argument("--work", default="/tmp/rlhf-rendered")
-    p.add_argument("--model", default="qwen3-1.7b", help="a gpu_sync.MODELS name (GPU runs)")
+    p.add_argument("--model", default="qwen3-1.7b", help="a harness.MODELS name (GPU runs)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=0, help="prompts per step (default: gpu_sync.base_spec's)")
-    p.add_argument("--max-tokens", type=int, default=0, help="sampling.maxTokens (default: gpu_sync.base_spec's)")
+    p.add_argument("--prompts", type=int, default=0, help="prompts per step (default: harness.base_spec's)")
+    p.add_argument("--max-tokens", type=int, default=0, help="sampling.maxTokens (default: harness.base_spec's)")
     p.add_argument("--timeout", type=float, default=300, help="seconds the driver may run, per layout")
     p.add_argument("--cpu", action="store_true", help="CPU smoke test (tiny model, gloo, no GPU split)")
     args = p.parse_args()

@@ -40,12 +40,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
-import random
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -53,15 +50,15 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-import gpu_sync  # the layouts of the GPU benchmarks
 import harness
+import sync_layouts  # the layouts of the GPU benchmarks
+from rollout_stats import COMPARISONS, noise, paired, pool
 
 #: The ways a batch is timed (the module's docstring).
 WAYS = ("runtime", "in_actor", "bare", "bare_default", "bare_loaded")
@@ -72,17 +69,6 @@ KEPT_ENV = {"VLLM_USE_FLASHINFER_SAMPLER"}
 #: The engine arguments of the runtime's that ``bare_default`` leaves to vLLM: the weight-transfer backend and the
 #: executor (the runtime runs a TP=1 engine in its actor's process, ``uni``; vLLM picks its own by default).
 RUNTIME_ONLY_ARGS = {"weight_transfer_backend", "distributed_executor_backend"}
-#: What each pair of ways sizes: name -> (slower, faster) way, as 1 - slower's tokens/s / faster's.
-COMPARISONS = {
-    "vs_vllm_defaults": ("runtime", "bare_default"),  # the runtime against vLLM as a user builds it
-    "overhead": ("runtime", "bare"),  # the runtime against its own engine settings in a plain process
-    "driver_path": ("runtime", "in_actor"),
-    "actor_process": ("in_actor", "bare"),
-    "engine_settings": ("bare", "bare_default"),  # the runtime's engine environment against vLLM's defaults
-    "compile_cache": ("bare", "bare_loaded"),
-}
-
-
 def _bare(conn: Any, kwargs: dict[str, Any], env: dict[str, str], defaults: bool) -> None:
     """The bare engine's process: build ``vllm.LLM(**kwargs)``, then time each batch it is sent. ``defaults``:
     as a user would build it, with vLLM's own environment (the runtime's ``ACTOR_ENV`` settings unset, e.g. the
@@ -191,45 +177,7 @@ class GpuClocks:
             self.proc.wait(10)
 
 
-def bootstrap_mean(xs: list[float], n: int = 10000, seed: int = 0) -> tuple[float, float, float]:
-    """Mean of ``xs`` and its 95% percentile-bootstrap interval."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return statistics.fmean(xs), means[int(0.025 * n)], means[int(0.975 * n) - 1]
-
-
-def pearson(xs: list[float], ys: list[float]) -> float | None:
-    if len(xs) < 3 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
-        return None
-    return statistics.correlation(xs, ys)
-
-
-def paired(runs: dict[str, list[dict[str, Any]]], slow: str, fast: str) -> dict[str, float]:
-    """The overhead of ``slow`` over ``fast`` from the rounds' paired log ratios: the mean (as 1 - 1/exp) with
-    its 95% bootstrap interval, so noise shared by a round's batches cancels and what is left is sized."""
-    logs = [math.log(f["tokens_per_second"] / s["tokens_per_second"]) for s, f in zip(runs[slow], runs[fast])]
-    m, lo, hi = bootstrap_mean(logs)
-    return {"mean": 1 - math.exp(-m), "low": 1 - math.exp(-lo), "high": 1 - math.exp(-hi), "rounds": len(logs)}
-
-
-def noise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """How each way's batch-to-batch spread goes with the machine: coefficient of variation of tokens/s, and the
-    correlation of log tokens/s with the CPU steal share, the machine's busy CPUs and the GPU's SM clock."""
-    out: dict[str, Any] = {}
-    for name, xs in runs.items():
-        tps = [x["tokens_per_second"] for x in xs]
-        row: dict[str, Any] = {"cv": statistics.pstdev(tps) / statistics.mean(tps) if len(tps) > 1 else None}
-        logs = [math.log(t) for t in tps]
-        for key in ("steal_share", "busy_cpus", "clocks_sm"):
-            vals = [x.get(key) for x in xs]
-            if all(v is not None for v in vals):
-                row[f"{key}_mean"] = statistics.fmean(vals)
-                row[f"r_{key}"] = pearson(vals, logs)
-        out[name] = row
-    return out
-
-
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="on CPU: layout cpu-gloo, float32, the gloo backend")
     p.add_argument("--layout", default="", help="a gpu_sync.py layout with one engine (default: separate-nccl; "
@@ -272,30 +220,24 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "results" / "rollout" / "rollout_overhead_cpu.json"))
     p.add_argument("--pool", default="", help="comma-separated result JSONs (complete or a run's rounds so far): "
                    "print each one's and their pooled comparisons (rounds concatenated) and exit; nothing runs")
-    a = p.parse_args()
-    if a.pool:
-        return pool(a.pool.split(","))
-    ways_asked = ["runtime"] + [w for w in a.ways.split(",") if w and w != "runtime"]
-    if a.bare_loaded and "bare_loaded" not in ways_asked:
-        ways_asked.append("bare_loaded")
-    if unknown := [w for w in ways_asked if w not in WAYS]:
+    return p
+
+
+def ways_of(a: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    """The ways asked (``runtime`` first, ``bare_loaded`` with ``--bare-loaded``); an unknown one is an error."""
+    ways = ["runtime"] + [w for w in a.ways.split(",") if w and w != "runtime"]
+    if a.bare_loaded and "bare_loaded" not in ways:
+        ways.append("bare_loaded")
+    if unknown := [w for w in ways if w not in WAYS]:
         p.error(f"--ways: unknown {', '.join(unknown)} (known: {', '.join(WAYS)})")
-    command = " ".join(shlex.quote(x) for x in ["python3", "benchmarks/rollout_overhead.py", *sys.argv[1:]])
+    return ways
+
+
+def job(a: argparse.Namespace, model_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model (built at ``model_path``) and the job's spec: the layout (one engine, sync mode) of that model, the
+    batch, CUDA graphs with ``--graphs``, ``--spec-json`` on top, ``SAFE_ENV`` and the layout's environment for
+    every actor."""
     gpu = not a.cpu
-    layout = a.layout or ("separate-nccl" if gpu else "cpu-gloo")
-    prompts_n = a.prompts or (64 if gpu else 16)
-    max_tokens = a.max_tokens or (128 if gpu else 32)
-
-    import bench_actors
-    import ray
-
-    from rlhf_api.models import RuntimeConfig
-    from rlhf_runtime.algo.data import render_prompt, step_batch
-    from rlhf_runtime.controller.loop import Runtime
-    from rlhf_runtime.infra.report import Metrics, Reporter
-
-    work = Path(tempfile.mkdtemp(prefix="rlhf-rollout-"))
-    model_path = work / "model"
     if gpu:
         model = harness.build_model(model_path, a.model or "qwen3-1.7b", True)
     else:
@@ -303,185 +245,207 @@ def main() -> int:
 
         build_tiny_model(str(model_path), hidden_size=a.hidden, layers=a.layers)
         model = {"architecture": "Qwen2ForCausalLM", "hidden": a.hidden, "layers": a.layers, "dtype": "float32"}
-    over, actor_env = gpu_sync.layout_parts(layout)
+    over, actor_env = sync_layouts.layout_parts(a.layout)
     spec = harness.merge(harness.base_spec(str(model_path), gpu), over)
-    spec = harness.merge(spec, {"algorithm": {"promptsPerStep": prompts_n},
-                                 "rollout": {"sampling": {"maxTokens": max_tokens,
-                                                          "samplesPerPrompt": a.samples_per_prompt}}})
+    spec = harness.merge(spec, {"algorithm": {"promptsPerStep": a.prompts},
+                                "rollout": {"sampling": {"maxTokens": a.max_tokens,
+                                                         "samplesPerPrompt": a.samples_per_prompt}}})
     if not gpu:
-        spec = harness.merge(spec, {"rollout": {"maxModelLen": 32 + max_tokens}})
+        spec = harness.merge(spec, {"rollout": {"maxModelLen": 32 + a.max_tokens}})
     elif a.graphs:
         spec = harness.merge(spec, {"rollout": {"enforceEager": False}})
     if a.spec_json:
         spec = harness.merge(spec, json.loads(a.spec_json))
     if spec["rollout"].get("engines", 1) != 1 or spec["weightSync"].get("mode") == "async":
-        raise SystemExit(f"{layout}: one engine in sync mode only (the bare engine stands for one engine)")
-    spec = harness.with_env(spec, {**harness.SAFE_ENV, **actor_env})  # every actor's (the engine's too)
+        raise SystemExit(f"{a.layout}: one engine in sync mode only (the bare engine stands for one engine)")
+    return model, harness.with_env(spec, {**harness.SAFE_ENV, **actor_env})  # every actor's (the engine's too)
+
+
+def bare_engines(rt: Any, a: argparse.Namespace, model_path: Path, work: Path, ways: list[str],
+                 result: dict[str, Any]) -> tuple[dict[str, Bare], dict[str, str]]:
+    """The bare engines of ``ways``, one at a time (each measures the GPU memory it may take at its start), with
+    the engine actor's arguments and environment (on a GPU its GPU); their facts and settings in ``result``.
+    Returns them and the bare engine's environment."""
+    import ray
+    from vllm import envs as vllm_envs
+
+    gpu = not a.cpu
+    layout_engine = rt.layout.engines[0]
+    env = {**rt.actors.env, **layout_engine.env}
+    kwargs = dict(rt.actors.engine_kwargs[0], model=str(model_path), load_format="auto")
+    if gpu:
+        kwargs["gpu_memory_utilization"] = a.bare_memory or min(kwargs["gpu_memory_utilization"], 0.4)
+        # the engine actor's own GPU (Ray's CUDA_VISIBLE_DEVICES in the actor)
+        env["CUDA_VISIBLE_DEVICES"] = ray.get(rt.actors.engines[0].device_info.remote())["cuda_visible_devices"]
+    elif a.bare_memory:
+        kwargs["gpu_memory_utilization"] = a.bare_memory
+    # the engine actor's compute threads (placement threads on CPU jobs; Ray's default, 1, where unset)
+    result["engine_threads"] = rt.actors.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
+    result["engine_kwargs"] = {k: v for k, v in rt.actors.engine_kwargs[0].items() if k != "model"}
+    result["bare_kwargs"] = {k: v for k, v in kwargs.items() if k != "model"}
+    actor_cache = env.get("VLLM_CACHE_ROOT") or vllm_envs.VLLM_CACHE_ROOT  # where the actor's engine caches
+    if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (results/rollout/README.md)
+        env["VLLM_CACHE_ROOT"] = str(work / "bare-vllm-cache")
+    result["bare_compile_cache"] = env.get("VLLM_CACHE_ROOT", "shared with the engine actor")
+    result["engine_facts"] = {"runtime": ray.get(rt.actors.engines[0].engine_facts.remote(), timeout=a.timeout)}
+    bares: dict[str, Bare] = {}
+    for way in ways:
+        if way == "bare":
+            bares[way] = Bare(kwargs, env, a.timeout)
+        elif way == "bare_default":  # a cache root of its own too (compiles, as the actor did)
+            bares[way] = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": str(work / "default-vllm-cache")}, a.timeout,
+                              defaults=True)
+        elif way == "bare_loaded":  # the actor's own cache root, so it loads what the actor compiled
+            bares[way] = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": actor_cache}, a.timeout)
+        if way in bares:
+            result["engine_facts"][way] = bares[way].facts
+    print("engines: " + json.dumps(result["engine_facts"]), flush=True)
+    return bares, env
+
+
+def timed_ways(rt: Any, a: argparse.Namespace, bares: dict[str, Bare]) -> dict[str, Any]:
+    """Each way's batch as a call: ``runtime`` (launched and collected as a step does), ``in_actor`` (the engine
+    actor's own generate) and the bare engines; the same first batch of the job's samples for all."""
+    import ray
+
+    from rlhf_runtime.algo.data import render_prompt, step_batch
+
+    job, sampling = rt.job, rt.job.sampling
+    batch = step_batch(job.samples, 0, a.prompts, 0)
+    ids = [render_prompt(x, job.tokenizer) for x in batch]
+
+    def runtime() -> dict[str, Any]:
+        ro = rt.experience.launch(job.tokenizer, batch, sampling, 0)
+        outs = rt.experience.collect(ro)
+        return {"seconds": time.perf_counter() - ro.t_launch, "tokens": sum(len(c) for o in outs for c in o["samples"])}
+
+    def in_actor() -> dict[str, Any]:
+        return ray.get(rt.actors.engines[0].timed_generate.remote(ids, sampling), timeout=a.timeout)
+
+    return {"runtime": runtime, "in_actor": in_actor,
+            **{w: (lambda b=b: b.generate(ids, sampling)) for w, b in bares.items()}}
+
+
+def timer(clocks: GpuClocks | None) -> Any:
+    """``timed(way)``: one batch with the machine's state around it (CPU steal and busy CPUs, the GPU's clocks)."""
+    cpus = len(os.sched_getaffinity(0))
+
+    def timed(way: Any) -> dict[str, Any]:
+        c0, t0 = host_cpu(), time.perf_counter()
+        x = way()
+        c1, t1 = host_cpu(), time.perf_counter()
+        if c0 and c1:
+            x["steal_share"] = (c1["steal"] - c0["steal"]) / ((t1 - t0) * cpus)
+            x["busy_cpus"] = (c1["busy"] - c0["busy"]) / (t1 - t0)
+        if clocks is not None:
+            x.update(clocks.window(t0, t1))
+        return x
+    return timed
+
+
+def rounds(a: argparse.Namespace, ways: dict[str, Any], names: list[str], timed: Any,
+           result: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """One warm-up batch of each way, then up to ``--rounds`` rounds (``--minutes``, ``--until``), the order
+    rotated each round; each batch's tokens/s. The warm-ups and the rounds."""
+    warm = {n: timed(ways[n]) for n in names}
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    start, last = time.monotonic(), 0.0
+    for r in range(a.rounds):
+        if (a.minutes and r and time.monotonic() - start > a.minutes * 60) or (
+                a.until and r and time.time() + last > a.until):
+            break
+        t_round = time.monotonic()
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            x = timed(ways[n])
+            x["tokens_per_second"] = x["tokens"] / x["seconds"]
+            x["round"] = r
+            runs[n].append(x)
+        last = time.monotonic() - t_round
+        print(f"round {r}: " + ", ".join(f"{n} {runs[n][-1]['tokens_per_second']:.0f}" for n in names)
+              + " tokens/s", flush=True)
+        if a.write_every_round:  # the batches so far (the summary is made at the end, or from these)
+            result.update(warmup=warm, runs=runs, rounds_done=r + 1, complete=False)
+            harness.write_result(a.out, result)
+    return warm, runs
+
+
+def summarize(a: argparse.Namespace, warm: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+              result: dict[str, Any]) -> None:
+    """The medians and each comparison's overhead (of the medians, of each round, and paired) into ``result``."""
+    names = list(runs)
+    med = {n: statistics.median(x["tokens_per_second"] for x in runs[n]) for n in names}
+    pairs = {k: (slow, fast) for k, (slow, fast) in COMPARISONS.items() if slow in runs and fast in runs}
+    result.update({
+        "batch": {"prompts": a.prompts, "samples_per_prompt": a.samples_per_prompt, "max_tokens": a.max_tokens},
+        "warmup": warm, "runs": runs, "rounds_done": len(runs[names[0]]), "complete": True,
+        "median_tokens_per_second": med,
+        # each comparison: 1 - slow / fast of the medians, of each round, and from the paired log ratios
+        "medians": {k: 1 - med[slow] / med[fast] for k, (slow, fast) in pairs.items()},
+        "median_of_rounds": {k: statistics.median(1 - x["tokens_per_second"] / y["tokens_per_second"]
+                                                  for x, y in zip(runs[slow], runs[fast]))
+                             for k, (slow, fast) in pairs.items()},
+        "paired": {k: paired(runs, slow, fast) for k, (slow, fast) in pairs.items()},
+        "noise": noise(runs),
+    })
+    print(f"median tokens/s: {med}", flush=True)
+    for k, v in result["paired"].items():
+        print(f"{k} ({' vs '.join(pairs[k])}): medians {result['medians'][k]:.1%}, median of rounds "
+              f"{result['median_of_rounds'][k]:.1%}, paired {v['mean']:.1%} (95% {v['low']:.1%} .. "
+              f"{v['high']:.1%}, {v['rounds']} rounds)", flush=True)
+    print("noise: " + json.dumps(result["noise"]), flush=True)
+
+
+def main() -> int:
+    p = parser()
+    a = p.parse_args()
+    if a.pool:
+        return pool(a.pool.split(","))
+    ways_asked = ways_of(a, p)
+    gpu = not a.cpu
+    a.layout = a.layout or ("separate-nccl" if gpu else "cpu-gloo")
+    a.prompts, a.max_tokens = a.prompts or (64 if gpu else 16), a.max_tokens or (128 if gpu else 32)
+
+    import bench_actors
+    import ray
+
+    from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime.controller.loop import Runtime
+    from rlhf_runtime.infra.report import Metrics, Reporter
+
+    work = Path(tempfile.mkdtemp(prefix="rlhf-rollout-"))
+    model, spec = job(a, work / "model")
     cfg = RuntimeConfig(name="rollout-overhead", namespace="bench", spec=spec)
-    reporter = Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl"))
-    rt = Runtime(cfg, reporter, local=True, classes=bench_actors.classes(cfg.spec))
+    rt = Runtime(cfg, Reporter(None, Metrics(cfg.name, cfg.namespace), str(work / "progress.jsonl")), local=True,
+                 classes=bench_actors.classes(cfg.spec))
+    prov = harness.provenance()
     result: dict[str, Any] = {
-        "command": command, "date": datetime.now(UTC).isoformat(timespec="seconds"), "device_kind": a.kind,
+        "command": prov["command"], "date": prov["date"], "device_kind": a.kind, "provenance": prov,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "layout": layout, "model": model, "spec": spec,
+        "layout": a.layout, "model": model, "spec": spec, "ways": ways_asked,
     }
     bares: dict[str, Bare] = {}
     clocks: GpuClocks | None = None
     try:
         rt.run_stages()  # the driver's start: the first sync gives the engine the model's weights, as the bare one has
         rt.weights.wake()
-        tokenizer, samples, sampling = rt.job.tokenizer, rt.job.samples, rt.job.sampling
-        result["sampling"] = sampling
+        result["sampling"] = rt.job.sampling
         import vllm
 
         result["versions"] = {"vllm": vllm.__version__, "ray": ray.__version__}
-        layout_engine = rt.layout.engines[0]
-        env = {**rt.actors.env, **layout_engine.env}
-        kwargs = dict(rt.actors.engine_kwargs[0], model=str(model_path), load_format="auto")
-        if gpu:
-            kwargs["gpu_memory_utilization"] = a.bare_memory or min(kwargs["gpu_memory_utilization"], 0.4)
-            # the engine actor's own GPU (Ray's CUDA_VISIBLE_DEVICES in the actor)
-            env["CUDA_VISIBLE_DEVICES"] = ray.get(rt.actors.engines[0].device_info.remote())["cuda_visible_devices"]
-        elif a.bare_memory:
-            kwargs["gpu_memory_utilization"] = a.bare_memory
-        # the engine actor's compute threads (placement threads on CPU jobs; Ray's default, 1, where unset)
-        result["engine_threads"] = rt.actors.actor_env(layout_engine).get("OMP_NUM_THREADS", "Ray's default (1)")
-        result["engine_kwargs"] = {k: v for k, v in rt.actors.engine_kwargs[0].items() if k != "model"}
-        result["bare_kwargs"] = {k: v for k, v in kwargs.items() if k != "model"}
-        from vllm import envs as vllm_envs
-
-        actor_cache = env.get("VLLM_CACHE_ROOT") or vllm_envs.VLLM_CACHE_ROOT  # where the actor's engine caches
-        if not a.bare_shares_cache:  # compile as the actor did, not load what it compiled (benchmarks/results/rollout/README.md)
-            env["VLLM_CACHE_ROOT"] = str(work / "bare-vllm-cache")
-        result["bare_compile_cache"] = env.get("VLLM_CACHE_ROOT", "shared with the engine actor")
-        result["ways"] = ways_asked
-        result["engine_facts"] = {"runtime": ray.get(rt.actors.engines[0].engine_facts.remote(), timeout=a.timeout)}
-        for way in ways_asked:  # one at a time: each engine measures the GPU memory it may take at its start
-            if way == "bare":
-                bares[way] = Bare(kwargs, env, a.timeout)
-            elif way == "bare_default":  # a cache root of its own too (compiles, as the actor did)
-                bares[way] = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": str(work / "default-vllm-cache")},
-                                  a.timeout, defaults=True)
-            elif way == "bare_loaded":  # the actor's own cache root, so it loads what the actor compiled
-                bares[way] = Bare(kwargs, {**env, "VLLM_CACHE_ROOT": actor_cache}, a.timeout)
-            if way in bares:
-                result["engine_facts"][way] = bares[way].facts
-        print("engines: " + json.dumps(result["engine_facts"]), flush=True)
-
-        batch = step_batch(samples, 0, prompts_n, 0)
-        ids = [render_prompt(x, tokenizer) for x in batch]
-
-        def runtime() -> dict[str, Any]:
-            ro = rt.experience.launch(tokenizer, batch, sampling, 0)
-            outs = rt.experience.collect(ro)
-            return {"seconds": time.perf_counter() - ro.t_launch,
-                    "tokens": sum(len(c) for o in outs for c in o["samples"])}
-
-        def in_actor() -> dict[str, Any]:
-            return ray.get(rt.actors.engines[0].timed_generate.remote(ids, sampling), timeout=a.timeout)
-
+        bares, env = bare_engines(rt, a, work / "model", work, ways_asked, result)
         clocks = GpuClocks(env["CUDA_VISIBLE_DEVICES"].split(",")[0]) if gpu else None
-        cpus = len(os.sched_getaffinity(0))
-
-        def timed(way: Any) -> dict[str, Any]:
-            """One batch with the machine's state around it: CPU steal and busy CPUs, the GPU's clocks."""
-            c0, t0 = host_cpu(), time.perf_counter()
-            x = way()
-            c1, t1 = host_cpu(), time.perf_counter()
-            if c0 and c1:
-                x["steal_share"] = (c1["steal"] - c0["steal"]) / ((t1 - t0) * cpus)
-                x["busy_cpus"] = (c1["busy"] - c0["busy"]) / (t1 - t0)
-            if clocks is not None:
-                x.update(clocks.window(t0, t1))
-            return x
-
-        ways = {"runtime": runtime, "in_actor": in_actor,
-                **{w: (lambda b=b: b.generate(ids, sampling)) for w, b in bares.items()}}
-        names = [w for w in ways_asked if w in ways]
-        warm = {n: timed(ways[n]) for n in names}
-        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-        start, last = time.monotonic(), 0.0
-        for r in range(a.rounds):
-            if a.minutes and r and time.monotonic() - start > a.minutes * 60:
-                break
-            if a.until and r and time.time() + last > a.until:
-                break
-            t_round = time.monotonic()
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                x = timed(ways[n])
-                x["tokens_per_second"] = x["tokens"] / x["seconds"]
-                x["round"] = r
-                runs[n].append(x)
-            last = time.monotonic() - t_round
-            print(f"round {r}: " + ", ".join(f"{n} {runs[n][-1]['tokens_per_second']:.0f}" for n in names)
-                  + " tokens/s", flush=True)
-            if a.write_every_round:  # the batches so far (the summary is made at the end, or from these)
-                result.update(warmup=warm, runs=runs, rounds_done=r + 1, complete=False)
-                write_result(a.out, result)
-        med = {n: statistics.median(x["tokens_per_second"] for x in runs[n]) for n in names}
-        pairs = {k: (slow, fast) for k, (slow, fast) in COMPARISONS.items() if slow in runs and fast in runs}
-        result.update({
-            "batch": {"prompts": prompts_n, "samples_per_prompt": a.samples_per_prompt, "max_tokens": max_tokens},
-            "warmup": warm, "runs": runs, "rounds_done": len(runs[names[0]]), "complete": True,
-            "median_tokens_per_second": med,
-            # each comparison: 1 - slow / fast of the medians, of each round, and from the paired log ratios
-            "medians": {k: 1 - med[slow] / med[fast] for k, (slow, fast) in pairs.items()},
-            "median_of_rounds": {k: statistics.median(1 - x["tokens_per_second"] / y["tokens_per_second"]
-                                                      for x, y in zip(runs[slow], runs[fast]))
-                                 for k, (slow, fast) in pairs.items()},
-            "paired": {k: paired(runs, slow, fast) for k, (slow, fast) in pairs.items()},
-            "noise": noise(runs),
-        })
-        print(f"median tokens/s: {med}", flush=True)
-        for k, v in result["paired"].items():
-            print(f"{k} ({' vs '.join(pairs[k])}): medians {result['medians'][k]:.1%}, median of rounds "
-                  f"{result['median_of_rounds'][k]:.1%}, paired {v['mean']:.1%} (95% {v['low']:.1%} .. "
-                  f"{v['high']:.1%}, {v['rounds']} rounds)", flush=True)
-        print("noise: " + json.dumps(result["noise"]), flush=True)
+        ways = timed_ways(rt, a, bares)
+        warm, runs = rounds(a, ways, [w for w in ways_asked if w in ways], timer(clocks), result)
+        summarize(a, warm, runs, result)
     finally:
         if clocks is not None:
             clocks.close()
         for b in bares.values():
             b.close()
         rt.shutdown()
-        write_result(a.out, result)
+        harness.write_result(a.out, result)
         print(f"wrote {a.out}")
     return 0
-
-
-def pool(paths: list[str]) -> int:
-    """``--pool``: the paired comparisons of each result file and of all their rounds together."""
-    def show(what: str, runs: dict[str, list[dict[str, Any]]]) -> None:
-        med = {n: round(statistics.median(x["tokens_per_second"] for x in xs)) for n, xs in runs.items() if xs}
-        got = {k: paired(runs, slow, fast) for k, (slow, fast) in COMPARISONS.items()
-               if runs.get(slow) and runs.get(fast)}
-        rows = [f"{k} {v['mean']:+.1%} ({v['low']:+.1%} .. {v['high']:+.1%})" for k, v in got.items()]
-        n = min(len(xs) for xs in runs.values())
-        print(f"{what}: {n} rounds, median tokens/s {med}; " + "; ".join(rows))
-
-    pooled: dict[str, list[dict[str, Any]]] = {}
-    in_every: set[str] | None = None  # the ways every file has
-    for path in paths:
-        runs = json.loads(Path(path).read_text())["runs"]
-        n = min(len(xs) for xs in runs.values())  # a run cut mid-round: its complete rounds only
-        runs = {k: xs[:n] for k, xs in runs.items()}
-        show(path, runs)
-        for k, xs in runs.items():
-            pooled.setdefault(k, []).extend(xs)
-        in_every = set(runs) if in_every is None else in_every & set(runs)
-    if len(paths) > 1:
-        show("pooled", {k: xs for k, xs in pooled.items() if k in (in_every or set())})
-    return 0
-
-
-def write_result(path: str, result: dict[str, Any]) -> None:
-    """The JSON, replaced whole (written beside it, then renamed: a reader never sees half a file)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    tmp.replace(out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ update fidelity of bfloat16 with and without float32 master weights; padding was
 
 What runs is the runtime's own ``roles.policy.Trainer`` (``StepTrainer`` below only skips loading vLLM's
 weight-transfer modules: nothing is synced here), on a random-initialised model of a published architecture
-(``gpu_sync.MODELS``), bfloat16, float32 master weights, gradient checkpointing, packed micro-batches of
+(``harness.MODELS``), bfloat16, float32 master weights, gradient checkpointing, packed micro-batches of
 ``--budget`` tokens. Each sample is a 128-token prompt and a completion up to the sequence length; advantages
 alternate +1/-1 (a real, non-zero loss). One step warms up, ``--repeats`` are timed (``train_s`` of
 ``Trainer.train``: prepare, forward, backward, optimiser step, synchronised).
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 # the checkout whose trainer runs: this one, or --legacy's (its subprocess sets TRAIN_STEP_OPERATOR)
 sys.path.insert(0, os.environ.get("TRAIN_STEP_OPERATOR", str(ROOT.parent / "operator")))
 
-import gpu_sync
+import harness
 
 
 def _flops_module() -> Any:
@@ -304,7 +304,7 @@ def run_fidelity(a: argparse.Namespace, name: str, tmp: Path) -> dict[str, Any]:
     import torch
 
     model = tmp / f"fidelity-{name}"
-    info = gpu_sync.build_model(model, name, not a.cpu)
+    info = harness.build_model(model, name, not a.cpu)
     b = batch([512] * 16 if not a.cpu else [32] * 4, info["config"]["vocab_size"], seed=3)
     updates = {}
     for label, dtype, master in (("float32", "float32", "float32"), ("bfloat16+masters", "bfloat16", "float32"),
@@ -362,15 +362,15 @@ def run_ranks(a: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-1.7b", help="a gpu_sync.MODELS name")
+    p.add_argument("--model", default="qwen3-1.7b", help="a harness.MODELS name")
     p.add_argument("--lengths", default="1024,4096,16384,32768", help="sequence lengths (prompt + completion)")
     p.add_argument("--step-tokens", type=int, default=65536, help="tokens per training step")
     p.add_argument("--budget", type=int, default=16384, help="trainer.maxTokensPerMicroBatch (at least the longest)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--mix-samples", type=int, default=256)
-    p.add_argument("--fidelity", default="", help="a gpu_sync.MODELS name for the update-fidelity run")
+    p.add_argument("--fidelity", default="", help="a harness.MODELS name for the update-fidelity run")
     p.add_argument("--legacy", default="", help="a directory holding another checkout's operator/ (before/after)")
     p.add_argument("--legacy-lengths", default="256,512")
     p.add_argument("--no-checkpointing", action="store_true", help="trainer.gradientCheckpointing false")
@@ -396,6 +396,11 @@ def main() -> None:
         a.model, a.lengths, a.step_tokens, a.budget, a.repeats, a.mix_samples = "tiny", "64,128", 512, 256, 2, 16
         a.fidelity = a.fidelity or "tiny"
         a.legacy_lengths = "64"
+    return a
+
+
+def main() -> None:
+    a = parse()
     import torch
 
     tmp = Path(tempfile.mkdtemp(prefix="train-step-"))
@@ -409,19 +414,16 @@ def main() -> None:
         print("RESULT " + json.dumps(run_lengths(a, Path(a.model_dir), info, legacy=True)), flush=True)
         return
     model = Path(a.model_dir) if a.model_dir else tmp / a.model
-    if (model / "info.json").exists():  # --model-dir of an earlier run: the same random weights again
-        info = json.loads((model / "info.json").read_text())
-    else:
-        info = gpu_sync.build_model(model, a.model, not a.cpu)
-        (model / "info.json").write_text(json.dumps(info))
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "model": a.model, "params": info["params"],
-                              "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu",
+    info = harness.cached_model(model, a.model, not a.cpu)  # --model-dir of an earlier run: the same weights
+    prov = harness.provenance()
+    result: dict[str, Any] = {"command": prov["command"], "provenance": prov, "model": a.model,
+                              "params": info["params"], "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu",
                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                               "peak_flops": device_peak()}
+
     def save() -> None:
         if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(result, indent=1))
+            harness.write_result(a.out, result)
 
     if a.world > 1:
         result["lengths"] = run_ranks(a, model)

@@ -26,7 +26,7 @@ and over all rounds. Not a test.
 
     .venv/bin/python benchmarks/trl_peer.py --trl-python /tmp/trl-venv/bin/python   # results/learning/trl_peer_cpu.json
 
-On a GPU (``--gpu MODEL``, one of ``gpu_sync.MODELS``, random weights in bf16): both on one GPU, ours in its
+On a GPU (``--gpu MODEL``, one of ``harness.MODELS``, random weights in bf16): both on one GPU, ours in its
 colocated layout (trainer and engine share the GPU, weights over CUDA IPC, the engine resident as TRL's colocate
 mode keeps it: ``placement.colocatedSleep: false``), TRL with ``vllm_mode="colocate"`` and its defaults
 otherwise. TRL 1.16.0 supports vLLM 0.22-0.31 and the runtime vLLM >= 0.28, so the GPU comparison runs on a
@@ -54,7 +54,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from cpu_runtime import build_model, run_driver
+import harness
+from cpu_runtime import build_model
 
 RESULT = ROOT / "results" / "learning" / "trl_peer_cpu.json"
 
@@ -88,8 +89,8 @@ def run_ours(work: dict[str, Any], dirpath: Path, timeout: float | None = None) 
     if gpu:  # one GPU shared, the engine resident (TRL's colocate mode does not sleep by default)
         spec["placement"] = {"mode": "colocated", "colocatedSleep": False}
         spec["weightSync"] = {"backend": "ipc"}
-    log = dirpath / "driver.log"
-    rc, records, wall = run_driver(spec, dirpath, log, timeout)
+    ran, records = harness.run_driver(spec, dirpath, name="driver", timeout=timeout)
+    rc, wall, log = ran["exit"], ran["seconds"], ran["log"]
     if rc == 124:  # the driver was killed: its local Ray must not hold the GPU for TRL's run
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], check=False,
                        capture_output=True)
@@ -158,7 +159,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--out", default=str(RESULT))
-    p.add_argument("--gpu", metavar="MODEL", help="run on the GPU with this gpu_sync.MODELS model (bf16, random "
+    p.add_argument("--gpu", metavar="MODEL", help="run on the GPU with this harness.MODELS model (bf16, random "
                    "weights) instead of the tiny CPU model")
     p.add_argument("--kind", default="cpu", help="the device kind, recorded in the results")
     p.add_argument("--timeout", type=float, help="seconds one system's run may take (then it failed)")
@@ -174,10 +175,8 @@ def main() -> int:
         model = build_model(work_dir / "model", a.hidden, a.layers)
         model_info: dict[str, Any] = {"hidden": a.hidden, "layers": a.layers}
     else:
-        import gpu_sync
-
         model = work_dir / "model"
-        model_info = gpu_sync.build_model(model, a.gpu, True)
+        model_info = harness.build_model(model, a.gpu, True)
     work = work_of(a, model)
     work["verl_free_cache_engine"] = a.verl_free_cache_engine == "true"
     samples = a.prompts_per_step * a.samples_per_prompt

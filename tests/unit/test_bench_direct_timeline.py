@@ -1,4 +1,4 @@
-"""The GPU benchmark's timeline of a direct NCCL sync (``bench_actors.DirectTimeline``, ``gpu_sync.timeline_summary``):
+"""The GPU benchmark's timeline of a direct NCCL sync (``bench_actors.DirectTimeline``, ``sync_timing.timeline_summary``):
 the wrappers record each side's call and groups around the real ``weight_sync.direct`` functions (run here over
 real gloo groups, the trainer and a TP=1 engine worker as threads) and leave the module as it was; the summary
 splits a sync's time into the trainer's start, the engine joining, the wire and the tail. The GPU times (CUDA
@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_actors
-import gpu_sync
+import sync_timing
 
 from rlhf_runtime.weight_sync import direct
 from tests.unit.test_runtime_direct_sync import _run
@@ -63,12 +63,12 @@ def test_the_summary_splits_a_sync_from_the_drivers_call() -> None:
               {"what": "group", "start": at(3.4), "end": at(3.6), "tensors": 20, "bytes": 1 << 20, "gpu_ms": 0.5,
                "gpu_from_first_ms": 2.6},
               {"what": "receive", "start": at(3.1), "end": at(3.7)}]
-    s = gpu_sync.timeline_summary(t0, at(9.0), trainer, [worker])
+    s = sync_timing.timeline_summary(t0, at(9.0), trainer, [worker])
     assert s["trainer_start_ms"] == pytest.approx(1.5) and s["first_launch_ms"] == pytest.approx(2.0)
     assert s["engine_join_ms"] == pytest.approx(1.1)  # the worker's receive began 1.1 ms after the first launch
     assert s["wire_ms"] == pytest.approx(2.6) and s["tail_ms"] == pytest.approx(5.4) and s["driver_ms"] == 9.0
     assert s["trainer"]["group_tensors"] == [80, 20] and s["workers"][0]["gpu_span_ms"] == pytest.approx(2.6)
     assert s["sends"] == 1
-    assert gpu_sync.timeline_summary(t0, at(9.0), [], [worker]) is None  # not the direct sync
-    medians = gpu_sync.summarize([{"total_s": 0.01, "bytes": 1, "timeline": s}])["timeline_medians_ms"]
+    assert sync_timing.timeline_summary(t0, at(9.0), [], [worker]) is None  # not the direct sync
+    medians = sync_timing.summarize([{"total_s": 0.01, "bytes": 1, "timeline": s}])["timeline_medians_ms"]
     assert medians["wire_ms"] == pytest.approx(2.6)

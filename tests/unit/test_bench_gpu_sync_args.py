@@ -24,7 +24,8 @@ def _gpu_sync():  # type: ignore[no-untyped-def]
 
 
 def test_dp_scaling_interleaves_engine_counts_and_summarises_per_count() -> None:
-    g = _gpu_sync()
+    _gpu_sync()
+    import sync_rollout as g
     assert g.scaling_order(3, 2) == [1, 2, 3, 3, 2, 1]
     assert g.scaling_order(2, 3) == [1, 2, 2, 1, 1, 2]
     records = [{"engines": k, "tokens_per_second": v} for k, v in

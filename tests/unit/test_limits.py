@@ -23,29 +23,21 @@ CHECKED = ("operator", "benchmarks", "hack")
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
-_REFACTORED = "being refactored onto the runtime's resolved settings and named start-up stages"
-_SCRIPT = ("a benchmark's whole script in one function (arguments, runs, result file); left whole until the "
-           "benchmarks share a harness module")
+_SCRIPT = ("a GPU learning run or a TRL or veRL peer as one function (arguments, runs, result file); it runs "
+           "only on a GPU or beside TRL, which nothing here can run to check a split")
 _HARNESS = ("the local cluster harness that every cluster tier and benchmark starts through; not split yet (a "
             "change of its own, tested by the cluster tiers)")
 _STAGER = "stages GPU wheels from a package index, which no test here reaches; not split yet"
 
 #: Modules over ``MAX_MODULE_LINES``, repository-relative, with why.
 LONG_MODULES: dict[str, str] = {
-    "benchmarks/gpu_sync.py": _REFACTORED,
     "benchmarks/gpu_learning.py": _SCRIPT,
     "hack/localcluster.py": _HARNESS,
     "hack/realnodes.py": _HARNESS,
 }
 #: Functions over ``MAX_FUNCTION_LINES``, as ``path::qualified name``, with why.
 LONG_FUNCTIONS: dict[str, str] = {
-    "benchmarks/cpu_runtime.py::main": _SCRIPT,
-    "benchmarks/flat_logprobs.py::main": _SCRIPT,
-    "benchmarks/gpu_async.py::main": _SCRIPT,
     "benchmarks/gpu_learning.py::main": _SCRIPT,
-    "benchmarks/gpu_ppo.py::main": _SCRIPT,
-    "benchmarks/rollout_overhead.py::main": _SCRIPT,
-    "benchmarks/train_step.py::main": _SCRIPT,
     "benchmarks/trl_learning_run.py::main": _SCRIPT,
     "benchmarks/trl_peer.py::main": _SCRIPT,
     "hack/demo.py::main": "the demo's narrated steps in order, one screen each; it runs only on real nodes",

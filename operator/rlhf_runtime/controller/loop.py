@@ -100,9 +100,7 @@ class Runtime:
         self.checked: tuple[Any, Any, Any] | None = None  # samples, eval samples, reward (``check``)
         self.loading: Future[Any] | None = None  # the tokenizer and the model's config, loading (``check``)
         self.validation: dict[str, Any] | None = None  # the first sync's validation, when it ran (``validation``)
-        #: the start as named stages with their seconds (``stages``, ``run_stages``; the progress file's
-        #: ``startup`` record once every stage ran)
-        self.startup = Stages(self.stages())
+        self.startup = Stages(self.stages())  # the start's stages and their seconds (``run_stages``)
 
     # ------------------------------------------------------------------------------------------ start
     def stages(self) -> list[tuple[str, Callable[[], Any]]]:
@@ -216,8 +214,7 @@ class Runtime:
         self.record_actors()
 
     def first_sync(self) -> None:
-        """The weight-transfer group (unless one was made with other options before this stage) and the first
-        sync: engines start with dummy weights."""
+        """The weight-transfer group (unless one was made before this stage) and the first sync (dummy weights)."""
         if self.weights.options is None:
             self.weights.init_group()
         self.weights.sync(self.done)
@@ -232,10 +229,9 @@ class Runtime:
         """``JobActors.record``, and when the driver had checked the tokenizer, the model's config and the samples
         (``inputs``), in seconds after the run's first actor was asked for; how long Ray's connect (or local
         start) and the placement groups took before it (``ray_connect_seconds``, ``placement_seconds``)."""
-        rec = self.actors.record()
-        for stage, key in (("connect", "ray_connect_seconds"), ("placement", "placement_seconds")):
-            if stage in self.startup.seconds:
-                rec[key] = self.startup.seconds[stage]
+        rec, took = self.actors.record(), self.startup.seconds
+        rec.update({k: took[s] for s, k in (("connect", "ray_connect_seconds"), ("placement", "placement_seconds"))
+                    if s in took})
         first = rec.get("first_asked")
         if first is not None and self.inputs_checked is not None:
             rec["inputs_checked_after_s"] = round(self.inputs_checked - first, 3)
