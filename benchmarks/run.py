@@ -3,8 +3,8 @@
 writes ``suite.json`` beside their results: the command, the commit, the device, every step's exit and seconds,
 and the figures each result file holds (the rows ``RESULTS.md`` is made of, ``results_rows.READERS``).
 
-    python3 -m benchmarks sync --out $OUT/sync          # or: python3 benchmarks/run.py sync ...
-    python3 -m benchmarks trainer --out $OUT/trainer
+    python3 benchmarks/run.py sync --out $OUT/sync      # or: python3 -m benchmarks sync ...
+    python3 benchmarks/run.py trainer --out $OUT/trainer
     .venv/bin/python -m benchmarks sync --cpu           # the same code on CPU (a tiny model, gloo)
     python3 -m benchmarks --list                        # every suite's steps and what they need
 
@@ -22,6 +22,7 @@ import argparse
 import json
 import re
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -180,7 +181,7 @@ def run_suite(suite: Suite, a: argparse.Namespace, facts: dict[str, Any]) -> dic
     date = datetime.now(UTC).strftime("%Y-%m-%d")
     out = Path(a.out) if a.out else harness.BENCH / "results" / suite.name / f"{kind}-{date}-suite"
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"suite": suite.name, "kind": kind, "command": harness.command_line(),
+    result: dict[str, Any] = {"suite": suite.name, "kind": kind, "out": str(out), "command": harness.command_line(),
                               "provenance": harness.provenance(), "steps": [], "status": "running"}
     start = time.monotonic()
     for step, skip in chosen(suite, facts["gpu_count"], a.cpu, a.only):
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="the suite's CPU steps, also on a machine with GPUs")
     p.add_argument("--only", default="", help="comma-separated step names (default: the suite's default steps)")
     p.add_argument("--budget", type=float, default=0.0, help="seconds the whole suite may take (0: no limit)")
+    p.add_argument("--archive", default="", help="also pack the results folder into this .tgz (one file to carry "
+                   "back where few files may come back, e.g. a lent GPU machine's $OUT)")
     p.add_argument("--list", action="store_true", help="list the suites and their steps")
     a = p.parse_args(argv)
     if a.list or not a.suite:
@@ -233,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen(SUITES[a.suite], facts["gpu_count"], a.cpu, a.only)
     except ValueError as e:
         p.error(str(e))
-    return 0 if run_suite(SUITES[a.suite], a, facts)["status"] == "ok" else 1
+    result = run_suite(SUITES[a.suite], a, facts)
+    if a.archive:
+        with tarfile.open(a.archive, "w:gz") as tar:
+            tar.add(result["out"], arcname=Path(result["out"]).name)
+        print(f"packed {result['out']} into {a.archive}")
+    return 0 if result["status"] == "ok" else 1
 
 
 if __name__ == "__main__":
