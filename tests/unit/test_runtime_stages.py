@@ -38,3 +38,29 @@ def test_unknown_and_repeated_stage_names_are_refused() -> None:
         Stages([("a", lambda: None), ("a", lambda: None)])
     with pytest.raises(ValueError, match="no start-up stage 'z'"):
         Stages([("a", lambda: None)]).run(until="z")
+
+
+def test_the_drivers_start_is_its_named_stages_and_the_progress_file_gets_their_seconds_once(tmp_path) -> None:
+    """``Runtime.stages`` in the order the driver starts a job; ``run_stages`` stops after the stage named and goes
+    on from there; the progress file's ``startup`` record comes once, when the last stage has run. The stages'
+    own work (Ray, actors) is left to the runtime tier: here each stage only records that it ran."""
+    import json
+
+    from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime.controller.loop import Runtime
+    from rlhf_runtime.infra.report import Metrics, Reporter
+
+    cfg = RuntimeConfig(name="j", namespace="ns", spec={"model": {"name": "m"}, "image": "i",
+                                                        "data": {"prompts": ["p"]}, "reward": {"rule": "contains"}})
+    progress = tmp_path / "progress.jsonl"
+    rt = Runtime(cfg, Reporter(None, Metrics("j", "ns"), str(progress)))
+    names = ["check", "connect", "placement", "actors", "inputs", "trainers", "roles", "engines", "transfer",
+             "weight_sync", "validation"]
+    assert [n for n, _ in rt.stages()] == names == rt.startup.names
+    ran: list[str] = []
+    rt.startup = Stages([(n, lambda n=n: ran.append(n)) for n in rt.startup.names])
+    assert list(rt.run_stages(until="actors")) == names[:4] and not progress.exists()
+    assert list(rt.run_stages()) == names and ran == names
+    rt.run_stages()
+    records = [json.loads(x) for x in progress.read_text().splitlines()]
+    assert [list(r["startup"]) for r in records if "startup" in r] == [names]

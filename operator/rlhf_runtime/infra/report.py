@@ -53,6 +53,13 @@ a driver whose job was deleted and re-created under the same name refuses to rep
 (``ForeignJobError``). Every patch response is checked the same way. A merge patch on the status
 subresource cannot change metadata or spec (the apiserver keeps only ``status`` from it).
 
+Progress file
+-------------
+``--progress-file``: every report and record as one JSON line (``write_progress``), for people reading a run and
+for the tests. Among the records the start leaves: ``actors`` (which process serves which actor, where each
+actor's start went, Ray's connect and the placement groups' seconds) and, once the start is over, ``startup``
+(each start-up stage's seconds, ``controller.loop.Runtime.stages``).
+
 Prometheus
 ----------
 ``Metrics.serve(port)`` exports gauges ``rlhf_step``, ``rlhf_rollout_tokens_per_second``,
