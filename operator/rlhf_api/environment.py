@@ -121,6 +121,17 @@ class Sandbox(Model):
         None, pattern=DNS_SUBDOMAIN, max_length=253,
         description="RuntimeClass of the sandbox pods (e.g. gVisor or Kata where the cluster has one); default: "
         "the cluster's default container runtime.")
+    node_selector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] | None = Field(
+        None,
+        description="Node labels the sandbox pods require (spec.scheduling places the job's GPU pods, not these); "
+        "default: none, any node.",
+        json_schema_extra={"maxProperties": 64, "x-kubernetes-validations": [cel(
+            "self.all(k, size(k) <= 316 && k.matches('" + LABEL_KEY_PATTERN.replace("\\", "\\\\") + "'))",
+            "environment.sandbox.nodeSelector keys must be label keys ([prefix/]name, name at most 63 "
+            "characters of letters, digits, '-', '_', '.')")]},
+    )
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=64, description="Tolerations of the sandbox pods (at most 64); default: none.")
 
 
 class ServerResources(Model):

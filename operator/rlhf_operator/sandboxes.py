@@ -5,7 +5,8 @@ Per job, owned by the RLHFJob (the garbage collector deletes them with it):
 - a ``SandboxTemplate`` (``<job>-sandbox``): the sandbox pod, isolated by default: no service-account token, no
   service links, uid/gid 65532 (non-root), a read-only root filesystem with a scratch emptyDir at ``/tmp`` of the
   ephemeral-storage size, every capability dropped, no privilege escalation, seccomp ``RuntimeDefault``, requests
-  equal to limits (CPU, memory, ephemeral storage), ``runtimeClassName`` when the spec names one, no Service. Its
+  equal to limits (CPU, memory, ephemeral storage), ``runtimeClassName``, ``nodeSelector`` and ``tolerations``
+  when the spec names them (not ``spec.scheduling``'s: that places the job's GPU pods), no Service. Its
   ``networkPolicy`` (agent-sandbox's controller makes the NetworkPolicy ``<job>-sandbox-network-policy`` from it,
   owned by the template, selecting the template's pods) has no egress rule, so all egress is denied (DNS too), and
   one ingress rule: TCP 8888 from the pods labelled with the job (its Ray head, workers and submitter), in the
@@ -99,6 +100,10 @@ def render_template(job: Job) -> dict[str, Any] | None:
     }
     if sb.runtime_class_name:
         pod["runtimeClassName"] = sb.runtime_class_name
+    if sb.node_selector:
+        pod["nodeSelector"] = dict(sorted(sb.node_selector.items()))
+    if sb.tolerations:
+        pod["tolerations"] = [t.wire() for t in sb.tolerations]
     return {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "SandboxTemplate", "metadata": _meta(job),
         "spec": {

@@ -73,6 +73,18 @@ def test_template_pod_is_hardened() -> None:
     assert naming.LABEL_JOB not in labels and labels[sandboxes.LABEL_SANDBOX] == "toolrun"
 
 
+def test_template_pod_is_placed_by_the_sandbox_spec_only() -> None:
+    """The sandbox's own nodeSelector and tolerations place its pods; spec.scheduling's (the GPU pods') do not."""
+    pod = sandboxes.render_template(sandbox_job())["spec"]["podTemplate"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    job = sandbox_job(nodeSelector={"pool": "cpu", "example.com/tier": "sandbox"},
+                      tolerations=[{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}])
+    job.spec.scheduling.node_selector = {"gpu": "h100"}
+    pod = sandboxes.render_template(job)["spec"]["podTemplate"]["spec"]
+    assert pod["nodeSelector"] == {"example.com/tier": "sandbox", "pool": "cpu"}
+    assert pod["tolerations"] == [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}]
+
+
 def test_network_policy_denies_egress_and_admits_only_the_jobs_pods() -> None:
     t = sandboxes.render_template(sandbox_job())
     assert t["spec"]["networkPolicyManagement"] == "Managed"  # the controller makes it from these rules
