@@ -79,8 +79,10 @@ def render_template(job: Job) -> dict[str, Any] | None:
         "image": sb.image,
         "imagePullPolicy": "IfNotPresent",
         "ports": [{"name": "http", "containerPort": SANDBOX_PORT, "protocol": "TCP"}],
+        # the server keeps one byte more of each stream than maxOutputBytes: the runtime, which cuts at
+        # maxOutputBytes, then sees that there was more (and says so to the model)
         "env": [{"name": "SANDBOX_EXEC_TIMEOUT_SECONDS", "value": f"{sb.timeout_seconds:g}"},
-                {"name": "SANDBOX_OUTPUT_LIMIT_BYTES", "value": str(sb.max_output_bytes)},
+                {"name": "SANDBOX_OUTPUT_LIMIT_BYTES", "value": str(sb.max_output_bytes + 1)},
                 {"name": "HOME", "value": SANDBOX_SCRATCH}, {"name": "TMPDIR", "value": SANDBOX_SCRATCH}],
         "resources": {"requests": dict(res), "limits": dict(res)},
         "readinessProbe": {"httpGet": {"path": "/", "port": SANDBOX_PORT}, "periodSeconds": 1,

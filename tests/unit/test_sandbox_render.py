@@ -62,7 +62,9 @@ def test_template_pod_is_hardened() -> None:
     assert c["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"}]
     assert pod["volumes"] == [{"name": "scratch", "emptyDir": {"sizeLimit": "128Mi"}}]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["SANDBOX_EXEC_TIMEOUT_SECONDS"] == "7" and env["SANDBOX_OUTPUT_LIMIT_BYTES"] == "4096"
+    # one byte more than the runtime keeps: output the server cut is longer than maxOutputBytes, so the runtime
+    # marks it cut (output_truncated) rather than passing exactly maxOutputBytes on as complete
+    assert env["SANDBOX_EXEC_TIMEOUT_SECONDS"] == "7" and env["SANDBOX_OUTPUT_LIMIT_BYTES"] == "4097"
     assert c["ports"][0]["containerPort"] == 8888 and c["readinessProbe"]["httpGet"]["port"] == 8888
     # no Service, claims cannot inject environment or volumes (a warm sandbox is what the template says)
     spec = t["spec"]
