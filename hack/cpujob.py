@@ -16,10 +16,13 @@ SHARED_MOUNT = "/shared"
 
 
 def make_shared_dir(path: Path) -> Path:
-    """``path`` with a tiny model in ``tiny/``; world-writable, as the runtime image's user writes checkpoints."""
+    """``path`` with a tiny model in ``tiny/`` and a tiny chat model (a chat template, for ``spec.environment``) in
+    ``tiny-chat/``, built by one interpreter; world-writable, as the runtime image's user writes checkpoints."""
     path.mkdir(parents=True, exist_ok=True)
-    if not (path / "tiny" / "config.json").exists():
-        code = f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path / 'tiny')!r}, seed=0)"
+    if not all((path / d / "config.json").exists() for d in ("tiny", "tiny-chat")):
+        code = (f"from rlhf_testing.tiny import build_tiny_model; build_tiny_model({str(path / 'tiny')!r}, seed=0); "
+                "from rlhf_testing.tiny_chat import build_tiny_chat_model; "
+                f"build_tiny_chat_model({str(path / 'tiny-chat')!r})")
         subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
     for p in [path, *path.rglob("*")]:
         os.chmod(p, 0o777 if p.is_dir() else 0o666)
