@@ -416,8 +416,35 @@ def read_operator_scale(doc: Doc) -> list[Row]:
     return [Row("operator", ("scale", doc["jobs"]), str(doc.get("date", "")), values, str(doc.get("command", "")))]
 
 
+def read_sandbox_claims(doc: Doc) -> list[Row]:
+    """``sandbox_claims.py``: claims from a warm pool, a held sandbox's round trip, jobs deleted and what was left."""
+    claim = doc.get("claim")
+    if doc.get("benchmark") != "sandbox_claims" or not isinstance(claim, dict):
+        return []
+    trip = doc.get("round_trip") if isinstance(doc.get("round_trip"), dict) else {}
+    churn = doc.get("churn") if isinstance(doc.get("churn"), dict) else {}
+    load = (doc.get("load_average") or {}).get("start") if isinstance(doc.get("load_average"), dict) else None
+
+    def round_trip_ms(builtin: str) -> float | None:
+        p50 = _p((trip.get(builtin) or {}).get("round_trip"), "p50")
+        return p50 * 1000 if p50 is not None else None
+
+    values = {
+        "claims": _num(claim.get("claims")), "warm": _num(claim.get("adopted_warm")),
+        "claim_p50": _num(claim.get("claim_p50_s")), "claim_p99": _num(claim.get("claim_p99_s")),
+        "rt_python_ms": round_trip_ms("python"), "rt_shell_ms": round_trip_ms("shell"),
+        "overhead_python_ms": _num((trip.get("python") or {}).get("overhead_p50_ms")),
+        "overhead_shell_ms": _num((trip.get("shell") or {}).get("overhead_p50_ms")),
+        "jobs": _num(churn.get("jobs")), "deadline_s": _num(churn.get("deadline_s")),
+        "left": _num(churn.get("sandboxes_left")), "gone_s": _num(churn.get("all_gone_s")),
+        "load": _num(load[0]) if isinstance(load, list) and load else None,
+        "commit": str(doc.get("commit") or "")[:7] or None,
+    }
+    return [Row("sandbox", ("claims",), str(doc.get("date", "")), values, str(doc.get("command", "")))]
+
+
 Reader = Callable[[Doc], list[Row]]
 READERS: tuple[Reader, ...] = (
     read_sync, read_async, read_train_step, read_train_arms, read_rollout, read_learning, read_peer,
-    read_cpu_runtime, read_ppo, read_rendered, read_operator_scale,
+    read_cpu_runtime, read_ppo, read_rendered, read_operator_scale, read_sandbox_claims,
 )

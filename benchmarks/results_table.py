@@ -1,5 +1,5 @@
 """Writes ``benchmarks/RESULTS.md``: one current table per area (weight sync, trainer, rollout, the whole loop,
-operator) from the raw result files under ``benchmarks/results/``.
+operator, sandboxes) from the raw result files under ``benchmarks/results/``.
 
 Every JSON file is tried by the readers of ``results_rows.py``; a row stands for one configuration (model, GPUs,
 layout, settings) and the table keeps the newest run of each (by the date the file records; runs of one
@@ -139,6 +139,18 @@ COLUMNS: dict[str, list[Column]] = {
         ("Converged s", _f("converged_s", "{:.0f}")), ("Operator requests/job", _f("requests_job", "{:.2f}")),
         ("Operator RSS MiB", _f("rss_mib")), ("Failures", _f("failures", "{:.0f}")), ("Operator", _f("commit")), DATE,
     ],
+    "sandbox": [
+        ("Claims (warm)", lambda v: _f("claims", "{:.0f}")(v) + " (" + _f("warm", "{:.0f}")(v) + ")"),
+        ("Claim p50 / p99 s", lambda v: _f("claim_p50", "{:.2f}")(v) + " / " + _f("claim_p99", "{:.2f}")(v)),
+        ("Round trip p50 ms, python / shell",
+         lambda v: _f("rt_python_ms", "{:.1f}")(v) + " / " + _f("rt_shell_ms", "{:.1f}")(v)),
+        ("Beyond the code's run, p50 ms, python / shell",
+         lambda v: _f("overhead_python_ms", "{:.1f}")(v) + " / " + _f("overhead_shell_ms", "{:.1f}")(v)),
+        ("Jobs deleted", _f("jobs", "{:.0f}")),
+        ("Sandboxes left after", lambda v: _f("left", "{:.0f}")(v) + " (" + _f("deadline_s", "{:.0f} s")(v) + ")"),
+        ("All gone s", _f("gone_s", "{:.0f}")), ("Load average", _f("load", "{:.1f}")), ("Commit", _f("commit")),
+        DATE,
+    ],
 }
 
 TITLES: dict[str, tuple[str, str]] = {
@@ -160,6 +172,12 @@ TITLES: dict[str, tuple[str, str]] = {
     "operator": ("Operator", ("`operator_scale.py`: N RLHFJobs on the local control plane with KWOK GPU nodes; latency "
                  "from the create call to the child RayJob, beside KubeRay's own RayJob -> RayCluster (ratio: ours "
                  "over KubeRay's). History: `results/operator/README.md`.")),
+    "sandbox": ("Sandboxes", ("`sandbox_claims.py`: `spec.environment.sandbox` in real pods (the local cluster's "
+                "real nodes, the agent-sandbox controller, the operator from its chart); a trajectory's claim from "
+                "a full warm pool until its sandbox is ready, a held sandbox's tool call round trip and what of it "
+                "is beyond the command's own run time in the pod, and the sandboxes left after jobs with claimed "
+                "sandboxes are deleted. Load average: the machine's (1 min) at the start. History: "
+                "`results/operator/README.md`.")),
 }
 
 
