@@ -358,8 +358,8 @@ def parser() -> argparse.ArgumentParser:
                    help="engine-side timers (start/receive/finish of the worker transfer engine) wait for the GPU "
                    "before stopping (device-complete times; adds one synchronize per step)")
     p.add_argument("--sender-options", default="",
-                   help="JSON of sync options in force from the first sync (SPEC_FIELDS and "
-                        "weight_sync.options.EXPERIMENTAL), e.g. '{\"ipc_exchange\": \"gloo\"}'")
+                   help="JSON of sync options in force from the first sync (the spec's weightSync "
+                        "fields of sync_variants.SPEC_FIELDS), e.g. '{\"packed\": false}'")
     p.add_argument("--py-spy", default="",
                    help="path of a py-spy executable: a run past its limit also gets the native stacks of every "
                         "Ray process (native_stacks_<layout>_<model>.txt in --out)")

@@ -1,6 +1,6 @@
 """The weight-sync benchmark's variants (``gpu_sync.py``): sync options timed beside the job's own, each chosen
-through the driver's own options (``sync_options``: the spec's ``weightSync`` fields and the options' experimental
-ones, resolved as the driver resolves its own) and applied by re-creating the weight-sync group (``configure``),
+through the driver's own options (``sync_options``: the spec's ``weightSync`` fields, resolved as the driver
+resolves its own) and applied by re-creating the weight-sync group (``configure``),
 timed interleaved or one after another, each checked against the validated greedy tokens."""
 
 from __future__ import annotations
@@ -17,24 +17,18 @@ from sync_timing import greedy, summarize, timed_sync
 Save = Callable[[dict[str, Any]], None]
 
 #: Sync variants timed beside the default (the job's own options). Each names what it changes: fields of the spec's
-#: ``weightSync`` (``SPEC_FIELDS``) and options of ``weight_sync.options.EXPERIMENTAL``; the driver resolves them
-#: (``WeightSync.resolve``) and every switch of variant re-creates the weight-sync group with them
-#: (``WeightSync.init_group``, as after an engine was replaced), its first sync untimed. Variants run on CPU too
+#: ``weightSync`` (``SPEC_FIELDS``); the driver resolves them (``WeightSync.resolve``) and every switch of variant
+#: re-creates the weight-sync group with them (``WeightSync.init_group``, as after an engine was replaced), its
+#: first sync untimed. Variants run on CPU too
 #: (the ``gloo`` ones).
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "nccl": [
         ("checkpoint-format", {"format": "checkpoint"}),
-        ("kernel-format-one-rpc", {"format": "auto", "rpc": "one"}),  # one update_weights_round call per engine
         # the runtime's kernel-format worker engines wherever the plan applies (a plan that does not fails)
         ("kernel-format-forced", {"format": "kernel"}),
         # vLLM's packed path, and the direct sync (weight_sync.direct), alternating turn by turn in one run
         ("packed-sync", {"packed": True}),
         ("direct-sync", {"packed": False}),
-        # the direct sync's wire into TP=1 engines (weight_sync.wire): a fused parameter as one broadcast, the
-        # small entries (norms) in packs, and both
-        ("direct-fused", {"packed": False, "direct_fuse": True}),
-        ("direct-packs", {"packed": False, "direct_packs": True}),
-        ("direct-fused-packs", {"packed": False, "direct_fuse": True, "direct_packs": True}),
         # the direct sync in groups of 256 MiB instead of weightSync.bucketSizeMB's 1,024 (the engines cut the
         # groups from it too): the wire starts after a quarter of the first group's launches
         ("direct-256mb", {"packed": False, "bucket_size_mb": 256}),
@@ -42,21 +36,15 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "ipc": [
         ("checkpoint-format", {"format": "checkpoint"}),
         ("kernel-format-forced", {"format": "kernel"}),
-        # several trainer ranks: the IPC handles and barriers over a gloo group, not NCCL (weight_sync.ipc_exchange)
-        ("kernel-format-handles-over-gloo", {"format": "auto", "ipc_exchange": "gloo"}),
     ],
-    # CPU (checkpoint format only): the engine calls per sync (one by default), and the gloo backend tensor by
-    # tensor
+    # CPU (checkpoint format only): the gloo backend tensor by tensor
     "gloo": [
-        ("three-rpc", {"rpc": "three"}),
-        ("one-rpc", {"rpc": "one"}),
-        ("pipelined-rpc", {"rpc": "pipelined"}),
         ("unpacked", {"packed": False}),
     ],
 }
 
 
-#: Variant keys that are fields of the spec's ``weightSync`` (its Python names); the others are ``EXPERIMENTAL``.
+#: The variant keys: fields of the spec's ``weightSync`` (its Python names).
 SPEC_FIELDS = ("format", "packed", "bucket_size_mb")
 
 
@@ -72,10 +60,12 @@ def sender_arms(args: argparse.Namespace, backend: str, spec: dict[str, Any]) ->
 
 
 def sync_options(rt: Any, arm: dict[str, Any]) -> Any:
-    """The driver's sync options for ``arm`` (``SPEC_FIELDS`` over the job's ``weightSync``, the rest
-    ``EXPERIMENTAL``), resolved as the driver resolves its own (``WeightSync.resolve``)."""
-    ws = rt.cfg.spec.weight_sync.model_copy(update={k: arm[k] for k in SPEC_FIELDS if k in arm})
-    return rt.weights.resolve(ws, {k: v for k, v in arm.items() if k not in SPEC_FIELDS})
+    """The driver's sync options for ``arm`` (``SPEC_FIELDS`` over the job's ``weightSync``), resolved as the
+    driver resolves its own (``WeightSync.resolve``)."""
+    unknown = sorted(set(arm) - set(SPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"sync options {unknown} are not weightSync fields: {', '.join(SPEC_FIELDS)}")
+    return rt.weights.resolve(rt.cfg.spec.weight_sync.model_copy(update=arm))
 
 
 def configure(rt: Any, arm: dict[str, Any]) -> dict[str, Any]:

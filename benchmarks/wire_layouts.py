@@ -5,11 +5,10 @@ on both sides (as the trainer's and the engine's parameters are), no Ray, no vLL
 beyond the raw broadcast into what the number and size of the broadcasts cost (here) and what the runtime adds
 around them (``gpu_sync.py``'s timeline).
 
-Layouts (the runtime's own functions make them, ``wire.with_packs`` / ``direct.buckets``): ``whole`` (one
-tensor), ``parts`` (the direct sync's default: a fused parameter's parts one broadcast each), ``fused`` (one
-broadcast per engine parameter, ``TrainerEngineSender.direct_fuse``), ``packs`` (the small entries in packs,
-``direct_packs``), ``fused-packs``; each at ``--bucket-mib`` (default 1024, ``weightSync.bucketSizeMB``) and the
-parts also at 256 MiB. All interleaved, the order rotated every round; per layout: the wall time from the first
+Layouts (cut into groups by the runtime's ``direct.buckets``): ``whole`` (one tensor), ``parts`` (the direct
+sync's wire: a fused parameter's parts one broadcast each), ``fused`` (one broadcast per engine parameter, what
+fusing the parts on the trainer would give); each at ``--bucket-mib`` (default 1024, ``weightSync.bucketSizeMB``)
+and the parts also at 256 MiB. All interleaved, the order rotated every round; per layout: the wall time from the first
 launch to both sides' synchronize (median, min-max), the host time to launch the groups on each side, and the
 receiver's GPU time from its first group's start to its last group's end (CUDA events).
 
@@ -69,23 +68,17 @@ def wire_entries(arch: str, config: dict[str, Any], fused: bool) -> list[tuple[s
 
 
 def layouts(arch: str, config: dict[str, Any], itemsize: int, bucket_bytes: int) -> dict[str, list[list[int]]]:
-    """Per layout, its groups as the byte sizes of the broadcasts in each (a pack: one broadcast of its entries'
-    bytes), cut as ``direct.send`` cuts them (groups of ``bucket_bytes``; ``parts-256mib`` of 256 MiB). Pure."""
-    from rlhf_runtime.weight_sync import direct, wire
+    """Per layout, its groups as the byte sizes of the broadcasts in each, cut as ``direct.send`` cuts them
+    (groups of ``bucket_bytes``; ``parts-256mib`` of 256 MiB). Pure."""
+    from rlhf_runtime.weight_sync import direct
 
     out: dict[str, list[list[int]]] = {}
     total = sum(math.prod(s) for _, s in wire_entries(arch, config, False)) * itemsize
     out["whole"] = [[total]]
-    for name, fused, packs, bucket in (("parts", False, False, bucket_bytes), ("fused", True, False, bucket_bytes),
-                                       ("packs", False, True, bucket_bytes), ("fused-packs", True, True, bucket_bytes),
-                                       ("parts-256mib", False, False, 256 << 20)):
-        entries = wire_entries(arch, config, fused)
-        if packs:
-            entries = wire.with_packs(entries, itemsize)
-        carried = wire.carriers([n for n, _ in entries])
-        sizes = wire.wire_sizes([math.prod(s) * itemsize for _, s in entries], carried)
-        groups = [[sizes[i] for i in range(a, b) if carried[i] is None] for a, b in direct.buckets(sizes, bucket)]
-        out[name] = [g for g in groups if g]
+    for name, fused, bucket in (("parts", False, bucket_bytes), ("fused", True, bucket_bytes),
+                                ("parts-256mib", False, 256 << 20)):
+        sizes = [math.prod(s) * itemsize for _, s in wire_entries(arch, config, fused)]
+        out[name] = [sizes[a:b] for a, b in direct.buckets(sizes, bucket)]
     for name, groups in out.items():
         assert sum(map(sum, groups)) == total, name  # every layout moves the same bytes
     return out

@@ -17,12 +17,12 @@
 #               in the kernel format, beside the raw broadcast of the same bytes (16.38 GB) to 2 GPUs.
 #   ipc-8b:     FSDP2 x2 colocated with two TP=1 engines over IPC at the Qwen3-8B shape, then with one TP=2 engine
 #               (each trainer rank sends its GPU's TP shard); runs on 2 GPUs too.
-#   ipc-8b-tp2: ipc-8b's second layout alone: DETAIL=1 runs it under torch's collective checks, EXCHANGE=gloo
-#               exchanges the IPC handles over gloo; native stacks at the limit with .stage/pyspy.
+#   ipc-8b-tp2: ipc-8b's second layout alone: DETAIL=1 runs it under torch's collective checks; native stacks at
+#               the limit with .stage/pyspy.
 #   dp:         DP scaling: trainer GPU0 + 3 TP=1 engines, k = 1..3 engines interleaved over 5 rounds, 128 prompts
 #               x 8 samples x up to 256 tokens per engine (weak scaling), each rollout saved as it ends.
 #   nccl-1.7b:  the packed NCCL sync against the direct one (weightSync.packed), alternated run by run (PAIR).
-#   nccl-arms:  the same and the direct wire's options as gpu_sync variants, alternated inside one run (MODELS).
+#   nccl-arms:  the same and 256 MiB groups as gpu_sync variants, alternated inside one run (MODELS).
 #   rendered:   the operator's rendered RayJob on this host (benchmarks/rendered_cluster.py) for LAYOUTS.
 set -u
 part=${1:?part: moe-build | moe | tp2-8b | ipc-8b | ipc-8b-tp2 | rendered | dp | nccl-1.7b | nccl-arms}
@@ -48,7 +48,7 @@ case $part in
     python3 -c "import sys,json;sys.path.insert(0,'benchmarks');from gpu_sync import nccl_floor;print(json.dumps([{k:v \
 for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,3)]))" > $R/floor_8b.txt 2>&1
     python3 benchmarks/gpu_sync.py --kind $KIND --out $R --work /tmp/rlhf-gpu-bench --syncs 5 \
-        --variants checkpoint-format,kernel-format-one-rpc --timeout $(( $(left) - 15 )) \
+        --variants checkpoint-format --timeout $(( $(left) - 15 )) \
         separate-nccl-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   ipc-8b)
@@ -64,12 +64,9 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     if ls .stage/pyspy/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl && spy=(--py-spy /tmp/pyspy/bin/py-spy)
     fi
-    # EXCHANGE=gloo: the trainer ranks exchange the IPC handles over gloo (weight_sync.ipc_exchange); the default
-    # (nccl) is vLLM's own exchange
     debug=(); [ "${DETAIL:-0}" = 1 ] && debug=(TORCH_DISTRIBUTED_DEBUG=DETAIL)
     env "${debug[@]}" NCCL_DEBUG=WARN python3 benchmarks/gpu_sync.py --kind $KIND --out $R \
         --work /tmp/rlhf-gpu-bench --syncs 5 --no-variants "${spy[@]}" \
-        --sender-options "{\"ipc_exchange\": \"${EXCHANGE:-nccl}\"}" \
         --timeout ${TP2_LIMIT:-$(( $(left) - 15 ))} colocated-ipc-fsdp2-tp2-kernel:qwen3-8b > $R/driver.log 2>&1
     ;;
   dp)
@@ -87,7 +84,7 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     # "separate-nccl-packed separate-nccl", 2 GPUs; TP=2 on 4 GPUs: PAIR="separate-nccl-tp2
     # separate-nccl-tp2-unpacked", TP=2 staying packed by default); MODEL (default qwen3-1.7b; qwen3-8b too);
     # VARIANTS: gpu_sync variants timed interleaved with each run's default after its 5 syncs (e.g.
-    # VARIANTS=kernel-format-one-rpc: one engine call per sync), none by default. Every direct sync records its
+    # VARIANTS=direct-256mb), none by default. Every direct sync records its
     # timeline (gpu_sync.timeline_summary: the engine joining, the wire's GPU time, the tail).
     read -r first second <<< "${PAIR:-separate-nccl-packed separate-nccl}"
     for run in a1 b1 a2 b2; do
@@ -102,14 +99,11 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
     ;;
   nccl-arms)
     # the variants alternated turn by turn INSIDE one run (same engine, same floor): gpu_sync's
-    # packed-sync / direct-sync variants (weightSync.packed; a switch re-creates the weight-sync group),
-    # kernel-format-one-rpc (one engine call per sync), the direct wire's options direct-fused / direct-packs /
-    # direct-fused-packs (a fused parameter as one broadcast, the norms in packs: fewer broadcasts) and
+    # packed-sync / direct-sync variants (weightSync.packed; a switch re-creates the weight-sync group) and
     # direct-256mb (groups of 256 MiB, a new group), 5 interleaved rounds after the default's 5 syncs, every
     # direct sync with its timeline. One run per model of MODELS (default "qwen3-1.7b qwen3-8b"); LAYOUT (default
     # separate-nccl: direct by default, so VARIANTS default everything but direct-sync; TP=2 on 3-4 GPUs:
-    # LAYOUT=separate-nccl-tp2 VARIANTS=direct-sync,kernel-format-one-rpc, packed by default there; the wire
-    # options apply to TP=1 engines only).
+    # LAYOUT=separate-nccl-tp2 VARIANTS=direct-sync, packed by default there).
     # Each model first its wire alone (benchmarks/wire_layouts.py: the same bytes as one tensor and as each wire
     # layout, PyNccl groups between two processes, no Ray or vLLM; ~30 s), unless WIRE=0.
     for model in ${MODELS:-qwen3-1.7b qwen3-8b}; do
@@ -122,7 +116,7 @@ for k,v in nccl_floor(16381470720,1<<30,w).items() if k!='samples'} for w in (2,
       fi
       echo "$(date +%T) $model" >> $R/order.txt
       python3 benchmarks/gpu_sync.py --kind $KIND --out $R/$model --work /tmp/rlhf-gpu-bench --syncs 5 \
-          --variants ${VARIANTS:-packed-sync,kernel-format-one-rpc,direct-fused,direct-packs,direct-fused-packs,direct-256mb} \
+          --variants ${VARIANTS:-packed-sync,direct-256mb} \
           --timeout $(( $(left) - 15 )) \
           ${LAYOUT:-separate-nccl}:$model > $R/$model.log 2>&1
       echo "$(date +%T) $model exit $?" >> $R/order.txt

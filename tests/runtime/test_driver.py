@@ -55,10 +55,11 @@ def test_grpo_learns_with_weight_sync_every_step_and_validation(tiny_model: Path
         assert r["throughput"]["trainTokensPerSecondPerGpu"] > 0 and "mfu" not in r["throughput"], r["throughput"]
         assert 0 < r["train"]["response_length_mean"] <= r["train"]["response_length_max"] <= 4, r["train"]
         assert r["throughput"]["referenceSeconds"] > 0, r["throughput"]  # the reference's pass ran every step
-    # vLLM's trainer engine drives start -> update -> finish: the client makes them one call per engine from the
-    # group's second sync on; the first (before step 1, which reports it) makes three, so a failing start raises
-    calls = [r["sync"]["engine_calls"] for r in steps]
-    assert calls[0] == 3 and set(calls[1:]) == {1}, calls
+    # vLLM's trainer engine drives start -> update -> finish, three calls per engine: from the group's second sync
+    # on submitted back to back and waited on twice; the first (before step 1, which reports it) waits on each, so
+    # a failing start raises before the broadcast
+    calls = [(r["sync"]["engine_calls"], r["sync"]["engine_waits"]) for r in steps]
+    assert calls[0] == (3, 3) and set(calls[1:]) == {(3, 2)}, calls
     assert records[-1]["runtime"]["state"] == "Succeeded"
     # the trainer computed on the CPUs its pod asked for (trainer.resources.cpu, at most this machine's share),
     # not on the one thread Ray gives an actor by default

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import gpu_sync
 import wire_layouts
 
-from rlhf_runtime.weight_sync import direct, wire
+from rlhf_runtime.weight_sync import direct
 
 
 class Counting:
@@ -39,36 +39,24 @@ class Counting:
 
 def test_the_qwen3_1_7b_wire_is_the_one_the_gpu_runs_sent() -> None:
     """310 broadcasts of 3,441,149,952 bytes in 4 groups of 1 GiB (the direct sync's entries and bytes on 2xH200,
-    2026-11-29); fused 226, packs 198, both 114; every layout the same bytes."""
+    2026-11-29); fused 226; every layout the same bytes."""
     got = wire_layouts.layouts(*gpu_sync.MODELS["qwen3-1.7b"], 2, 1 << 30)
     counts = {name: (sum(map(len, groups)), len(groups)) for name, groups in got.items()}
-    assert counts == {"whole": (1, 1), "parts": (310, 4), "fused": (226, 4), "packs": (198, 4),
-                      "fused-packs": (114, 4), "parts-256mib": (310, 13)}
+    assert counts == {"whole": (1, 1), "parts": (310, 4), "fused": (226, 4), "parts-256mib": (310, 13)}
     assert {sum(map(sum, groups)) for groups in got.values()} == {3_441_149_952}
 
 
-@pytest.mark.parametrize(("fused", "packs", "name"), [(False, False, "parts"), (True, False, "fused"),
-                                                      (False, True, "packs"), (True, True, "fused-packs")])
-def test_each_layout_is_what_direct_send_broadcasts(fused, packs, name) -> None:
-    """The runtime's ``direct.send`` on the layout's entries (a small Qwen2 shape, float32, 1 MiB groups; packs
-    with its threshold, which the matrices exceed) makes the groups the benchmark broadcasts."""
+@pytest.mark.parametrize(("fused", "name"), [(False, "parts"), (True, "fused")])
+def test_each_layout_is_what_direct_send_broadcasts(fused, name) -> None:
+    """The runtime's ``direct.send`` on the layout's entries (a small Qwen2 shape, float32, 1 MiB groups) makes
+    the groups the benchmark broadcasts."""
     arch, config = "Qwen2", {"hidden_size": 256, "intermediate_size": 384, "vocab_size": 512,
                              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
     entries = wire_layouts.wire_entries(arch, config, fused)
-    if packs:
-        entries = wire.with_packs(entries, 4)
-    carried = wire.carriers([n for n, _ in entries])
-    members: list[Any] = []
-    pairs = []
-    for (n, shape), c in zip(entries, carried, strict=True):
-        k = wire.pack_size(n)
-        t = torch.cat(members[-k:]) if k else torch.zeros(math.prod(shape))
-        if c is not None:
-            members.append(t)
-        pairs.append((n, t))
+    pairs = [(n, torch.zeros(math.prod(shape))) for n, shape in entries]
     comm = Counting()
     sizes = [math.prod(s) * 4 for _, s in entries]
-    direct.send(iter(pairs), sizes, comm, 1 << 20, names=[n for n, _ in entries])
+    direct.send(iter(pairs), sizes, comm, 1 << 20)
     assert len(comm.groups) > 2 and comm.groups == wire_layouts.layouts(arch, config, 4, 1 << 20)[name]
 
 

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from rlhf_runtime.weight_sync import direct, wire
+from rlhf_runtime.weight_sync import direct
 from rlhf_runtime.weight_sync.formats import KernelPlan
 from rlhf_runtime.weight_sync.kernel import KernelTarget
 from tests.unit.test_runtime_weight_sync import _engine, _hf, _Source
@@ -55,22 +55,17 @@ def _padded(hf: dict[str, torch.Tensor], tp: int = 1) -> tuple[dict[str, Any], d
     return engine, vocab
 
 
-def _wire(plan: KernelPlan, hf: dict[str, torch.Tensor], fuse: bool = False, small: int = 0
+def _wire(plan: KernelPlan, hf: dict[str, torch.Tensor], fuse: bool = False
           ) -> tuple[list[tuple[str, torch.Tensor]], list[Any]]:
-    """What the trainer sends (TP=1: the parts unfused, or fused with ``fuse``, the entries under ``small`` bytes
-    in packs; TP > 1: every rank's piece) and the metadata it declares (name, shape)."""
-    if plan.tp == 1 and fuse:
-        pairs = list(wire.fused(plan.iterate(_Source(hf), fuse=False), wire.SideStream()))
+    """What the trainer sends (``direct.pieces``: TP=1, the parts unfused; TP > 1, every rank's piece; or with
+    ``fuse`` at TP=1 one tensor per engine parameter, as the packed path fuses them) and the metadata it
+    declares (name, shape)."""
+    if fuse:
+        pairs = list(plan.iterate(_Source(hf), fuse=True))
         meta = [(n, list(sh)) for n, sh, _ in plan.entries]
-    elif plan.tp == 1:
-        pairs = list(direct.unfused(plan.iterate(_Source(hf), fuse=False)))
-        meta = direct.unfused_shapes(plan.entries, {n: list(t.shape) for n, t in hf.items()})
-    else:  # every TP rank's piece, rank after rank
-        pairs = list(direct.rank_pieces(plan, plan.iterate(_Source(hf), fuse=False)))
-        meta = direct.rank_piece_shapes(plan, {n: list(t.shape) for n, t in hf.items()})
-    if small:
-        meta = wire.with_packs(meta, F32.itemsize, small)
-        pairs = list(wire.packed(iter(pairs), meta))
+    else:
+        pairs = list(direct.pieces(plan, plan.iterate(_Source(hf), fuse=False)))
+        meta = direct.piece_shapes(plan, {n: list(t.shape) for n, t in hf.items()})
     assert [(n, list(t.shape)) for n, t in pairs] == [(n, list(s)) for n, s in meta]  # declared = sent
     return pairs, meta
 
@@ -115,52 +110,7 @@ def test_tp1_entries_land_in_the_parameters_themselves() -> None:
 
 def test_buckets_split_by_bytes_and_give_a_large_entry_its_own() -> None:
     assert direct.buckets([4, 4, 4, 10, 1], 8) == [(0, 2), (2, 3), (3, 4), (4, 5)]
-    assert direct.buckets([0, 0, 10, 0, 4], 8) == [(0, 3), (3, 5)]  # carried entries (0 bytes) join a bucket
-
-
-def test_small_entries_move_into_packs_and_the_parts_of_a_fused_one_stay() -> None:
-    """``with_packs``: whole entries under the threshold move to a pack after every ``most`` of them and after the
-    last, in their order; a small part of a fused parameter (its name more than once) stays where it is."""
-    entries = [("emb", [100]), ("n0", [2]), ("qkv", [1]), ("qkv", [50]), ("w0", [64]), ("n1", [3]), ("n2", [1]),
-               ("norm", [4])]
-    got = wire.with_packs(entries, 4, small=40, most=3)
-    assert got == [("emb", [100]), ("qkv", [1]), ("qkv", [50]), ("w0", [64]), ("n0", [2]), ("n1", [3]),
-                   ("n2", [1]), ("rlhf.pack:3", [6]), ("norm", [4]), ("rlhf.pack:1", [4])]
-    assert wire.carriers([n for n, _ in got]) == [None, None, None, None, 7, 7, 7, None, 9, None]
-    assert wire.with_packs(entries, 4, small=4) == entries  # nothing small enough: the wire as it was
-    assert wire.wire_sizes([8, 8, 16], [2, 2, None]) == [0, 0, 16]
-
-
-@pytest.mark.parametrize(("names", "match"), [
-    (["a", "rlhf.pack:2"], "only 1 precede it"), (["a", "rlhf.pack:1", "rlhf.pack:1"], "only 0 precede it"),
-    (["a", "rlhf.pack:x"], "malformed"), (["a", "rlhf.pack:0"], "malformed"),
-])
-def test_a_pack_that_claims_entries_not_there_is_refused(names, match) -> None:
-    with pytest.raises(ValueError, match=match):
-        wire.carriers(names)
-
-
-def test_a_packed_wire_lands_in_the_parameters_and_a_tp_engine_refuses_it() -> None:
-    """The engine's plan of a wire with packs: the carried entries are views of their parameters (filled from
-    the pack after its group, not broadcast), the pack a scratch entry; a pack that is not its entries' elements,
-    and a pack into a TP=2 worker, are refused before anything is received."""
-    hf = _hf()
-    engine = _engine(hf, 1)
-    plan = KernelPlan.build(_Source(hf), engine)
-    _, meta = _wire(plan, hf, fuse=True, small=100)  # the norm (32 B) and the fused bias (64 B)
-    names, shapes = [n for n, _ in meta], [s for _, s in meta]
-    assert names[-1].startswith(wire.PACK) and "model.norm.weight" in names
-    target = KernelTarget(_engine_model(engine["params"]))
-    p = direct.plan(target, names, ["float32"] * len(meta), shapes, 1 << 20)
-    carried = p.carried
-    assert carried is not None and p.buffers[-1] is None and sum(c is not None for c in carried) >= 2
-    assert p.bytes == sum(direct.entry_bytes(shapes[:-1], [F32] * (len(meta) - 1)))  # a packed entry counts once
-    bad = shapes[:-1] + [[shapes[-1][0] + 1]]
-    with pytest.raises(ValueError, match="is not its"):
-        direct.plan(target, names, ["float32"] * len(meta), bad, 1 << 20)
-    tp2 = KernelTarget(_engine_model(_engine(hf, 2)["params"]), tp=2, tp_rank=0)
-    with pytest.raises(ValueError, match="TP=1 engines only"):
-        direct.plan(tp2, names, ["float32"] * len(meta), shapes, 1 << 20)
+    assert direct.buckets([0, 10, 4], 8) == [(0, 1), (1, 2), (2, 3)]  # as gloo's trainer side cuts them
     assert direct.buckets([], 8) == []
     assert direct.entry_bytes([[2, 3], [5]], [torch.bfloat16, F32]) == [12, 20]
 
@@ -181,7 +131,7 @@ def test_a_plan_that_does_not_fit_the_engine_is_refused_before_receiving(names, 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_tp_worker_receives_its_pieces_into_its_parameters_and_discards_the_others(rank) -> None:
-    """TP=2, every rank's piece on the wire (``rank_pieces``): worker ``rank``'s pieces are views of its
+    """TP=2, every rank's piece on the wire (``pieces``): worker ``rank``'s pieces are views of its
     parameters (q, k, v pieces one after another in ``qkv_proj``; its columns of ``o_proj`` as one piece), the
     other worker's are thrown away, replicated parameters come whole, and a padded vocabulary's HF rows go to
     scratch (``KernelTarget`` copies the worker's rows)."""
@@ -258,19 +208,17 @@ class GlooGroup:
         self.works, self.groups = None, self.groups + 1
 
 
-def _side(rank: int, pg: Any, tp: int, bucket: int, fuse: bool = False, small: int = 0) -> dict[str, Any]:
+def _side(rank: int, pg: Any, tp: int, bucket: int) -> dict[str, Any]:
     """Rank 0 the trainer, the others the workers of one engine of ``tp`` workers."""
     hf = _hf(hidden=64, inter=96)
     engine, vocab = _padded(hf, tp)
     plan = KernelPlan.build(_Source(hf), engine)
-    pairs, meta = _wire(plan, hf, fuse, small)
+    pairs, meta = _wire(plan, hf)
     comm = GlooGroup(pg)
     names = [n for n, _ in meta]
     if rank == 0:
-        calls = []
-        sent = direct.send(iter(pairs), direct.entry_bytes([s for _, s in meta], [F32] * len(meta)), comm, bucket,
-                           names=names, before_group=lambda: calls.append(1))
-        return {"bytes": sent, "groups": comm.groups, "broadcasts": comm.broadcasts, "joins": len(calls)}
+        sent = direct.send(iter(pairs), direct.entry_bytes([s for _, s in meta], [F32] * len(meta)), comm, bucket)
+        return {"bytes": sent, "groups": comm.groups, "broadcasts": comm.broadcasts}
     model = _engine_model(engine["params"], vocab, tp, rank - 1)
     target = KernelTarget(model, tp=tp, tp_rank=rank - 1)
     p = direct.plan(target, names, ["float32"] * len(meta), [s for _, s in meta], bucket)
@@ -279,8 +227,8 @@ def _side(rank: int, pg: Any, tp: int, bucket: int, fuse: bool = False, small: i
             "broadcasts": comm.broadcasts}
 
 
-def _run(world: int, tp: int, bucket: int, fuse: bool = False, small: int = 0) -> dict[int, dict[str, Any]]:
-    return _ranks(world, lambda rank, pg: _side(rank, pg, tp, bucket, fuse, small))
+def _run(world: int, tp: int, bucket: int) -> dict[int, dict[str, Any]]:
+    return _ranks(world, lambda rank, pg: _side(rank, pg, tp, bucket))
 
 
 def _ranks(world: int, side: Any) -> dict[int, Any]:
@@ -329,24 +277,6 @@ def test_trainer_and_tp1_engine_agree_over_a_real_group() -> None:
             assert torch.equal(param, _expected(hf, name)), name
 
 
-@pytest.mark.parametrize(("fuse", "small"), [(True, 0), (False, 3000), (True, 3000)])
-def test_the_fused_and_packed_wires_land_the_same_weights_in_fewer_broadcasts(fuse, small) -> None:
-    """The trainer's wire options into a TP=1 engine over a real group: a fused parameter as one broadcast
-    (``wire.fused``), the whole entries under 3,000 bytes (the norm, ``o_proj``, the fused bias) in a pack
-    (``with_packs``): both
-    sides make the same broadcasts, fewer than the parts' wire, the ``before_group`` hook runs once per group,
-    and the engine ends with the same weights (the padding rows untouched)."""
-    parts = _run(2, 1, 5 << 10)
-    got = _run(2, 1, 5 << 10, fuse, small)
-    hf = _hf(hidden=64, inter=96)
-    assert got[0]["broadcasts"] == got[1]["broadcasts"] < parts[0]["broadcasts"]
-    assert got[0]["bytes"] == got[1]["bytes"] == parts[1]["bytes"] and got[0]["joins"] == got[0]["groups"]
-    for name, param in got[1]["params"].items():
-        assert torch.equal(param, parts[1]["params"][name]), name
-        if "embed" not in name and "lm_head" not in name:
-            assert torch.equal(param, _expected(hf, name)), name
-
-
 def test_trainer_and_both_workers_of_a_tp2_engine_agree_over_a_real_group() -> None:
     """Trainer and the two workers of a TP=2 engine (ranks 1, 2): each worker receives its own pieces into its
     parameters (column-parallel rows, row-parallel columns) and its rows of the padded vocabulary from scratch."""
@@ -366,10 +296,9 @@ def test_trainer_and_both_workers_of_a_tp2_engine_agree_over_a_real_group() -> N
 
 # ------------------------------------------------------------------------------------------ the sender's source
 def _bare_sender(hf: dict[str, torch.Tensor], tp: int = 1, backend: str = "nccl", packed: bool = False,
-                 fmt: str = "kernel", **experimental: Any) -> Any:
+                 fmt: str = "kernel") -> Any:
     """A ``TrainerEngineSender`` without its ``__init__`` (which opens the NCCL group): the attributes its weight
-    source reads, its options resolved from ``packed`` and ``experimental``, the plan of one engine of ``tp``
-    workers over ``hf``."""
+    source reads, its options resolved from ``packed``, the plan of one engine of ``tp`` workers over ``hf``."""
     from rlhf_api.models import WeightSync
     from rlhf_runtime.weight_sync.options import resolve
     from rlhf_runtime.weight_sync.senders import TrainerEngineSender
@@ -377,10 +306,9 @@ def _bare_sender(hf: dict[str, torch.Tensor], tp: int = 1, backend: str = "nccl"
     source = _Source(hf)
     source.dtype = F32
     sender = object.__new__(TrainerEngineSender)
-    sender.options = resolve(WeightSync(packed=packed), backend=backend, engine_worlds=[tp], trainer_world=1,
-                             experimental=experimental)
+    sender.options = resolve(WeightSync(packed=packed), backend=backend, engine_worlds=[tp], trainer_world=1)
     sender.backend, sender.format, sender.source = backend, fmt, source
-    sender.packed, sender._side = sender.options.packs(fmt), None
+    sender.packed = sender.options.packs(fmt)
     sender.plan = KernelPlan.build(source, _engine(hf, tp))
     return sender
 
@@ -414,23 +342,6 @@ def test_the_sender_declares_what_it_yields_parts_only_on_the_direct_sync(backen
     assert [n for n, _ in meta].count(qkv) == (3 if direct_on else 0 if fmt == "checkpoint" else 1)
 
 
-@pytest.mark.parametrize(("fuse", "packs", "qkv", "pack"), [(False, False, 3, False), (True, False, 1, False),
-                                                          (False, True, 3, True), (True, True, 1, True)])
-def test_the_senders_wire_options_change_what_it_declares_and_yields(fuse, packs, qkv, pack) -> None:
-    """The options ``direct_fuse`` / ``direct_packs`` on the direct sync into a TP=1 engine: the declared entries
-    are what the source yields (one ``qkv_proj`` entry where fused; the small entries moved behind a pack entry,
-    which is their tensors concatenated); the trainer engine gets the side stream only where the sender fuses."""
-    sender = _bare_sender(_hf(), direct_fuse=fuse, direct_packs=packs)
-    meta, sent = _declared_and_sent(sender._weight_source())
-    assert meta == [(n, list(t.shape)) for n, t in sent]
-    assert [n for n, _ in meta].count("model.layers.0.self_attn.qkv_proj.weight") == qkv
-    assert (sender._side is not None) is fuse
-    assert meta[-1][0].startswith(wire.PACK) is pack
-    if pack:
-        k = wire.pack_size(meta[-1][0])
-        assert torch.equal(sent[-1][1], torch.cat([t.reshape(-1) for _, t in sent[-1 - k:-1]]))
-
-
 @pytest.mark.parametrize("packed", [False, True])
 def test_into_a_tp_engine_the_direct_sync_declares_every_ranks_pieces(packed) -> None:
     """The sender's weight source for one TP=2 engine over NCCL: on the direct sync every rank's piece under the
@@ -446,8 +357,8 @@ def test_the_runtimes_vllm_engines_run_the_direct_sync_and_reuse_the_metadata() 
     """``kernel.DirectNCCLTrainerEngine._broadcast`` and ``kernel.RlhfNCCLWeightTransferEngine.receive_weights``
     (vLLM's NCCL engines with the direct sync; their constructors open NCCL, so the attributes the handshake sets
     are set here) over a gloo group, two syncs: the first with the metadata, the second without (vLLM 0.33's
-    trainer sends it only when it changed), which the engine answers from the plan it kept; a third with the
-    fused and packed wire (new metadata: a new plan)."""
+    trainer sends it only when it changed), which the engine answers from the plan it kept; a third with one
+    tensor per fused parameter (new metadata: a new plan)."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
     from rlhf_runtime.vllm import compat as vllm_compat
@@ -457,7 +368,7 @@ def test_the_runtimes_vllm_engines_run_the_direct_sync_and_reuse_the_metadata() 
     engine_layout, vocab = _padded(hf)
     plan = KernelPlan.build(_Source(hf), engine_layout)
     _, meta = _wire(plan, hf)
-    _, meta2 = _wire(plan, hf, fuse=True, small=3000)  # the third sync: the sender's wire options changed
+    _, meta2 = _wire(plan, hf, fuse=True)  # the third sync: other metadata
     model = _engine_model(engine_layout["params"], vocab)
     worker = object.__new__(RlhfNCCLWeightTransferEngine)
     worker.packed, worker.packed_buffer_size_bytes, worker.device = False, 5 << 10, "cpu"
@@ -470,7 +381,7 @@ def test_the_runtimes_vllm_engines_run_the_direct_sync_and_reuse_the_metadata() 
     plans = []
     for sync, info in enumerate(infos):
         weights = {n: t + sync for n, t in hf.items()}  # new values every sync
-        pairs, m = _wire(plan, weights, fuse=sync == 2, small=3000 if sync == 2 else 0)
+        pairs, m = _wire(plan, weights, fuse=sync == 2)
         params = [vllm_compat.param_meta(n, F32, tuple(sh)) for n, sh in m]
         source = vllm_compat.as_weight_source(lambda params=params: params, lambda pairs=pairs: iter(pairs))
 
@@ -487,5 +398,5 @@ def test_the_runtimes_vllm_engines_run_the_direct_sync_and_reuse_the_metadata() 
         for name, param in model.named_parameters():
             want = _expected(weights, name)
             assert torch.equal(param[: want.shape[0]], want), (sync, name)
-    assert plans[0] is plans[1] and plans[2] is not plans[1] and plans[2].carried is not None
+    assert plans[0] is plans[1] and plans[2] is not plans[1] and len(plans[2].names) < len(plans[1].names)
     assert worker._kernel_target.loaded == 2 * plans[0].direct + plans[2].direct

@@ -1,4 +1,4 @@
-"""The layout of the bucketed FSDP2 gather (``weight_sync.producers``: ``shard0_layout``, ``pack_shard0``,
+"""The layout of the bucketed FSDP2 gather (``infra.fsdp_gather``: ``shard0_layout``, ``pack_shard0``,
 ``unpack_shard0``): the ranks' buffers, put one after another as an all-gather does, give back every tensor whole,
 for dim-0 shards of every unevenness (ranks holding fewer rows, or none), cast in the packing copy. The collective
 itself runs on two real gloo ranks in ``tests/runtime/test_fsdp_lean_gathers.py``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_runtime.weight_sync.producers import pack_shard0, shard0_layout, shard0_rows, unpack_shard0
+from rlhf_runtime.infra.fsdp_gather import pack_shard0, shard0_layout, shard0_rows, unpack_shard0
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -8,27 +8,27 @@ import dataclasses
 import pytest
 
 from rlhf_api.models import WeightSync
-from rlhf_runtime.weight_sync.options import EXPERIMENTAL, RPCS, WeightSyncOptions, resolve
+from rlhf_runtime.weight_sync.options import WeightSyncOptions, resolve
 
 
 def _resolve(backend: str = "nccl", worlds: tuple[int, ...] = (1,), trainer_world: int = 1,
-             experimental: dict | None = None, **spec) -> WeightSyncOptions:
+             **spec) -> WeightSyncOptions:
     return resolve(WeightSync.model_validate(spec), backend=backend, engine_worlds=list(worlds),
-                   trainer_world=trainer_world, experimental=experimental)
+                   trainer_world=trainer_world)
 
 
 def test_the_spec_defaults_resolve_to_the_runtimes_sync() -> None:
     """A job that sets nothing: ``auto`` format, 1 GiB buckets, the spec's deadline; NCCL into sync-mode engines
-    pipelines vLLM's three calls, into async engines waits on each; gloo makes one call; IPC three (vLLM's own)."""
+    and gloo pipeline vLLM's three calls into sync-mode engines and wait on each into async ones; IPC waits on each
+    (vLLM's IPC trainer engine updates chunk by chunk)."""
     o = _resolve()
     assert (o.backend, o.format, o.bucket_bytes, o.timeout_s) == ("nccl", "auto", 1 << 30, 600.0)
-    assert (o.ipc_exchange, o.direct_fuse, o.direct_packs) == ("nccl", False, False)
-    assert o.rpc == "pipelined"
-    assert _resolve(mode="async").rpc == "three"
-    assert _resolve("gloo").rpc == "one" and _resolve("ipc").rpc == "three"
+    assert o.rpc == "pipelined" and _resolve("gloo").rpc == "pipelined"
+    assert _resolve(mode="async").rpc == "three" and _resolve("gloo", mode="async").rpc == "three"
+    assert _resolve("ipc").rpc == "three"
     assert _resolve(bucketSizeMB=256, timeoutSeconds=30).bucket_bytes == 256 << 20
     with pytest.raises(dataclasses.FrozenInstanceError):
-        o.rpc = "one"  # type: ignore[misc]
+        o.rpc = "three"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(("setting", "backend", "worlds", "trainer_world", "checkpoint", "kernel"), [
@@ -54,45 +54,27 @@ def test_the_spec_leaves_packed_unset_unless_the_user_sets_it() -> None:
     assert "packed" not in WeightSync().model_dump(by_alias=True, exclude_none=True)
 
 
-def test_experimental_options_are_typed_and_documented() -> None:
-    """The experimental mapping sets only the options ``EXPERIMENTAL`` documents; each takes effect as given."""
-    assert set(EXPERIMENTAL) == {"rpc", "ipc_exchange", "direct_fuse", "direct_packs"}
-    assert all(isinstance(v, str) and v for v in EXPERIMENTAL.values())
-    assert [_resolve(experimental={"rpc": r}).rpc for r in RPCS] == list(RPCS)
-    assert _resolve("ipc", trainer_world=2, experimental={"ipc_exchange": "gloo"}).ipc_exchange == "gloo"
-    o = _resolve(experimental={"direct_fuse": True, "direct_packs": True})
-    assert (o.direct_fuse, o.direct_packs) == (True, True)
-
-
-@pytest.mark.parametrize(("backend", "spec", "experimental", "error", "match"), [
-    ("nccl", {}, {"lean_gathers": False}, ValueError, r"unknown experimental weight-sync options \['lean_gathers'\]"),
-    ("nccl", {}, {"rpc": "two"}, ValueError, "rpc must be one of one, three, pipelined, not 'two'"),
-    ("ipc", {}, {"rpc": "one"}, ValueError, "rpc one applies to nccl and gloo syncs"),
-    ("nccl", {"mode": "async"}, {"rpc": "pipelined"}, ValueError, "rpc pipelined needs weightSync.mode sync"),
-    ("ipc", {}, {"ipc_exchange": "shm"}, ValueError, "ipc_exchange must be one of nccl, gloo, not 'shm'"),
-    ("nccl", {}, {"ipc_exchange": "gloo"}, ValueError, "ipc_exchange gloo applies to the ipc backend, not nccl"),
-    ("ipc", {}, {"direct_fuse": True}, ValueError, "direct_fuse applies to the direct NCCL sync"),
-    ("nccl", {"packed": True}, {"direct_packs": True}, ValueError, "direct_packs applies to the direct NCCL sync"),
-    ("nccl", {}, {"direct_fuse": "yes"}, TypeError, "direct_fuse must be true or false, not 'yes'"),
-    ("shm", {}, {}, ValueError, "weight-sync backend must be one of nccl, ipc, gloo, not 'shm'"),
-])
-def test_combinations_that_cannot_run_are_refused_naming_the_option(backend, spec, experimental, error, match) -> None:
-    with pytest.raises(error, match=match):
-        _resolve(backend, experimental=experimental, **spec)
+def test_a_backend_that_cannot_run_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match="weight-sync backend must be one of nccl, ipc, gloo, not 'shm'"):
+        _resolve("shm")
 
 
 def test_no_module_of_the_sync_keeps_a_mutable_switch() -> None:
-    """The sender reads its options alone: the switches that other code set on the modules are gone."""
+    """The sender reads its options alone: the switches that other code set on the modules, and the arms they
+    chose, are gone."""
     import importlib
 
     pytest.importorskip("torch")
     pytest.importorskip("vllm")
     gone = {"senders": ("LEAN_GATHERS_DEFAULT", "NCCL_RPC_DEFAULT", "RPC_DEFAULT", "BROADCAST_TP_VALIDATED",
                         "apply_settings", "auto_keeps_checkpoint", "resolve_packed", "default_rpc"),
-            "wire": ("FUSE_DEFAULT", "PACKS_DEFAULT"), "ipc_exchange": ("EXCHANGE_DEFAULT", "uninstall")}
+            "options": ("EXPERIMENTAL", "EXCHANGES", "default_rpc")}
     for module, names in gone.items():
         mod = importlib.import_module(f"rlhf_runtime.weight_sync.{module}")
         assert not [n for n in names if hasattr(mod, n)], module
+    for module in ("wire", "ipc_exchange"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"rlhf_runtime.weight_sync.{module}")
     from rlhf_runtime.weight_sync.senders import TrainerEngineSender
 
     assert not [n for n in ("apply_settings", "lean_gathers", "ipc_resident", "rpc", "requested_format")

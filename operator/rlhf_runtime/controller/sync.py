@@ -55,13 +55,12 @@ class WeightSync:
     def _worlds(self) -> list[int]:
         return self.engines.call("world_size", what=f"world size of {self.engines.describe()}")
 
-    def resolve(self, weight_sync: WeightSyncSpec | None = None, experimental: dict[str, Any] | None = None,
-                worlds: list[int] | None = None) -> WeightSyncOptions:
-        """The sync's options from ``weight_sync`` (default: the spec's ``weightSync``) and this job's layout
-        (``weight_sync.options.resolve``; ``experimental``: its ``EXPERIMENTAL`` options, for benchmarks)."""
+    def resolve(self, weight_sync: WeightSyncSpec | None = None, worlds: list[int] | None = None
+                ) -> WeightSyncOptions:
+        """The sync's options from ``weight_sync`` (default: the spec's ``weightSync``; benchmarks pass another
+        to compare) and this job's layout (``weight_sync.options.resolve``)."""
         return resolve(weight_sync or self.spec.weight_sync, backend=self.backend,
-                       engine_worlds=self._worlds() if worlds is None else worlds,
-                       trainer_world=len(self.trainers), experimental=experimental)
+                       engine_worlds=self._worlds() if worlds is None else worlds, trainer_world=len(self.trainers))
 
     def init_group(self, options: WeightSyncOptions | None = None) -> dict[str, Any]:
         """(Re-)create the weight-transfer group trainer rank 0 <-> every engine, with ``options`` (default:

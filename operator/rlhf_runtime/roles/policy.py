@@ -241,7 +241,7 @@ class Trainer(FSDPWorker):
         group = {"master_address": addr, "master_port": port, "world_size": 1 + sum(worlds), "rank": self.rank}
         source = ParamSource(self.model, self.dtype, set(skip or []))
         self.sender = None
-        fanout = EngineFanOut(handles, worlds, options.timeout_s, options.rpc)
+        fanout = EngineFanOut(handles, worlds, options.timeout_s, pipelined=options.rpc == "pipelined")
         self.sender = make_sender(options, fanout, source, group)
         return self.sender.describe()
 

@@ -1,16 +1,11 @@
 """Trainer -> engines weight sync through vLLM's weight-transfer API (vLLM >= 0.28: its trainer-side engines).
 
-* ``options``: ``WeightSyncOptions``, everything a sender reads, resolved once by the driver (``resolve``);
-* ``senders``: ``TrainerEngineSender`` (``make_sender``), built from the options on every trainer rank;
-* ``producers``: what is sent (``ParamSource``) and the resident IPC sync's trainer side (``ResidentExport``);
-* ``formats``: checkpoint vs kernel format (``KernelPlan``, ``effective_format``);
-* ``fanout``: ``EngineFanOut``, the control plane over the engine actors;
-* ``direct`` and ``wire``: the direct NCCL sync; ``ipc_exchange``: the IPC handle exchange over gloo;
-* ``gloo`` (the CPU backend) and ``kernel`` (the kernel-format worker engines), loaded by vLLM through the plugin
-  (``rlhf_runtime.vllm.plugin``).
-
-The names below load their module on first use, so the driver imports ``options`` without torch. Every vLLM
-version difference lives in ``rlhf_runtime.vllm.compat``.
+``options`` (``WeightSyncOptions``, resolved once by the driver), ``senders`` (``TrainerEngineSender``, built from
+them on every trainer rank), ``producers`` (what is sent; the resident IPC sync's trainer side), ``formats``
+(checkpoint vs kernel format), ``fanout`` (the control plane over the engine actors), ``direct`` (the direct NCCL
+sync); ``gloo`` (the CPU backend) and ``kernel`` (the kernel-format worker engines) are loaded by vLLM through the
+plugin (``rlhf_runtime.vllm.plugin``). The names below load their module on first use, so the driver imports
+``options`` without torch. Every vLLM version difference lives in ``rlhf_runtime.vllm.compat``.
 """
 
 from __future__ import annotations

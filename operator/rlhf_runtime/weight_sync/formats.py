@@ -1,15 +1,13 @@
 """Weight formats and the plans that produce them.
 
-* **checkpoint**: Hugging Face names and shapes (``ParamSource``), loaded through vLLM's layerwise reload
-  (``model.load_weights``): every engine layout, every supported vLLM;
+* **checkpoint**: Hugging Face names and shapes (``ParamSource``), loaded through vLLM's layerwise reload: every
+  engine layout, every supported vLLM;
 * **kernel**: the engine's own parameter names and layouts (``KernelPlan``: fused ``qkv_proj`` / ``gate_up_proj``
-  written side by side), loaded by a plain copy in the runtime's worker engines (``weight_sync.kernel``), for
-  engines whose parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds
-  no source for them).
+  written side by side), copied in place by the runtime's worker engines (``weight_sync.kernel``), for engines
+  whose parameters are what the kernels read (GPU; on CPU vLLM prepacks linear weights and the plan finds none).
 
-``weightSync.format`` asks for one: ``auto`` (the kernel format where its plan covers the engines, else
-checkpoint), ``kernel`` (refused at the sender's start, with the plan's reason, where it cannot run) or
-``checkpoint``; ``effective_format`` decides.
+``weightSync.format`` asks for one: ``auto`` (kernel where its plan covers the engines), ``kernel`` (refused with
+the plan's reason where it cannot run) or ``checkpoint``; ``effective_format`` decides.
 """
 
 from __future__ import annotations
@@ -28,25 +26,20 @@ __all__ = ["FORMATS", "KernelPlan", "effective_format"]
 class KernelPlan:
     """HF (checkpoint) tensors -> the engine's own parameters, for a kernel-format update (a plain copy each).
 
-    For each engine parameter (name, shape): the HF tensor of the same name, or the HF tensors of a fused module's
-    parts (vLLM's ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj, k_proj, v_proj``), concatenated along dim 0
-    (vLLM's fused layout); the producers write the parts side by side, so the fusion costs no extra copy.
+    Per engine parameter: the HF tensor of its name, or those of a fused module's parts (vLLM's
+    ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj, k_proj, v_proj``) concatenated along dim 0.
 
-    Tensor parallelism (``tp`` > 1): a parameter whose engine shape is the whole source's is replicated; otherwise
-    it is split along the dimension the engine reports (``shard_dims``: vLLM's ``output_dim`` / ``input_dim``),
-    each part chunked into ``tp`` pieces and piece ``tp_rank`` of each part concatenated (vLLM's per-rank fused
-    layout). Without ``tp_rank`` (one stream every worker receives whole: an NCCL broadcast, ``all_ranks``) it
-    sends every rank's pieces side by side, rank after rank, and each worker takes its own
-    (``kernel.KernelTarget``). A padded vocabulary (the engine reports ``vocab``: vLLM pads to a multiple of 64
-    rows, then splits over the ranks) is sent as the HF tensor, whole, and every worker copies its rows. Other
-    uneven splits (fewer KV heads than ``tp``) find no source: the plan is not ``ok`` and ``reason`` names the
-    parameter.
+    Tensor parallelism (``tp`` > 1): a parameter of the whole source's shape is replicated; otherwise split along
+    the dimension the engine reports (``shard_dims``), each part chunked into ``tp`` pieces and piece ``tp_rank``
+    of each concatenated. Without ``tp_rank`` (one stream every worker receives whole, ``all_ranks``) every rank's
+    pieces go side by side and each worker takes its own (``kernel.KernelTarget``). A padded vocabulary (the
+    engine reports ``vocab``) is sent as the HF tensor, whole, and every worker copies its rows. Other uneven
+    splits (fewer KV heads than ``tp``) find no source: the plan is not ``ok`` and ``reason`` names the parameter.
 
-    MoE experts (``experts`` in the engine layout, ``workers.expert_layout``): vLLM holds a layer's local experts
-    as ``w13_weight`` ``(E_local, 2I, H)`` and ``w2_weight`` ``(E_local, H, I)``; the plan takes, per local expert
-    in local order (``ids``: global expert ids), the per-expert HF tensors (``moe.unfuse``) in the order the MoE
-    backend keeps them (``parts``); side by side they are the parameter's layout. Backends that re-layout the
-    weights after loading report a reason instead, and the plan refuses with it.
+    MoE experts (``experts`` in the layout, ``workers.expert_layout``): vLLM's ``w13_weight`` ``(E_local, 2I, H)``
+    and ``w2_weight`` ``(E_local, H, I)`` take, per local expert (``ids``), the per-expert HF tensors
+    (``moe.unfuse``) in the backend's order (``parts``); backends that re-layout the weights report a reason
+    instead, and the plan refuses with it.
     """
 
     def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str,
@@ -62,8 +55,7 @@ class KernelPlan:
         return {s for _, _, srcs in self.entries for s in srcs}
 
     def row_split_sources(self) -> set[str]:
-        """HF names that every entry using them splits along dim 0 (the pieces an FSDP2 shard on dim 0 can be;
-        none where the plan sends every rank's pieces)."""
+        """HF names every entry using them splits along dim 0 (what an FSDP2 shard can be; none for ``all_ranks``)."""
         if self.all_ranks:
             return set()
         rows = {s for n, _, srcs in self.entries if self.shard.get(n) == 0 for s in srcs}
@@ -83,8 +75,7 @@ class KernelPlan:
     @staticmethod
     def _expert_sources(name: str, shape: list[int], hf: dict[str, Any], ex: dict[str, Any],
                         tp: int) -> tuple[list[str] | None, str]:
-        """The per-expert HF tensors of an engine's stacked expert parameter, in its memory order, or None and
-        why not."""
+        """The per-expert HF tensors of a stacked expert parameter in its memory order, or None and why not."""
         what = f"engine parameter {name} {shape}"
         if "refuse" in ex:
             return None, f"{what}: {ex['refuse']}"
@@ -107,8 +98,8 @@ class KernelPlan:
 
     @staticmethod
     def _split_fits(shape: list[int], parts: list[list[int]], dim: int, tp: int) -> bool:
-        """Whether the engine's ``shape`` is what one TP rank holds of the HF ``parts`` split ``tp`` ways along
-        ``dim``, one piece of each part concatenated along dim 0 (fused parts are split along dim 0 only)."""
+        """Whether ``shape`` is one TP rank's of the HF ``parts`` split ``tp`` ways along ``dim``, a piece of each
+        part concatenated along dim 0 (fused parts split along dim 0 only)."""
         if dim >= len(shape) or (len(parts) > 1 and dim != 0):
             return False
         pieces = []
@@ -124,23 +115,21 @@ class KernelPlan:
     @staticmethod
     def _padded_vocab(shape: list[int], srcs: list[str] | None, hf: dict[str, list[int]], rows: int | None,
                       tp: int) -> bool:
-        """Whether the engine's ``shape`` is a padded vocabulary (vLLM pads to a multiple of 64 rows, then splits
-        over the TP ranks; ``rows``: its Hugging Face rows, as the engine reports them) of one HF tensor: then the
-        plan sends that tensor whole and each worker copies its rows (``kernel.KernelTarget``)."""
+        """Whether ``shape`` is a padded vocabulary (vLLM pads to a multiple of 64 rows, then splits over the TP
+        ranks; ``rows``: its HF rows) of one HF tensor, sent whole: each worker copies its rows."""
         return (rows is not None and srcs is not None and len(srcs) == 1 and hf[srcs[0]][0] == rows
                 and hf[srcs[0]][1:] == shape[1:] and rows <= shape[0] * tp)
 
     @classmethod
     def build(cls, source: ParamSource, engine: dict[str, Any], tp_rank: int | None = None) -> KernelPlan:
         """``engine``: the layout an engine worker reports (``params`` [(name, shape)], ``packed_modules_mapping``,
-        ``world_size`` = TP, ``shard_dims`` {name: [dims it may be split along]}, an int from older
-        runtimes). ``tp_rank``: the worker this rank's tensors are for when TP > 1; None: all of them, side by
-        side (``all_ranks``)."""
+        ``world_size`` = TP, ``shard_dims`` {name: dims it may be split along}, ``vocab``, ``experts``).
+        ``tp_rank``: the worker this rank's tensors are for when TP > 1; None: every rank's (``all_ranks``)."""
         hf = {n: list(s) for n, s in source.wire_shapes()}  # names and shapes as the stream yields them
         mapping: dict[str, list[str]] = engine.get("packed_modules_mapping") or {}
         tp = int(engine.get("world_size", 1))
         all_ranks = tp > 1 and tp_rank is None
-        dims: dict[str, int | list[int]] = engine.get("shard_dims") or {}
+        dims: dict[str, list[int]] = engine.get("shard_dims") or {}
         experts: dict[str, dict[str, Any]] = engine.get("experts") or {}
         entries: list[tuple[str, list[int], list[str]]] = []
         shard: dict[str, int] = {}
@@ -158,8 +147,7 @@ class KernelPlan:
             if srcs is not None and all(hf[s][1:] == hf[srcs[0]][1:] for s in srcs) and whole == shape:
                 entries.append((name, shape, srcs))  # TP = 1, or replicated on every rank
                 continue
-            reported = dims.get(name)
-            cands = [reported] if isinstance(reported, int) else list(reported or [])
+            cands = list(dims.get(name) or [])
             dim = next((d for d in cands if srcs is not None and tp > 1
                         and cls._split_fits(shape, [hf[s] for s in srcs], d, tp)), None)
             if dim is not None:
@@ -196,12 +184,10 @@ class KernelPlan:
         return [e[0] for e in self.entries], [d] * len(self.entries), [e[1] for e in self.entries]
 
     def iterate(self, source: ParamSource, fuse: bool = True) -> Iterator[tuple[str, Any]]:
-        """Yields (engine name, tensor) in ``entries`` order, pulling HF tensors from ``source`` lazily.
-        ``fuse=False`` yields fused parameters as their parts (``FusedParts``: the producers write them side by
-        side in their buffers, which is the fused layout, without a ``torch.cat``). Split parameters yield this
-        rank's pieces (views; the packers copy them), except the names the source yields as this rank's piece
-        already (``ParamSource.local``: FSDP2 shards that are the TP shard); an ``all_ranks`` plan yields every
-        rank's pieces in rank order (a parameter of one part: its tensor as it is)."""
+        """(engine name, tensor) in ``entries`` order, the HF tensors pulled from ``source`` lazily. ``fuse=False``:
+        fused parameters as their parts (``FusedParts``: written side by side, no ``torch.cat``). Split parameters:
+        this rank's pieces (views), except those the source yields as this rank's piece already
+        (``ParamSource.local``); an ``all_ranks`` plan yields every rank's pieces in rank order."""
         presliced = getattr(source, "local", ())  # a source without the attribute sends every tensor whole
         it = iter(source)
         needed = {s for e in self.entries for s in e[2]}
@@ -232,9 +218,8 @@ class KernelPlan:
 
 
 def effective_format(requested: str, plan: KernelPlan | None) -> str:
-    """The format a sync uses: ``kernel`` when asked (``kernel`` or ``auto``) and ``plan`` covers the engines,
-    else ``checkpoint``. ``kernel`` with no usable plan raises ValueError with the plan's reason (``weightSync.format:
-    kernel`` is a promise, not a preference). Pure."""
+    """The format a sync uses: ``kernel`` when asked (``kernel`` or ``auto``) and ``plan`` covers the engines, else
+    ``checkpoint``; ``kernel`` with no usable plan raises ValueError with the plan's reason. Pure."""
     if requested == "checkpoint":
         return "checkpoint"
     if plan is not None and plan.ok:

@@ -5,18 +5,17 @@ finish) over a torch gloo ``ProcessGroup`` with its own ``TCPStore``, so CPU CI 
 GPU path drives. The plugin entry point (``rlhf_runtime.vllm.plugin:register``) registers it in every vLLM process.
 
 Wire (both sides derive it from the same metadata): rank 0 is the trainer, an engine's workers sit at
-``rank_offset + data_parallel_index * world + rank``; packed, the tensors go as raw bytes in uint8 buckets of at
-most ``packed_buffer_size_bytes`` (a larger tensor gets its own), one broadcast per bucket; otherwise one broadcast
-per tensor. Received weights go through ``model.load_weights`` inside vLLM's layerwise reload, which lets a
-``load_format="dummy"`` engine take checkpoint-format weights. Imports torch and vLLM.
+``rank_offset + data_parallel_index * world + rank``; packed, the tensors go as raw bytes, one uint8 broadcast per
+bucket of ``direct.buckets``; otherwise one broadcast per tensor. Received weights go through
+``model.load_weights`` inside vLLM's layerwise reload (a ``load_format="dummy"`` engine takes them too).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -31,22 +30,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rlhf_runtime.vllm import compat as vllm_compat
-from rlhf_runtime.weight_sync.direct import buckets
+from rlhf_runtime.weight_sync.direct import buckets, entry_bytes
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-#: Default deadline of the group's rendezvous and of each collective; the runtime passes
-#: ``spec.weightSync.timeoutSeconds`` (``timeout_seconds`` of the init infos), so a peer that never joins or a
-#: stuck broadcast raises instead of hanging.
+#: Default deadline of the group's rendezvous and of each collective (the runtime passes
+#: ``weightSync.timeoutSeconds``): a peer that never joins or a stuck broadcast raises instead of hanging.
 TIMEOUT = timedelta(minutes=10)
-
-
-# ------------------------------------------------------------------------------------------ wire format
-def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 def _process_group(address: str, port: int, rank: int, world_size: int, is_master: bool,
@@ -60,16 +50,22 @@ def _process_group(address: str, port: int, rank: int, world_size: int, is_maste
     return store, pg
 
 
-# ------------------------------------------------------------------------------------------- worker side
 @dataclass
-class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+class GlooGroupInfo:
+    """The group both sides join (the trainer's and the workers' init infos)."""
+
     master_address: str
     master_port: int
-    rank_offset: int
     world_size: int
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_seconds: float = TIMEOUT.total_seconds()
+
+
+# ------------------------------------------------------------------------------------------- worker side
+@dataclass
+class GlooWeightTransferInitInfo(GlooGroupInfo, WeightTransferInitInfo):
+    rank_offset: int = 1
 
 
 @dataclass
@@ -84,14 +80,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
 
 def _reprepack_cpu_moe(model: torch.nn.Module) -> int:
-    """Work around vLLM 0.32's CPU MoE path for weight updates; returns the layers fixed.
-
-    On the first load, CPU experts prepack ``w13_weight``/``w2_weight`` into their grouped-GEMM layout
-    (``CPUUnquantizedExperts.process_weights_after_loading``); a later reload copies the new plain-layout weights
-    into that storage but skips the prepack (it runs only when ``moe_kernel`` is None), so the kernel would read
-    unpacked data and the synced engine would disagree with a fresh one. Prepacking again after the reload
-    restores the layout. GPU kernels do not prepack this way: this runs for the CPU experts classes only.
-    """
+    """Prepack vLLM's CPU MoE experts again after a reload; returns the layers fixed. The first load prepacks
+    ``w13_weight``/``w2_weight`` into a grouped-GEMM layout (``CPUUnquantizedExperts``); a reload copies plain
+    weights into that storage and skips the prepack (it runs only while ``moe_kernel`` is None), so the synced
+    engine would disagree with a fresh one. CPU experts classes only."""
     fixed = 0
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
@@ -145,7 +137,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
         shapes = [tuple(s) for s in update_info.shapes]
-        sizes = [nbytes(s, d) for s, d in zip(shapes, dtypes)]
+        sizes = entry_bytes(shapes, dtypes)
         if not self.packed:
             for name, shape, dtype in zip(update_info.names, shapes, dtypes):
                 t = torch.empty(shape, dtype=dtype)
@@ -169,49 +161,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
 
 # ------------------------------------------------------------------------------------------ trainer side
-def send(group: Any, pairs: Iterator[tuple[str, torch.Tensor]], packed: bool, bucket_bytes: int) -> int:
-    """Broadcast ``pairs`` from rank 0 in the wire format above; returns the bytes sent."""
+def send(group: Any, pairs: Iterator[tuple[str, torch.Tensor]], sizes: list[int], packed: bool,
+         bucket_bytes: int) -> int:
+    """Broadcast ``pairs`` (``sizes``: their bytes) from rank 0 in the wire format above; returns the bytes sent."""
     total = 0
-    if not packed:
-        for _, t in pairs:
-            t = t.detach().contiguous()
-            group.broadcast(t, 0).wait()
-            total += t.numel() * t.element_size()
-        return total
-    pending: list[torch.Tensor] = []
-    acc = 0
-
-    def flush() -> None:
-        if pending:
-            buf = torch.cat([p.view(-1).view(torch.uint8) for p in pending])
-            group.broadcast(buf, 0).wait()
-            pending.clear()
-
-    for _, t in pairs:
-        t = t.detach().contiguous()
-        size = t.numel() * t.element_size()
-        if pending and acc + size > bucket_bytes:
-            flush()
-            acc = 0
-        pending.append(t)
-        acc += size
-        total += size
-    flush()
+    for start, end in buckets(sizes, bucket_bytes) if packed else ((i, i + 1) for i in range(len(sizes))):
+        parts = [next(pairs)[1].detach().contiguous() for _ in range(start, end)]
+        total += sum(t.numel() * t.element_size() for t in parts)
+        buf = torch.cat([t.view(-1).view(torch.uint8) for t in parts]) if packed else parts[0]
+        group.broadcast(buf, 0).wait()
     return total
 
 
 @dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
+class GlooTrainerInitInfo(GlooGroupInfo, TrainerInitInfo):
     """Trainer init info (vLLM's trainer-engine API)."""
 
     backend: ClassVar[str] = BACKEND
-
-    master_address: str
-    master_port: int
-    world_size: int
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    timeout_seconds: float = TIMEOUT.total_seconds()
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -236,15 +202,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                      packed_buffer_size_bytes=init_info.packed_buffer_size_bytes)
         if not engine.is_sender:
             return engine
-        worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address,
-            master_port=init_info.master_port,
-            rank_offset=1,
-            world_size=init_info.world_size,
-            packed=init_info.packed,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            timeout_seconds=init_info.timeout_seconds,
-        )
+        worker_info = GlooWeightTransferInitInfo(**{f.name: getattr(init_info, f.name) for f in fields(GlooGroupInfo)},
+                                                 rank_offset=1)
         # The workers block in init until every rank joined: run their RPC beside our own join.
         with ThreadPoolExecutor(max_workers=1) as exe:
             fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
@@ -270,8 +229,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         exe = ThreadPoolExecutor(max_workers=1)
         try:
             fut = exe.submit(self.client.update_weights, asdict(update))
-            self.bytes_sent = send(self.group, vllm_compat.source_tensors(self.source), self.packed,
-                                  self.bucket_bytes)
+            self.bytes_sent = send(self.group, vllm_compat.source_tensors(self.source),
+                                   entry_bytes([m.shape for m in meta], [m.dtype for m in meta]), self.packed,
+                                   self.bucket_bytes)
             fut.result()
         finally:
             exe.shutdown(wait=False)

@@ -1,19 +1,17 @@
 """The kernel weight format: worker engines that copy into the engine's own parameters.
 
-vLLM's ``nccl`` and ``ipc`` worker engines always run the layerwise reload (``initialize_layerwise_reload``,
-``load_weights`` per chunk, ``finalize_layerwise_reload``), most of a NCCL sync's time. The runtime registers its
-own engines, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport, plus a per-engine format switch (``set_format``, a
-worker RPC sent when the sender's format resolves to kernel):
+vLLM's ``nccl`` and ``ipc`` worker engines always run the layerwise reload (most of a NCCL sync's time). The
+runtime registers its own, ``rlhf_nccl`` and ``rlhf_ipc``: vLLM's transport plus a per-engine format switch
+(``set_format``, a worker RPC sent when the sender's format resolves to kernel):
 
 * checkpoint (default): exactly the parent engine (HF names, layerwise reload);
-* kernel: ``start_weight_update`` puts a ``KernelTarget`` where the engine loads into (``self.model``); its
-  ``load_weights`` copies each tensor into the engine parameter of that name (``formats.KernelPlan`` builds the
-  names, shapes and dtypes on the trainer); ``finish_weight_update`` puts the model back. No reload, no
+* kernel: ``start_weight_update`` puts a ``KernelTarget`` where the engine loads into (``self.model``), whose
+  ``load_weights`` copies each tensor into the parameter of that name (``formats.KernelPlan`` builds the names,
+  shapes and dtypes on the trainer); ``finish_weight_update`` puts the model back. No reload, no
   ``process_weights_after_loading``: right where the parameter is what the kernels read (unquantized GPU layers).
 
 ``rlhf_nccl`` also receives the direct sync (``weight_sync.direct``), ``rlhf_ipc`` the resident sync
-(``ResidentCopy``; trainer side ``producers.ResidentExport``). The module imports torch and vLLM: import it only in
-processes that run engines (vLLM resolves the backends by module path, ``rlhf_runtime.vllm.plugin.register``).
+(``ResidentCopy``). Imports torch and vLLM: only for processes that run engines (``vllm.plugin.register``).
 """
 
 from __future__ import annotations
@@ -33,11 +31,10 @@ from rlhf_runtime.weight_sync import direct
 
 
 def vocab_slices(model: torch.nn.Module) -> dict[str, tuple[int, int, int]]:
-    """The padded vocabulary parameters of an engine's model: ``{name: (vocabulary rows, first, end)}``, the rows
-    ``[first, end)`` of the Hugging Face tensor this worker holds, at the start of its (padded) parameter. vLLM's
-    ``VocabParallelEmbedding`` and ``ParallelLMHead`` pad the vocabulary to a multiple of 64 (OPT-125m: 50,272 rows
-    in Hugging Face, 50,304 in the engine) and split the padded rows over the TP ranks; the padding rows are never
-    read (their logits are cut). Modules with added (LoRA) vocabulary rows are left out."""
+    """The padded vocabulary parameters of an engine's model: ``{name: (vocabulary rows, first, end)}``, the HF rows
+    ``[first, end)`` this worker holds at the start of its parameter. vLLM's ``VocabParallelEmbedding`` and
+    ``ParallelLMHead`` pad the vocabulary to a multiple of 64 and split the padded rows over the TP ranks; the
+    padding is never read. Modules with added (LoRA) vocabulary rows are left out."""
     out: dict[str, tuple[int, int, int]] = {}
     for prefix, module in model.named_modules():
         idx = getattr(module, "shard_indices", None)
@@ -64,18 +61,11 @@ def vocab_rows(slices: dict[str, tuple[int, int, int]], name: str, tensor: torch
 
 class KernelTarget:
     """Stands in for the model during a kernel-format update: ``load_weights`` copies each tensor into the
-    model's parameter of the same name (shape and dtype must match: a wrong plan fails loudly, it never
-    writes a parameter partially). One per engine worker, kept across syncs (vLLM 0.33's NCCL engine keys the
-    metadata it reuses by the object it loads into).
-
-    A worker of a tensor-parallel engine (``tp`` > 1, this worker ``tp_rank``) that receives the pieces of all
-    ranks side by side (one NCCL broadcast to every worker: ``formats.KernelPlan`` without a ``tp_rank``) takes
-    its own: where the tensor is ``tp`` times the parameter along exactly one dimension and equal along the
-    others, piece ``tp_rank`` along that dimension.
-
-    A padded vocabulary parameter (``vocab_slices``) receives the Hugging Face tensor whole (``formats.KernelPlan``
-    plans it so when the engine reports ``vocab``): the worker copies the rows it holds into the start of its
-    parameter and leaves the padding rows as they are."""
+    model's parameter of that name (shape and dtype must match: a wrong plan fails before writing). One per
+    engine worker, kept across syncs (vLLM's NCCL engine keys the metadata it reuses by the object it loads into).
+    A worker of a TP engine (``tp`` > 1) given every rank's pieces side by side takes piece ``tp_rank`` along the
+    one dimension that is ``tp`` times the parameter's; a padded vocabulary (``vocab_slices``) given the HF
+    tensor whole copies the rows it holds and leaves the padding."""
 
     def __init__(self, model: torch.nn.Module, tp: int = 1, tp_rank: int = 0) -> None:
         self.model = model
@@ -96,8 +86,8 @@ class KernelTarget:
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Check every tensor of the chunk, then copy them all in one multi-tensor copy (``_foreach_copy_``:
-        fused launches instead of one per tensor; a chunk that fails a check writes nothing)."""
+        """Check every tensor of the chunk, then copy them all in one multi-tensor copy (a chunk that fails a check
+        writes nothing)."""
         names, dst, src = set(), [], []
         for name, tensor in weights:
             param = self.params.get(name)
@@ -179,10 +169,9 @@ def set_format(engine: Any, kernel: bool) -> bool:
 
 
 class RlhfNCCLWeightTransferEngine(KernelFormatMixin, NCCLWeightTransferEngine):
-    """vLLM's ``nccl`` worker engine with the kernel-format switch. In the kernel format without packing
-    (``weightSync.packed: false``) it receives straight into the parameters, a group of broadcasts per bucket
-    (``weight_sync.direct``; the trainer side is ``DirectNCCLTrainerEngine``); ``direct_plan`` keeps the
-    receive plan of the last metadata (vLLM 0.33's trainer sends the metadata only when it changed)."""
+    """vLLM's ``nccl`` worker engine with the kernel-format switch; in the kernel format, not packed, the direct
+    sync (``weight_sync.direct``; trainer side ``DirectNCCLTrainerEngine``). ``direct_plan`` keeps the receive
+    plan of the last metadata (vLLM's trainer sends the metadata only when it changed)."""
 
     direct_plan: Any = None
     _direct_key: Any = None
@@ -214,8 +203,6 @@ class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
     ``RlhfNCCLWeightTransferEngine`` receiving into their parameters. Otherwise vLLM's own."""
 
     direct: bool = False
-    #: the fused wire's side stream (``wire.SideStream``; the sender sets it with ``direct_fuse``), else None
-    side: Any = None
 
     def _broadcast(self, source: Any, meta: list[Any]) -> None:
         if not (self.direct and self.is_sender and not self.packed):
@@ -224,8 +211,7 @@ class DirectNCCLTrainerEngine(NCCLTrainerWeightTransferEngine):
         assert self.model_update_group is not None, "trainer_init() must be called before _broadcast()."
         sizes = direct.entry_bytes([m.shape for m in meta], [m.dtype for m in meta])
         direct.send(self._checked_iter(source, meta), sizes, self.model_update_group, self.packed_buffer_size_bytes,
-                    _current_stream(), names=[m.name for m in meta],
-                    before_group=None if self.side is None else self.side.join)
+                    _current_stream())
 
 
 def _current_stream() -> Any:
@@ -234,13 +220,10 @@ def _current_stream() -> Any:
 
 
 class ResidentCopy:
-    """Engine side of the resident IPC sync (``weight_sync.producers.ResidentExport``): maps the trainer's
-    parameters once per ``generation`` and copies all of them into the engine's parameters in one
-    multi-tensor copy per sync.
-
-    ``load(resident, params, uuid, device_index)``: ``resident`` is ``{"generation", "entries": [[engine name,
-    [{GPU UUID: rebuild_cuda_tensor args} per part]]]}``; the parts of a fused parameter (q, k, v; gate, up;
-    a layer's experts) fill its rows in order. A new generation drops the old mapping first (releasing the
+    """Engine side of the resident IPC sync (``producers.ResidentExport``): maps the trainer's parameters once per
+    ``generation`` and copies them all into the engine's parameters in one multi-tensor copy per sync.
+    ``resident``: ``{"generation", "entries": [[engine name, [{GPU UUID: rebuild_cuda_tensor args} per part]]]}``;
+    a fused parameter's parts fill its rows in order. A new generation drops the old mapping first (releasing the
     trainer's refcounts) and checks every destination before anything is written."""
 
     def __init__(self, rebuild: Callable[..., torch.Tensor] | None = None) -> None:
@@ -289,9 +272,8 @@ class ResidentCopy:
     @torch.no_grad()
     def load(self, resident: dict[str, Any], params: dict[str, torch.Tensor], uuid: str, index: int,
              vocab: dict[str, tuple[int, int, int]] | None = None) -> int:
-        """Copy the trainer's parameters into ``params``; returns the number of tensors copied. A message
-        without ``entries`` names a generation this engine must already hold. ``vocab``: the padded vocabulary
-        parameters (``vocab_slices``), which take their rows of the trainer's whole tensor."""
+        """Copy the trainer's parameters into ``params``; returns the tensors copied. A message without ``entries``
+        names a generation this engine must hold. ``vocab``: ``vocab_slices`` (they take their rows)."""
         if resident.get("generation") != self.generation:
             if "entries" not in resident:
                 self.close()
@@ -306,21 +288,16 @@ class ResidentCopy:
 
 @dataclass
 class RlhfIPCWeightTransferUpdateInfo(IPCWeightTransferUpdateInfo):
-    """vLLM's IPC update info plus ``resident`` (``ResidentCopy.load``'s message; the other fields are then
-    empty)."""
+    """vLLM's IPC update info plus ``resident`` (``ResidentCopy.load``'s message; the others then empty)."""
 
     resident: dict[str, Any] | None = None
 
 
 class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
-    """vLLM's ``ipc`` worker engine with the kernel-format switch and the resident sync (``ResidentCopy``).
-
-    A packed kernel-format chunk is copied straight from the trainer's buffer into the parameters
-    (``packed_views``). vLLM's ``packed_ipc_consumer`` clones every tensor first (a second device copy of the
-    whole model per sync and one allocation and launch per tensor), because its layerwise reload may keep the
-    tensors past the call while the trainer reuses its one buffer for the next chunk. ``KernelTarget`` keeps
-    nothing: its copies are queued before ``receive_weights`` returns and vLLM's ``update_weights`` waits for
-    the device before answering, so the trainer refills its buffer only after they are done."""
+    """vLLM's ``ipc`` worker engine with the kernel-format switch and the resident sync (``ResidentCopy``). A packed
+    kernel-format chunk is copied straight from the trainer's buffer (``packed_views``), without the clone of
+    every tensor vLLM's consumer makes for its layerwise reload: ``KernelTarget`` keeps nothing, and vLLM's
+    ``update_weights`` waits for the device before answering, so the trainer refills its buffer after the copy."""
 
     update_info_cls = RlhfIPCWeightTransferUpdateInfo
     _resident: ResidentCopy | None = None
@@ -352,8 +329,7 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
         super().finish_weight_update()
         importer = getattr(self, "_packed_importer", None)
         if kernel and importer is not None:
-            # release the trainer's buffer, as vLLM's own finish does: its post-send ipc_collect can then free
-            # it, instead of the buffer staying mapped (trainer GPU memory held) until the next sync's export
+            # release the trainer's buffer, as vLLM's own finish does, so its post-send ipc_collect can free it
             importer.close()
 
     def shutdown(self) -> None:
@@ -374,10 +350,8 @@ def local_args(handles: dict[str, Any], uuid: str, device_index: int, what: str)
 
 
 def packed_views(update_info: Any, uuid: str, device_index: int, importer: Any) -> list[tuple[str, torch.Tensor]]:
-    """The named tensors of one packed IPC chunk as views of the trainer's buffer (vLLM's
-    ``packed_ipc_consumer`` without its clones): the handle of this GPU (``uuid``, its index ``device_index``
-    in this process), mapped by ``importer`` (vLLM's ``PackedBufferImporter``: one open and one release per
-    trainer buffer, whatever the number of chunks)."""
+    """The named tensors of one packed IPC chunk as views of the trainer's buffer (vLLM's ``packed_ipc_consumer``
+    without its clones), mapped by ``importer`` (vLLM's ``PackedBufferImporter``: once per trainer buffer)."""
     from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
     if update_info.tensor_sizes is None:

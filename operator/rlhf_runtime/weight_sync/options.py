@@ -2,13 +2,12 @@
 ``weightSync`` and the facts of its layout, and passed whole to every trainer rank (``Trainer.init_weight_sync``).
 
 The driver resolves them (``controller.sync.WeightSync.init_group``); a sender never changes them: other options
-mean a new sender and a new weight-transfer group, as after an engine was replaced. The module imports neither
-torch nor vLLM.
+mean a new sender and a new weight-transfer group, as after an engine was replaced. Imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,25 +16,10 @@ if TYPE_CHECKING:
 
 BACKENDS = ("nccl", "ipc", "gloo")
 FORMATS = ("auto", "checkpoint", "kernel")
-#: Engine calls per NCCL or gloo sync (``fanout.EngineFanOut``): ``one`` ``update_weights_round`` call per engine,
-#: ``three`` calls (start, update, finish) each waited on, or the three ``pipelined``: submitted back to back and
-#: waited on once (engines that run calls one at a time, in order: ``weightSync.mode: sync``).
-RPCS = ("one", "three", "pipelined")
-#: Where the trainer ranks of an IPC sync exchange their buffers' handles (``ipc_exchange``).
-EXCHANGES = ("nccl", "gloo")
-
-#: What ``resolve``'s ``experimental`` mapping may set: variants that benchmarks and tests choose
-#: (``benchmarks/gpu_sync.py``), not part of the job's spec. Name -> what it does (and its default).
-EXPERIMENTAL: dict[str, str] = {
-    "rpc": "engine calls per NCCL or gloo sync, one of RPCS (default: pipelined over NCCL into weightSync.mode "
-           "sync engines, three into async ones, one over gloo; IPC syncs always make three)",
-    "ipc_exchange": "where the trainer ranks of an IPC sync exchange their buffers' handles: nccl (vLLM's "
-                    "all-gather over the default group, the default) or gloo (a host group of the same ranks)",
-    "direct_fuse": "the direct NCCL sync into TP=1 engines sends a fused parameter (q, k, v; gate, up) as one "
-                   "tensor, concatenated on a side stream (weight_sync.wire; default false)",
-    "direct_packs": "the direct NCCL sync into TP=1 engines sends the entries under 64 KiB in packs, one "
-                    "broadcast per pack (weight_sync.wire; default false)",
-}
+#: Engine calls per sync (``fanout.EngineFanOut``): vLLM's three (start, update, finish), each waited on
+#: (``three``), or submitted back to back and waited on twice (``pipelined``: engines that run calls one at a
+#: time, in order, i.e. ``weightSync.mode: sync``; not IPC, whose trainer engine updates chunk by chunk).
+RPCS = ("three", "pipelined")
 
 
 @dataclass(frozen=True)
@@ -50,9 +34,6 @@ class WeightSyncOptions:
     timeout_s: float  #: the deadline of every engine call and collective of a sync
     rpc: str  #: engine calls per sync (``RPCS``)
     trainer_world: int = 1  #: the trainer's ranks (FSDP2); rank 0 sends
-    ipc_exchange: str = "nccl"  #: ``EXCHANGES``
-    direct_fuse: bool = False  #: ``EXPERIMENTAL``
-    direct_packs: bool = False  #: ``EXPERIMENTAL``
 
     def packs(self, fmt: str) -> bool:
         """Whether a sync in the format ``fmt`` (``checkpoint`` or ``kernel``) is sent packed."""
@@ -62,51 +43,22 @@ class WeightSyncOptions:
         return asdict(self)
 
 
-def default_rpc(backend: str, mode: str) -> str:
-    """The engine calls per sync of ``backend`` into engines of ``weightSync.mode`` ``mode``. Pure."""
-    if backend == "nccl":
-        return "pipelined" if mode == "sync" else "three"
-    return "one" if backend == "gloo" else "three"
-
-
-def resolve(ws: WeightSyncSpec, *, backend: str, engine_worlds: Sequence[int], trainer_world: int,
-            experimental: Mapping[str, Any] | None = None) -> WeightSyncOptions:
+def resolve(ws: WeightSyncSpec, *, backend: str, engine_worlds: Sequence[int],
+            trainer_world: int) -> WeightSyncOptions:
     """The options of a sync from ``ws`` (the job's ``weightSync``; ``backend`` replaces its backend: ``gloo``
-    where the trainer has no GPU), the engines' world sizes, the trainer's ranks and ``experimental``
-    (``EXPERIMENTAL``). Raises ValueError, naming the option, for a combination that cannot run. Pure.
+    where the trainer has no GPU), the engines' world sizes and the trainer's ranks. Raises ValueError, naming
+    the option, for a value that cannot run. Pure.
 
     ``weightSync.packed`` unset: the kernel format over NCCL from a one-GPU trainer into TP=1 engines is the
-    direct sync (not packed), every other sync packed; a value set applies to every format."""
+    direct sync (not packed), every other sync packed; a value set applies to every format. The engine calls are
+    pipelined into ``weightSync.mode: sync`` engines over NCCL and gloo, three waited calls otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"weight-sync backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if ws.format not in FORMATS:
         raise ValueError(f"weightSync.format must be one of {', '.join(FORMATS)}, not {ws.format!r}")
-    extra = dict(experimental or {})
-    unknown = sorted(set(extra) - set(EXPERIMENTAL))
-    if unknown:
-        raise ValueError(f"unknown experimental weight-sync options {unknown}: known are {', '.join(EXPERIMENTAL)}")
     direct = backend == "nccl" and all(w == 1 for w in engine_worlds) and trainer_world == 1
-    kernel_packed = bool(ws.packed) if ws.packed is not None else not direct
-    rpc = extra.get("rpc") or default_rpc(backend, ws.mode)
-    if rpc not in RPCS:
-        raise ValueError(f"rpc must be one of {', '.join(RPCS)}, not {rpc!r}")
-    if rpc != "three" and backend == "ipc":
-        raise ValueError(f"rpc {rpc} applies to nccl and gloo syncs; an ipc sync makes vLLM's calls per chunk "
-                         "(or the resident sync's one call)")
-    if rpc == "pipelined" and ws.mode != "sync":
-        raise ValueError("rpc pipelined needs weightSync.mode sync (engines that run calls one at a time, in order)")
-    exchange = extra.get("ipc_exchange", "nccl")
-    if exchange not in EXCHANGES:
-        raise ValueError(f"ipc_exchange must be one of {', '.join(EXCHANGES)}, not {exchange!r}")
-    if exchange != "nccl" and backend != "ipc":
-        raise ValueError(f"ipc_exchange {exchange} applies to the ipc backend, not {backend}")
-    wire = {k: extra.get(k, False) for k in ("direct_fuse", "direct_packs")}
-    for name, on in wire.items():
-        if not isinstance(on, bool):
-            raise TypeError(f"{name} must be true or false, not {on!r}")
-        if on and (backend != "nccl" or kernel_packed):
-            raise ValueError(f"{name} applies to the direct NCCL sync (backend nccl, kernel format, not packed)")
     return WeightSyncOptions(
-        backend=backend, format=ws.format, packed=ws.packed is not False, kernel_packed=kernel_packed,
-        bucket_bytes=ws.bucket_size_mb << 20, timeout_s=float(ws.timeout_seconds), rpc=rpc,
-        trainer_world=trainer_world, ipc_exchange=exchange, **wire)
+        backend=backend, format=ws.format, packed=ws.packed is not False,
+        kernel_packed=bool(ws.packed) if ws.packed is not None else not direct,
+        bucket_bytes=ws.bucket_size_mb << 20, timeout_s=float(ws.timeout_seconds),
+        rpc="pipelined" if backend != "ipc" and ws.mode == "sync" else "three", trainer_world=trainer_world)

@@ -1,17 +1,15 @@
 """Producers: what the trainer sends, and the trainer side of the resident IPC sync.
 
-* ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF) format
-  with matching metadata: ``named_parameters(remove_duplicate=False)`` (a tied ``lm_head.weight`` goes out under
-  its second name too, or vLLM's layerwise reload would keep the engine's old value), FSDP2 shards gathered
-  (collectives: every rank iterates), fused HF MoE experts split per expert (``rlhf_runtime.infra.moe``), cast to
-  the spec dtype;
+* ``ParamSource``: the trainer's weights as a re-iterable ``(name, tensor)`` stream in the checkpoint (HF) format:
+  ``named_parameters(remove_duplicate=False)`` (a tied ``lm_head.weight`` under its second name too, or vLLM's
+  layerwise reload would keep the engine's old value), FSDP2 shards gathered (collectives: every rank iterates),
+  fused HF MoE experts split per expert (``infra.moe``), cast to the spec dtype;
 * ``FusedParts``: a fused engine parameter as its parts side by side (``KernelPlan.iterate(fuse=False)``);
 * ``ResidentExport`` / ``cuda_ipc_export``: the resident IPC sync's trainer side.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,106 +17,27 @@ from typing import Any
 import torch
 
 from rlhf_runtime.infra import moe
+from rlhf_runtime.infra.fsdp_gather import gather_shard0, shard0_mesh
 from rlhf_runtime.vllm import compat as vllm_compat
 
 
 class FusedParts(list):
-    """A fused engine parameter as the parts that, side by side, are its memory layout (``KernelPlan.iterate``
-    with ``fuse=False``), and its ``shape`` (the parts' rows add up along dim 0, or, for stacked MoE experts,
-    to the engine's 3-D shape)."""
+    """A fused engine parameter as the parts that, side by side, are its memory layout, and its ``shape``."""
 
     def __init__(self, parts: list[torch.Tensor], shape: list[int]) -> None:
         super().__init__(parts)
         self.shape = shape
 
 
-#: Gathered bytes (in the sync's dtype) per all-gather of FSDP2 shards (``gather_shard0``: one collective for a run
-#: of tensors instead of one ``full_tensor()`` each); what the gather adds to the trainer's memory while it runs.
+#: Gathered bytes (in the sync's dtype) per all-gather of FSDP2 shards (``gather_shard0``); what the gather adds to
+#: the trainer's memory while it runs.
 GATHER_BUCKET_BYTES = 256 << 20
 
 
-def shard0_layout(shapes: list[tuple[int, ...]], world: int) -> list[tuple[int, int, int]]:
-    """Where each tensor's dim-0 shard sits in one rank's all-gather buffer: ``(offset, padded elements, rows per
-    rank)`` per tensor, offsets in elements. A tensor of ``n`` rows sharded over ``world`` ranks the way DTensor's
-    ``Shard(0)`` (and FSDP2) does it (``torch.chunk``: rank ``r`` holds rows ``[r*c, min((r+1)*c, n))`` with
-    ``c = ceil(n / world)``, possibly none) takes ``c`` rows in every rank's buffer, so all buffers have the same
-    size and the gathered buffer holds rank after rank."""
-    out, offset = [], 0
-    for shape in shapes:
-        rows, inner = -(-shape[0] // world), math.prod(shape[1:])
-        out.append((offset, rows * inner, rows))
-        offset += rows * inner
-    return out
-
-
-def shard0_rows(n: int, world: int, rank: int) -> int:
-    """Rows of an ``n``-row tensor that rank ``rank`` holds under ``Shard(0)`` (``torch.chunk``)."""
-    c = -(-n // world)
-    return max(0, min(c, n - rank * c))
-
-
-def pack_shard0(shards: list[torch.Tensor], layout: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
-    """One rank's all-gather input: its ``shards`` cast to ``dtype`` (in the copy) at their ``layout`` offsets; the
-    padding rows are left as they are (never read)."""
-    total = layout[-1][0] + layout[-1][1] if layout else 0
-    device = shards[0].device if shards else None
-    buf = torch.empty(total, dtype=dtype, device=device)
-    for shard, (offset, _, _) in zip(shards, layout, strict=True):
-        if shard.numel():
-            buf.narrow(0, offset, shard.numel()).view(shard.shape).copy_(shard)
-    return buf
-
-
-def unpack_shard0(gathered: torch.Tensor, shapes: list[tuple[int, ...]], layout: list[tuple[int, int, int]],
-                  world: int) -> list[torch.Tensor]:
-    """The full tensors from the gathered buffer (``world`` rank buffers one after another): each a fresh contiguous
-    tensor (one copy), its rows rank after rank with the padding left out."""
-    per_rank = gathered.view(world, -1)
-    out = []
-    for shape, (offset, padded, rows) in zip(shapes, layout, strict=True):
-        inner = tuple(shape[1:])
-        pieces = per_rank.narrow(1, offset, padded).reshape(world * rows, *inner)  # a copy where strided
-        out.append(pieces.narrow(0, 0, shape[0]).contiguous())  # (one row per rank: reshape keeps the view)
-    return out
-
-
-def shard0_mesh(p: Any) -> Any:
-    """The one-dimensional device mesh ``p`` (a DTensor) is sharded over on dim 0, else None. Depends only on the
-    placements and the mesh, the same on every rank, so the ranks agree which tensors go through
-    ``gather_shard0``."""
-    placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
-    if placements is None or mesh is None or mesh.ndim != 1 or len(placements) != 1:
-        return None
-    if not placements[0].is_shard(0) or len(p.shape) == 0:
-        return None
-    return mesh
-
-
-def gather_shard0(params: list[Any], mesh: Any, dtype: torch.dtype) -> list[torch.Tensor]:
-    """The full tensors of ``params`` (DTensors sharded on dim 0 over ``mesh``, ``shard0_mesh``) in ``dtype``, with
-    one all-gather for all of them instead of one per tensor (``full_tensor()``). A collective: every rank of the
-    mesh calls it with the same tensors in the same order."""
-    import torch.distributed as dist
-
-    world, rank = mesh.size(), mesh.get_local_rank()
-    shapes = [tuple(p.shape) for p in params]
-    shards = [p.to_local() for p in params]
-    for p, s in zip(params, shards, strict=True):
-        if s.shape[0] != shard0_rows(p.shape[0], world, rank) or tuple(s.shape[1:]) != tuple(p.shape[1:]):
-            raise RuntimeError(f"an FSDP2 shard of {list(p.shape)} on rank {rank} of {world} is {list(s.shape)}, "
-                               "not the torch.chunk piece of Shard(0)")
-    layout = shard0_layout(shapes, world)
-    send = pack_shard0(shards, layout, dtype)
-    gathered = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-    dist.all_gather_into_tensor(gathered, send, group=mesh.get_group())
-    return unpack_shard0(gathered, shapes, layout, world)
-
-
 def across_streams(names: list[str], fulls: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs of one gathered bucket, for a consumer that may take later ones on another CUDA
-    stream than the one their copies ran on (vLLM's packed producers pack each chunk on a stream of its own): there
-    it waits for them, and the allocator keeps their memory until that stream is done. Start it on the stream the
-    copies ran on (it records their event at the first ``next``)."""
+    """``(name, tensor)`` pairs of one gathered bucket for a consumer that may take them on another CUDA stream
+    (vLLM's packed producers pack on streams of their own): that stream waits for the copies and keeps their
+    memory alive. Start it on the stream the copies ran on (the first ``next`` records their event)."""
     made_on = torch.cuda.current_stream() if fulls and fulls[0].is_cuda else None
     ready = torch.cuda.Event() if made_on is not None else None
     if ready is not None:
@@ -137,20 +56,15 @@ class ParamSource:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, skip: set[str] | None = None,
                  gather_bucket_bytes: int = GATHER_BUCKET_BYTES) -> None:
-        self.model = model
-        self.dtype = dtype
-        self.skip = skip or set()
+        self.model, self.dtype, self.skip = model, dtype, skip or set()
         #: bytes per all-gather of consecutive dim-0 shards (``gather_shard0``); 0: one ``full_tensor()`` each
         self.gather_bucket_bytes = gather_bucket_bytes
-        self.collectives = 0  # all-gathers of the last iteration (``gathers`` counts the tensors gathered)
-        #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered, the same set on every
-        #: rank (the others' gathers are collectives): ``senders.agreed_gathers``
+        #: names yielded as this rank's FSDP2 shard (``to_local()``) instead of gathered, and names not yielded at
+        #: all (``unneeded``): the same sets on every rank (``senders.agreed_gathers``)
         self.local: set[str] = set()
-        #: parameter names not yielded at all (``unneeded``: no engine takes them), on the same terms as ``local``
         self.drop: set[str] = set()
-        self.gather_s = 0.0
-        self.gathers = 0  # full_tensor() calls of the last iteration
-        self.bytes = 0
+        #: the last iteration's gather seconds, tensors gathered, all-gathers and bytes yielded
+        self.gather_s, self.gathers, self.collectives, self.bytes = 0.0, 0, 0, 0
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters(remove_duplicate=False) if n not in self.skip]
@@ -164,31 +78,26 @@ class ParamSource:
         return [vllm_compat.param_meta(n, self.dtype, shape) for n, shape in self.wire_shapes()]
 
     def local_candidates(self, tp: int, tp_rank: int) -> set[str]:
-        """Names whose FSDP2 shard on this rank is exactly piece ``tp_rank`` of ``tp`` along dim 0 (``torch.chunk``,
-        what a TP engine worker holds of a column-parallel or vocabulary-parallel weight): a DTensor sharded on
-        dim 0 over a one-dimensional mesh of ``tp`` ranks, this rank at position ``tp_rank``, dim 0 divisible by
-        ``tp``, not a fused MoE tensor (split per expert on the way out). Depends on this rank's position: the
-        ranks agree on a set before using it (``senders.agreed_gathers``)."""
+        """Names whose FSDP2 shard on this rank is exactly piece ``tp_rank`` of ``tp`` along dim 0 (what a TP engine
+        worker holds of a column- or vocabulary-parallel weight); not fused MoE tensors (split per expert when
+        sent). Differs by rank: the ranks agree on a set before using it (``senders.agreed_gathers``)."""
         out = set()
         for name, p in self._named():
             mesh = shard0_mesh(p)
-            if mesh is None or mesh.size() != tp or p.shape[0] % tp:
-                continue
-            if moe.is_fused_expert(name, len(p.shape)):
+            if mesh is None or mesh.size() != tp or p.shape[0] % tp or moe.is_fused_expert(name, len(p.shape)):
                 continue
             if mesh.get_local_rank() == tp_rank and p.to_local().shape[0] == p.shape[0] // tp:
                 out.add(name)
         return out
 
     def unneeded(self, used: set[str]) -> set[str]:
-        """Parameter names none of whose tensors as sent (``wire_shapes``: fused MoE experts per expert) is in
-        ``used``: a stream for a plan that takes only ``used`` can leave them out, gathers and all."""
+        """Parameter names none of whose tensors as sent (``wire_shapes``) is in ``used``: a plan that takes only
+        ``used`` can leave them out, gathers and all."""
         return {n for n, p in self._named() if not any(w in used for w, _ in moe.unfused_shapes(n, tuple(p.shape)))}
 
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stream in ``_named`` order. Runs of consecutive dim-0 shards of one mesh are gathered together
-        (``gather_shard0``) up to ``gather_bucket_bytes`` each; the run ends at any other tensor, so the bucket
-        boundaries depend only on names, shapes and placements, the same on every rank."""
+        """The stream in ``_named`` order; runs of dim-0 shards of one mesh gathered together (``gather_shard0``), up
+        to ``gather_bucket_bytes`` each: the buckets depend only on names, shapes and placements (every rank's)."""
         bucket: list[tuple[str, Any]] = []
         bucket_mesh, bucket_bytes = None, 0
         element = torch.empty((), dtype=self.dtype).element_size()
@@ -256,18 +165,15 @@ def cuda_ipc_export(tensor: torch.Tensor) -> dict[str, tuple]:
 
 class ResidentExport:
     """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): the engines
-    copy straight out of the trainer's parameters, mapped once.
+    copy straight out of the trainer's parameters, mapped once, instead of vLLM's staging buffer exported and
+    mapped again every sync (three calls and one more per chunk).
 
-    vLLM's IPC trainer engine packs every tensor into a staging buffer each sync and the engines map that buffer
-    again each sync, with three calls and one more per chunk. Here every tensor of the plan that is a view of a
-    trainer parameter (same dtype; a fused parameter's parts side by side) is exported once (``cuda_ipc_export``);
-    the first sync of a ``generation`` sends the handles, later ones only the generation, and each engine worker
-    copies the whole model in one multi-tensor copy (``kernel.ResidentCopy``). The send is synchronous, so the
-    trainer does not write its parameters during the copy.
-
-    ``message`` returns None and sets ``reason`` where a tensor of the plan is not a view of a parameter (a cast,
-    a gathered shard, a copied TP piece): the sender then takes vLLM's path. It exports again (a new generation)
-    when a parameter's storage moved (e.g. a checkpoint loaded by assignment)."""
+    Every tensor of the plan that is a view of a trainer parameter (a fused parameter's parts side by side) is
+    exported once (``cuda_ipc_export``); the first sync of a ``generation`` sends the handles, later ones only the
+    generation, and each engine worker copies the whole model in one multi-tensor copy (``kernel.ResidentCopy``).
+    The send is synchronous: the trainer does not write its parameters during the copy. ``message`` is None, with
+    ``reason``, where a tensor is not such a view (a cast, a gathered shard, a copied TP piece): the sender then
+    takes vLLM's path. A parameter's storage that moved (a checkpoint loaded by assignment) exports again."""
 
     def __init__(self, plan: Any, source: ParamSource, export: Any = None, device_type: str = "cuda") -> None:
         self.plan, self.source = plan, source
@@ -302,8 +208,8 @@ class ResidentExport:
         return entries
 
     def signature(self) -> tuple[int, ...]:
-        """Where the parameters' data are now (a parameter given new data, ``p.data = ...`` or ``model.to``,
-        moves); the parameter objects are listed once, not the module tree walked every sync."""
+        """Where the parameters' data are now (``p.data = ...`` or ``model.to`` moves them); the parameter objects
+        are listed once, not the module tree walked every sync."""
         return tuple(p.data_ptr() for p in self._parameters())
 
     def _parameters(self) -> list[torch.Tensor]:
@@ -312,9 +218,8 @@ class ResidentExport:
         return self._params
 
     def message(self) -> dict[str, Any] | None:
-        """What a sync sends (``resident`` of the engines' update info): the generation and, the first time
-        after an export (``delivered`` not called since), per engine parameter the handles of its parts (later
-        syncs send the generation alone: the engines hold the mapping); None where the plan's tensors are not
+        """What a sync sends (``resident`` of the engines' update info): the generation and, until ``delivered``
+        after an export, per engine parameter the handles of its parts; None where the plan's tensors are not
         views of the parameters."""
         sig = self.signature()
         if sig != self._signature:
@@ -333,6 +238,6 @@ class ResidentExport:
         return self._message
 
     def delivered(self, ok: bool = True) -> None:
-        """After a sync: ``ok``, every engine has mapped the current generation, so later messages omit the
-        handles; not ``ok`` (the sync failed), the next message carries them again."""
+        """After a sync: ``ok``, every engine has mapped the generation (later messages omit the handles); not
+        ``ok``, the next message carries them again."""
         self._delivered = ok and self._message is not None

@@ -1,9 +1,8 @@
 """The sender: one ``send()`` per sync on every trainer rank (rank 0 sends; the others take part in the gathers).
 
 ``TrainerEngineSender`` drives the backend's trainer-side ``TrainerWeightTransferEngine`` (vLLM >= 0.28) and adds
-the runtime's kernel format (``formats.KernelPlan``), the resident IPC sync (``producers.ResidentExport``), the
-direct NCCL sync (``direct``) and the IPC handle exchange over gloo (``ipc_exchange``). It is built once from its
-``options.WeightSyncOptions`` and never reconfigured.
+the runtime's kernel format (``formats.KernelPlan``), the resident IPC sync (``producers.ResidentExport``) and the
+direct NCCL sync (``direct``). It is built once from its ``options.WeightSyncOptions`` and never reconfigured.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_runtime.vllm import compat as vllm_compat
-from rlhf_runtime.weight_sync import direct, ipc_exchange, wire
+from rlhf_runtime.weight_sync import direct
 from rlhf_runtime.weight_sync.fanout import EngineFanOut
 from rlhf_runtime.weight_sync.formats import KernelPlan, effective_format
 from rlhf_runtime.weight_sync.options import WeightSyncOptions
@@ -25,9 +24,15 @@ from rlhf_runtime.weight_sync.producers import ParamSource, ResidentExport
 log = logging.getLogger("rlhf_runtime")
 
 
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def one_stream_plan(source: ParamSource, layouts: list[dict[str, Any]]) -> KernelPlan:
-    """The plan of one stream that every engine receives whole (an NCCL broadcast, or one trainer rank's IPC
-    handles): engines holding different experts (expert parallelism) refuse. No collective."""
+    """The plan of one stream every engine receives whole (an NCCL broadcast, or one trainer rank's IPC handles):
+    none where the engines hold different experts."""
     if any(lay.get("experts") != layouts[0].get("experts") for lay in layouts[1:]):
         return KernelPlan([], False, "the engines hold different experts (expert parallelism) and all of them "
                                      "receive the same stream")
@@ -35,18 +40,14 @@ def one_stream_plan(source: ParamSource, layouts: list[dict[str, Any]]) -> Kerne
 
 
 def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> KernelPlan:
-    """This trainer rank's ``KernelPlan``. Rank 0 (the only one holding engine handles) asks every engine for its
-    layout and broadcasts the layouts over the trainer's process group (a collective: every rank calls this at
-    the same point).
-
-    Over CUDA IPC each engine worker reads the tensors of the trainer rank on its GPU, so with several engines or
-    TP > 1 each rank plans for the worker on its GPU (found by GPU UUID): its TP shard, its engine's experts. Over
-    NCCL every worker receives the same broadcast (``one_stream_plan``); into TP > 1 engines it carries every TP
-    rank's pieces side by side (``KernelPlan.all_ranks``)."""
+    """This trainer rank's ``KernelPlan``; a collective: rank 0 (which holds the engine handles) asks the engines
+    for their layouts and broadcasts them. Over CUDA IPC each engine worker reads the trainer rank on its GPU, so
+    with several engines or TP > 1 each rank plans for the worker on its GPU (by GPU UUID). Over NCCL every worker
+    receives the same broadcast (``one_stream_plan``; into TP > 1 engines every rank's pieces, ``all_ranks``)."""
     import torch.distributed as dist
 
     layouts = client.engine_layouts() if client.handles else None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _several_ranks():
         box = [layouts]
         dist.broadcast_object_list(box, src=0)
         layouts = box[0]
@@ -68,16 +69,15 @@ def kernel_plan(source: ParamSource, client: EngineFanOut, backend: str) -> Kern
 
 def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set[str]]:
     """What no trainer rank gathers for ``plan``: (``local``) the HF names every rank sends as its own FSDP2 shard
-    (split along dim 0 only, and on every rank the piece the engine worker on its GPU holds:
-    ``ParamSource.local_candidates``) and (``unused``) the parameters no rank's plan takes (a tied head under its
-    second name: ``ParamSource.unneeded``). With several ranks a collective over the trainer's process group: a
-    gather one rank skipped and another ran would leave both waiting in it."""
+    (on every rank the piece its GPU's engine worker holds, ``ParamSource.local_candidates``) and (``unused``) the
+    parameters no plan takes (``ParamSource.unneeded``). With several ranks a collective: a gather one rank
+    skipped and another ran would leave both waiting in it."""
     import torch.distributed as dist
 
     local = plan.row_split_sources() & source.local_candidates(plan.tp, plan.tp_rank) \
         if plan.ok and plan.tp > 1 and not plan.all_ranks else set()
     unused = source.unneeded(plan.used_sources()) if plan.ok else set()
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several_ranks():
         return set(), unused  # one rank: nothing is a shard, and nothing it skips is a collective
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (sorted(local), sorted(unused)))
@@ -87,19 +87,12 @@ def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set
 class TrainerEngineSender:
     """Sends the trainer's weights to every engine; ``send()`` returns stage seconds, bytes and the path taken.
 
-    Built on every trainer rank alike (a collective: the engines' layouts are broadcast, the gathers agreed). The
-    format in use is ``formats.effective_format`` of the options' format and the kernel plan (``auto``: the
-    kernel format where the plan covers the engines, else the checkpoint format, ``fallback`` saying why), packed
-    as ``options.packs`` says. The kernel format sends the engines' own parameters (fused, in their TP layout)
-    and switches their workers to copying them in place (``weight_sync.kernel``); the checkpoint format streams
-    HF names into vLLM's layerwise reload. A sync takes one of three paths:
-
-    * IPC in the kernel format from one trainer GPU whose planned tensors are views of its parameters: the
-      resident sync (``ResidentExport``): the engines map the parameters once, one call per engine per sync;
-    * NCCL in the kernel format, not packed: the direct sync (``weight_sync.direct``): the tensors as they are,
-      one NCCL group per bucket, received into the engines' parameters;
-    * otherwise vLLM's trainer engine of the backend: start, update (beside its send) and finish, made
-      ``options.rpc`` engine calls (``EngineFanOut``)."""
+    Built on every trainer rank alike (a collective: the layouts broadcast, the gathers agreed). The format is
+    ``formats.effective_format`` of the options' and the kernel plan (``fallback`` says why not the kernel
+    format), packed as ``options.packs`` says. A sync takes one of three paths: the resident IPC sync
+    (``ResidentExport``: kernel format from one trainer GPU whose planned tensors are views of its parameters, one
+    call per engine); the direct NCCL sync (kernel format, not packed: ``weight_sync.direct``); else vLLM's trainer
+    engine of the backend, its start, update and finish made ``options.rpc`` engine calls (``EngineFanOut``)."""
 
     def __init__(self, options: WeightSyncOptions, client: EngineFanOut, source: ParamSource,
                  group: dict[str, Any]) -> None:
@@ -125,19 +118,14 @@ class TrainerEngineSender:
         self.resident = ResidentExport(self.plan, source) \
             if self.backend == "ipc" and self.format == "kernel" and one_gpu else None
         self.packed = options.packs(self.format)  # fixed for the group's life: the engines take it at its init
-        self._side: wire.SideStream | None = None  # the fused wire's side stream (``_direct_source``)
         info = self._init_info(group)
         if self.backend == "nccl":  # vLLM's NCCL trainer engine, plus the direct sync
             from rlhf_runtime.weight_sync.kernel import DirectNCCLTrainerEngine
 
             self.engine = DirectNCCLTrainerEngine.trainer_init(info, client=client, source=self._weight_source())
-            self.engine.direct, self.engine.side = self.direct, self._side
+            self.engine.direct = self.direct
         else:
             self.engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._weight_source())
-        if self.backend == "ipc" and options.trainer_world > 1 and options.ipc_exchange == "gloo":
-            import torch.distributed as dist
-
-            ipc_exchange.install(self.engine, dist.new_group(backend="gloo"))  # a collective, as the plan
 
     def largest_tensor_bytes(self) -> int:
         """The largest tensor a sync may send, in the sync's dtype: a trainer parameter as sent (checkpoint
@@ -183,45 +171,21 @@ class TrainerEngineSender:
             return self.source.as_weight_source()
         plan, dtype = self.plan, self.source.dtype
         assert plan is not None
-        if self.direct and plan.tp == 1:  # the parts of fused parameters as they are, one entry each, or fused
-            return self._direct_source(plan, dtype)
-        if self.direct and plan.all_ranks:  # every TP rank's piece, one entry each, rank after rank
-            hf = {n: list(s) for n, s in self.source.wire_shapes()}
-            meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in direct.rank_piece_shapes(plan, hf)]
-            return vllm_compat.as_weight_source(
-                lambda: meta, lambda: direct.rank_pieces(plan, plan.iterate(self.source, fuse=False)))
+        if self.direct:  # the tensors as they are: a fused parameter's parts, every TP rank's piece
+            hf = {n: list(sh) for n, sh in self.source.wire_shapes()}
+            return self._source(direct.piece_shapes(plan, hf),
+                                lambda: direct.pieces(plan, plan.iterate(self.source, fuse=False)))
         names, _, shapes = plan.metadata(dtype)
-        meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in zip(names, shapes)]
-        return vllm_compat.as_weight_source(lambda: meta, lambda: plan.iterate(self.source, fuse=True))
+        return self._source(list(zip(names, shapes)), lambda: plan.iterate(self.source, fuse=True))
 
-    def _direct_source(self, plan: KernelPlan, dtype: torch.dtype) -> Any:
-        """The direct sync's weight source into TP=1 engines: a fused parameter as its parts, one entry each, or
-        as one tensor (``direct_fuse``: concatenated on a side stream, ``_side``, which the trainer engine joins
-        before each group); the small entries in packs (``direct_packs``: ``wire.with_packs``)."""
-        side = wire.SideStream() if self.options.direct_fuse else None
-        self._side = side
-        if side is not None:
-            entries = [(n, list(sh)) for n, sh, _ in plan.entries]
-
-            def pairs() -> Any:
-                return wire.fused(plan.iterate(self.source, fuse=False), side)
-        else:
-            entries = direct.unfused_shapes(plan.entries, {n: list(s) for n, s in self.source.wire_shapes()})
-
-            def pairs() -> Any:
-                return direct.unfused(plan.iterate(self.source, fuse=False))
-        make = pairs
-        if self.options.direct_packs:
-            entries = wire.with_packs(entries, dtype.itemsize)
-
-            def make() -> Any:
-                return wire.packed(pairs(), entries, side)
-        meta = [vllm_compat.param_meta(n, dtype, tuple(sh)) for n, sh in entries]
-        return vllm_compat.as_weight_source(lambda: meta, make)
+    def _source(self, entries: list[tuple[str, list[int]]], pairs: Any) -> Any:
+        """vLLM's ``WeightSource`` of ``entries`` (name, shape) in the sync's dtype, ``pairs()`` their tensors."""
+        meta = [vllm_compat.param_meta(n, self.source.dtype, tuple(sh)) for n, sh in entries]
+        return vllm_compat.as_weight_source(lambda: meta, pairs)
 
     def describe(self) -> dict[str, Any]:
-        """What this sender uses: its options, the format and packing in use, the kernel plan's reason, the path,
-        and the tensors sent as this rank's own shard or left out (``agreed_gathers``)."""
+        """What this sender uses: its options, the format, packing and path in use, the kernel plan's reason, the
+        tensors sent as this rank's own shard or left out (``agreed_gathers``)."""
         return {**self.options.as_dict(), "format_requested": self.options.format, "format": self.format,
                 "packed": self.packed, "kernel_plan": None if self.plan is None else self.plan.reason,
                 "fallback": self.fallback, "nccl": self.nccl_path, "ipc_resident": self.resident is not None,
@@ -242,17 +206,12 @@ class TrainerEngineSender:
         return r
 
     def _result(self, wall: float) -> dict[str, Any]:
+        """Stage seconds, bytes, and the engine calls (per engine; rank 0, others 0) and waits of this sync."""
         t = self.client.timings
-        return {
-            "start_s": t.get("start_weight_update", 0.0),
-            "transfer_s": t.get("update_weights", 0.0),
-            "gather_s": self.source.gather_s,
-            "finish_s": t.get("finish_weight_update", 0.0),
-            "send_s": wall,
-            "bytes": float(self.source.bytes),
-            "engine_calls": float(self.client.calls),  # Ray calls per engine in this sync (rank 0; others 0)
-            "engine_waits": float(self.client.waits),  # times it waited for the engines
-        }
+        return {"start_s": t.get("start_weight_update", 0.0), "transfer_s": t.get("update_weights", 0.0),
+                "gather_s": self.source.gather_s, "finish_s": t.get("finish_weight_update", 0.0), "send_s": wall,
+                "bytes": float(self.source.bytes), "engine_calls": float(self.client.calls),
+                "engine_waits": float(self.client.waits)}
 
     def _send_resident(self, message: dict[str, Any], t: float) -> dict[str, Any]:
         """One ``update_weights_round`` per engine with the resident message (``t``: when the sync began)."""
