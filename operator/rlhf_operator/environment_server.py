@@ -7,6 +7,13 @@ Kubernetes API), a readiness probe on ``readyPath``, and requests equal to limit
 job's GPU pods: they ask for no GPU and take no node selector or toleration of ``spec.scheduling``, only the
 server's own (``server.nodeSelector``, ``server.tolerations``).
 
+The Service is headless (``clusterIP: None``): its name resolves to the ready pods' addresses, one A record each
+(not-ready pods are not published), and the runtime keeps each episode on one of them
+(``rlhf_runtime.agent.endpoints``); a cluster IP would balance per connection, sending an episode's requests to
+different pods. A Service is created once, with the RayJob, and never replaced: a job whose Service was made with
+a cluster IP (by an operator before this one) keeps it, and its runtime sees one address, balanced per connection
+as before; the job's runtime pods, made with that Service, are of that earlier runtime too.
+
 Pure: same input, same output.
 """
 
@@ -58,6 +65,7 @@ def render_environment_server(job: Job) -> list[dict[str, Any]]:
     }
     service = {
         "apiVersion": "v1", "kind": "Service", "metadata": meta,
-        "spec": {"selector": labels, "ports": [{"name": "http", "port": server.port, "targetPort": server.port}]},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": labels,
+                 "ports": [{"name": "http", "port": server.port, "targetPort": server.port}]},
     }
     return [deployment, service]

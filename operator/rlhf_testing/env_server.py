@@ -6,7 +6,9 @@ with the runtime image): ``python -m rlhf_testing.env_server [--port 8000]``. St
   prefixed with the server's host name (in a pod, the pod's name: which replica answered).
 * ``POST /step`` ``{"episode_id", "action": {"message"}}``: a turn with tool results gets them back as the
   observation; a turn without is the final answer: reward 1 when its text contains the sample's answer (``42``
-  when the sample has none), else 0, and done (the episode is dropped). An unknown episode is answered 404.
+  when the sample has none), else 0, and done (the episode is dropped), its observation the server's host name
+  (``[host]``). An unknown episode is answered 404: an episode's requests must all reach the replica that
+  holds it.
 
 Each answer is ``{"observation", "reward", "done"}`` (``rlhf_runtime.agent.environments.HttpEnvironment``).
 SIGTERM stops the server at once: as a container's PID 1 it would otherwise be ignored until the kill.
@@ -51,7 +53,7 @@ class Episodes:
             return 200, {"observation": {"messages": results}, "reward": None, "done": False}
         answer = str(sample.get("answer") or "42")
         reward = 1.0 if answer in (message.get("content") or "") else 0.0
-        return 200, {"observation": None, "reward": reward, "done": True}
+        return 200, {"observation": {"text": f"[{self.host}]"}, "reward": reward, "done": True}
 
 
 def handler(episodes: Episodes) -> type[BaseHTTPRequestHandler]:

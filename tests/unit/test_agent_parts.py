@@ -18,6 +18,7 @@ from rlhf_testing.tiny_chat import build_chat_tokenizer
 
 from rlhf_api.environment import Environment
 from rlhf_runtime.agent.calls import Call, CallParser, check_parser
+from rlhf_runtime.agent.endpoints import Endpoints, resolve
 from rlhf_runtime.agent.environments import (
     EnvironmentFault,
     Environments,
@@ -217,12 +218,14 @@ def test_observations_and_steps_of_any_shape() -> None:
 
 class Server:
     """A real HTTP environment server (OpenEnv's shape) whose answers the test controls: ``fail`` 5xx answers
-    before it answers again."""
+    before it answers again. It keeps its episodes: a step of an episode it did not start is answered 404. Every
+    request is in ``seen`` as (path, episode, Host header)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.fail = 0
         self.ready = False
         self.episodes: dict[str, int] = {}
+        self.seen: list[tuple[str, str, str]] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -241,9 +244,14 @@ class Server:
                     self.end_headers()
                     return
                 ep = body["episode_id"]
+                outer.seen.append((self.path, ep, self.headers["Host"]))
                 if self.path == "/reset":
                     outer.episodes[ep] = 0
                     out = {"observation": {"text": body["sample"]["prompt"]}, "reward": None, "done": False}
+                elif ep not in outer.episodes:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
                 else:
                     outer.episodes[ep] += 1
                     out = {"observation": {"text": f"ok {outer.episodes[ep]}"}, "reward": 0.5, "done": False}
@@ -253,8 +261,9 @@ class Server:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -304,8 +313,9 @@ def test_the_test_environment_server_answers_the_runtimes_client() -> None:
         run(b.reset({"prompt": "2+2?", "answer": "4", "messages": None}))
         tool = {"role": "tool", "content": "42"}
         assert run(a.step({"role": "assistant", "content": "", "tool_results": [tool]})) == Step([tool], None, False)
-        assert run(a.step({"role": "assistant", "content": "it is 42"})) == Step([], 1.0, True)
-        assert run(b.step({"role": "assistant", "content": "5"})) == Step([], 0.0, True)
+        host = [{"role": "user", "content": first[0]["content"].partition(" ")[0]}]  # the server's "[host]"
+        assert run(a.step({"role": "assistant", "content": "it is 42"})) == Step(host, 1.0, True)
+        assert run(b.step({"role": "assistant", "content": "5"})) == Step(host, 0.0, True)
         with pytest.raises(EnvironmentFault, match="answered HTTP 404"):  # the episode ended
             run(a.step({"role": "assistant", "content": "42"}))
     finally:
@@ -321,6 +331,121 @@ def test_http_environment_down_past_its_deadline_fails_the_run(server: Server) -
     with pytest.raises(EnvironmentUnreachable, match=f"unreachableSeconds 0.5.*{url}/reset"):
         run(env.reset({"prompt": "p"}))
     assert time.monotonic() - t0 < 10
+
+
+# ------------------------------------------------------------------ episodes pinned to one server address
+NAME = "envjob-env.ns.svc"  # the operator's server: a headless Service's name, its pods' addresses
+
+
+@pytest.fixture
+def two_servers() -> Iterator[list[Server]]:
+    """Two servers on one port, at two addresses (as the pods of one headless Service are)."""
+    a = Server("127.0.0.1")
+    b = Server("127.0.0.2", a.port)
+    yield [a, b]
+    a.close()
+    b.close()
+
+
+class Listed:
+    """A resolver the test controls: the name's addresses are ``addrs``; every call counted."""
+
+    def __init__(self, port: int, addrs: list[str]) -> None:
+        self.port, self.addrs, self.calls = port, addrs, 0
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        self.calls += 1
+        return list(self.addrs) if (host, port) == (NAME, self.port) else []
+
+
+def server_envs(port: int, resolver: Listed) -> Environments:
+    spec = Environment.model_validate({"http": {"server": {"image": "envs/x:1", "port": port},
+                                                "unreachableSeconds": 30}})
+    return Environments(spec, f"http://{NAME}:{port}", resolver)
+
+
+def episodes_of(server: Server) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for path, ep, _ in server.seen:
+        out.setdefault(ep, []).append(path)
+    return out
+
+
+def test_every_request_of_an_episode_reaches_the_one_server_it_started_on(two_servers: list[Server]) -> None:
+    a, b = two_servers
+    envs = server_envs(a.port, Listed(a.port, ["127.0.0.1", "127.0.0.2"]))
+
+    async def episode(i: int) -> list[str]:
+        env = envs.make(f"e{i}")
+        out = [(await env.reset({"prompt": f"p{i}"}))[0]["content"]]
+        for _ in range(3):
+            out.append((await env.step({"role": "assistant", "content": "x"})).observations[0]["content"])
+        await env.close()
+        return out
+
+    async def episodes() -> list[list[str]]:
+        return await asyncio.gather(*(episode(i) for i in range(8)))
+
+    got = run(episodes())
+    assert got == [[f"p{i}", "ok 1", "ok 2", "ok 3"] for i in range(8)]  # no step answered 404
+    on_a, on_b = episodes_of(a), episodes_of(b)
+    assert set(on_a) | set(on_b) == {f"e{i}" for i in range(8)} and not set(on_a) & set(on_b)
+    assert all(paths == ["/reset", "/step", "/step", "/step"] for paths in [*on_a.values(), *on_b.values()])
+    assert (len(on_a), len(on_b)) == (4, 4)  # spread over both
+    assert {host for _, _, host in a.seen + b.seen} == {f"{NAME}:{a.port}"}  # named as the server
+    assert envs.endpoints is not None and envs.endpoints.load == {}  # every pin released
+
+
+def test_a_server_that_goes_away_is_the_fault_of_its_episodes_only(two_servers: list[Server]) -> None:
+    a, b = two_servers
+    listed = Listed(a.port, ["127.0.0.1", "127.0.0.2"])
+    envs = server_envs(a.port, listed)
+    started = [envs.make(f"e{i}") for i in range(4)]
+    for env in started:
+        run(env.reset({"prompt": "p"}))
+    assert (len(episodes_of(a)), len(episodes_of(b))) == (2, 2)
+    b.close()  # its pod is gone; the name still lists it for a while (DNS)
+    fresh = [envs.make(f"n{i}") for i in range(3)]
+    for env in fresh:  # a reset refused by the gone address is retried on the other
+        assert run(env.reset({"prompt": "q"})) == [{"role": "user", "content": "q"}]
+    assert {f"n{i}" for i in range(3)} <= set(episodes_of(a))
+    listed.addrs = ["127.0.0.1"]  # ... until the name no longer lists it
+    calls = listed.calls
+    for env in started:
+        if env.episode in episodes_of(a):
+            assert run(env.step({"role": "assistant", "content": "x"})).observations[0]["content"] == "ok 1"
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(EnvironmentFault, match=rf"127\.0\.0\.2, which held episode {env.episode}, is no "
+                                                       rf"longer an address of {NAME} \(its pod is gone\)"):
+                run(env.step({"role": "assistant", "content": "x"}))
+            assert time.monotonic() - t0 < 5  # at once, not after the retries of a short outage
+    assert listed.calls > calls  # the failure resolved the name again
+    later = envs.make("later")
+    run(later.reset({"prompt": "r"}))
+    assert "later" in episodes_of(a) and envs.outage.since is None  # the other server answers: no outage
+
+
+def test_which_urls_are_pinned() -> None:
+    def endpoints(url: str, addrs: list[str], pin_single: bool = False) -> Endpoints:
+        e = Endpoints(url, pin_single, lambda host, port: list(addrs))
+        e.refresh()
+        return e
+
+    two = ["10.0.0.1", "10.0.0.2"]
+    assert endpoints("http://env.example:8000", ["10.0.0.1"]).pin() is None  # a user's URL of one address: as is
+    assert endpoints("http://env.example:8000", []).pin() is None  # not resolvable
+    assert endpoints("http://env.example:8000", ["10.0.0.1"], pin_single=True).pin() == "10.0.0.1"  # the operator's
+    assert endpoints("https://env.example", two).pin() is None  # TLS needs the name
+    assert endpoints("http://10.0.0.9:8000", two).pin() is None  # an address already
+    e = endpoints("http://env.example:8000/api/", two)
+    picks = [e.pin() for _ in range(4)]
+    assert picks == ["10.0.0.1", "10.0.0.2", "10.0.0.1", "10.0.0.2"] and e.load == {"10.0.0.1": 2, "10.0.0.2": 2}
+    e.release("10.0.0.2")
+    assert e.pin() == "10.0.0.2"  # the least loaded
+    assert (e.url_of("10.0.0.2"), e.url_of(None)) == ("http://10.0.0.2:8000/api", "http://env.example:8000/api")
+    assert endpoints("http://env.example", ["fd00::1", "fd00::2"]).url_of("fd00::1") == "http://[fd00::1]:80"
+    assert resolve("127.0.0.1", 80) == ["127.0.0.1"]
 
 
 # --------------------------------------------------------------------------------- counters, trainer masks

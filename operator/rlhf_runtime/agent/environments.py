@@ -22,7 +22,9 @@ every request so that one server holds many episodes. The observation becomes me
 if it has one, else its ``text``/``content``/``message`` string as one user message, else its JSON. A 5xx, a
 refused connection or a timeout is retried with backoff; past ``http.unreachableSeconds`` of nothing but such
 failures the run fails with ``EnvironmentUnreachable`` naming the server; a shorter outage is an error of the
-trajectories it hit (``EnvironmentError`` -> ``on_error``).
+trajectories it hit (``EnvironmentFault`` -> ``on_error``). Each episode keeps to one address of the server
+(``endpoints.Endpoints``: one pod of the operator's server); an episode whose address fails and is no longer
+the server's (its pod is gone) is that episode's fault at once, and new episodes go to the other addresses.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_api.environment import Environment as EnvironmentSpec
+from rlhf_runtime.agent.endpoints import Endpoints, Resolver, resolve
 from rlhf_runtime.agent.tools import load_function
 
 
@@ -143,37 +146,59 @@ class ClassEnvironment:
 
 
 class HttpEnvironment:
-    """One trajectory's episode on an OpenEnv-shaped server (module docstring)."""
+    """One trajectory's episode on an OpenEnv-shaped server (module docstring), pinned to one of the server's
+    addresses for all its requests (``Endpoints``)."""
 
-    def __init__(self, url: str, timeout: float, outage: Outage, episode: str) -> None:
+    def __init__(self, url: str, timeout: float, outage: Outage, episode: str,
+                 endpoints: Endpoints | None = None) -> None:
         self.url, self.timeout, self.outage, self.episode = url.rstrip("/"), timeout, outage, episode
+        self.endpoints = endpoints or Endpoints(url)
+        self.addr: str | None = None
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    def _post(self, base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.addr is not None:  # the request goes to the pinned address, named as the server
+            headers["Host"] = self.endpoints.host_header
+        req = urllib.request.Request(f"{base}{path}", json.dumps(body).encode(), method="POST", headers=headers)
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             return json.loads(resp.read().decode("utf-8"))  # invalid UTF-8: a ValueError, the server's fault
+
+    async def _pin(self) -> None:
+        """Pin the episode to an address (again, on a retried reset: the episode has no state anywhere yet)."""
+        self.endpoints.release(self.addr)
+        if self.endpoints.due():
+            await asyncio.to_thread(self.endpoints.refresh)
+        self.addr = self.endpoints.pin()
 
     async def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         delay = 0.2
         while True:
+            if path == "/reset":
+                await self._pin()
+            where = f"{self.url}{path}" + (f" (at {self.addr})" if self.addr is not None else "")
+            failed = False
             try:
-                out = await asyncio.to_thread(self._post, path, body)
+                out = await asyncio.to_thread(self._post, self.endpoints.url_of(self.addr), path, body)
                 self.outage.ok()
+                self.endpoints.answered(self.addr)
                 if not isinstance(out, dict):
-                    raise EnvironmentFault(f"{self.url}{path} answered {type(out).__name__}, not an object")
+                    raise EnvironmentFault(f"{where} answered {type(out).__name__}, not an object")
                 return out
             except urllib.error.HTTPError as e:
                 if e.code < 500:
-                    raise EnvironmentFault(f"{self.url}{path} answered HTTP {e.code}") from e
+                    raise EnvironmentFault(f"{where} answered HTTP {e.code}") from e
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                why, failed = f"{type(e).__name__}: {getattr(e, 'reason', e)}", True
             except ValueError as e:  # UnicodeDecodeError too
-                raise EnvironmentFault(f"{self.url}{path} answered invalid JSON or UTF-8: {e}") from e
-            self.outage.failed(f"{self.url}{path}: {why}")  # raises past the deadline
+                raise EnvironmentFault(f"{where} answered invalid JSON or UTF-8: {e}") from e
+            self.outage.failed(f"{where}: {why}")  # raises past the deadline
+            if failed and self.addr is not None and await asyncio.to_thread(self.endpoints.gone, self.addr) \
+                    and path != "/reset":  # a retried reset goes to another address
+                raise EnvironmentFault(f"{where}: {why}; {self.addr}, which held episode {self.episode}, is no "
+                                       f"longer an address of {self.endpoints.host} (its pod is gone)")
             if delay > 5.0:
-                raise EnvironmentFault(f"{self.url}{path}: {why}")
+                raise EnvironmentFault(f"{where}: {why}")
             await asyncio.sleep(delay)
             delay *= 2
 
@@ -185,7 +210,8 @@ class HttpEnvironment:
         return as_step(await self._request("/step", {"episode_id": self.episode, "action": {"message": message}}))
 
     async def close(self) -> None:
-        return None
+        self.endpoints.release(self.addr)
+        self.addr = None
 
 
 class Outage:
@@ -210,7 +236,7 @@ class Outage:
 class Environments:
     """Makes each trajectory's environment for a spec (``spec.environment``) and the url of its server."""
 
-    def __init__(self, spec: EnvironmentSpec, url: str | None = None) -> None:
+    def __init__(self, spec: EnvironmentSpec, url: str | None = None, resolver: Resolver = resolve) -> None:
         self.spec = spec
         self.cls: type | None = None
         if spec.class_name:
@@ -221,6 +247,9 @@ class Environments:
             self.cls = cls
         self.url = url or (spec.http.url if spec.http else None)
         self.outage = Outage(spec.http.unreachable_seconds if spec.http else 0.0)
+        # the operator's server: every episode pinned to one of its pods (its headless Service's addresses)
+        self.endpoints = Endpoints(self.url, spec.http.server is not None, resolver) if self.url and spec.http \
+            else None
 
     def wait_ready(self) -> None:
         """Before the first rollout: an HTTP environment's server answers its readiness path (``server.readyPath``,
@@ -249,5 +278,5 @@ class Environments:
         if self.spec.http is not None:
             if not self.url:
                 raise ValueError("spec.environment.http.server has no address yet (the operator sets it)")
-            return HttpEnvironment(self.url, self.spec.http.timeout_seconds, self.outage, episode)
+            return HttpEnvironment(self.url, self.spec.http.timeout_seconds, self.outage, episode, self.endpoints)
         return ToolsOnly()
