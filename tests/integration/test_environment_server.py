@@ -36,7 +36,7 @@ def test_environment_server_is_made_and_goes_with_the_job(cluster, api, operator
     assert c.resources.limits == {"cpu": "500m", "memory": "1Gi"} and c.security_context.capabilities.drop == ["ALL"]
     assert svc.spec.selector == dep.spec.selector.match_labels and svc.spec.ports[0].port == 8000
     # headless: the name resolves to the ready pods (one DNS record each), not to one balancing address
-    assert svc.spec.cluster_ip == "None" and svc.spec.cluster_i_ps == ["None"]
+    assert svc.spec.cluster_ip == "None" and svc.spec.cluster_ips == ["None"]
     assert svc.spec.type == "ClusterIP" and svc.spec.publish_not_ready_addresses in (False, None)
     # the RayJob is there too (the server does not hold the job back)
     wait_for(lambda: client.CustomObjectsApi(api).list_namespaced_custom_object(
