@@ -94,6 +94,7 @@ def spec(model: Path, gpu: bool, budget: int, lr: float, dtype: str, master: str
 
 def make_trainer(cfg: dict[str, Any], rank: int = 0, world: int = 1, port: int = 0) -> Any:
     from rlhf_api.models import RuntimeConfig
+    from rlhf_runtime.roles.options import TrainerOptions
     from rlhf_runtime.roles.policy import Trainer
 
     class StepTrainer(Trainer):
@@ -102,8 +103,9 @@ def make_trainer(cfg: dict[str, Any], rank: int = 0, world: int = 1, port: int =
         def _load_weight_transfer(self) -> None:  # an older checkout's (TRAIN_STEP_OPERATOR) constructor calls it
             pass
 
-    return StepTrainer(RuntimeConfig(name="bench", namespace="default", uid="u", spec=cfg).model_dump_json(
-        by_alias=True), rank, world, "127.0.0.1", port)
+    return StepTrainer(TrainerOptions.from_config(RuntimeConfig(name="bench", namespace="default", uid="u",
+                                                                spec=cfg).model_dump_json(by_alias=True),
+                                                   rank, world, "127.0.0.1", port))
 
 
 def batch(lengths: list[int], vocab: int, seed: int = 0) -> dict[str, Any]:

@@ -30,11 +30,12 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
 
 cfg, rank, port, shards, phase = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
+t = Trainer(TrainerOptions.from_config(open(cfg).read(), rank, 2, "127.0.0.1", port))
 local = lambda x: (x.to_local() if hasattr(x, "to_local") else x).detach().clone()
 names = {id(p): n for n, p in t.model.named_parameters()}
 
@@ -257,9 +258,10 @@ def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path,
 CRITIC = r"""
 import json, sys
 from rlhf_runtime.roles.critic import CriticModel
+from rlhf_runtime.roles.options import TrainerOptions
 
 cfg, phase = sys.argv[1], sys.argv[2]
-c = CriticModel(open(cfg).read(), 0, 1, None, None, resume_step=None if phase == "save" else 3)
+c = CriticModel(TrainerOptions.from_config(open(cfg).read()), resume_step=None if phase == "save" else 3)
 if phase == "save":
     for p in c.model.parameters():  # a critic that differs from a fresh one
         p.data.add_(0.01)

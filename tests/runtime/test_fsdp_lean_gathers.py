@@ -44,6 +44,7 @@ WORKER = r"""
 import json, sys, traceback
 import torch
 import torch.distributed as dist
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
 from rlhf_runtime.weight_sync.formats import KernelPlan
@@ -52,7 +53,7 @@ from rlhf_runtime.weight_sync.senders import agreed_gathers
 
 
 def main(cfg, rank, port, worker):
-    t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
+    t = Trainer(TrainerOptions.from_config(open(cfg).read(), rank, 2, "127.0.0.1", port))
     source = ParamSource(t.model, torch.float32)
     hf = dict(source.wire_shapes())
     params, dims = [], {}

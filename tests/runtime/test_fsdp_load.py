@@ -22,11 +22,12 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
 
 rank, port, cfg, model = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-t = Trainer(open(cfg).read(), rank, 2, "127.0.0.1", port)
+t = Trainer(TrainerOptions.from_config(open(cfg).read(), rank, 2, "127.0.0.1", port))
 full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
 ours = {k: full(p) for k, p in t.model.named_parameters()}
 refs = {k: full(p) for k, p in t.ref.model.named_parameters()} if t.ref is not None else None  # collectives: all ranks
@@ -100,11 +101,13 @@ def test_fsdp2_shards_of_tied_moe_and_reference_models_equal_the_checkpoint(kind
 CRITIC = r"""
 import sys
 from rlhf_runtime.roles.critic import CriticModel
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_testing.ranks import exit_rank
 
 rank, world, port, cfg = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 try:
-    CriticModel(open(cfg).read(), rank, world, "127.0.0.1" if world > 1 else None, port if world > 1 else None)
+    CriticModel(TrainerOptions.from_config(open(cfg).read(), rank, world, "127.0.0.1" if world > 1 else None,
+                                           port if world > 1 else None))
 except ValueError as e:
     print("ERROR", e)
 exit_rank(barrier=False)  # rank 1, if any, waits in the weights' broadcast: no barrier

@@ -125,11 +125,12 @@ import json, sys
 import torch
 from transformers import AutoModelForCausalLM
 from rlhf_runtime.roles.batches import pack, token_logprobs
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 
 cfg, base = open(sys.argv[1]).read(), sys.argv[2]
 batch = {"prompts": [[5, 6, 7], [8, 9]], "completions": [[20, 21, 22], [24, 25]], "advantages": [1.0, -1.0]}
-t = Trainer(cfg)
+t = Trainer(TrainerOptions.from_config(cfg))
 trainable = {n for n, p in t.model.named_parameters() if p.requires_grad}
 opt_params = sum(len(g["params"]) for g in t.opt.param_groups)
 t.train(batch)
@@ -142,7 +143,7 @@ plain = AutoModelForCausalLM.from_pretrained(base).eval()
 with torch.no_grad():
     base_lp = token_logprobs(plain, micro)[0]
 ref_is_base = torch.allclose(torch.tensor(out["ref"][0]), base_lp[0, 3:6], atol=1e-5)
-r = Trainer(cfg)
+r = Trainer(TrainerOptions.from_config(cfg))
 same_adapter = all(torch.equal(v, r.model.state_dict()[k]) for k, v in adapter.items())
 same_moments = all(torch.equal(a, st["exp_avg"]) for a, st in zip(moments, r.opt.state.values()))
 print(json.dumps({"trainable": sorted(trainable), "opt_params": opt_params, "ref_is_base": ref_is_base,

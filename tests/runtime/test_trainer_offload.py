@@ -19,6 +19,7 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
 
@@ -35,7 +36,7 @@ if world == 2:
 full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
 results = {}
 for i, (name, cfg, offload) in enumerate(runs):
-    t = Trainer(open(cfg).read(), rank, world, "127.0.0.1", port + i)
+    t = Trainer(TrainerOptions.from_config(open(cfg).read(), rank, world, "127.0.0.1", port + i))
     moments_at_start = sum(1 for s in t.opt.state.values() if "exp_avg" in s)
     moved = t.set_offload(offload)
     out_between = []

@@ -15,6 +15,7 @@ from tests.runtime.conftest import job_config, write_config
 SCRIPT = r"""
 import json, sys
 import torch
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_runtime.roles import policy as trainer_mod
 
@@ -35,7 +36,7 @@ for path in sys.argv[1:]:  # one job config each: the same batch, two Trainers p
     prompts = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (3, 5, 4, 6)]
     completions = [torch.randint(5, 60, (int(n),), generator=g).tolist() for n in (7, 2, 5, 4)]
     batch = {"prompts": prompts, "completions": completions, "advantages": [1.0, -0.5, 0.25, -1.0]}
-    short, full = Trainer(cfg), Trainer(cfg)
+    short, full = Trainer(TrainerOptions.from_config(cfg)), Trainer(TrainerOptions.from_config(cfg))
     before = params(short)
     forwards["n"] = 0
     short.train(batch)

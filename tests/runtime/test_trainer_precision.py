@@ -33,6 +33,7 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
 
@@ -49,7 +50,7 @@ if world == 2:  # unequal shares: rank 0 the first 6 samples, rank 1 the last 2
 full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
 results = {}
 for i, (name, cfg, steps) in enumerate(runs):
-    t = Trainer(open(cfg).read(), rank, world, "127.0.0.1", port + i)
+    t = Trainer(TrainerOptions.from_config(open(cfg).read(), rank, world, "127.0.0.1", port + i))
     def weights():
         if t.master is not None and t.master.pairs:
             return {k: m.detach().clone() for (k, _), (_, m) in zip(t.model.named_parameters(), t.master.pairs)}

@@ -139,8 +139,9 @@ def fake_ray(cluster: Cluster) -> types.ModuleType:
 class FakeTrainer:
     """Records its rendezvous arguments; stages "weights" (files) on its own node like ``Trainer``."""
 
-    def __init__(self, cfg_json: str, rank: int, world: int, addr: str | None, port: int | None) -> None:
-        self.rank, self.world, self.addr, self.port = rank, world, addr, port
+    def __init__(self, options: Any) -> None:  # roles.options.TrainerOptions
+        r = options.rank
+        self.rank, self.world, self.addr, self.port = r.rank, r.world_size, r.addr, r.port
         self.staged: str | None = None
 
     def info(self) -> dict[str, Any]:

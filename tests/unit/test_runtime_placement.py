@@ -412,12 +412,15 @@ def test_colocated_roles_release_the_gpu_cache_only_on_gpus(monkeypatch: pytest.
     import torch
 
     from rlhf_runtime.roles.base import release_cached_gpu_memory
+    from rlhf_runtime.roles.options import TrainerOptions
 
     released: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
-    colocated = spec(placement={"mode": "colocated"}, weightSync={"backend": "ipc"},
-                     trainer={"replicas": 1, "gpusPerReplica": 1}, rollout={"engines": 1})
-    separate = spec(trainer={"replicas": 1, "gpusPerReplica": 1}, rollout={"engines": 1})
+    colocated = TrainerOptions.resolve(spec(placement={"mode": "colocated"}, weightSync={"backend": "ipc"},
+                                            trainer={"replicas": 1, "gpusPerReplica": 1},
+                                            rollout={"engines": 1})).colocated
+    separate = TrainerOptions.resolve(spec(trainer={"replicas": 1, "gpusPerReplica": 1},
+                                           rollout={"engines": 1})).colocated
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     # the engines sharing the GPU wake into what the trainer's allocator hands back; elsewhere the cache stays
     assert release_cached_gpu_memory(colocated, gpu) and released == [True]

@@ -31,6 +31,7 @@ from rlhf_runtime.controller.deadlines import Deadlines
 from rlhf_runtime.infra import config as rc
 from rlhf_runtime.infra import memory
 from rlhf_runtime.infra.placement import ActorPlacement, Layout, local_thread_cap
+from rlhf_runtime.roles.options import Rank, TrainerOptions
 from rlhf_runtime.rollout.api import RolloutEngine, engine_class
 
 log = logging.getLogger("rlhf_runtime")
@@ -51,6 +52,7 @@ class JobActors:
         self.async_mode = spec.weight_sync.mode == "async"
         self.backend = rc.resolve_backend(spec, self.gpu)
         self.env = rc.actor_env(spec, self.gpu)
+        self.trainer_options = TrainerOptions.resolve(spec)  # every trainer, critic and reference actor's, by rank
         # CPU-only jobs: each actor computes on its pod's CPUs (placement ``threads``), not on the one thread Ray
         # gives an actor, unless spec.env sets OMP_NUM_THREADS (a value, or valueFrom: then the pods have it).
         # Not the driver's own environment: Ray's job supervisor runs it with OMP_NUM_THREADS=1.
@@ -114,13 +116,12 @@ class JobActors:
         from rlhf_runtime.roles.policy import Trainer
 
         cls = self.trainer_class or Trainer
-        cfg_json = self.cfg.model_dump_json(by_alias=True)
         places = self.layout.trainers
         addr, port = self._rendezvous(places)
         self.trainers_asked = self.asked()
         for rank, a in enumerate(places):
             self.trainers.append(ray.remote(cls).options(**self._options(a, self.actor_env(a))).remote(
-                cfg_json, rank, len(places), addr, port))
+                self.trainer_options.at(Rank(rank, len(places), addr, port))))
 
     def start_trainers(self, defer_transfer: bool = False) -> dict[str, Any]:
         """Every trainer rank, created (``create_trainers``, unless it was) and started; returns rank 0's
@@ -201,7 +202,7 @@ class JobActors:
         from rlhf_runtime.roles.reference import ReferenceModel
         from rlhf_runtime.roles.reward import RewardScorer
 
-        spec, cfg_json = self.spec, self.cfg.model_dump_json(by_alias=True)
+        spec, options = self.spec, self.trainer_options
         cls = {"reward": RewardScorer, "critic": CriticModel, "reference": ReferenceModel}[role]
         actor = ray.remote(cls).options(**self._options(a, self.actor_env(a)))
         if role == "reward":
@@ -209,8 +210,8 @@ class JobActors:
             assert m is not None
             return actor.remote(m.name, m.revision, spec.model.dtype, m.batch_size, None, spec.model.trust_remote_code)
         if role == "critic":  # resumes at the trainer's step
-            return actor.remote(cfg_json, rank, world, addr, port, resume_step or None)
-        return actor.remote(cfg_json)
+            return actor.remote(options.at(Rank(rank, world, addr, port)), resume_step or None)
+        return actor.remote(options)
 
     def role(self, name: str) -> ActorGroup:
         """The actors of role ``name`` (an empty group when the job has none)."""

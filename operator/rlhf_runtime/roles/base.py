@@ -1,6 +1,7 @@
 """One FSDP worker: what the policy trainer (``roles.policy.Trainer``) and PPO's critic (``roles.critic``) share.
 
-``FSDPWorker`` is the base of both actor classes; one actor per worker of the role. It guarantees:
+``FSDPWorker`` is the base of both actor classes; one actor per worker of the role, made with the role's
+``roles.options.TrainerOptions`` (resolved by the driver; ``rank``: this worker's). It guarantees:
 
 * Device: ``cuda:0`` when the trainer has GPUs (``trainer.gpusPerReplica`` > 0; the actor sees only its own GPU
   share), else the CPU. The torch seed is ``algorithm.seed`` plus the role's ``seed_offset``.
@@ -56,45 +57,46 @@ from typing import Any
 
 import torch
 
-from rlhf_api.models import RLHFJobSpec, RuntimeConfig
+from rlhf_api.models import ModelSource
 from rlhf_runtime.infra import checkpoint as ckpt
 from rlhf_runtime.infra import startup, storage
 from rlhf_runtime.roles import offload, precision
 from rlhf_runtime.roles.batches import Packed, micro_share, pack, plan
 from rlhf_runtime.roles.optim_state import full_optimizer_state, load_optimizer_state
+from rlhf_runtime.roles.options import TrainerOptions
 
 log = logging.getLogger("rlhf_runtime")
 
 
-def worker_device(spec: RLHFJobSpec) -> torch.device:
+def worker_device(options: TrainerOptions) -> torch.device:
     """``cuda:0`` (made the current device) when the job's trainer has GPUs and this process sees one; else CPU."""
-    gpu = torch.cuda.is_available() and spec.trainer.gpus_per_replica > 0
+    gpu = torch.cuda.is_available() and options.trainer.gpus_per_replica > 0
     if gpu:
         torch.cuda.set_device(0)  # the actor sees only its own GPU share
     return torch.device("cuda", 0) if gpu else torch.device("cpu")
 
 
-def release_cached_gpu_memory(spec: RLHFJobSpec, device: torch.device) -> bool:
+def release_cached_gpu_memory(colocated: bool, device: torch.device) -> bool:
     """After a training step, a sync or a role's forward passes in colocated placement: hand the CUDA caching
     allocator's free blocks back to the GPU, so the vLLM engines sharing it can wake their weights and KV cache.
     torch keeps the step's peak (activations, logits, gathered FSDP parameters) reserved otherwise, and the
     engines' wake-up after a step can then fail with ``CUDA Error: out of memory`` in vLLM's cumem allocator.
     Separate placement keeps the cache (nothing else runs on those GPUs). Returns whether it released."""
-    if device.type != "cuda" or spec.placement.mode != "colocated":
+    if device.type != "cuda" or not colocated:
         return False
     torch.cuda.empty_cache()
     return True
 
 
-def init_process_group(spec: RLHFJobSpec, device: torch.device, rank: int, world: int, addr: str | None,
-                       port: int | None) -> None:
+def init_process_group(options: TrainerOptions, device: torch.device) -> None:
     """Join the default torch.distributed group of ``world`` workers at ``addr:port`` (rank 0's): NCCL on GPU,
     gloo on CPU (FSDP2 over gloo: the CPU tests); rendezvous and collectives time out after
     ``weightSync.timeoutSeconds``."""
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(addr), str(port)
-    timeout = timedelta(seconds=spec.weight_sync.timeout_seconds)
+    rank, world = options.rank.rank, options.rank.world_size
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(options.rank.addr), str(options.rank.port)
+    timeout = timedelta(seconds=options.timeout_s)
     if device.type == "cuda":
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=timeout)
     else:
@@ -145,13 +147,12 @@ def served_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor] | No
     return {k: cast[where(v)] for k, v in state.items()}
 
 
-def load_kwargs(spec: RLHFJobSpec, revision: bool = True, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """``from_pretrained`` arguments for ``spec.model``: its dtype (or ``dtype``), ``trustRemoteCode`` and (with
-    ``revision``) its revision, when set."""
-    kw: dict[str, Any] = {"dtype": dtype or getattr(torch, spec.model.dtype),
-                          "trust_remote_code": spec.model.trust_remote_code}
-    if revision and spec.model.revision:
-        kw["revision"] = spec.model.revision
+def load_kwargs(model: ModelSource, revision: bool = True, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``from_pretrained`` arguments for the policy ``model``: its dtype (or ``dtype``), ``trustRemoteCode`` and
+    (with ``revision``) its revision, when set."""
+    kw: dict[str, Any] = {"dtype": dtype or getattr(torch, model.dtype), "trust_remote_code": model.trust_remote_code}
+    if revision and model.revision:
+        kw["revision"] = model.revision
     return kw
 
 
@@ -182,31 +183,30 @@ class FSDPWorker(offload.StateOnHost):
     model: Any
     opt: torch.optim.Optimizer
 
-    def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
-                 dist_port: int | None = None) -> None:
+    def __init__(self, options: TrainerOptions) -> None:
         self.spawned = startup.process_started()  # when Ray started this actor's process (``info``)
-        self.spec = RuntimeConfig.model_validate_json(config_json).spec
-        self.rank, self.world_size = rank, world_size
-        self.check_spec()
-        self.device = worker_device(self.spec)
-        torch.manual_seed(self.spec.algorithm.seed + self.seed_offset)
-        self.compute_dtype = getattr(torch, self.spec.model.dtype)
+        self.options = options
+        self.rank, self.world_size = options.rank.rank, options.rank.world_size
+        self.check_options()
+        self.device = worker_device(options)
+        torch.manual_seed(options.algorithm.seed + self.seed_offset)
+        self.compute_dtype = getattr(torch, options.model.dtype)
         #: ``trainer.autocast``: float32 weights, forward passes under autocast (``computing``), no FSDP2 policy;
         #: one worker's ``MasterWeights`` then hold only trainable parameters left in model.dtype (a LoRA adapter
         #: PEFT did not widen), none of a full model
-        self.autocast = precision.uses_autocast(self.spec.trainer.autocast, self.compute_dtype)
-        self.masters = precision.wants_masters(self.spec.trainer.master_weights, self.compute_dtype)
+        self.autocast = precision.uses_autocast(options.trainer.autocast, self.compute_dtype)
+        self.masters = precision.wants_masters(options.trainer.master_weights, self.compute_dtype)
         self.master: precision.MasterWeights | None = None
         #: FSDP2: loads the full model on rank 0's host (``self.model`` is then a skeleton on the meta device until
         #: ``shard`` fills its shards, ``fill_shards``); None: ``self.model`` already holds its weights.
         self.deferred: Callable[[], Any] | None = None
         self.owns_group = False
-        if world_size > 1:
-            init_process_group(self.spec, self.device, rank, world_size, dist_addr, dist_port)
+        if self.world_size > 1:
+            init_process_group(options, self.device)
             self.owns_group = True
 
-    def check_spec(self) -> None:
-        """Refuse a spec this role cannot run, before anything is set up (a ``ValueError``); default: none."""
+    def check_options(self) -> None:
+        """Refuse options this role cannot run, before anything is set up (a ``ValueError``); default: none."""
 
     def close(self) -> None:
         """Destroy the torch.distributed process group this worker made (several workers), so its communicators
@@ -248,7 +248,7 @@ class FSDPWorker(offload.StateOnHost):
         from forward to backward with ``trainer.reshardAfterForward`` false), then of ``fsdp_root``; with master
         weights, computing in ``model.dtype`` over float32 shards
         (``precision.fsdp_policy``)."""
-        if self.spec.trainer.compile:
+        if self.options.trainer.compile:
             for layer in self.decoder_layers():
                 layer.compile()
         if self.world_size == 1:
@@ -257,7 +257,7 @@ class FSDPWorker(offload.StateOnHost):
 
         kw = {"mp_policy": precision.fsdp_policy(self.compute_dtype)} if self.masters and not self.autocast else {}
         for layer in self.decoder_layers():
-            fully_shard(layer, reshard_after_forward=self.spec.trainer.reshard_after_forward, **kw)
+            fully_shard(layer, reshard_after_forward=self.options.trainer.reshard_after_forward, **kw)
         fully_shard(self.fsdp_root(), **kw)
         if self.deferred is not None:
             self.fill_shards(self.deferred)
@@ -326,7 +326,7 @@ class FSDPWorker(offload.StateOnHost):
         """``self.opt``: AdamW over ``params`` (one worker with master weights: over their float32 masters) at
         ``lr`` with ``trainer.optimizer``; ``state``: a checkpoint's, ``saved`` its model directory (one worker
         takes its exact float32 weights whichever precision wrote it: ``precision.resume_weights``)."""
-        o = self.spec.trainer.optimizer
+        o = self.options.trainer.optimizer
         params = given = list(params)
         if self.masters and self.world_size == 1:
             self.master = precision.MasterWeights(params)
@@ -358,7 +358,7 @@ class FSDPWorker(offload.StateOnHost):
         under FSDP as many as the rank with the most has (empty ones fill up), since every forward is a
         collective. ``loss_masks``: see ``batches.pack``."""
         bins = plan([len(p) + len(c) for p, c in zip(prompts, completions)],
-                    self.spec.trainer.max_tokens_per_micro_batch)
+                    self.options.trainer.max_tokens_per_micro_batch)
         if self.world_size > 1:
             bins += [[]] * (int(self.all_reduce([len(bins)], "max")[0]) - len(bins))
         return [pack(prompts, completions, b, self.device, loss_masks) for b in bins]
@@ -401,13 +401,13 @@ class FSDPWorker(offload.StateOnHost):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         stats.update(offload.memory_stats(self.device), **moved, **self.state_offload.offload())
-        release_cached_gpu_memory(self.spec, self.device)  # colocated: the engines wake into this memory next
+        release_cached_gpu_memory(self.options.colocated, self.device)  # colocated: the engines wake into this memory next
         return stats
 
     def run_passes(self, prepared: list[MicroBatch]) -> dict[str, float]:
         """``epochsPerStep`` optimiser passes over the micro-batches (gradient accumulation, clipping, a step
         each), each micro-batch weighted by its share of the whole batch (over every rank)."""
-        a = self.spec.algorithm
+        a = self.options.algorithm
         tokens, rows = self.all_reduce([float(sum(m.packed.tokens for m in prepared)),
                                         float(sum(len(m.packed.idx) for m in prepared))])
         scale = float(self.world_size)  # FSDP averages the ranks' gradients: each rank's shares add up to its part
@@ -422,7 +422,7 @@ class FSDPWorker(offload.StateOnHost):
                 (loss * share * scale).backward()
                 for k in self.loss_stats:  # not the grad norm, set per pass below
                     stats[k] += st[k] * share / a.epochs_per_step
-            max_norm = self.spec.trainer.optimizer.max_grad_norm
+            max_norm = self.options.trainer.optimizer.max_grad_norm
             if max_norm > 0:
                 norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
                 stats[self.grad_norm_stat] = float(norm)

@@ -42,6 +42,7 @@ from rlhf_runtime.roles.base import (
 )
 from rlhf_runtime.roles.batches import Packed, from_lists, put
 from rlhf_runtime.roles.optim_state import read_optimizer_state
+from rlhf_runtime.roles.options import TrainerOptions
 
 log = logging.getLogger("rlhf_runtime")
 
@@ -53,28 +54,26 @@ class CriticModel(FSDPWorker):
     loss_stats = ("value_loss", "value_clip_fraction")
     grad_norm_stat = "critic_grad_norm"
 
-    def __init__(self, config_json: str, rank: int = 0, world_size: int = 1, dist_addr: str | None = None,
-                 dist_port: int | None = None, resume_step: int | None = None) -> None:
-        super().__init__(config_json, rank, world_size, dist_addr, dist_port)
-        spec = self.spec
-        critic = spec.critic_settings()
-        assert critic is not None  # check_spec
-        c = spec.checkpoint
+    def __init__(self, options: TrainerOptions, resume_step: int | None = None) -> None:
+        super().__init__(options)
+        critic = options.critic
+        assert critic is not None  # check_options
+        c = options.checkpoint
         self.root: Path | str | None = None if c is None else (f"{c.uri.rstrip('/')}/critic" if c.uri
                                                                 else Path(c.path) / "critic")
-        source, opt_state = self._resume(critic.model or spec.model.name, resume_step)
+        source, opt_state = self._resume(critic.model or options.model.name, resume_step)
         self.model = self._load(source, critic)
-        if spec.trainer.gradient_checkpointing:
+        if options.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.shard()  # FSDP2: the shards are filled here (``deferred``)
-        lr = spec.algorithm.ppo_settings().critic_learning_rate
+        lr = options.algorithm.ppo_settings().critic_learning_rate
         self.make_optimizer(self.model.parameters(), lr, opt_state, source if self.resumed_from is not None else None)
         if self.resumed_from is not None and isinstance(self.root, str):  # loaded: drop the downloaded copy
             shutil.rmtree(Path(source).parent, ignore_errors=True)
         self.updates = 0
 
-    def check_spec(self) -> None:
-        if self.spec.critic_settings() is None:
+    def check_options(self) -> None:
+        if self.options.critic is None:
             raise ValueError("a critic runs only for algorithm.name 'ppo'")
 
     def _resume(self, source: str, resume_step: int | None) -> tuple[str, dict[str, Any] | None]:
@@ -115,7 +114,7 @@ class CriticModel(FSDPWorker):
                 raise ValueError(f"cannot load the critic from {field} {source!r} as a token-classification model "
                                  f"with one output: {e}") from e
 
-        kw = load_kwargs(self.spec, revision=critic.model is None, dtype=self.train_dtype)
+        kw = load_kwargs(self.options.model, revision=critic.model is None, dtype=self.train_dtype)
         # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard`` (``deferred``)
         model, deferred = named(lambda: self.load_model(AutoModelForTokenClassification, source, kw, num_labels=1))
         self.deferred = None if deferred is None else (lambda: named(deferred))
@@ -148,7 +147,7 @@ class CriticModel(FSDPWorker):
         for micro in self.micro_batches(batch["prompts"], batch["completions"]):
             with self.computing():
                 put(out, self._values(micro), micro)
-        release_cached_gpu_memory(self.spec, self.device)
+        release_cached_gpu_memory(self.options.colocated, self.device)
         return {"values": out, "seconds": time.perf_counter() - t0}
 
     def train(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -165,6 +164,6 @@ class CriticModel(FSDPWorker):
         return {"returns": from_lists(batch["returns"], micro), "old": from_lists(batch["values"], micro)}
 
     def micro_loss(self, micro: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        a = self.spec.algorithm
+        a = self.options.algorithm
         return value_loss(self._values(micro.packed), micro.inputs["old"], micro.inputs["returns"], micro.mask,
                           a.ppo_settings().value_clip, a.loss_aggregation, seq=micro.packed.seq)

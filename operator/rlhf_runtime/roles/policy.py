@@ -62,6 +62,7 @@ from rlhf_runtime.roles.batches import (
     token_logprobs,
 )
 from rlhf_runtime.roles.optim_state import read_optimizer_state
+from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.reference import TrainerReference
 from rlhf_runtime.vllm import compat as vllm_compat
 
@@ -89,28 +90,26 @@ class Trainer(FSDPWorker):
     loss_stats = ("loss", "kl", "clip_fraction", "entropy", "mismatch_kl", "mismatch_log_ratio", "correction_fraction")
     grad_norm_stat = "grad_norm"
 
-    def __init__(self, config_json: str, rank: int = 0, world_size: int = 1,
-                 dist_addr: str | None = None, dist_port: int | None = None) -> None:
+    def __init__(self, options: TrainerOptions) -> None:
         self.started = time.time()  # in ``info``: with the driver's times, where an actor's start goes
         match_engine_nccl_settings()
-        super().__init__(config_json, rank, world_size, dist_addr, dist_port)
-        spec = self.spec
-        self.dtype = getattr(torch, spec.model.dtype)
+        super().__init__(options)
+        self.dtype = getattr(torch, options.model.dtype)
         self.step = 0
         self.resumed_from: int | None = None
-        self.lora = spec.trainer.lora
-        self.base_model = spec.model.name
+        self.lora = options.trainer.lora
+        self.base_model = options.model.name
         found = self._agreed_checkpoint()
         opt_state = self._resume(*found) if found else None
-        kw = load_kwargs(spec, revision=not found or bool(self.lora))
+        kw = load_kwargs(options.model, revision=not found or bool(self.lora))
         self.model = self._load_policy(found[1] if found else None, kw)
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
         self._load_reference(kw)
         self.shard()  # FSDP2: the shards are filled here (``deferred``)
         params = [p for p in self.model.parameters() if p.requires_grad] if self.lora else self.model.parameters()
-        self.make_optimizer(params, spec.algorithm.learning_rate, opt_state,
+        self.make_optimizer(params, options.algorithm.learning_rate, opt_state,
                             str(found[1] / "model") if found and not self.lora else None)
-        if found and spec.checkpoint and spec.checkpoint.uri:  # loaded: the downloaded copy is not needed
+        if found and options.checkpoint and options.checkpoint.uri:  # loaded: the downloaded copy is not needed
             shutil.rmtree(found[1], ignore_errors=True)
         self.sender: Any = None
         self.staged: str | None = None  # stage_weights' directory on this node (rank 0)
@@ -136,9 +135,9 @@ class Trainer(FSDPWorker):
         wrapped with a fresh adapter or the checkpoint's."""
         from transformers import AutoModelForCausalLM
 
-        checkpointing = self.spec.trainer.gradient_checkpointing
+        checkpointing = self.options.trainer.gradient_checkpointing
         if not self.lora:
-            source = str(saved / "model") if saved else self.spec.model.name
+            source = str(saved / "model") if saved else self.options.model.name
             # FSDP2: a skeleton, its shards filled from rank 0's copy in ``shard``
             model, self.deferred = self.load_model(AutoModelForCausalLM, source, {**kw, "dtype": self.train_dtype},
                                                    widen=True)
@@ -147,7 +146,7 @@ class Trainer(FSDPWorker):
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model
-        model = AutoModelForCausalLM.from_pretrained(self.spec.model.name, **kw).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(self.options.model.name, **kw).to(self.device)
         attention.use_varlen(model, self.device, self.dtype)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -163,7 +162,7 @@ class Trainer(FSDPWorker):
         own (``self.ref``, ``reference.TrainerReference``: the initial policy, also after a resume), or (LoRA) the
         policy with its adapter disabled (``self.ref`` None)."""
         self.ref: TrainerReference | None = None
-        self.own_ref = self.spec.reference_active() and self.spec.reference.placement == "trainer"
+        self.own_ref = self.options.own_reference
         if self.own_ref and not self.lora:  # float32 like the policy with trainer.autocast: the KL starts at 0
             self.ref = TrainerReference(self, {**kw, "dtype": torch.float32} if self.autocast else kw)
 
@@ -194,7 +193,7 @@ class Trainer(FSDPWorker):
         FSDP ranks load the same step even when a save commits (or a torn one is cleaned up) between the ranks'
         own looks at the directory. An object-store step is downloaded by every rank into a local directory of its
         own. ``None``: start from the base model."""
-        c = self.spec.checkpoint
+        c = self.options.checkpoint
         if c is None:
             return None
         if c.uri:
@@ -249,7 +248,7 @@ class Trainer(FSDPWorker):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         result = self.sender.send()
-        release_cached_gpu_memory(self.spec, self.device)  # colocated: gathered FSDP2 parameters, before the KV wake
+        release_cached_gpu_memory(self.options.colocated, self.device)  # colocated: gathered FSDP2 parameters, before the KV wake
         return result
 
     def adapter_payload(self, skip: list[str] | None = None) -> dict[str, Any]:
@@ -276,7 +275,7 @@ class Trainer(FSDPWorker):
         with the reference inside the trainer, under the reference (``ref``, else None); ``seconds`` of compute.
         Under FSDP every rank calls it with its own slice."""
         t0 = time.perf_counter()
-        temp = self.spec.rollout.sampling.temperature or 1.0
+        temp = self.options.temperature
         n = len(batch["prompts"])
         logp: list[list[float]] = [[] for _ in range(n)]
         ref: list[list[float]] | None = [[] for _ in range(n)] if self.own_ref else None
@@ -323,13 +322,13 @@ class Trainer(FSDPWorker):
         peak = flops.peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         if peak:
             lm = causal_lm(self.model)
-            n = self.spec.algorithm.epochs_per_step * flops.train_flops(lm.config, self.param_count, int(tokens),
+            n = self.options.algorithm.epochs_per_step * flops.train_flops(lm.config, self.param_count, int(tokens),
                                                                       int(scored), int(squares))
             out["mfu"] = n / seconds / (self.world_size * peak)
         return out
 
     def _kl_in_loss(self) -> bool:
-        a = self.spec.algorithm
+        a = self.options.algorithm
         return a.kl_coef > 0 and a.kl_mode == "loss"
 
     def micro_inputs(self, batch: dict[str, Any], micro: Packed) -> dict[str, Any]:
@@ -338,12 +337,12 @@ class Trainer(FSDPWorker):
         weights do not change before its backward passes, so the "old" policy is the current one and the loss
         pass's log-probabilities (detached) are its values; a separate forward pass would compute the same
         numbers (up to dropout) at a third of the step's compute."""
-        temp = self.spec.rollout.sampling.temperature or 1.0
+        temp = self.options.temperature
         adv_in = batch["advantages"]
         adv = from_lists(adv_in, micro) if adv_in and isinstance(adv_in[0], list) else per_token(adv_in, micro)
         if batch.get("old_logprobs") is not None:
             old = from_lists(batch["old_logprobs"], micro)
-        elif self.spec.algorithm.epochs_per_step == 1:
+        elif self.options.algorithm.epochs_per_step == 1:
             old = None  # the loss pass's own log-probabilities, detached: the same weights
         else:
             old = token_logprobs(self.scorer, micro, temp)[0]
@@ -361,9 +360,9 @@ class Trainer(FSDPWorker):
         weights (``algorithm.rolloutCorrection``, ``objectives.correction_weights``) when the batch carries the
         engines' log-probabilities, their mismatch statistics, and the mean entropy of its tokens'
         distributions (aggregated like the loss)."""
-        a = self.spec.algorithm
+        a = self.options.algorithm
         p = micro.packed
-        logp, ent = token_logprobs(self.scorer, p, self.spec.rollout.sampling.temperature or 1.0, entropy=True)
+        logp, ent = token_logprobs(self.scorer, p, self.options.temperature, entropy=True)
         old = logp.detach() if micro.inputs["old"] is None else micro.inputs["old"]
         weights, mismatch = None, dict.fromkeys(("mismatch_kl", "mismatch_log_ratio", "correction_fraction"), 0.0)
         if micro.inputs["rollout"] is not None:  # the engines' log-probabilities of the sampled tokens
@@ -381,7 +380,7 @@ class Trainer(FSDPWorker):
     def save_checkpoint(self) -> str | None:
         """The policy at the current step under ``spec.checkpoint.path`` (``FSDPWorker.save_step``; a collective
         under FSDP: every rank calls it, rank 0 writes and returns the step's directory)."""
-        c = self.spec.checkpoint
+        c = self.options.checkpoint
         if c is None:
             return None
         return self.save_step(c.location, self.step, {"base_model": self.base_model, "lora": bool(self.lora)})
@@ -447,9 +446,9 @@ class Trainer(FSDPWorker):
         """The base model's tokenizer (``spec.model``, its revision) into an export's ``directory``."""
         from transformers import AutoTokenizer
 
-        kw: dict[str, Any] = {"trust_remote_code": self.spec.model.trust_remote_code}
-        if self.spec.model.revision:
-            kw["revision"] = self.spec.model.revision
+        kw: dict[str, Any] = {"trust_remote_code": self.options.model.trust_remote_code}
+        if self.options.model.revision:
+            kw["revision"] = self.options.model.revision
         AutoTokenizer.from_pretrained(self.base_model, **kw).save_pretrained(directory)
 
     def _export_remote(self, uri: str) -> str | None:

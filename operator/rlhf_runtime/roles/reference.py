@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from rlhf_api.models import RuntimeConfig
 from rlhf_runtime.roles import attention, precision
 from rlhf_runtime.roles.base import FSDPWorker, load_kwargs, release_cached_gpu_memory, worker_device
 from rlhf_runtime.roles.batches import Packed, TokenScorer, pack, plan, put, token_logprobs
+from rlhf_runtime.roles.options import TrainerOptions
 
 
 class TrainerReference:
@@ -35,7 +35,7 @@ class TrainerReference:
 
         self.worker = worker
         # FSDP2: ``deferred`` loads it on rank 0's host; ``shard`` fills the shards
-        self.model, self.deferred = worker.load_model(AutoModelForCausalLM, worker.spec.model.name, kw)
+        self.model, self.deferred = worker.load_model(AutoModelForCausalLM, worker.options.model.name, kw)
         self.model.eval().requires_grad_(False)
         attention.use_varlen(self.model, worker.device, worker.compute_dtype)
         self.scorer = TokenScorer(self.model)  # the FSDP root: token_logprobs gathers the output layer in it
@@ -60,16 +60,16 @@ class TrainerReference:
 class ReferenceModel:
     """The frozen initial policy in an actor of its own (``spec.reference.placement`` colocated or separate)."""
 
-    def __init__(self, config_json: str) -> None:
+    def __init__(self, options: TrainerOptions) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.spec = spec = RuntimeConfig.model_validate_json(config_json).spec
-        self.device = worker_device(spec)
-        self.dtype = dtype = getattr(torch, spec.model.dtype)
+        self.options = options
+        self.device = worker_device(options)
+        self.dtype = dtype = getattr(torch, options.model.dtype)
         # trainer.autocast: float32 weights under autocast, computing as the policy does (the KL starts at 0)
-        self.autocast = precision.uses_autocast(spec.trainer.autocast, dtype)
-        kw = load_kwargs(spec, dtype=torch.float32 if self.autocast else None)
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model.name, **kw).to(self.device)
+        self.autocast = precision.uses_autocast(options.trainer.autocast, dtype)
+        kw = load_kwargs(options.model, dtype=torch.float32 if self.autocast else None)
+        self.model = AutoModelForCausalLM.from_pretrained(options.model.name, **kw).to(self.device)
         self.model.eval().requires_grad_(False)
         attention.use_varlen(self.model, self.device, dtype)
 
@@ -81,12 +81,12 @@ class ReferenceModel:
     def logprobs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``{"logp": per completion token, "seconds": compute time}``."""
         t0 = time.perf_counter()
-        temp = self.spec.rollout.sampling.temperature or 1.0
+        temp = self.options.temperature
         p, c = batch["prompts"], batch["completions"]
         out: list[list[float]] = [[] for _ in p]
-        for idx in plan([len(a) + len(b) for a, b in zip(p, c)], self.spec.trainer.max_tokens_per_micro_batch):
+        for idx in plan([len(a) + len(b) for a, b in zip(p, c)], self.options.trainer.max_tokens_per_micro_batch):
             micro = pack(p, c, idx, self.device)
             with precision.compute_context(self.autocast, self.device, self.dtype):
                 put(out, token_logprobs(self.model, micro, temp)[0], micro)
-        release_cached_gpu_memory(self.spec, self.device)
+        release_cached_gpu_memory(self.options.colocated, self.device)
         return {"logp": out, "seconds": time.perf_counter() - t0}
