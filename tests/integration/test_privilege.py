@@ -69,6 +69,7 @@ GRANTED_NOT_CALLED.update({
     ("extensions.agents.x-k8s.io", "sandboxwarmpools", "patch"): f"a held job's pool scaled to 0 ({_SANDBOX_IT})",
     ("extensions.agents.x-k8s.io", "sandboxwarmpools", "list"): f"the pools' watch, without the CRD ({_SANDBOX_IT})",
     ("extensions.agents.x-k8s.io", "sandboxwarmpools", "watch"): f"the pools' watch, without the CRD ({_SANDBOX_IT})",
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "get"): f"a pool the watch has not shown ({_SANDBOX_IT})",
     ("extensions.agents.x-k8s.io", "sandboxclaims", "deletecollection"): f"a held job's claims ({_SANDBOX_IT})",
     ("agents.x-k8s.io", "sandboxes", "list"): f"why a pool cannot fill ({_SANDBOX_IT})",
     **{("extensions.agents.x-k8s.io", "sandboxclaims", v): _RUNTIME_GRANT

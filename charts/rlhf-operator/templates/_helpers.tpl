@@ -64,9 +64,10 @@ is never called: RBAC lets the operator create the runtime Role only with permis
 - apiGroups: ["extensions.agents.x-k8s.io"]
   resources: ["sandboxtemplates"]
   verbs: ["create"]
+# get: a pool the watch has not shown yet (agent-sandbox's CRDs installed after the operator started)
 - apiGroups: ["extensions.agents.x-k8s.io"]
   resources: ["sandboxwarmpools"]
-  verbs: ["list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # create/get/list/watch/delete: what a job's runtime Role grants on claims (RBAC lets the operator grant only what
 # it holds); deletecollection: the claims of a held job are released with its pool.
 - apiGroups: ["extensions.agents.x-k8s.io"]
