@@ -119,6 +119,9 @@ def safe_path(path: str) -> str:
 class Handler(BaseHTTPRequestHandler):
     server_version = "rlhf-sandbox/1"
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY: a response is written as headers then body; with Nagle's algorithm on a kept-alive connection
+    # the body waits for the client's delayed ACK of the headers (about 40 ms a call)
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args) -> None:
         sys.stderr.write(f"{time.strftime('%H:%M:%S')} {self.address_string()} {format % args}\n")
