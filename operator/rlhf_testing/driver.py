@@ -50,11 +50,11 @@ def scripted(base: type, script: dict[str, list[str]]) -> type:
     """``base`` (an async engine class) generating ``script``'s turns (``--turn-script``)."""
 
     class ScriptedEngine(base):  # type: ignore[valid-type, misc]
-        def __init__(self, kwargs, env=None, build=True):  # type: ignore[no-untyped-def]
+        def __init__(self, options, build=True):  # type: ignore[no-untyped-def]
             from transformers import AutoTokenizer
 
-            self.script_tokenizer = AutoTokenizer.from_pretrained(kwargs["model"])
-            super().__init__({**kwargs, "skip_tokenizer_init": False}, env, build)  # structured outputs need it
+            self.script_tokenizer = AutoTokenizer.from_pretrained(options.kwargs["model"])
+            super().__init__(options.with_args(skip_tokenizer_init=False), build)  # structured outputs need it
 
         async def generate(self, prompts, sampling):  # type: ignore[no-untyped-def]
             from vllm.sampling_params import StructuredOutputsParams

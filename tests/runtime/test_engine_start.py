@@ -24,13 +24,14 @@ import ray
 from rlhf_api.models import RLHFJobSpec
 from rlhf_runtime.infra import config as rc
 from rlhf_runtime.rollout.engines import Engine
+from rlhf_runtime.rollout.options import EngineOptions
 
 spec = RLHFJobSpec.model_validate(json.loads(sys.argv[1]))
 kw = rc.engine_kwargs(spec, spec.model.name, "gloo", "uni", gpu=False)
 env = rc.actor_env(spec, gpu=False)
 ray.init(address="local", num_cpus=1, include_dashboard=False)
 try:
-    actor = ray.remote(Engine).options(num_cpus=0, runtime_env={"env_vars": env}).remote(kw, env, build=False)
+    actor = ray.remote(Engine).options(num_cpus=0, runtime_env={"env_vars": env}).remote(EngineOptions(kw, env), build=False)
     def probe(self):
         out = {"vllm_imported": "vllm.entrypoints.llm" in sys.modules, "has_llm": hasattr(self, "llm"),
                "import_seconds": self.import_seconds, "env_kv": __import__("os").environ.get("VLLM_CPU_KVCACHE_SPACE")}

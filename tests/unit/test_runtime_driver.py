@@ -176,8 +176,8 @@ class FakeEngine:
     fail = False
     loaded: ClassVar[list[tuple[str, str]]] = []  # (model path, node temp dir)
 
-    def __init__(self, kw: dict[str, Any], env: dict[str, str]) -> None:
-        path = Path(kw["model"])
+    def __init__(self, options: Any) -> None:  # rollout.options.EngineOptions
+        path = Path(options.kwargs["model"])
         assert (path / "config.json").is_file(), f"{path} is not on this node"
         assert (path / "model.safetensors").read_bytes() == b"\x00weights" * 100
         FakeEngine.loaded.append((str(path), tempfile.gettempdir()))

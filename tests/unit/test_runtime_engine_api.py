@@ -64,3 +64,23 @@ def test_engine_class_by_mode_and_async_engine() -> None:
     with pytest.raises(ValueError, match="rollout.asyncEngine must be one of asyncllm, stepped"):
         engine_class(True, "threads")
     assert engine_api.ASYNC_ENGINES == ("asyncllm", "stepped")
+
+
+@pytest.mark.parametrize("cls", [Engine, AsyncEngine, SteppedEngine])
+def test_an_engine_is_made_from_one_options_object(cls: type) -> None:
+    """Every engine class takes its ``rollout.options.EngineOptions`` whole (and whether to build at once)."""
+    assert _params(inspect.signature(cls.__init__)) == [("self", inspect.Parameter.empty),
+                                                         ("options", inspect.Parameter.empty), ("build", True)]
+
+
+def test_engine_options_are_frozen_and_replaced_for_a_fresh_engine() -> None:
+    import dataclasses
+
+    from rlhf_runtime.rollout.options import EngineOptions
+
+    o = EngineOptions({"model": "m", "load_format": "dummy", "weight_transfer_backend": "gloo"}, {"A": "1"})
+    fresh = o.with_args(model="/tmp/w", load_format="auto")
+    assert fresh.kwargs == {"model": "/tmp/w", "load_format": "auto", "weight_transfer_backend": "gloo"}
+    assert fresh.env == o.env and o.kwargs["model"] == "m"  # the job's engines' options are untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.env = {}  # type: ignore[misc]

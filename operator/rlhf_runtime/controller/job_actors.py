@@ -33,6 +33,7 @@ from rlhf_runtime.infra import memory
 from rlhf_runtime.infra.placement import ActorPlacement, Layout, local_thread_cap
 from rlhf_runtime.roles.options import Rank, TrainerOptions
 from rlhf_runtime.rollout.api import RolloutEngine, engine_class
+from rlhf_runtime.rollout.options import EngineOptions
 
 log = logging.getLogger("rlhf_runtime")
 
@@ -231,9 +232,9 @@ class JobActors:
 
         e = self.layout.engines[i]
         env = self.actor_env(e, self.dp_env(i, self.dp_address) if self.dp_address else None)
-        return ray.remote(self.engine_class).options(
-            **self._options(e, env, max_concurrency=ENGINE_CALLS_IN_FLIGHT if self.turns else 16 if self.async_mode else 1)).remote(self.engine_kwargs[i], env,
-                                                                                        build=build)
+        concurrency = ENGINE_CALLS_IN_FLIGHT if self.turns else 16 if self.async_mode else 1
+        return ray.remote(self.engine_class).options(**self._options(e, env, max_concurrency=concurrency)).remote(
+            EngineOptions(self.engine_kwargs[i], env), build=build)
 
     def start_engines(self) -> None:
         """Every engine, created (``create_engines``, unless it was), built (unless it was) and ready; each one's

@@ -25,6 +25,7 @@ from rlhf_runtime.controller.job_actors import JobActors
 from rlhf_runtime.infra import config as rc
 from rlhf_runtime.infra import node_files
 from rlhf_runtime.rollout.api import engine_class
+from rlhf_runtime.rollout.options import EngineOptions
 
 log = logging.getLogger("rlhf_runtime")
 VALIDATION_PROMPTS = 8
@@ -171,4 +172,4 @@ class Validator:
                 kw["gpu_memory_utilization"] = min(kw["gpu_memory_utilization"], share)
         return ray.remote(engine_class(async_mode=False)).options(
             num_cpus=0, num_gpus=0, scheduling_strategy=actors.placement.strategy(e),
-            runtime_env={"env_vars": env}).remote(kw, env)
+            runtime_env={"env_vars": env}).remote(EngineOptions(kw, env))

@@ -4,6 +4,7 @@
 ``engines.AsyncEngine`` and ``stepped.SteppedEngine`` (async Ray actors: every method a coroutine, one event loop;
 Ray makes an actor async when any of its methods is one, so the sync base has none).
 
+* Options: one ``rollout.options.EngineOptions`` (the engine arguments and the actor's environment).
 * Start-up, in two phases: ``EngineBase.__init__`` sets the actor's environment and imports vLLM (the
   process's slow part, ~20 s on a GPU node); ``build()`` (``_build_now``: the subclass's ``_make_engine`` with
   ``llm_args``: the supported-version check ``vllm.compat.require_supported_vllm``, the runtime's vLLM plugin, i.e.
@@ -33,14 +34,15 @@ from typing import Any
 
 from rlhf_runtime.infra import startup
 from rlhf_runtime.rollout import workers
+from rlhf_runtime.rollout.options import EngineOptions
 
 
-def _prepare_env(kwargs: dict[str, Any], env: dict[str, str] | None) -> None:
+def _prepare_env(options: EngineOptions) -> None:
     """The actor's environment before vLLM is imported. An engine whose workers are Ray actors (TP>1) holds
     no GPU itself, and Ray hides every GPU from such an actor (``CUDA_VISIBLE_DEVICES=""``); the engine
     process must still see the node's GPUs (platform and device checks), as vLLM's RLHF examples do."""
-    os.environ.update(env or {})
-    if kwargs.get("distributed_executor_backend") == "ray" and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+    os.environ.update(options.env)
+    if options.kwargs.get("distributed_executor_backend") == "ray" and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         del os.environ["CUDA_VISIBLE_DEVICES"]
 
 
@@ -78,13 +80,13 @@ class EngineBase:
     self._build_now()``; it implements ``_make_engine`` (build the vLLM engine from ``llm_args(kwargs)``),
     ``_vllm_config`` and ``_collective_rpc``."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
+    def __init__(self, options: EngineOptions, build: bool = True) -> None:
         # where this actor's start went (``startup``): its process created, this constructor begun, vLLM
         # imported (``import_seconds``), the engine built (``built_at``, after ``start_seconds``)
         self.spawned, self.init_began = startup.process_started(), time.time()
         self.built_at: float | None = None
-        _prepare_env(kwargs, env)
-        self._kwargs = kwargs
+        _prepare_env(options)
+        self.options = options
         self.built = False
         self.start_seconds = 0.0  # how long the vLLM engine took to build (``ready``, ``build``)
         self._kernel = False  # the kernel-format switch last sent to the workers
@@ -103,7 +105,7 @@ class EngineBase:
         """The vLLM engine built, unless it is; ``start_seconds``."""
         if not self.built:
             t = time.perf_counter()
-            self._make_engine(self._kwargs)
+            self._make_engine(self.options.kwargs)
             self.start_seconds = time.perf_counter() - t
             self.built, self.built_at = True, time.time()
         return self.start_seconds
@@ -151,8 +153,8 @@ class AsyncEngineBase(EngineBase):
     the weight-update calls they share. A subclass implements ``_collective_rpc`` and ``_start_update`` as
     coroutines, and ``update_weights`` / ``finish_weight_update``."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
-        super().__init__(kwargs, env, build)
+    def __init__(self, options: EngineOptions, build: bool = True) -> None:
+        super().__init__(options, build)
         self.version = 0  # bumped by resume() after a swap
         self._paused = False
 

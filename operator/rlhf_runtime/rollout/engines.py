@@ -36,6 +36,7 @@ from typing import Any
 
 from rlhf_runtime.rollout import workers
 from rlhf_runtime.rollout.base import AsyncEngineBase, EngineBase, llm_args, sampled_logprobs
+from rlhf_runtime.rollout.options import EngineOptions
 
 
 def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
@@ -53,8 +54,8 @@ def _pack(outputs: list[Any]) -> list[dict[str, Any]]:
 class Engine(EngineBase):
     """A vLLM ``LLM`` in a Ray actor (separate or colocated placement, sync weight sync)."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
-        super().__init__(kwargs, env, build)
+    def __init__(self, options: EngineOptions, build: bool = True) -> None:
+        super().__init__(options, build)
         self._update_open = False  # between start_weight_update and finish_weight_update
         self.lora_request: Any = None  # LoRA: the adapter every generate uses (load_adapter)
         if build:
@@ -154,8 +155,8 @@ class Engine(EngineBase):
 class AsyncEngine(AsyncEngineBase):
     """A vLLM ``AsyncLLM`` in an async Ray actor: generation can be paused mid-request for a weight swap."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
-        super().__init__(kwargs, env, build)
+    def __init__(self, options: EngineOptions, build: bool = True) -> None:
+        super().__init__(options, build)
         self._live: dict[str, list[int]] = {}
         self._swaps: dict[str, list[int]] = {}
         if build:

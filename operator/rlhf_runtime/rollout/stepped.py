@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from rlhf_runtime.rollout.base import AsyncEngineBase, llm_args, sampled_logprobs
+from rlhf_runtime.rollout.options import EngineOptions
 from rlhf_runtime.vllm import compat as vllm_compat
 
 
@@ -71,9 +72,9 @@ class SteppedEngine(AsyncEngineBase):
     """An in-process vLLM ``LLM`` stepped by one background thread, in an async Ray actor; generation can be
     paused mid-request for a weight swap (the ``AsyncEngine`` surface)."""
 
-    def __init__(self, kwargs: dict[str, Any], env: dict[str, str] | None = None, build: bool = True) -> None:
+    def __init__(self, options: EngineOptions, build: bool = True) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the whole point: the engine core in this process
-        super().__init__(kwargs, env, build)
+        super().__init__(options, build)
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._live: dict[str, _Request] = {}
         self._pause_waiter: tuple[int, Future[None]] | None = None  # pause(after_tokens) not yet reached

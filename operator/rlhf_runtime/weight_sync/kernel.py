@@ -92,7 +92,7 @@ class KernelTarget:
         for name, tensor in weights:
             param = self.params.get(name)
             if param is None:
-                raise KeyError(f"kernel-format weight {name!r} is not a parameter of the engine's model")
+                raise direct.not_a_parameter(name)
             if tuple(param.shape) != tuple(tensor.shape):
                 padded = vocab_rows(self.vocab, name, tensor, param)
                 if padded is not None and param.dtype == tensor.dtype:
@@ -304,25 +304,20 @@ class RlhfIPCWeightTransferEngine(KernelFormatMixin, IPCWeightTransferEngine):
 
     def receive_weights(self, update_info: Any) -> None:
         resident = getattr(update_info, "resident", None)
-        if resident is not None:
-            if not self._kernel_active:
-                raise RuntimeError("a resident IPC update needs the kernel format (the engine's own parameters)")
-            assert self._kernel_target is not None
-            if self._resident is None:
-                self._resident = ResidentCopy()
-            index = self.device.index
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
-            self._kernel_target.loaded += self._resident.load(resident, self._kernel_target.params, uuid, index,
-                                                              self._kernel_target.vocab)
-            return
         importer = getattr(self, "_packed_importer", None)  # vLLM's one mapping per trainer buffer
-        if not (self._kernel_active and self.packed) or importer is None:
+        if resident is None and not (self._kernel_active and self.packed and importer is not None):
             super().receive_weights(update_info)
             return
-        assert self._kernel_target is not None
-        index = self.device.index
+        if not self._kernel_active:
+            raise RuntimeError("a resident IPC update needs the kernel format (the engine's own parameters)")
+        target, index = self._kernel_target, self.device.index
+        assert target is not None
         uuid = str(torch.cuda.get_device_properties(index).uuid)
-        self._kernel_target.load_weights(packed_views(update_info, uuid, index, importer))
+        if resident is None:
+            target.load_weights(packed_views(update_info, uuid, index, importer))
+            return
+        self._resident = self._resident or ResidentCopy()
+        target.loaded += self._resident.load(resident, target.params, uuid, index, target.vocab)
 
     def finish_weight_update(self) -> None:
         kernel = self._kernel_active
