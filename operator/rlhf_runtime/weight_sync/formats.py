@@ -24,22 +24,15 @@ __all__ = ["FORMATS", "KernelPlan", "effective_format"]
 
 
 class KernelPlan:
-    """HF (checkpoint) tensors -> the engine's own parameters, for a kernel-format update (a plain copy each).
+    """HF (checkpoint) tensors -> the engine's own parameters, for a kernel-format update (a plain copy each):
+    per engine parameter the HF tensor of its name, or those of a fused module's parts (``packed_modules_mapping``:
+    ``qkv_proj`` <- ``q_proj, k_proj, v_proj``) concatenated along dim 0; MoE experts (``workers.expert_layout``)
+    the per-expert HF tensors (``moe.unfuse``) in the backend's order, or the backend's reason to refuse.
 
-    Per engine parameter: the HF tensor of its name, or those of a fused module's parts (vLLM's
-    ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj, k_proj, v_proj``) concatenated along dim 0.
-
-    Tensor parallelism (``tp`` > 1): a parameter of the whole source's shape is replicated; otherwise split along
-    the dimension the engine reports (``shard_dims``), each part chunked into ``tp`` pieces and piece ``tp_rank``
-    of each concatenated. Without ``tp_rank`` (one stream every worker receives whole, ``all_ranks``) every rank's
-    pieces go side by side and each worker takes its own (``kernel.KernelTarget``). A padded vocabulary (the
-    engine reports ``vocab``) is sent as the HF tensor, whole, and every worker copies its rows. Other uneven
-    splits (fewer KV heads than ``tp``) find no source: the plan is not ``ok`` and ``reason`` names the parameter.
-
-    MoE experts (``experts`` in the layout, ``workers.expert_layout``): vLLM's ``w13_weight`` ``(E_local, 2I, H)``
-    and ``w2_weight`` ``(E_local, H, I)`` take, per local expert (``ids``), the per-expert HF tensors
-    (``moe.unfuse``) in the backend's order (``parts``); backends that re-layout the weights report a reason
-    instead, and the plan refuses with it.
+    TP > 1: a parameter of the whole source's shape is replicated, else split along the dimension the engine
+    reports (``shard_dims``), piece ``tp_rank`` of each part; without ``tp_rank`` (``all_ranks``) every rank's
+    pieces side by side, each worker taking its own (``kernel.KernelTarget``). A padded vocabulary goes as the HF
+    tensor, whole. Other uneven splits find no source: the plan is not ``ok`` and ``reason`` names the parameter.
     """
 
     def __init__(self, entries: list[tuple[str, list[int], list[str]]], ok: bool, reason: str,

@@ -5,8 +5,8 @@ finish) over a torch gloo ``ProcessGroup`` with its own ``TCPStore``, so CPU CI 
 GPU path drives. The plugin entry point (``rlhf_runtime.vllm.plugin:register``) registers it in every vLLM process.
 
 Wire (both sides derive it from the same metadata): rank 0 is the trainer, an engine's workers sit at
-``rank_offset + data_parallel_index * world + rank``; packed, the tensors go as raw bytes, one uint8 broadcast per
-bucket of ``direct.buckets``; otherwise one broadcast per tensor. Received weights go through
+``rank_offset + data_parallel_index * world + rank``; the tensors go as raw bytes, one uint8 broadcast per bucket
+of ``direct.buckets`` (packed) or per tensor. Received weights go through
 ``model.load_weights`` inside vLLM's layerwise reload (a ``load_format="dummy"`` engine takes them too).
 """
 
@@ -62,6 +62,11 @@ class GlooGroupInfo:
     timeout_seconds: float = TIMEOUT.total_seconds()
 
 
+def groups(sizes: list[int], packed: bool, bucket_bytes: int) -> list[tuple[int, int]]:
+    """The broadcasts, as ``[start, end)`` ranges of the tensors: buckets packed, else one tensor each."""
+    return buckets(sizes, bucket_bytes) if packed else [(i, i + 1) for i in range(len(sizes))]
+
+
 # ------------------------------------------------------------------------------------------- worker side
 @dataclass
 class GlooWeightTransferInitInfo(GlooGroupInfo, WeightTransferInitInfo):
@@ -112,10 +117,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.packed = init_info.packed
         self.bucket_bytes = init_info.packed_buffer_size_bytes
-        self.store, self.group = _process_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, is_master=False,
-            timeout_seconds=init_info.timeout_seconds,
-        )
+        self.store, self.group = _process_group(init_info.master_address, init_info.master_port, rank,
+                                                init_info.world_size, False, init_info.timeout_seconds)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -138,22 +141,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
         shapes = [tuple(s) for s in update_info.shapes]
         sizes = entry_bytes(shapes, dtypes)
-        if not self.packed:
-            for name, shape, dtype in zip(update_info.names, shapes, dtypes):
-                t = torch.empty(shape, dtype=dtype)
-                self.group.broadcast(t, 0).wait()
-                self.model.load_weights([(name, t)])
-            return
-        for start, end in buckets(sizes, self.bucket_bytes):
+        for start, end in groups(sizes, self.packed, self.bucket_bytes):
             buf = torch.empty(sum(sizes[start:end]), dtype=torch.uint8)
             self.group.broadcast(buf, 0).wait()
-            parts = buf.split(sizes[start:end])
-            self.model.load_weights(
-                [
-                    (update_info.names[i], p.view(dtypes[i]).view(shapes[i]))
-                    for i, p in zip(range(start, end), parts)
-                ]
-            )
+            self.model.load_weights([(update_info.names[i], p.view(dtypes[i]).view(shapes[i]))
+                                     for i, p in zip(range(start, end), buf.split(sizes[start:end]))])
 
     def shutdown(self) -> None:
         self.group = None
@@ -165,11 +157,10 @@ def send(group: Any, pairs: Iterator[tuple[str, torch.Tensor]], sizes: list[int]
          bucket_bytes: int) -> int:
     """Broadcast ``pairs`` (``sizes``: their bytes) from rank 0 in the wire format above; returns the bytes sent."""
     total = 0
-    for start, end in buckets(sizes, bucket_bytes) if packed else ((i, i + 1) for i in range(len(sizes))):
-        parts = [next(pairs)[1].detach().contiguous() for _ in range(start, end)]
-        total += sum(t.numel() * t.element_size() for t in parts)
-        buf = torch.cat([t.view(-1).view(torch.uint8) for t in parts]) if packed else parts[0]
-        group.broadcast(buf, 0).wait()
+    for start, end in groups(sizes, packed, bucket_bytes):
+        parts = [next(pairs)[1].detach().contiguous().view(-1).view(torch.uint8) for _ in range(start, end)]
+        total += sum(t.numel() for t in parts)
+        group.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts), 0).wait()
     return total
 
 
@@ -207,10 +198,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         # The workers block in init until every rank joined: run their RPC beside our own join.
         with ThreadPoolExecutor(max_workers=1) as exe:
             fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            engine.store, engine.group = _process_group(
-                init_info.master_address, init_info.master_port, 0, init_info.world_size, is_master=True,
-                timeout_seconds=init_info.timeout_seconds,
-            )
+            engine.store, engine.group = _process_group(init_info.master_address, init_info.master_port, 0,
+                                                        init_info.world_size, True, init_info.timeout_seconds)
             fut.result()
         return engine
 
@@ -220,11 +209,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             for _ in vllm_compat.source_tensors(self.source):
                 pass
             return
-        update = GlooWeightTransferUpdateInfo(
-            names=[m.name for m in meta],
-            dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
-            shapes=[list(m.shape) for m in meta],
-        )
+        update = GlooWeightTransferUpdateInfo(names=[m.name for m in meta], shapes=[list(m.shape) for m in meta],
+                                              dtype_names=[str(m.dtype).split(".")[-1] for m in meta])
         self.client.start_weight_update()
         exe = ThreadPoolExecutor(max_workers=1)
         try:

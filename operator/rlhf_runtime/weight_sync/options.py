@@ -45,13 +45,10 @@ class WeightSyncOptions:
 
 def resolve(ws: WeightSyncSpec, *, backend: str, engine_worlds: Sequence[int],
             trainer_world: int) -> WeightSyncOptions:
-    """The options of a sync from ``ws`` (the job's ``weightSync``; ``backend`` replaces its backend: ``gloo``
-    where the trainer has no GPU), the engines' world sizes and the trainer's ranks. Raises ValueError, naming
-    the option, for a value that cannot run. Pure.
-
-    ``weightSync.packed`` unset: the kernel format over NCCL from a one-GPU trainer into TP=1 engines is the
-    direct sync (not packed), every other sync packed; a value set applies to every format. The engine calls are
-    pipelined into ``weightSync.mode: sync`` engines over NCCL and gloo, three waited calls otherwise."""
+    """The options of a sync from ``ws`` (the job's ``weightSync``; ``backend``: ``gloo`` where the trainer has no
+    GPU), the engines' world sizes and the trainer's ranks; ValueError naming a value that cannot run. Pure.
+    ``packed`` unset: not packed only for the kernel format over NCCL from one trainer GPU into TP=1 engines (the
+    direct sync); a value set applies to every format."""
     if backend not in BACKENDS:
         raise ValueError(f"weight-sync backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if ws.format not in FORMATS:

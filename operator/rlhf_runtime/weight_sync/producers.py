@@ -164,16 +164,12 @@ def cuda_ipc_export(tensor: torch.Tensor) -> dict[str, tuple]:
 
 
 class ResidentExport:
-    """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): the engines
-    copy straight out of the trainer's parameters, mapped once, instead of vLLM's staging buffer exported and
-    mapped again every sync (three calls and one more per chunk).
-
-    Every tensor of the plan that is a view of a trainer parameter (a fused parameter's parts side by side) is
-    exported once (``cuda_ipc_export``); the first sync of a ``generation`` sends the handles, later ones only the
-    generation, and each engine worker copies the whole model in one multi-tensor copy (``kernel.ResidentCopy``).
-    The send is synchronous: the trainer does not write its parameters during the copy. ``message`` is None, with
-    ``reason``, where a tensor is not such a view (a cast, a gathered shard, a copied TP piece): the sender then
-    takes vLLM's path. A parameter's storage that moved (a checkpoint loaded by assignment) exports again."""
+    """Trainer side of the resident IPC sync (kernel format, one trainer worker, engines on its GPU): every tensor
+    of the plan, a view of a trainer parameter, is exported once (``cuda_ipc_export``); the first sync of a
+    ``generation`` sends the handles, later ones only the generation, and each engine worker copies the whole
+    model in one multi-tensor copy (``kernel.ResidentCopy``), synchronously. ``message`` is None, with ``reason``,
+    where a tensor is not such a view (a cast, a gathered shard): the sender takes vLLM's path. A parameter's
+    storage that moved (a checkpoint loaded by assignment) exports again."""
 
     def __init__(self, plan: Any, source: ParamSource, export: Any = None, device_type: str = "cuda") -> None:
         self.plan, self.source = plan, source

@@ -87,12 +87,10 @@ def agreed_gathers(plan: KernelPlan, source: ParamSource) -> tuple[set[str], set
 class TrainerEngineSender:
     """Sends the trainer's weights to every engine; ``send()`` returns stage seconds, bytes and the path taken.
 
-    Built on every trainer rank alike (a collective: the layouts broadcast, the gathers agreed). The format is
-    ``formats.effective_format`` of the options' and the kernel plan (``fallback`` says why not the kernel
-    format), packed as ``options.packs`` says. A sync takes one of three paths: the resident IPC sync
-    (``ResidentExport``: kernel format from one trainer GPU whose planned tensors are views of its parameters, one
-    call per engine); the direct NCCL sync (kernel format, not packed: ``weight_sync.direct``); else vLLM's trainer
-    engine of the backend, its start, update and finish made ``options.rpc`` engine calls (``EngineFanOut``)."""
+    Built on every trainer rank alike (a collective). The format is ``formats.effective_format`` (``fallback``:
+    why not the kernel format), packed as ``options.packs`` says. A sync is the resident IPC sync
+    (``ResidentExport``), the direct NCCL sync (``weight_sync.direct``) or vLLM's trainer engine of the backend
+    (start, update, finish: ``options.rpc`` engine calls, ``EngineFanOut``)."""
 
     def __init__(self, options: WeightSyncOptions, client: EngineFanOut, source: ParamSource,
                  group: dict[str, Any]) -> None:
