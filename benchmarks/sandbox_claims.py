@@ -253,8 +253,10 @@ def churn(c: localcluster.Cluster, api: Any, ns: str, n: int, deadline: float, i
 
 # ------------------------------------------------------------------------------------------------ main
 def measure(c: localcluster.Cluster, a: argparse.Namespace) -> dict[str, Any]:
+    import urllib3
     from kubernetes import client, config
 
+    urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # the local cluster's own certificate
     api = config.new_client_from_config(str(c.kubeconfig))
     custom = client.CustomObjectsApi(api)
     image = c.images["sandbox"]["ref"]
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="leave a cluster this run started up")
     p.add_argument("--out", type=Path, default=BENCH / "results" / "operator" / "sandbox_claims.json")
     a = p.parse_args(argv)
-    result: dict[str, Any] = {"benchmark": "sandbox_claims", **harness.provenance(),
+    result: dict[str, Any] = {"benchmark": "sandbox_claims",
+                              **harness.provenance(harness.command_line(python=".venv/bin/python")),
                               "load_average": {"start": os.getloadavg()}}
     t0 = time.monotonic()
     c, started = open_cluster(a.cluster_dir)

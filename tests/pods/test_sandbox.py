@@ -21,8 +21,9 @@ from k8s_agent_sandbox.models import SandboxInClusterConnectionConfig
 from kubernetes import client
 from realnodes import NODE_LABEL
 
+from rlhf_operator import naming
 from rlhf_operator import sandboxes as sandboxes_mod
-from tests.helpers import wait_for
+from tests.helpers import audit_lines, wait_for
 from tests.pods.conftest import RESTRICTED, apply, cpu_job, diagnostics, pods, status
 
 pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
@@ -178,13 +179,13 @@ def get(url):
     except urllib.error.HTTPError as e:
         return e.code
     except Exception as e:
-        return type(e).__name__
+        return f"{{type(e).__name__}}: {{e}}"[:120]
 def connect(port):
     try:
         socket.create_connection((head, port), timeout=5).close()
         return "connected"
     except Exception as e:
-        return type(e).__name__
+        return f"{{type(e).__name__}}: {{e}}"[:120]
 print(json.dumps({{
     "token": [p for p in ("/var/run/secrets/kubernetes.io/serviceaccount", "/run/secrets/kubernetes.io")
               if os.path.exists(p)],
@@ -314,6 +315,14 @@ def test_a_jobs_runtime_runs_tools_in_its_sandboxes(agent_sandbox, rapi, operato
     seen, lost_pod, out = run_probe(cluster, ns, head.metadata.name, REACH.format(ns=ns, head=svc))
     probe_s = time.monotonic() - t1
     assert "released" in seen, f"the probe in the head pod did not finish:\n{out}\n{diagnostics(cluster, ns)}"
+
+    # the claims were the runtime identity's own (the head pod's ServiceAccount), in the job's namespace
+    runtime = naming.child_names(JOB).runtime_identity
+    assert head.spec.service_account_name == runtime
+    creators = {e["user"]["username"] for e in map(json.loads, (x for x in audit_lines(cluster.audit_log)
+                                                                if '"sandboxclaims"' in x and ns in x))
+                if e["verb"] == "create" and e["objectRef"].get("namespace") == ns}
+    assert creators == {f"system:serviceaccount:{ns}:{runtime}"}, creators
 
     ran = seen["ran"]
     assert (ran["out"]["text"], ran["out"]["error"]) == ("2432902008176640000\n", None), ran
