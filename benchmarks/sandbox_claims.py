@@ -10,9 +10,9 @@ an admin identity, and reaches the sandbox pods at their pod IPs as a job's pods
 - **claim**: one trajectory's claim until its sandbox is ready (``SandboxPool.claim``: the SandboxClaim created,
   adopted by the controller, the client's wait for Ready), one at a time with the pool full before each, then
   released; p50 and p99 (``claim_p50_s``), and how many adopted a warm sandbox.
-- **round trip**: a held sandbox's builtin calls through ``Tools.call`` (python ``print(1)``, shell ``true``),
-  interleaved, and the same commands' own run time measured inside the sandbox pod (fork and exec from a Python
-  process there, as the sandbox's server starts them); overhead = median round trip - median run time.
+- **round trip**: a held sandbox's builtin calls through ``Tools.call`` (python ``print(1)``, shell ``true``), and
+  in each round after them the same commands' own run time measured inside the sandbox pod (fork and exec from a
+  Python process there, as the sandbox's server starts them); overhead = median round trip - median run time.
 - **churn**: ``--jobs`` jobs, each with a warm pool of one and one sandbox claimed by the runtime (owned by the job),
   deleted at once; the sandboxes, their pods, claims, pools, templates and network policies left ``--deadline``
   seconds later, and when the last went.
@@ -179,14 +179,16 @@ async def _round_trips(tools: Any, calls: int) -> dict[str, Any]:
     async with tools.session() as session:
         await tools.call(Call("shell", {"command": "true"}))  # the claim, and a first connection
         got: dict[str, list[float]] = {"python": [], "shell": []}
-        for _ in range(calls):
+        own: dict[str, list[float]] = {"python": [], "shell": []}
+        for _ in range(calls):  # each round: both calls, then both commands timed in the pod (same load)
             for builtin, args in (("python", {"code": "print(1)"}), ("shell", {"command": "true"})):
                 out = await tools.call(Call(builtin, args))
                 assert out.error is None, (builtin, out)
                 got[builtin].append(out.seconds)
-        timed = await tools.call(Call("python", {"code": IN_POD.format(n=calls)}))
-        assert timed.error is None, timed
-        own = json.loads(timed.text)
+            timed = await tools.call(Call("python", {"code": IN_POD.format(n=1)}))
+            assert timed.error is None, timed
+            for builtin, xs in json.loads(timed.text).items():
+                own[builtin] += xs
         return {"sandbox": session.sandbox.sandbox_id, "round_trip_s": got, "own_s": own}
 
 
