@@ -87,4 +87,5 @@ for _base, _env in (("colocated-ipc", None), ("colocated-ipc-resident", None), (
 #: Trainer settings a model's GRPO step needs beside the layout's: Qwen3-8B in FSDP2x2 colocated with its engines
 #: does not fit an H200's memory in its forward without checkpointing (16k-token micro-batches); train_step.py fits
 #: its 16k-token sequences with checkpointing.
-MODEL_TRAINER: dict[str, dict[str, Any]] = {"qwen3-8b": {"gradientCheckpointing": True}}
+MODEL_TRAINER: dict[str, dict[str, Any]] = {"qwen3-8b": {"gradientCheckpointing": True},
+                                           "qwen3-1.7b": {"gradientCheckpointing": True}}
