@@ -145,7 +145,7 @@ class EnvironmentServer(Model):
     command: list[str] | None = Field(None, max_length=64, description="Container command (default: the image's).")
     args: list[str] | None = Field(None, max_length=256, description="Container arguments.")
     port: int = Field(8000, ge=1, le=65535, description="Port the server listens on (HTTP).")
-    replicas: int = Field(1, ge=1, le=256, description="Server pods; the job's Service spreads requests over them.")
+    replicas: int = Field(1, ge=1, le=256, description="Server pods; the runtime spreads episodes over them, each episode on one pod (a headless Service lists them).")
     resources: ServerResources = sub(ServerResources, "CPU and memory per server pod.")
     ready_path: str = Field("/health", pattern=r"^/\S*$", max_length=1024,
                             description="HTTP path of the pods' readiness probe.")
