@@ -392,6 +392,56 @@ def read_rendered(doc: Doc) -> list[Row]:
     return [Row("learning", key, str(doc.get("date", "")), values, str(doc.get("command", "")))]
 
 
+def _colocated_memory_row(doc: Doc, run: Doc, kind: str | None, model: str) -> Row | None:
+    """One ``colocated_memory.py`` driver run: the medians of its steps after step 1 (step 1 alone where it has no
+    later one), with the settings its variant names and what the memory plan decided."""
+    parts = str(run.get("variant", "")).split(":")
+    steps = [s for s in run.get("steps") or [] if isinstance(s, dict)]
+    if len(parts) < 5 or not steps:
+        return None
+    _, util, offload, max_tokens, _, *rest = parts
+    flags = tuple(sorted(f for f in (rest[0] if rest else "").split(",") if f))
+    later = [s for s in steps if (_num(s.get("step")) or 0) >= 2]
+    used = later or steps
+    plan = run.get("memory_plan") if isinstance(run.get("memory_plan"), dict) else {}
+    prompts = re.search(r"--prompts[ =](\d+)", str(doc.get("command", "")))
+
+    def med(key: str) -> float | None:
+        return _median([s.get(key) for s in used])
+
+    moved = f" ({'on' if plan['offload'] else 'off'})" if "offload" in plan else ""
+    sync_s = med("weight_sync_seconds")
+    which = f"medians of steps {used[0].get('step')}-{used[-1].get('step')}" if later else "step 1 only (start-up in it)"
+    kv = (f"; plan: KV cache {plan.get('kv_cache_gib')} GiB, {plan.get('sequences_at_once')} of "
+          f"{plan.get('batch_sequences')} sequences at once") if plan else ""
+    values = {
+        "work": f"GRPO, length reward, {prompts.group(1) if prompts else 16} prompts x 8 x {max_tokens} tokens",
+        "model": model, "gpus": None if kind == "CPU" else 1, "kind": kind, "side": "runtime",
+        "layout": (f"colocated, gpuMemoryUtilization {util}, offloadDuringRollout {offload}{moved}, "
+                   f"{'CUDA graphs' if 'graphs' in flags else 'eager'} engine, "
+                   f"{'compiled' if 'compile' in flags else 'eager'} trainer"),
+        "step_s": med("step_seconds"), "split": _split(rollout=med("rollout_seconds"), train=med("train_seconds")),
+        "sync_ms": sync_s * 1e3 if sync_s is not None else None, "rollout_tps": med("rollout_tokens_per_second"),
+        "mfu": med("mfu"), "vllm": (doc.get("device") or {}).get("vllm"),
+        "outcome_text": f"{len(steps)} step(s), exit {run.get('exit_code')}; {which}{kv}",
+    }
+    values["tps_gpu"] = _per_gpu(values["rollout_tps"], values["gpus"])
+    key = ("colocated-memory", model, kind, util, offload, max_tokens, flags)
+    return Row("learning", key, str(doc.get("date", "")), values, str(doc.get("command", "")))
+
+
+def read_colocated_memory(doc: Doc) -> list[Row]:
+    """``colocated_memory.py``: one row per driver run that recorded a step (a refused run records none)."""
+    device, model = doc.get("device"), doc.get("model")
+    if not (isinstance(doc.get("runs"), list) and isinstance(device, dict) and "total_gib" in device
+            and isinstance(model, dict)):
+        return []
+    kind = gpu_kind(device.get("name"), "cpu" if not device.get("name") else None)
+    name = "tiny" if kind == "CPU" else "qwen3-1.7b"  # the shapes the script builds (random weights)
+    rows = [_colocated_memory_row(doc, r, kind, name) for r in doc["runs"] if isinstance(r, dict)]
+    return [r for r in rows if r is not None]
+
+
 def _p(stats: Any, q: str) -> float | None:
     return _num(stats.get(q)) if isinstance(stats, dict) else None
 
@@ -446,5 +496,5 @@ def read_sandbox_claims(doc: Doc) -> list[Row]:
 Reader = Callable[[Doc], list[Row]]
 READERS: tuple[Reader, ...] = (
     read_sync, read_async, read_train_step, read_train_arms, read_rollout, read_learning, read_peer,
-    read_cpu_runtime, read_ppo, read_rendered, read_operator_scale, read_sandbox_claims,
+    read_cpu_runtime, read_ppo, read_rendered, read_colocated_memory, read_operator_scale, read_sandbox_claims,
 )

@@ -42,6 +42,7 @@ EXCLUDED: dict[str, str] = {
     "operator/operator_scale_100_before-*.json": "the old arm of a comparison (an earlier operator)",
     "learning/vllm0.24/*": _OLD_PEERS,
     "learning/trl_peer_gpu*.json": _OLD_PEERS,
+    "*/suite.json": "a suite's summary (`run.py`): its rows are read from its steps' own result files beside it",
 }
 
 _LIKE = ("against a bare `vllm.LLM` with the same settings the 1.7B rollout is -9.6% (-25.3 .. +3.8) over 9 rounds "
@@ -54,6 +55,10 @@ NOTES: list[tuple[str, str | None, str]] = [
     ("rollout/vllm0.33/h200-2026-11-29-overhead/overhead-8b*.json", "`vllm.LLM`, vLLM's defaults",
      ("Against vLLM's defaults (its engine core in a process of its own); no 8B run against the runtime's own "
      "settings in a plain process was made.")),
+    ("trainer/h100-2026-12-06-suite/train_arms_compile.json", None,
+     ("Peak GiB is not the step's peak: the trainer resets the allocator's peak at the end of its step, so "
+      "`train_arms.py` read what stays allocated after it (the state, 22.5 GiB); the step's own peak at this shape "
+      "is 37.0-39.1 GiB (`results/trainer/README.md`, 2026-12-06).")),
     ("trainer/h200x2-2026-11-27-8b-compile/8b_compiled_*.json", None,
      ("The history's 1.19x for compile at this shape divides the eager run of 2026-11-26 by this one: not a "
      "same-day comparison (the same-day eager arm was lost).")),
@@ -166,7 +171,7 @@ TITLES: dict[str, tuple[str, str]] = {
                 "95% bootstrap interval; negative means the runtime produced more tokens per second. History: "
                 "`results/rollout/README.md`.")),
     "learning": ("The whole loop", ("The driver's whole step end to end (`cpu_runtime.py`, `gpu_ppo.py`, "
-                 "`rendered_cluster.py`), learning a task on a GPU beside TRL (`gpu_learning.py`: medians over the "
+                 "`rendered_cluster.py`, `colocated_memory.py`: one GPU, per driver run the medians of steps 2 on), learning a task on a GPU beside TRL (`gpu_learning.py`: medians over the "
                  "day's seeds) and the same work as TRL and veRL (`trl_peer.py`). History: "
                  "`results/learning/README.md`.")),
     "operator": ("Operator", ("`operator_scale.py`: N RLHFJobs on the local control plane with KWOK GPU nodes; latency "

@@ -96,3 +96,28 @@ def test_a_rollout_row_shows_its_paired_interval_and_baseline(tmp_path: Path) ->
     row = dict(zip([h for h, _ in rt.COLUMNS["rollout"]], rows[0]))
     assert row["Overhead (95%)"] == "+3.1% (-1.2 .. +7.4)" and row["Rounds"] == "40"
     assert row["Against"] == "bare `vllm.LLM`, the runtime's settings" and row["Engine"] == "CUDA graphs"
+
+
+def test_a_colocated_memory_run_is_a_loop_row_of_its_later_steps(tmp_path: Path) -> None:
+    step = {"step_seconds": 100.0, "rollout_seconds": 60.0, "train_seconds": 40.0, "rollout_tokens_per_second": 9000.0,
+            "mfu": 0.12, "weight_sync_seconds": 0.05}
+    later = [{**step, "step": 2, "step_seconds": 70.0, "train_seconds": 10.0, "mfu": 0.30},
+             {**step, "step": 3, "step_seconds": 80.0, "train_seconds": 20.0, "mfu": 0.32}]
+    plan = {"offload": True, "kv_cache_gib": 61.2, "sequences_at_once": 128, "batch_sequences": 128}
+    doc = {"command": "python3 benchmarks/colocated_memory.py --prompts 4 --variants planted", "date": "2026-12-06",
+           "device": {"name": "NVIDIA H100 80GB HBM3", "total_gib": 79.18, "vllm": "0.33.0"}, "model": {"config": {}},
+           "runs": [{"variant": "fast:0.85:auto:4096:3:graphs,compile", "exit_code": 0, "memory_plan": plan,
+                     "steps": [{**step, "step": 1}, *later]},
+                    {"variant": "refused:0.75:never:1024:3", "exit_code": 1, "steps": []}]}
+    (tmp_path / "cm").mkdir()
+    (tmp_path / "cm" / "colocated_memory.json").write_text(json.dumps(doc))
+    (tmp_path / "cm" / "suite.json").write_text(json.dumps({"suite": "learning", "steps": []}))
+    text = rt.render(tmp_path)
+    rows = _cells(text, "4 prompts x 8")
+    assert len(rows) == 1  # the refused run recorded no step
+    row = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows[0]))
+    assert row["Step s"] == "75.00" and row["Split s"] == "rollout 60.00, train 15.00" and row["MFU"] == "31.0%"
+    assert row["Layout"] == ("colocated, gpuMemoryUtilization 0.85, offloadDuringRollout auto (on), CUDA graphs "
+                             "engine, compiled trainer")
+    assert "medians of steps 2-3" in row["Outcome"] and "128 of 128" in row["Outcome"] and row["GPUs"] == "1x H100"
+    assert "`cm/suite.json`" not in text and "a suite's summary" in text
