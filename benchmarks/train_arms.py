@@ -152,8 +152,10 @@ def run(a: argparse.Namespace, arms: list[dict[str, Any]], result: dict[str, Any
                     steps = [t.train(b) for _ in range(a.repeats)]
                 times[arm["name"]].append([s["train_s"] for s in steps])
                 last[arm["name"]] = steps[-1]
-                if gpu:
-                    peaks[arm["name"]] = max(peaks.get(arm["name"], 0.0), torch.cuda.max_memory_allocated() / 2**30)
+                if gpu:  # the trainer resets the allocator's peak after each step and reports the step's own
+                    step_peak = max(s.get("gpu_peak_allocated_gib") or 0.0 for s in steps)
+                    peaks[arm["name"]] = max(peaks.get(arm["name"], 0.0), step_peak,
+                                             torch.cuda.max_memory_allocated() / 2**30)
                 row["order"].append(arm["name"])
             for arm in arms:
                 s = last[arm["name"]]
