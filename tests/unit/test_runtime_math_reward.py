@@ -1,6 +1,7 @@
 """``reward.rule: math`` (``rewards.MathVerifier`` on Hugging Face's math-verify): hand-made answers a math RL
 dataset holds (GSM8K's numbers, MATH's LaTeX) against completions as models write them, and the per-check time
-limit on a real worker process (a check that never answers costs the limit, scores 0, and the next check runs)."""
+limit on a real worker process (a check that never answers costs the limit, scores 0, and the next check runs;
+the worker's start is not part of any check's limit)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ pytest.importorskip("math_verify")
 
 from rlhf_api.models import Reward
 from rlhf_runtime.algo.rewards import MathVerifier, make_reward
+from tests.unit import slow_start_check
 
 
 @pytest.fixture(scope="module")
@@ -73,5 +75,19 @@ def test_a_check_past_its_limit_scores_0_and_the_next_runs_in_a_new_worker() -> 
         first.join(10)
         assert not first.is_alive()  # the stuck worker was killed, not left running
         assert v("p", "8", "8") == 1.0 and v("p", "8", "9") == 0.0  # a new worker answers
+    finally:
+        v.close()
+
+
+def test_a_workers_slow_start_counts_against_no_checks_limit() -> None:
+    """A fresh worker whose imports take longer than a check's limit and grace answers its first check, and the
+    worker started after a timed-out check answers too."""
+    assert slow_start_check.IMPORT_S > 1 + MathVerifier.GRACE_S
+    v = MathVerifier(None, 1, check=slow_start_check.equal)
+    try:
+        assert v("p", "7", "7") == 1.0 and v("p", "7", "8") == 0.0
+        assert v.timeouts == 0
+        v.close()  # as after a timed-out check: the next one starts a new worker
+        assert v("p", "8", "8") == 1.0 and v.timeouts == 0
     finally:
         v.close()

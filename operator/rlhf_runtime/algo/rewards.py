@@ -180,15 +180,25 @@ def math_equal(gold: str, completion: str, timeout_s: int) -> bool:
     return bool(want) and bool(got) and bool(verify(want, got, timeout_seconds=timeout_s))
 
 
+def _ready(check: Callable[[str, str, int], bool]) -> None:
+    """Run first in a fresh ``MathVerifier`` worker: ``check`` arrives (its module imported) and, for
+    ``math_equal``, math-verify and sympy are imported, so a check's time limit is the check's alone."""
+    if check is math_equal:
+        import math_verify  # noqa: F401
+
+
 class MathVerifier:
     """``reward.rule: math``. Each check runs in a worker process (one, started on first use from a clean
     forkserver: the driver has threads, and math-verify's time limits are ``signal.alarm``, which works only in a
-    main thread): ``check(gold, completion, timeout_s)``, ``math_equal`` unless a test passes another. A check not
-    answered within ``timeout_s`` (+ ``GRACE_S``) scores 0.0, with a warning: its worker is killed and the next
-    check starts a new one, so a pathological answer (a huge expression sympy cannot simplify) costs at most the
-    limit and never stalls the step. A sample without an answer (and no ``target``) scores 0.0."""
+    main thread): ``check(gold, completion, timeout_s)``, ``math_equal`` unless a test passes another. A worker is
+    ready (process started, imports done: ``_ready``, within ``START_S``) before its first check is sent. A check
+    not answered within ``timeout_s`` (+ ``GRACE_S``) scores 0.0, with a warning: its worker is killed and the
+    next check starts a new one, so a pathological answer (a huge expression sympy cannot simplify) costs at most
+    the limit and never stalls the step. A sample without an answer (and no ``target``) scores 0.0; a worker not
+    ready within ``START_S`` is a ``RewardError``."""
 
     GRACE_S = 2.0
+    START_S = 120.0
 
     def __init__(self, target: str | None, timeout_s: int,
                  check: Callable[[str, str, int], bool] | None = None) -> None:
@@ -203,10 +213,17 @@ class MathVerifier:
         self.timeouts = 0
 
     def _worker(self) -> ProcessPoolExecutor:
+        """The worker, started and ready (``_ready``) on first use: its start counts against no check's limit."""
         if self.pool is None:
             import multiprocessing
 
             self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
+            try:
+                self.pool.submit(_ready, self.check).result(timeout=self.START_S)
+            except FutureTimeout:
+                self.close()
+                raise RewardError(f"reward.rule math: the checks' worker process was not ready within "
+                                  f"{self.START_S:g} s") from None
         return self.pool
 
     def close(self) -> None:
