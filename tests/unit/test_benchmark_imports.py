@@ -27,6 +27,8 @@ ALLOWED_IMPORTS: dict[str, str] = {
     "rlhf_runtime.controller.actors.ActorClasses": _SUBCLASS,
     "rlhf_runtime.rollout.api.engine_class": "which engine class a job's engines are, to subclass the right one",
     "rlhf_runtime.roles.policy.Trainer": _SUBCLASS + "; train_step times the trainer's step alone",
+    "rlhf_runtime.roles.options.TrainerOptions": "train_step builds its trainer from a spec as the driver does "
+                                                 "(TrainerOptions.from_config)",
     "rlhf_runtime.rollout.engines.Engine": _SUBCLASS,
     "rlhf_runtime.rollout.engines.AsyncEngine": _SUBCLASS,
     "rlhf_runtime.rollout.stepped.SteppedEngine": _SUBCLASS,
