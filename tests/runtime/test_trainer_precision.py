@@ -59,7 +59,7 @@ for i, (name, cfg, steps) in enumerate(runs):
     loaded = None
     if world == 2 and rank == 0 and i == 0:  # the shards filled from rank 0's copy: the checkpoint's exact values
         from transformers import AutoModelForCausalLM
-        ref = AutoModelForCausalLM.from_pretrained(t.spec.model.name, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(t.options.model.name, dtype=torch.float32)
         ours = {**before, **{k: b.detach().float() for k, b in t.model.named_buffers()}}
         theirs = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
         loaded = {"names": sorted(ours) == sorted(theirs), "buffers": len(list(ref.named_buffers())),
