@@ -11,6 +11,7 @@ The template's NetworkPolicy is checked as an object: this cluster's bridge CNI 
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import time
@@ -98,15 +99,20 @@ def warm_ready(api, ns: str) -> set[str]:
     return warm if (pool.get("status") or {}).get("readyReplicas") == len(warm) else set()
 
 
+def wait_or_explain(cluster, ns: str, what: str, check, timeout: float):
+    """``wait_for`` that, past its deadline, fails with the namespace's diagnostics and the controller's last log
+    lines."""
+    try:
+        return wait_for(check, timeout, what, interval=0.5)
+    except AssertionError as e:
+        log = (cluster.dir / "agent-sandbox.log").read_text(errors="replace").splitlines()[-30:]
+        raise AssertionError(f"{e}\n{diagnostics(cluster, ns)}\n--- controller\n" + "\n".join(log)) from None
+
+
 def test_warm_pool_sandbox_is_claimed_runs_code_and_is_replaced(agent_sandbox, rapi, ns) -> None:
     cluster = agent_sandbox
 
-    def wait(what, check, timeout):
-        try:
-            return wait_for(check, timeout, what, interval=0.5)
-        except AssertionError as e:
-            log = (cluster.dir / "agent-sandbox.log").read_text(errors="replace").splitlines()[-30:]
-            raise AssertionError(f"{e}\n{diagnostics(cluster, ns)}\n--- controller\n" + "\n".join(log)) from None
+    wait = functools.partial(wait_or_explain, cluster, ns)
 
     cluster.kubectl("label", "--overwrite", "namespace", ns, *RESTRICTED)
     t0 = time.monotonic()
@@ -287,12 +293,7 @@ def test_a_jobs_runtime_runs_tools_in_its_sandboxes(agent_sandbox, rapi, operato
     t0 = time.monotonic()
     apply(cluster, job, ns)
 
-    def wait(what, check, timeout):
-        try:
-            return wait_for(check, timeout, what, interval=0.5)
-        except AssertionError as e:
-            log = (cluster.dir / "agent-sandbox.log").read_text(errors="replace").splitlines()[-30:]
-            raise AssertionError(f"{e}\n{diagnostics(cluster, ns)}\n--- controller\n" + "\n".join(log)) from None
+    wait = functools.partial(wait_or_explain, cluster, ns)
 
     def pool_ready() -> bool:
         st = status(rapi, ns, JOB)
