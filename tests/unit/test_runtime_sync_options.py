@@ -12,19 +12,21 @@ from rlhf_runtime.weight_sync.options import WeightSyncOptions, resolve
 
 
 def _resolve(backend: str = "nccl", worlds: tuple[int, ...] = (1,), trainer_world: int = 1,
-             **spec) -> WeightSyncOptions:
+             async_engines: bool = False, **spec) -> WeightSyncOptions:
     return resolve(WeightSync.model_validate(spec), backend=backend, engine_worlds=list(worlds),
-                   trainer_world=trainer_world)
+                   trainer_world=trainer_world, async_engines=async_engines)
 
 
 def test_the_spec_defaults_resolve_to_the_runtimes_sync() -> None:
     """A job that sets nothing: ``auto`` format, 1 GiB buckets, the spec's deadline; NCCL into sync-mode engines
-    and gloo pipeline vLLM's three calls into sync-mode engines and wait on each into async ones; IPC waits on each
-    (vLLM's IPC trainer engine updates chunk by chunk)."""
+    and gloo pipeline vLLM's three calls into sync-mode engines and wait on each into async ones (async mode, or the
+    async actors of multi-turn rollouts: Ray may start their calls out of order); IPC waits on each (vLLM's IPC
+    trainer engine updates chunk by chunk)."""
     o = _resolve()
     assert (o.backend, o.format, o.bucket_bytes, o.timeout_s) == ("nccl", "auto", 1 << 30, 600.0)
     assert o.rpc == "pipelined" and _resolve("gloo").rpc == "pipelined"
     assert _resolve(mode="async").rpc == "three" and _resolve("gloo", mode="async").rpc == "three"
+    assert _resolve(async_engines=True).rpc == "three" and _resolve("gloo", async_engines=True).rpc == "three"
     assert _resolve("ipc").rpc == "three"
     assert _resolve(bucketSizeMB=256, timeoutSeconds=30).bucket_bytes == 256 << 20
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -79,3 +81,18 @@ def test_no_module_of_the_sync_keeps_a_mutable_switch() -> None:
 
     assert not [n for n in ("apply_settings", "lean_gathers", "ipc_resident", "rpc", "requested_format")
                 if hasattr(TrainerEngineSender, n)]
+
+
+def test_multi_turn_and_async_jobs_run_async_engine_actors() -> None:
+    """``rollout.api.async_engines``: the engine actors of a multi-turn job (``spec.environment``) are async even in
+    ``weightSync.mode: sync``, so their sync waits on each call; a single-turn sync-mode job's are not."""
+    from rlhf_testing.tiny import tiny_job_spec
+
+    from rlhf_api.models import RLHFJobSpec
+    from rlhf_runtime.rollout.api import async_engines
+
+    base = tiny_job_spec("/models/tiny", steps=2)
+    plain = RLHFJobSpec.model_validate(base)
+    turns = RLHFJobSpec.model_validate({**base, "reward": {}, "environment": {"className": "envs:Env"}})
+    asynchronous = RLHFJobSpec.model_validate({**base, "weightSync": {**base.get("weightSync", {}), "mode": "async"}})
+    assert (async_engines(plain), async_engines(turns), async_engines(asynchronous)) == (False, True, True)

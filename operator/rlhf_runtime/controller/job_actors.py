@@ -32,7 +32,7 @@ from rlhf_runtime.infra import config as rc
 from rlhf_runtime.infra import memory
 from rlhf_runtime.infra.placement import ActorPlacement, Layout, local_thread_cap
 from rlhf_runtime.roles.options import Rank, TrainerOptions
-from rlhf_runtime.rollout.api import RolloutEngine, engine_class
+from rlhf_runtime.rollout.api import RolloutEngine, async_engines, engine_class
 from rlhf_runtime.rollout.options import EngineOptions
 
 log = logging.getLogger("rlhf_runtime")
@@ -65,7 +65,7 @@ class JobActors:
         #: every engine actor serves ``rollout.api.RolloutEngine`` (``PausableEngine`` in async mode)
         # multi-turn rollouts send every trajectory's turns on their own: engines that batch concurrent calls
         self.turns = spec.environment is not None
-        self.engine_class: type[RolloutEngine] = classes.engine or engine_class(self.async_mode or self.turns,
+        self.engine_class: type[RolloutEngine] = classes.engine or engine_class(async_engines(spec),
                                                                                spec.rollout.async_engine)
         self.placement = Placement(layout, cfg.name, deadlines)
         self.trainers = ActorGroup("trainer", deadlines)

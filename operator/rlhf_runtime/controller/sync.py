@@ -27,6 +27,7 @@ from typing import Any
 from rlhf_api.models import RLHFJobSpec
 from rlhf_api.models import WeightSync as WeightSyncSpec
 from rlhf_runtime.controller.actors import ActorGroup
+from rlhf_runtime.rollout.api import async_engines
 from rlhf_runtime.weight_sync.options import WeightSyncOptions, resolve
 
 
@@ -60,7 +61,8 @@ class WeightSync:
         """The sync's options from ``weight_sync`` (default: the spec's ``weightSync``; benchmarks pass another
         to compare) and this job's layout (``weight_sync.options.resolve``)."""
         return resolve(weight_sync or self.spec.weight_sync, backend=self.backend,
-                       engine_worlds=self._worlds() if worlds is None else worlds, trainer_world=len(self.trainers))
+                       engine_worlds=self._worlds() if worlds is None else worlds, trainer_world=len(self.trainers),
+                       async_engines=async_engines(self.spec))
 
     def init_group(self, options: WeightSyncOptions | None = None) -> dict[str, Any]:
         """(Re-)create the weight-transfer group trainer rank 0 <-> every engine, with ``options`` (default:

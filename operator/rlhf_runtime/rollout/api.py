@@ -121,6 +121,13 @@ class AdapterEngine(RolloutEngine, Protocol):
         ...
 
 
+def async_engines(spec: Any) -> bool:
+    """Whether a job's engine actors are async actors (``engine_class``): in ``weightSync.mode: async`` and for
+    multi-turn rollouts (``spec.environment``: every trajectory's turn is a call of its own, batched by the
+    engine)."""
+    return spec.weight_sync.mode == "async" or spec.environment is not None
+
+
 def engine_class(async_mode: bool, async_engine: str = "asyncllm") -> type[RolloutEngine]:
     """The engine actor class of a job: ``engines.Engine`` in ``weightSync.mode: sync``; in async mode
     ``spec.rollout.asyncEngine``: ``asyncllm`` (``engines.AsyncEngine``) or ``stepped``

@@ -17,8 +17,10 @@ if TYPE_CHECKING:
 BACKENDS = ("nccl", "ipc", "gloo")
 FORMATS = ("auto", "checkpoint", "kernel")
 #: Engine calls per sync (``fanout.EngineFanOut``): vLLM's three (start, update, finish), each waited on
-#: (``three``), or submitted back to back and waited on twice (``pipelined``: engines that run calls one at a
-#: time, in order, i.e. ``weightSync.mode: sync``; not IPC, whose trainer engine updates chunk by chunk).
+#: (``three``), or submitted back to back and waited on twice (``pipelined``: only engine actors that run calls
+#: one at a time, in order, the synchronous ``rollout.engines.Engine``: Ray starts an async actor's calls without
+#: waiting for those before them, so an update could reach vLLM before its start; not IPC, whose trainer engine
+#: updates chunk by chunk).
 RPCS = ("three", "pipelined")
 
 
@@ -44,9 +46,10 @@ class WeightSyncOptions:
 
 
 def resolve(ws: WeightSyncSpec, *, backend: str, engine_worlds: Sequence[int],
-            trainer_world: int) -> WeightSyncOptions:
+            trainer_world: int, async_engines: bool = False) -> WeightSyncOptions:
     """The options of a sync from ``ws`` (the job's ``weightSync``; ``backend``: ``gloo`` where the trainer has no
-    GPU), the engines' world sizes and the trainer's ranks; ValueError naming a value that cannot run. Pure.
+    GPU), the engines' world sizes, the trainer's ranks and whether the engine actors are async actors
+    (``rollout.api.async_engines``); ValueError naming a value that cannot run. Pure.
     ``packed`` unset: not packed only for the kernel format over NCCL from one trainer GPU into TP=1 engines (the
     direct sync); a value set applies to every format."""
     if backend not in BACKENDS:
@@ -58,4 +61,4 @@ def resolve(ws: WeightSyncSpec, *, backend: str, engine_worlds: Sequence[int],
         backend=backend, format=ws.format, packed=ws.packed is not False,
         kernel_packed=bool(ws.packed) if ws.packed is not None else not direct,
         bucket_bytes=ws.bucket_size_mb << 20, timeout_s=float(ws.timeout_seconds),
-        rpc="pipelined" if backend != "ipc" and ws.mode == "sync" else "three", trainer_world=trainer_world)
+        rpc="three" if backend == "ipc" or async_engines or ws.mode == "async" else "pipelined", trainer_world=trainer_world)
