@@ -21,7 +21,8 @@ in: <activity>", reported as runtime state Failed, exit status 1 (the main threa
 a second, and the main thread is interrupted; the process exits by itself if it does not stop within
 ``WATCHDOG_GRACE_SECONDS``). A job.json that does not parse (JSON,
 another apiVersion, invalid values) is reported as Failed with the parse error into the job its raw JSON names.
-SIGTERM fails the run with a report. Ray's shutdown at the end is bounded (``SHUTDOWN_SECONDS``).
+SIGTERM fails the run with a report. SIGUSR1 writes every thread's stack to stderr and the run goes on. Ray's
+shutdown at the end is bounded (``SHUTDOWN_SECONDS``).
 
 Exit status: 0 succeeded, 1 failed, 3 validation failed.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import atexit
+import faulthandler
 import logging
 import os
 import signal
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None, classes: ActorClasses | None = None) -> 
     os.environ.update(rc.spec_env(cfg.spec))
     reporter = make_reporter(cfg, opts)
     signal.signal(signal.SIGTERM, _on_term)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     finished = threading.Event()
 
     def expire(message: str) -> None:

@@ -8,6 +8,7 @@ through its extension point).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,10 +26,10 @@ from rlhf_api.models import RuntimeConfig
 from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, free_port, wait_for
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MLflowServer]:
-    """A real MLflow tracking server for the tier (``spec.tracking``), started with the tier's first test so its
-    start (~15 s of database migrations) overlaps other tests; a test that needs it calls ``wait()``."""
+    """A real MLflow tracking server (``spec.tracking``), started by the first test that asks for it in a test
+    worker; the test calls ``wait()`` (the first start migrates its database)."""
     server = MLflowServer(tmp_path_factory.mktemp("mlflow"))
     try:
         yield server
@@ -103,8 +104,17 @@ class Run:
         return [r for r in self.records() if "throughput" in r and r["runtime"]["state"] == "Running"]
 
     def wait(self, timeout: float) -> int:
+        """The driver's exit status; past ``timeout`` the test fails with the end of the driver's log, which then
+        holds the stack of every driver thread (SIGUSR1)."""
         try:
             return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: "most recent call first" in self.log.read_text(errors="replace"), timeout=10,
+                         what="the driver's stacks")
+            raise AssertionError(f"the driver did not end within {timeout:g} s; the end of its log:\n"
+                                 f"{self.tail(200)}") from None
         finally:
             self.kill_group()
 
