@@ -27,6 +27,19 @@ class AnswerEnv:
         return {"observations": [], "reward": 1.0 if "42" in (message.get("content") or "") else 0.0, "done": True}
 
 
+class GoOnEnv(AnswerEnv):
+    """``AnswerEnv`` that answers a trajectory's first turn with "go on": every trajectory takes two turns."""
+
+    def reset(self, sample: dict[str, Any]) -> None:
+        self.steps = 0
+
+    def step(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.steps += 1
+        if self.steps == 1:
+            return {"observations": [{"role": "user", "content": "go on"}], "done": False}
+        return super().step(message)
+
+
 class HeldAnswerEnv(AnswerEnv):
     """``AnswerEnv`` (without tools) whose first step of a trajectory on a prompt that starts with ``hold`` waits
     until the run's progress file (``RLHF_TEST_PROGRESS``) records a trained step, then asks the model to go on:

@@ -79,6 +79,9 @@ def test_a_step_takes_the_first_finished_groups_and_drops_the_stale() -> None:
     taken, stale = select(groups, 2, 3, 2)
     assert names(taken) == ["old", "a"] and stale == []
     assert select([G("x", True, None)], 1, 9, 0)[0][0].name == "x"  # no sampled token: nothing stale
+    # a group still running whose oldest token is already past the bound: dropped now, not when it finishes
+    taken, stale = select([*groups, G("doomed", False, 1)], 2, 3, 1)
+    assert names(taken) == ["a", "b"] and names(stale) == ["old", "doomed"]
 
 
 def test_the_step_record() -> None:
@@ -113,17 +116,24 @@ class HeldEngine:
 
     def __init__(self, tok: Any, version: list[int]) -> None:
         self.tok, self.version, self.held, self.generate = tok, version, set(), self
+        self.held_second: dict[str, int] = {}  # prompt -> the version on which its second turns never come back
+        self.cancelled: list[str] = []  # prompts whose turn the rollout cancelled
         self.lock = threading.Lock()
 
     async def remote(self, prompts: list[list[int]], sampling: dict[str, Any]) -> list[dict[str, Any]]:
         text = self.tok.decode(prompts[0], skip_special_tokens=False)
         name = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
         sent = self.version[0]
-        while True:
-            with self.lock:
-                if name not in self.held:
-                    break
-            await asyncio.sleep(0.002)
+        second = "go on" in text
+        try:
+            while True:
+                with self.lock:
+                    if name not in self.held and not (second and self.held_second.get(name) == sent):
+                        break
+                await asyncio.sleep(0.002)
+        except asyncio.CancelledError:
+            self.cancelled.append(name)
+            raise
         ids = list(self.tok.encode(ANSWER, add_special_tokens=False)) + [self.tok.eos_token_id]
         swap = len(ids) // 2 if self.version[0] != sent else -1
         return [{"prompt_token_ids": prompts[0], "samples": [ids], "logprobs": [[-0.5] * len(ids)],
@@ -148,10 +158,10 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ChatTokens]:
     return tok, ChatTokens(tok, None, stop_ids(tok))
 
 
-def experience(chat: tuple[Any, ChatTokens], version: list[int], max_staleness: int) -> tuple[AgentExperience,
-                                                                                                 HeldEngine]:
+def experience(chat: tuple[Any, ChatTokens], version: list[int], max_staleness: int,
+               env_class: str = "AnswerEnv") -> tuple[AgentExperience, HeldEngine]:
     tok, tokens = chat
-    env = Environment(className="rlhf_testing.agent_envs:AnswerEnv", maxTurns=2, maxTokens=512)
+    env = Environment(className=f"rlhf_testing.agent_envs:{env_class}", maxTurns=2, maxTokens=512)
     engine = HeldEngine(tok, version)
     rollout = AgentRollout(env, tokens, None, Tools(env), Environments(env), [engine], {}, 32)
     deadlines = Deadlines(60.0, lambda: 60.0, Watchdog(lambda: 60.0, lambda message: None))
@@ -198,6 +208,27 @@ def test_groups_carry_over_resume_on_new_weights_and_are_dropped_past_the_bound(
     assert {"agent_staleness_max", "agent_stale_dropped", "agent_carried_groups"} <= set(agent.stats())
     status = agent.status(4)
     assert (status["staleness_max"], status["stale_dropped"]) == (1, 2)
+
+
+def test_a_running_group_past_the_bound_is_dropped_without_waiting_for_it(chat) -> None:
+    """Two-turn trajectories (``GoOnEnv``): the 's0-1' group's first turns come back on version 0, its second turns
+    never do. At step 2 its oldest tokens are 2 steps old, past ``maxStaleness`` 1, while it still runs: it is
+    dropped then, its turns cancelled, and its prompt generated again on the new weights."""
+    version = [0]
+    agent, engine = experience(chat, version, max_staleness=1, env_class="GoOnEnv")
+    engine.held_second["s0-1"] = 0
+    prompts, rec = trained(agent, version, 0, total=3)
+    assert prompts == ["s0-0", "s1-0"] and rec["carried_groups"] == 2
+    version[0] = 1
+    prompts, rec = trained(agent, version, 1, total=3)
+    assert "s0-1" not in prompts and rec["stale_dropped"] == 0  # one step old: within the bound, still running
+    version[0] = 2
+    prompts, rec = trained(agent, version, 2, total=3)
+    assert "s0-1" in prompts and rec["stale_dropped"] == 2 and rec["staleness_max"] <= 1, (prompts, rec)
+    deadline = time.monotonic() + 10
+    while engine.cancelled.count("s0-1") < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.cancelled.count("s0-1") == 2, engine.cancelled  # the dropped group's held turns, cancelled
 
 
 def test_max_staleness_0_rolls_out_the_step_alone_and_sync_mode_records_staleness(chat) -> None:

@@ -15,9 +15,11 @@ Groups. GRPO and RLOO compare the ``samplesPerPrompt`` trajectories of one promp
 trained and dropped whole. The rollout keeps in flight the groups of every batch up to ``maxStaleness`` steps
 ahead of the engines' weights (``launch_until``: a group launched then is within the bound when its own step
 trains it). A step trains the first ``promptsPerStep`` groups to finish, oldest launched first (``select``); the
-others carry over into the next step's rollout and go on with whatever weights the engines then hold. A finished
-group past ``maxStaleness`` is not trained: it is dropped, counted, and its prompt launched again as a fresh group,
-so every step still trains a full batch.
+others carry over into the next step's rollout and go on with whatever weights the engines then hold. A group past
+``maxStaleness`` is not trained: it is dropped, counted, and its prompt launched again as a fresh group, so every
+step still trains a full batch. A trajectory's oldest token is known once its first turn is back (``Oldest``), and
+later tokens are never older: a group still running whose oldest token is already past the bound is dropped then,
+its trajectories cancelled, instead of running its remaining turns for nothing.
 
 Pure Python.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 
@@ -50,6 +53,14 @@ def launch_until(done: int, synced_at: int, max_staleness: int, total: int) -> i
     return min(max(done, synced_at + max_staleness), total - 1)
 
 
+@dataclass
+class Oldest:
+    """The policy version of a trajectory's oldest sampled token, set when its first turn is back (None before, or
+    when the turn has no versioned token)."""
+
+    version: int | None = None
+
+
 class Group(Protocol):
     def finished(self) -> bool: ...
 
@@ -61,11 +72,10 @@ G = TypeVar("G", bound=Group)
 
 def select(groups: Sequence[G], need: int, done: int, max_staleness: int) -> tuple[list[G], list[G]]:
     """Of ``groups`` (in launch order): the ``need`` groups step ``done`` trains, the oldest launched of the
-    finished ones within ``max_staleness`` (none until ``need`` of them finished), and the finished groups past it
-    (to drop)."""
-    finished = [g for g in groups if g.finished()]
-    stale = [g for g in finished if staleness(done, g.oldest()) > max_staleness]
-    fresh = [g for g in finished if staleness(done, g.oldest()) <= max_staleness]
+    finished ones within ``max_staleness`` (none until ``need`` of them finished), and the groups past it, finished
+    or still running (to drop: ``oldest`` is the oldest token known so far, and a later step only ages it)."""
+    stale = [g for g in groups if staleness(done, g.oldest()) > max_staleness]
+    fresh = [g for g in groups if g.finished() and g not in stale]
     return (fresh[:need] if len(fresh) >= need else []), stale
 
 

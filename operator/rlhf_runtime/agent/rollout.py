@@ -43,7 +43,7 @@ from rlhf_runtime.agent.environments import (
     sample_dict,
 )
 from rlhf_runtime.agent.metrics import Counters, EngineLoad
-from rlhf_runtime.agent.partial import turn_versions
+from rlhf_runtime.agent.partial import Oldest, turn_versions
 from rlhf_runtime.agent.tools import Outcome, Tools
 
 
@@ -61,6 +61,7 @@ class Result:
     turns: int = 0
     ended: str = "done"
     messages: list[dict[str, Any]] = field(default_factory=list)
+    oldest: Oldest = field(default_factory=Oldest)
 
 
 class AgentRollout:
@@ -110,17 +111,18 @@ class AgentRollout:
         return results
 
     # --------------------------------------------------------------------------------------- one trajectory
-    async def trajectory(self, sample: Any) -> Result:
+    async def trajectory(self, sample: Any, oldest: Oldest | None = None) -> Result:
         """One trajectory of ``sample`` in a tool session of its own (``Tools.session``: with
-        environment.sandbox, the trajectory's sandbox, released when it ends)."""
+        environment.sandbox, the trajectory's sandbox, released when it ends); ``oldest``: set to the version of
+        its oldest sampled token when its first turn is back (``partial``)."""
         async with self.tools.session() as tools:
-            res = await self._trajectory(sample)
+            res = await self._trajectory(sample, oldest or Oldest())
         self.counters.claim_seconds += tools.claim_seconds
         return res
 
-    async def _trajectory(self, sample: Any) -> Result:
+    async def _trajectory(self, sample: Any, oldest: Oldest) -> Result:
         env = self.envs.make(uuid.uuid4().hex)
-        res = Result(sample, Trajectory([]))
+        res = Result(sample, Trajectory([]), oldest=oldest)
         try:
             start = await self._reset(env, sample, res)
             if start is not None:
@@ -167,6 +169,8 @@ class AgentRollout:
             t_turn = time.perf_counter()
             traj.add_turn(ids, lps, versions)
             res.turns += 1
+            if res.turns == 1:
+                res.oldest.version = traj.oldest_version()
             parsed = self.parser.parse(self.chat.text(ids)) if self.parser else Parsed(self.chat.text(ids))
             res.final_text = parsed.content
             if not self.chat.ended(ids):

@@ -211,6 +211,7 @@ class Group:
     sample: Any
     step: int
     futures: list[Future[Result]]
+    oldests: list[partial.Oldest]
 
     def finished(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -219,7 +220,13 @@ class Group:
         return [f.result() for f in self.futures]  # a trajectory's exception (an unreachable server) fails the run
 
     def oldest(self) -> int | None:
-        return min((v for r in self.results() if (v := r.traj.oldest_version()) is not None), default=None)
+        """The version of the group's oldest token known so far (its trajectories' whose first turn is back)."""
+        return min((o.version for o in self.oldests if o.version is not None), default=None)
+
+    def cancel(self) -> None:
+        """End the trajectories still running (their engines' turns in flight run out on their own)."""
+        for f in self.futures:
+            f.cancel()
 
 
 class AgentStream:
@@ -245,15 +252,16 @@ class AgentStream:
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result()
 
     def launch(self, sample: Any, step: int) -> Group:
-        return Group(sample, step, [asyncio.run_coroutine_threadsafe(self.rollout.trajectory(sample), self.loop)
-                                    for _ in range(self.n)])
+        oldests = [partial.Oldest() for _ in range(self.n)]
+        return Group(sample, step, [asyncio.run_coroutine_threadsafe(self.rollout.trajectory(sample, o), self.loop)
+                                    for o in oldests], oldests)
 
     def take(self, batch_of: Callable[[int], list[Any]], done: int, total: int, synced_at: int, need: int,
              wait: Callable[[list[Future[Any]], int], None]) -> tuple[list[Group], int]:
         """Step ``done``'s ``need`` groups, and how many trajectories were dropped past the bound meanwhile: the
         batches up to ``partial.launch_until`` launched, then the first ``need`` finished groups within the bound
-        (``partial.select``, waiting with ``wait``); a finished group past it is dropped and its prompt launched
-        again. After the run's last step nothing stays in flight."""
+        (``partial.select``, waiting with ``wait``); a group past it, finished or running, is dropped and its
+        prompt launched again. After the run's last step nothing stays in flight."""
         if self.launched is None or self.last_done is None or done <= self.last_done:  # first step, or a resume
             self.close()
             self.launched = done
@@ -265,6 +273,7 @@ class AgentStream:
         while True:
             taken, stale = partial.select(self.groups, need, done, self.bound)
             for g in stale:  # GRPO and RLOO compare a group's trajectories: dropped whole, its prompt again
+                g.cancel()
                 self.groups[self.groups.index(g)] = self.launch(g.sample, g.step)
                 dropped += len(g.futures)
             if taken:
@@ -284,10 +293,9 @@ class AgentStream:
         return self.on_loop(self.rollout.window), now - t0
 
     def close(self) -> None:
-        """Cancel every group in flight (their trajectories end; their engines' turns run out on their own)."""
+        """Cancel every group in flight (``Group.cancel``)."""
         for g in self.groups:
-            for f in g.futures:
-                f.cancel()
+            g.cancel()
         self.groups = []
 
 
