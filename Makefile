@@ -11,8 +11,9 @@ setup:
 images: setup
 	bash hack/build-images.sh >/dev/null
 
+# The tiers run side by side in 3 workers (tests/conftest.py says how they share them).
 test: setup images
-	$(PY) -m pytest -ra --durations=20
+	$(PY) -m pytest -ra --durations=20 -n 3
 
 demo: setup images
 	$(PY) hack/demo.py

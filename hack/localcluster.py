@@ -67,9 +67,10 @@ rules:
 """
 
 
-#: Where ``free_port`` picks: above Ray's default worker ports (10002-19999) and the kubelets' (10250 + node), below
-#: the NodePort range and the kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default).
-PORT_RANGE = (20000, 30000)
+#: Where ``free_port`` picks: above Ray's default worker ports (10002-19999), below the kubelets'
+#: (``realnodes.KUBELET_PORT_BASE`` + node), the NodePort range and the kernel's ephemeral range
+#: (``ip_local_port_range``, 32768-60999 by default).
+PORT_RANGE = (20000, realnodes.KUBELET_PORT_BASE)
 _HANDED_OUT: set[int] = set()
 
 
@@ -78,10 +79,11 @@ def free_port() -> int:
     range, where a port closed here can be taken as the local port of any outgoing connection on the machine before
     the server binds it (the server then fails: "bind: address already in use"). The kernel never picks ports of
     ``PORT_RANGE`` by itself; each is handed out once per process, chosen at random (not from the seeded
-    ``random``) so processes differ."""
+    ``random``) so processes differ. Parallel test workers (pytest-xdist) pick from their own slices of it."""
     pick = random.SystemRandom()
+    low, high = port_range()
     for _ in range(2000):
-        port = pick.randrange(*PORT_RANGE)
+        port = pick.randrange(low, high)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as s:
@@ -91,7 +93,18 @@ def free_port() -> int:
                 continue
         _HANDED_OUT.add(port)
         return port
-    raise RuntimeError(f"no free TCP port in {PORT_RANGE[0]}-{PORT_RANGE[1] - 1} on 127.0.0.1 after 2000 tries")
+    raise RuntimeError(f"no free TCP port in {low}-{high - 1} on 127.0.0.1 after 2000 tries")
+
+
+def port_range() -> tuple[int, int]:
+    """``PORT_RANGE``, or in pytest-xdist worker ``gwI`` of N (and the processes it starts) the I-th of N equal
+    slices of it: test workers that run side by side never hand out the same port."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count <= 1:
+        return PORT_RANGE
+    size = (PORT_RANGE[1] - PORT_RANGE[0]) // count
+    low = PORT_RANGE[0] + int(worker[2:]) * size
+    return low, low + size
 
 
 def log(msg: str) -> None:

@@ -43,6 +43,9 @@ SYSCTLS = [
     "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes", "net/ipv4/ip_forward",
     "net/bridge/bridge-nf-call-iptables",
 ]
+#: The kubelets' ports: ``KUBELET_PORT_BASE + node index``, outside Ray's default worker ports (10002-19999, which
+#: a local Ray on the host may take while a real-node cluster runs beside it) and the kernel's ephemeral range.
+KUBELET_PORT_BASE = 29900
 #: Which cluster dir owns the machine's real-node network now (one real-node cluster per machine).
 OWNER = Path("/run/rlhf-operator/realnodes-owner")
 
@@ -91,7 +94,7 @@ class Node:
 
     @property
     def kubelet_port(self) -> int:
-        return 10250 + self.index
+        return KUBELET_PORT_BASE + self.index
 
 
 # ------------------------------------------------------------------------------------------------ host network
@@ -340,8 +343,10 @@ def seeded_root(cache: Path, images: dict[str, dict[str, str]]) -> Path:
     """A containerd root with ``images`` imported and unpacked, made once per image set (and containerd
     version) under ``cache`` and kept there: every node of every later cluster starts from a hard-linked copy
     of it (``link_root``) instead of importing the images again (the runtime image is several GB: minutes a node).
-    Made by a containerd of its own (no CRI plugin) that is stopped before the root is used; one seed is
-    kept, older ones are removed."""
+    A new image set starts from a copy of the previous seed (``link_root``), drops the images no longer in the
+    set and imports the new ones: a rebuilt image shares its unchanged layers (the runtime image's Python
+    environment) with the old one, and containerd unpacks only the changed ones. Made by a containerd of its own
+    (no CRI plugin) that is stopped before the root is used; one seed is kept, older ones are removed."""
     key = _seed_key(images)
     seed = cache / key
     if (seed / "complete").exists():
@@ -351,40 +356,73 @@ def seeded_root(cache: Path, images: dict[str, dict[str, str]]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two clusters starting at once make it once
         if (seed / "complete").exists():
             return seed / "root"
+        previous = _previous_seed(cache)
         for old in cache.iterdir():
-            if old.is_dir():
+            if old.is_dir() and old != previous:
                 shutil.rmtree(old, ignore_errors=True)
         tmp = cache / f".{key}-{os.getpid()}"
-        sock = Path(f"/tmp/rlhf-seed-{os.getpid()}.sock")  # unix socket paths are short
         (tmp / "state").mkdir(parents=True)
-        (tmp / "containerd.toml").write_text(
-            f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n'
-            f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n[grpc]\n  address = "{sock}"\n'
-            f'[ttrpc]\n  address = "{sock}.ttrpc"\n')
-        with (tmp / "containerd.log").open("wb") as out:
-            proc = subprocess.Popen(["containerd", "--config", str(tmp / "containerd.toml")], stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.time() + 60
-            while sh("ctr", "--address", str(sock), "version", check=False).returncode != 0:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"containerd for the image seed did not answer: {tmp / 'containerd.log'}")
-                time.sleep(0.2)
-            for img in images.values():
-                import_image(Node(0, tmp), img["archive"], img["ref"], sock)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            sock.unlink(missing_ok=True)
-            Path(f"{sock}.ttrpc").unlink(missing_ok=True)
+        if previous is not None:
+            link_root(previous / "root", tmp / "root")
+        _fill_seed(tmp, images)
         shutil.rmtree(tmp / "state", ignore_errors=True)
         tmp.rename(seed)
-        (seed / "complete").write_text(json.dumps(sorted(img["ref"] for img in images.values())))
+        (seed / "complete").write_text(json.dumps({"version": _containerd_version(),
+                                                   "refs": sorted(img["ref"] for img in images.values())}))
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
         return seed / "root"
+
+
+def _containerd_version() -> str:
+    return sh("containerd", "--version").stdout.strip()
+
+
+def _previous_seed(cache: Path) -> Path | None:
+    """The complete seed under ``cache`` made by this containerd version, if any."""
+    for old in sorted(cache.iterdir()):
+        try:
+            done = json.loads((old / "complete").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(done, dict) and done.get("version") == _containerd_version():
+            return old
+    return None
+
+
+def _fill_seed(tmp: Path, images: dict[str, dict[str, str]]) -> None:
+    """Run a containerd of its own on the root under ``tmp``: remove the images not in ``images``, import the
+    missing ones."""
+    sock = Path(f"/tmp/rlhf-seed-{os.getpid()}.sock")  # unix socket paths are short
+    (tmp / "containerd.toml").write_text(
+        f'version = 2\nroot = "{tmp}/root"\nstate = "{tmp}/state"\n'
+        f'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n[grpc]\n  address = "{sock}"\n'
+        f'[ttrpc]\n  address = "{sock}.ttrpc"\n')
+    with (tmp / "containerd.log").open("wb") as out:
+        proc = subprocess.Popen(["containerd", "--config", str(tmp / "containerd.toml")], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while sh("ctr", "--address", str(sock), "version", check=False).returncode != 0:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"containerd for the image seed did not answer: {tmp / 'containerd.log'}")
+            time.sleep(0.2)
+        ctr = ["ctr", "--address", str(sock), "-n", "k8s.io", "images"]
+        wanted = {img["ref"] for img in images.values()}
+        gone = [ref for ref in sh(*ctr, "ls", "-q").stdout.split() if ref not in wanted]
+        if gone:  # their layers that no wanted image shares go with them (containerd's garbage collection)
+            sh(*ctr, "rm", "--sync", *gone)
+        for img in images.values():
+            import_image(Node(0, tmp), img["archive"], img["ref"], sock)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        sock.unlink(missing_ok=True)
+        Path(f"{sock}.ttrpc").unlink(missing_ok=True)
 
 
 def link_root(seed: Path, root: Path) -> None:

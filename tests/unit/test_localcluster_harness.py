@@ -29,6 +29,23 @@ def test_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
             s.bind(("127.0.0.1", p))
 
 
+def test_parallel_test_workers_pick_ports_from_disjoint_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    import localcluster
+
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    slices = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        low, high = localcluster.port_range()
+        assert all(low <= localcluster.free_port() < high for _ in range(20))
+        slices.append((low, high))
+    assert slices[0][0] == localcluster.PORT_RANGE[0] and slices[-1][1] <= localcluster.PORT_RANGE[1]
+    assert all(a[1] <= b[0] for a, b in zip(slices, slices[1:])), slices
+    import realnodes
+
+    assert localcluster.PORT_RANGE[1] <= realnodes.KUBELET_PORT_BASE  # a kubelet's port is never handed out
+
+
 def test_a_port_in_use_is_never_handed_out() -> None:
     import localcluster
 
