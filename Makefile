@@ -11,9 +11,9 @@ setup:
 images: setup
 	bash hack/build-images.sh >/dev/null
 
-# The tiers run side by side in 3 workers (tests/conftest.py says how they share them).
+# The tiers run side by side in 2 workers (tests/conftest.py says how they share them).
 test: setup images
-	$(PY) -m pytest -ra --durations=20 -n 3
+	$(PY) -m pytest -ra --durations=20 -n 2
 
 demo: setup images
 	$(PY) hack/demo.py

@@ -1,4 +1,4 @@
-"""How the tiers share a run of ``make test`` (pytest-xdist workers, ``-n 3``).
+"""How the tiers share a run of ``make test`` (pytest-xdist workers, ``-n 2``).
 
 The tiers wait on different things: the integration tier on an apiserver and controllers, the pods tier on
 kubelets and containers, the runtime tier on Ray and vLLM, the unit tier on nothing. ``make test`` runs them side by

@@ -103,7 +103,7 @@ def test_template_pool_policy_claims_release_and_cleanup(cluster, api, operator,
     custom = client.CustomObjectsApi(api)
     apply(cluster, sandbox_job("box", runtimeClassName=None), namespace)
     template = wait_for(lambda: custom.get_namespaced_custom_object(EXT, V, namespace, "sandboxtemplates",
-                                                                    "box-sandbox"), 90, "the SandboxTemplate")
+                                                                    "box-sandbox"), 300, "the SandboxTemplate")
     pool = wait_for(lambda: custom.get_namespaced_custom_object(EXT, V, namespace, "sandboxwarmpools",
                                                                 "box-sandbox"), 30, "the SandboxWarmPool")
     for obj in (template, pool):

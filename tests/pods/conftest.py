@@ -226,7 +226,7 @@ def frozen_run(request):
     ns = new_namespace(api)
     job = checkpointed_job(cluster, request.getfixturevalue("shared_dir"), ns, "frozen", FROZEN_STEPS, retries=1)
     # the retried run must start its engines within it while another test's job runs beside it
-    job["spec"]["progressDeadlineSeconds"] = 150
+    job["spec"]["progressDeadlineSeconds"] = 240
     apply(cluster, job, ns)
     out: dict = {}
     thread = threading.Thread(target=_frozen_scenario, args=(cluster, api, ns, job, out), daemon=True,

@@ -5,6 +5,7 @@ with the end of its log instead of at its deadline."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ def test_parallel_test_workers_pick_ports_from_disjoint_slices(monkeypatch: pyte
         assert all(low <= localcluster.free_port() < high for _ in range(20))
         slices.append((low, high))
     assert slices[0][0] == localcluster.PORT_RANGE[0] and slices[-1][1] <= localcluster.PORT_RANGE[1]
-    assert all(a[1] <= b[0] for a, b in zip(slices, slices[1:])), slices
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(slices)), slices
     import realnodes
 
     assert localcluster.PORT_RANGE[1] <= realnodes.KUBELET_PORT_BASE  # a kubelet's port is never handed out
