@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 #: Tier folders whose tests run in one worker, one after the other.
 ONE_WORKER = ("integration", "pods")
 
@@ -22,6 +24,7 @@ def tier_scope(nodeid: str) -> str:
     return f"tier:{parts[1]}" if len(parts) == 3 and parts[0] == "tests" and parts[1] in ONE_WORKER else nodeid
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (``-p no:xdist``) it is never called
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     """pytest-xdist's load-by-scope scheduling with ``tier_scope`` as the scope: the largest units first (the
     integration tier, then the pods tier), then single tests to whichever worker is free."""
