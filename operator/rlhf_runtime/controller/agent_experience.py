@@ -220,7 +220,7 @@ class Group:
         return [f.result() for f in self.futures]  # a trajectory's exception (an unreachable server) fails the run
 
     def oldest(self) -> int | None:
-        """The version of the group's oldest token known so far (its trajectories' whose first turn is back)."""
+        """The version of the group's oldest token known so far: of its trajectories whose first turn is back."""
         return min((o.version for o in self.oldests if o.version is not None), default=None)
 
     def cancel(self) -> None:
