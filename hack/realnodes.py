@@ -333,8 +333,7 @@ def import_image(n: Node, archive: str, ref: str, socket: Path | None = None) ->
     log(f"{n.name}: imported {ref} in {time.time() - t0:.0f}s")
 
 
-def _seed_key(images: dict[str, dict[str, str]]) -> str:
-    version = sh("containerd", "--version").stdout.strip()
+def _seed_key(images: dict[str, dict[str, str]], version: str) -> str:
     refs = sorted(img["ref"] for img in images.values())  # tags are content hashes (build-images.sh)
     return hashlib.sha256(json.dumps([version, refs]).encode()).hexdigest()[:12]
 
@@ -347,7 +346,8 @@ def seeded_root(cache: Path, images: dict[str, dict[str, str]]) -> Path:
     set and imports the new ones: a rebuilt image shares its unchanged layers (the runtime image's Python
     environment) with the old one, and containerd unpacks only the changed ones. Made by a containerd of its own
     (no CRI plugin) that is stopped before the root is used; one seed is kept, older ones are removed."""
-    key = _seed_key(images)
+    version = sh("containerd", "--version").stdout.strip()
+    key = _seed_key(images, version)
     seed = cache / key
     if (seed / "complete").exists():
         return seed / "root"
@@ -356,7 +356,7 @@ def seeded_root(cache: Path, images: dict[str, dict[str, str]]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two clusters starting at once make it once
         if (seed / "complete").exists():
             return seed / "root"
-        previous = _previous_seed(cache)
+        previous = _previous_seed(cache, version)
         for old in cache.iterdir():
             if old.is_dir() and old != previous:
                 shutil.rmtree(old, ignore_errors=True)
@@ -367,25 +367,21 @@ def seeded_root(cache: Path, images: dict[str, dict[str, str]]) -> Path:
         _fill_seed(tmp, images)
         shutil.rmtree(tmp / "state", ignore_errors=True)
         tmp.rename(seed)
-        (seed / "complete").write_text(json.dumps({"version": _containerd_version(),
+        (seed / "complete").write_text(json.dumps({"version": version,
                                                    "refs": sorted(img["ref"] for img in images.values())}))
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         return seed / "root"
 
 
-def _containerd_version() -> str:
-    return sh("containerd", "--version").stdout.strip()
-
-
-def _previous_seed(cache: Path) -> Path | None:
-    """The complete seed under ``cache`` made by this containerd version, if any."""
+def _previous_seed(cache: Path, version: str) -> Path | None:
+    """The complete seed under ``cache`` made by containerd ``version``, if any."""
     for old in sorted(cache.iterdir()):
         try:
             done = json.loads((old / "complete").read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(done, dict) and done.get("version") == _containerd_version():
+        if isinstance(done, dict) and done.get("version") == version:
             return old
     return None
 
