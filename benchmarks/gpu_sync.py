@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -399,22 +398,18 @@ def marked(line: str) -> bool:
 
 def run_child(args: argparse.Namespace, name: str, out: Path, command: str, limit: float) -> int | None:
     """One run's child, watched (``stack_dumps.watch``) into ``gpu_sync.log``; past ``limit`` its result says so.
-    Ray is stopped after it either way. The exit code, None at the limit."""
+    Its local Ray ends with its process group either way. The exit code, None at the limit."""
     log = out / "gpu_sync.log"
     with open(log, "ab") as f:
         f.write(f"\n=== {name}\n".encode())
-    try:
-        code = watch(child_argv(args, name, out, command), log, limit, marked,
-                     native=out / f"native_stacks_{name.replace(':', '_')}.txt", py_spy=args.py_spy)
-        if code is None:
-            res = out / f"gpu_{name.replace(':', '_')}.json"
-            r = json.loads(res.read_text()) if res.exists() else {"layout": name}
-            r.update(status="timeout", error=f"no result within {limit:.0f}s")
-            harness.write_result(res, r)
-        return code
-    finally:
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-                       capture_output=True, timeout=60, check=False)
+    code = watch(child_argv(args, name, out, command), log, limit, marked,
+                 native=out / f"native_stacks_{name.replace(':', '_')}.txt", py_spy=args.py_spy)
+    if code is None:
+        res = out / f"gpu_{name.replace(':', '_')}.json"
+        r = json.loads(res.read_text()) if res.exists() else {"layout": name}
+        r.update(status="timeout", error=f"no result within {limit:.0f}s")
+        harness.write_result(res, r)
+    return code
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ Imports neither torch nor the runtime at module level: the suites' parent proces
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -265,8 +266,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ steps
 def run_logged(argv: list[str], log: Path, timeout: float | None = None, env: dict[str, str] | None = None,
                cwd: Path | None = None) -> dict[str, Any]:
-    """Run ``argv`` with its output appended to ``log``, in a process group of its own; past ``timeout`` seconds
-    the whole group is killed. Returns ``exit`` (the exit code, 124 at the limit), ``timed_out`` and ``seconds``."""
+    """Run ``argv`` with its output appended to ``log``, in a process group of its own, killed whole when ``argv``
+    ends or past ``timeout`` seconds: what it started (a local Ray) ends with it, nothing else here does. Returns
+    ``exit`` (the exit code, 124 at the limit), ``timed_out`` and ``seconds``."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     with log.open("ab") as f:
@@ -277,9 +279,11 @@ def run_logged(argv: list[str], log: Path, timeout: float | None = None, env: di
             code = proc.wait(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             code, timed_out = 124, True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if timed_out:
             f.write(f"\n=== killed after {timeout:.0f} s\n".encode())
     return {"exit": code, "timed_out": timed_out, "seconds": round(time.perf_counter() - t, 3)}
 

@@ -97,8 +97,10 @@ def watch(cmd: list[str], log: Path, limit: float, echo: Callable[[str], bool], 
           py_spy: str = "") -> int | None:
     """Run ``cmd`` in a process group of its own, its output appended to ``log`` and its lines for which ``echo``
     is true printed; past ``limit`` seconds: the native stacks of every Ray process into ``native`` (with
-    ``py_spy``), the Python stacks of the run and of every benchmark actor into ``log``, then the group killed.
-    Returns the exit code, or None at the limit."""
+    ``py_spy``), the Python stacks of the run and of every benchmark actor into ``log``. The group is killed
+    once ``cmd`` ends or at the limit: what the run started (its local Ray) ends with it, and nothing else on
+    the machine does (``ray stop`` would end every Ray here, another run's too). Returns the exit code, or None
+    at the limit."""
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         assert proc.stdout is not None
@@ -113,6 +115,7 @@ def watch(cmd: list[str], log: Path, limit: float, echo: Callable[[str], bool], 
             time.sleep(0.5)
         if proc.poll() is not None:
             f.write(proc.stdout.read() or b"")
+            kill_group(proc.pid)
             return proc.returncode
         if py_spy and native is not None:  # before the signals below: the stacks as the run hung
             native.write_text(native_stacks(py_spy, ray_processes(proc.pid)))
@@ -125,6 +128,14 @@ def watch(cmd: list[str], log: Path, limit: float, echo: Callable[[str], bool], 
             time.sleep(0.5)
         f.write(proc.stdout.read() or b"")
         f.write(actor_stacks(asked[1:]).encode())
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         proc.wait()
         return None
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL what is left of the process group ``pgid`` (gone already: nothing to do)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

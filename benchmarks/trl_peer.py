@@ -45,7 +45,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -89,11 +88,9 @@ def run_ours(work: dict[str, Any], dirpath: Path, timeout: float | None = None) 
     if gpu:  # one GPU shared, the engine resident (TRL's colocate mode does not sleep by default)
         spec["placement"] = {"mode": "colocated", "colocatedSleep": False}
         spec["weightSync"] = {"backend": "ipc"}
+    # at the limit the driver's process group is killed, its local Ray with it: nothing holds the GPU for TRL's run
     ran, records = harness.run_driver(spec, dirpath, name="driver", timeout=timeout)
     rc, wall, log = ran["exit"], ran["seconds"], ran["log"]
-    if rc == 124:  # the driver was killed: its local Ray must not hold the GPU for TRL's run
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], check=False,
-                       capture_output=True)
     steps = [r["throughput"]["stepSeconds"] for r in records
              if "throughput" in r and r["runtime"]["state"] == "Running"]
     out: dict[str, Any] = {"ok": rc == 0 and bool(steps), "step_seconds": steps, "wall_seconds": wall}
@@ -110,18 +107,12 @@ def run_peer(peer: str, work: dict[str, Any], dirpath: Path, python: str, timeou
     dirpath.mkdir(parents=True, exist_ok=True)
     (dirpath / "work.json").write_text(json.dumps(work))
     res, log = dirpath / f"{peer}.json", dirpath / f"{peer}.log"
-    t = time.perf_counter()
-    with log.open("w") as out:
-        try:
-            rc = subprocess.run([python, str(ROOT / PEERS[peer]), str(dirpath / "work.json"), str(res)],
-                                stdout=out, stderr=subprocess.STDOUT, check=False, timeout=timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                                     "TRANSFORMERS_OFFLINE": "1"}).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    wall = time.perf_counter() - t
-    if rc == 124 and peer == "verl":  # its Ray cluster must not hold the GPU for the next run
-        subprocess.run([python, "-m", "ray.scripts.scripts", "stop", "--force"], check=False, capture_output=True)
+    log.unlink(missing_ok=True)
+    # in a process group of its own, killed at the limit: a peer's Ray (veRL's) ends with it and holds no GPU
+    ran = harness.run_logged([python, str(ROOT / PEERS[peer]), str(dirpath / "work.json"), str(res)], log, timeout,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                                  "TRANSFORMERS_OFFLINE": "1"})
+    rc, wall = ran["exit"], ran["seconds"]
     r = json.loads(res.read_text()) if res.exists() else {"ok": False, "error": f"no result (exit {rc})"}
     out = {"ok": bool(r.get("ok")) and rc == 0, "step_seconds": [s["seconds"] for s in r.get("steps", [])],
            "wall_seconds": wall, "versions": r.get("versions")}
