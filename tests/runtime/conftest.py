@@ -138,7 +138,37 @@ class Run:
         assert self.steps()[-1]["step"] < total, "the run finished before it could be killed"
 
     def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+        """The end of the driver's log, then what its Ray and the kernel recorded about dead nodes and killed
+        processes (``ray_record``)."""
+        log = "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
+        return f"{log}\n{ray_record(self.proc.pid)}"
+
+
+#: Lines of a local Ray's own logs and of the kernel's that name why actors died when the driver's log cannot:
+#: a node marked dead, failed health checks, workers killed for memory, the kernel's OOM killer.
+RAY_DEATH_LINES = ("marked dead", "Health check failed", "Memory on the node", "memory usage threshold",
+                   "Killed process", "Out of memory")
+
+
+def ray_record(driver_pid: int, limit: int = 20) -> str:
+    """The first ``limit`` lines of ``RAY_DEATH_LINES`` from the Ray session of the driver ``driver_pid`` (found by
+    its core-worker log's name) and from the kernel's log, or a line saying there were none."""
+    lines: list[str] = []
+    cores = sorted(Path("/tmp/ray").glob(f"session_*/logs/python-core-driver-*_{driver_pid}.log"),
+                   key=lambda f: f.stat().st_mtime)
+    for core in cores[-1:]:  # the newest: an older session's driver may have had the same pid
+        for name in ("gcs_server.out", "raylet.out"):
+            f = core.parent / name
+            if f.exists():
+                lines += [f"{name}: {ln[:300]}" for ln in f.read_text(errors="replace").splitlines()
+                          if any(k in ln for k in RAY_DEATH_LINES)]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        kernel = subprocess.run(["dmesg"], check=False, capture_output=True, text=True, timeout=10).stdout
+        lines += [f"kernel: {ln[:300]}" for ln in kernel.splitlines() if any(k in ln for k in RAY_DEATH_LINES)]
+    if not lines:
+        return "[Ray and the kernel recorded no dead node, failed health check or killed process]"
+    more = f" (first {limit} of {len(lines)})" if len(lines) > limit else ""
+    return f"[Ray and the kernel recorded{more}:]\n" + "\n".join(lines[:limit])
 
 
 def start_driver(
