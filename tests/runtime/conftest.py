@@ -150,9 +150,10 @@ RAY_DEATH_LINES = ("marked dead", "Health check failed", "Memory on the node", "
                    "Killed process", "Out of memory")
 
 
-def ray_record(driver_pid: int, limit: int = 20) -> str:
-    """The first ``limit`` lines of ``RAY_DEATH_LINES`` from the Ray session of the driver ``driver_pid`` (found by
-    its core-worker log's name) and from the kernel's log, or a line saying there were none."""
+def ray_record(driver_pid: int, per_kind: int = 3) -> str:
+    """The lines of ``RAY_DEATH_LINES`` from the Ray session of the driver ``driver_pid`` (found by its core-worker
+    log's name) and from the kernel's log: the first ``per_kind`` of each kind with their count, or a line saying
+    there were none."""
     lines: list[str] = []
     cores = sorted(Path("/tmp/ray").glob(f"session_*/logs/python-core-driver-*_{driver_pid}.log"),
                    key=lambda f: f.stat().st_mtime)
@@ -160,15 +161,19 @@ def ray_record(driver_pid: int, limit: int = 20) -> str:
         for name in ("gcs_server.out", "raylet.out"):
             f = core.parent / name
             if f.exists():
-                lines += [f"{name}: {ln[:300]}" for ln in f.read_text(errors="replace").splitlines()
-                          if any(k in ln for k in RAY_DEATH_LINES)]
+                lines += [f"{name}: {ln}" for ln in f.read_text(errors="replace").splitlines()]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         kernel = subprocess.run(["dmesg"], check=False, capture_output=True, text=True, timeout=10).stdout
-        lines += [f"kernel: {ln[:300]}" for ln in kernel.splitlines() if any(k in ln for k in RAY_DEATH_LINES)]
-    if not lines:
+        lines += [f"kernel: {ln}" for ln in kernel.splitlines()]
+    out = []
+    for kind in RAY_DEATH_LINES:
+        found = [ln for ln in lines if kind in ln]
+        if found:
+            out.append(f"[{kind}: {len(found)} line(s)]")
+            out += [ln[:300] for ln in found[:per_kind]]
+    if not out:
         return "[Ray and the kernel recorded no dead node, failed health check or killed process]"
-    more = f" (first {limit} of {len(lines)})" if len(lines) > limit else ""
-    return f"[Ray and the kernel recorded{more}:]\n" + "\n".join(lines[:limit])
+    return "[Ray and the kernel recorded:]\n" + "\n".join(out)
 
 
 def start_driver(
