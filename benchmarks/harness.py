@@ -280,12 +280,17 @@ def run_logged(argv: list[str], log: Path, timeout: float | None = None, env: di
             timed_out = False
         except subprocess.TimeoutExpired:
             code, timed_out = 124, True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid)
         proc.wait()
         if timed_out:
             f.write(f"\n=== killed after {timeout:.0f} s\n".encode())
     return {"exit": code, "timed_out": timed_out, "seconds": round(time.perf_counter() - t, 3)}
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL what is left of the process group ``pgid`` (gone already: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def run_driver(spec: dict[str, Any], work: Path, name: str = "bench", timeout: float | None = None,

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from harness import kill_group
+
 #: ``bench_actors.STACK_SIGNAL`` and ``ACTOR_TITLE`` (the parent does not import the runtime); the most seconds to
 #: wait for the stacks; where Ray keeps each worker's stderr (``worker-<id>-<pid>.err``: the actors' stacks).
 STACK_SIGNAL, ACTOR_TITLE, STACK_WAIT_S = signal.SIGUSR1, "ray::Bench", 10.0
@@ -131,11 +133,3 @@ def watch(cmd: list[str], log: Path, limit: float, echo: Callable[[str], bool], 
         kill_group(proc.pid)
         proc.wait()
         return None
-
-
-def kill_group(pgid: int) -> None:
-    """SIGKILL what is left of the process group ``pgid`` (gone already: nothing to do)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
