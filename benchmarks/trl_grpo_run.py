@@ -4,12 +4,15 @@
 
 ``WORK.json`` (written by ``trl_peer.py``): model path, prompts, steps, prompts per step, samples per prompt,
 max tokens, temperature, learning rate, length-reward target, vLLM memory share, device (cpu|cuda), dtype of the
-weights (the runtime's ``model.dtype``; on cuda also TRL's bf16 mixed precision). TRL runs with
+weights (the runtime's ``model.dtype``; on cuda also TRL's bf16 mixed precision), the micro-batch
+(``per_device_train_batch_size``), whether the engine sleeps between rollouts (``vllm_enable_sleep_mode``) and
+gradient checkpointing. TRL runs with
 vLLM in colocate mode (``use_vllm=True, vllm_mode="colocate"``: the engine in the trainer's process), one
 optimiser step per rollout batch (``per_device_train_batch_size`` x ``gradient_accumulation_steps`` = prompts x
 samples, ``steps_per_generation`` = the accumulation steps), the same reward (``1 - |tokens - target| / target``
 clipped at 0, the runtime's ``length`` rule), no KL (``beta=0``), clip 0.2. Writes per-step wall times (trainer
-callbacks: step begin -> step end, which covers generation, weight sync, scoring and the update) or the error.
+callbacks: step begin -> step end, which covers generation, weight sync, scoring and the update) with TRL's logged
+metrics and, on a GPU, memory, or the error.
 """
 
 from __future__ import annotations
@@ -40,13 +43,31 @@ def main() -> int:
         def length_reward(completions, completion_ids, **_):
             return [max(0.0, 1.0 - abs(len(ids) - target) / target) for ids in completion_ids]
 
+        import torch
+
+        cuda = torch.cuda.is_available() and work["device"] == "cuda"
+
         class Times(TrainerCallback):
+            """Per optimiser step: its wall time, TRL's logged metrics (completion lengths among them) and, on a GPU,
+            the step's peak allocated and the device memory in use at its end (the sleeping engine's included)."""
+
             def on_step_begin(self, args, state, control, **kw):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 self.t = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
-                result["steps"].append({"step": state.global_step, "seconds": time.perf_counter() - self.t})
+                row = {"step": state.global_step, "seconds": time.perf_counter() - self.t}
+                if cuda:
+                    free, total = torch.cuda.mem_get_info()
+                    row.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                               device_used_gib=(total - free) / 2**30)
+                result["steps"].append(row)
                 out.write_text(json.dumps(result, indent=2) + "\n")
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if result["steps"] and logs and "logs" not in result["steps"][-1]:  # not the run summary
+                    result["steps"][-1]["logs"] = {k: v for k, v in logs.items() if isinstance(v, (int, float))}
 
         samples = work["prompts_per_step"] * work["samples_per_prompt"]
         micro = min(work.get("micro_batch", 64), samples)
@@ -59,7 +80,8 @@ def main() -> int:
             max_completion_length=work["max_tokens"], temperature=work["temperature"], beta=0.0, epsilon=0.2,
             num_iterations=1, use_vllm=True, vllm_mode="colocate",
             vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
-            use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
+            use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=work.get("gradient_checkpointing", False),
+            vllm_enable_sleep_mode=work.get("sleep", False),
             model_init_kwargs={"dtype": work.get("dtype", "float32")}, logging_steps=1, report_to=[], save_strategy="no",
             seed=work.get("seed", 0), dataloader_num_workers=0, disable_tqdm=True,
         )

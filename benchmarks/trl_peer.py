@@ -61,12 +61,19 @@ RESULT = ROOT / "results" / "learning" / "trl_peer_cpu.json"
 
 def work_of(a: argparse.Namespace, model: Path) -> dict[str, Any]:
     gpu = a.gpu is not None
-    return {"model": str(model), "prompts": [f"prompt {i}:" for i in range(a.prompts)], "steps": a.steps,
+    # a prompt of ``--prompt-tokens`` characters is as many tokens under the character tokenizer
+    pad = "count the letters of this line " * (a.prompt_tokens // 31 + 1)
+    prompts = [(f"prompt {i}: " + pad)[:a.prompt_tokens] if a.prompt_tokens else f"prompt {i}:"
+               for i in range(a.prompts)]
+    return {"model": str(model), "prompts": prompts, "steps": a.steps,
             "prompts_per_step": a.prompts_per_step, "samples_per_prompt": a.samples_per_prompt,
             "max_tokens": a.max_tokens, "temperature": 1.0, "learning_rate": a.learning_rate,
-            "target_length": a.max_tokens // 2, "gpu_memory_utilization": 0.3 if gpu else 0.05,
-            "max_model_len": a.max_tokens + 64, "micro_batch": 64, "device": "cuda" if gpu else "cpu",
-            "dtype": "bfloat16" if gpu else "float32", "seed": 0}
+            "target_length": a.max_tokens // 2,
+            "gpu_memory_utilization": a.gpu_memory_utilization or (0.3 if gpu else 0.05),
+            "max_model_len": a.max_tokens + max(64, a.prompt_tokens + 32), "micro_batch": a.micro_batch,
+            "device": "cuda" if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32", "seed": 0,
+            "sleep": a.sleep, "gradient_checkpointing": a.gradient_checkpointing, "compile": a.compile,
+            "cuda_graphs": a.cuda_graphs}
 
 
 def run_ours(work: dict[str, Any], dirpath: Path, timeout: float | None = None) -> dict[str, Any]:
@@ -85,15 +92,23 @@ def run_ours(work: dict[str, Any], dirpath: Path, timeout: float | None = None) 
         "reward": {"rule": "length", "targetLength": work["target_length"]},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }
-    if gpu:  # one GPU shared, the engine resident (TRL's colocate mode does not sleep by default)
-        spec["placement"] = {"mode": "colocated", "colocatedSleep": False}
+    if gpu:  # one GPU shared; the engine sleeps between rollouts where TRL's does (--sleep)
+        spec["placement"] = {"mode": "colocated", "colocatedSleep": work.get("sleep", False)}
         spec["weightSync"] = {"backend": "ipc"}
+        spec["rollout"]["enforceEager"] = not work.get("cuda_graphs", False)
+        spec["trainer"].update(gradientCheckpointing=work.get("gradient_checkpointing", False),
+                               compile=work.get("compile", False), maxTokensPerMicroBatch=32768,
+                               resources={"memory": "100Gi"})
     # at the limit the driver's process group is killed, its local Ray with it: nothing holds the GPU for TRL's run
     ran, records = harness.run_driver(spec, dirpath, name="driver", timeout=timeout)
     rc, wall, log = ran["exit"], ran["seconds"], ran["log"]
-    steps = [r["throughput"]["stepSeconds"] for r in records
-             if "throughput" in r and r["runtime"]["state"] == "Running"]
-    out: dict[str, Any] = {"ok": rc == 0 and bool(steps), "step_seconds": steps, "wall_seconds": wall}
+    running = [r for r in records if "throughput" in r and r["runtime"]["state"] == "Running"]
+    steps = [r["throughput"]["stepSeconds"] for r in running]
+    out: dict[str, Any] = {"ok": rc == 0 and bool(steps), "step_seconds": steps, "wall_seconds": wall,
+                           "steps": [{"throughput": r["throughput"], "train": r.get("train")} for r in running]}
+    plan = next((r["actors"]["memory_plan"] for r in records if (r.get("actors") or {}).get("memory_plan")), None)
+    if plan:
+        out["memory_plan"] = plan
     if not out["ok"]:
         out["error"] = f"driver exit {rc}: " + log.read_text(errors="replace")[-3000:]
     return out
@@ -115,7 +130,7 @@ def run_peer(peer: str, work: dict[str, Any], dirpath: Path, python: str, timeou
     rc, wall = ran["exit"], ran["seconds"]
     r = json.loads(res.read_text()) if res.exists() else {"ok": False, "error": f"no result (exit {rc})"}
     out = {"ok": bool(r.get("ok")) and rc == 0, "step_seconds": [s["seconds"] for s in r.get("steps", [])],
-           "wall_seconds": wall, "versions": r.get("versions")}
+           "wall_seconds": wall, "versions": r.get("versions"), "steps": r.get("steps", [])}
     if peer == "verl" and r.get("steps"):
         out["timing"] = [s.get("timing") for s in r["steps"]]
     if not out["ok"]:
@@ -124,12 +139,27 @@ def run_peer(peer: str, work: dict[str, Any], dirpath: Path, python: str, timeou
     return out
 
 
+def generated_tokens(step: dict[str, Any], samples: int) -> float | None:
+    """The tokens a step generated: ours from its rollout rate and time, TRL's from its mean completion length."""
+    tp = step.get("throughput")
+    if tp:
+        return tp.get("rollout_tokens_per_second", 0.0) * tp.get("rollout_seconds", 0.0) or None
+    mean = (step.get("logs") or {}).get("completions/mean_length")
+    return mean * samples if mean else None
+
+
 def summary(run: dict[str, Any], warmup: int, samples: int) -> dict[str, Any] | None:
     steps = run["step_seconds"][warmup:]
     if not run["ok"] or not steps:
         return None
     med = statistics.median(steps)
-    return {"measured_steps": len(steps), "median_step_s": med, "samples_per_s": samples / med}
+    out = {"measured_steps": len(steps), "median_step_s": med, "samples_per_s": samples / med}
+    rates = [t / s for st, s in zip(run.get("steps", [])[warmup:], steps)
+             if (t := generated_tokens(st, samples))]
+    if rates:  # one GPU: tokens/s is tokens/s/GPU
+        out.update(tokens_per_s_median=statistics.median(rates), tokens_per_s_min=min(rates),
+                   tokens_per_s_max=max(rates))
+    return out
 
 
 def main() -> int:
@@ -149,6 +179,17 @@ def main() -> int:
     p.add_argument("--samples-per-prompt", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="prompt length in tokens (default: ~10)")
+    p.add_argument("--micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
+    p.add_argument("--gpu-memory-utilization", type=float, help="both sides' vLLM share (default 0.3 on a GPU)")
+    p.add_argument("--sleep", action="store_true", help="engines sleep between rollouts on both sides (ours: "
+                   "placement.colocatedSleep; TRL: vllm_enable_sleep_mode)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
+    p.add_argument("--compile", action="store_true", help="ours: trainer.compile")
+    p.add_argument("--cuda-graphs", action="store_true", help="ours: CUDA graphs in the engine (TRL's vLLM "
+                   "captures them by default)")
+    p.add_argument("--order", choices=("ours-first", "peers-first"), default="ours-first",
+                   help="who runs first in round 0; later rounds alternate")
     p.add_argument("--out", default=str(RESULT))
     p.add_argument("--gpu", metavar="MODEL", help="run on the GPU with this harness.MODELS model (bf16, random "
                    "weights) instead of the tiny CPU model")
@@ -182,7 +223,10 @@ def main() -> int:
     failed: set[str] = set()
     for i in range(a.rounds):
         rnd: dict[str, Any] = {}
-        for who in ["ours", *[peer for peer in pythons if peer not in failed]]:
+        order = ["ours", *[peer for peer in pythons if peer not in failed]]
+        if (i + (a.order == "peers-first")) % 2:
+            order.reverse()
+        for who in order:
             print(f"[trl_peer] round {i}: {who}", flush=True)
             run = (run_ours(work, work_dir / f"ours-{i}", a.timeout) if who == "ours"
                    else run_peer(who, work, work_dir / f"{who}-{i}", pythons[who], a.timeout))
@@ -201,16 +245,29 @@ def main() -> int:
             break
 
     def pooled(who: str) -> dict[str, Any] | None:
-        steps = [s for r in result["rounds"] if who in r and r[who]["ok"]
-                 for s in r[who]["step_seconds"][a.warmup:]]
-        return {"median_step_s": statistics.median(steps), "samples_per_s": samples / statistics.median(steps),
-                "measured_steps": len(steps)} if steps else None
+        runs = [r[who] for r in result["rounds"] if who in r and r[who]["ok"]]
+        steps = [s for run in runs for s in run["step_seconds"][a.warmup:]]
+        if not steps:
+            return None
+        med = statistics.median(steps)
+        out = {"median_step_s": med, "min_step_s": min(steps), "max_step_s": max(steps),
+               "samples_per_s": samples / med, "measured_steps": len(steps), "runs": len(runs)}
+        rates = [t / s for run in runs for st, s in zip(run.get("steps", [])[a.warmup:], run["step_seconds"][a.warmup:])
+                 if (t := generated_tokens(st, samples))]
+        if rates:
+            out.update(tokens_per_s_median=statistics.median(rates), tokens_per_s_min=min(rates),
+                       tokens_per_s_max=max(rates))
+        return out
 
     result["overall"] = {who: pooled(who) for who in ["ours", *pythons]}
     for peer in pythons:
         if result["overall"]["ours"] and result["overall"][peer]:
             result["overall"][f"samples_per_s_ratio_ours_to_{peer}"] = (result["overall"]["ours"]["samples_per_s"]
                                                                         / result["overall"][peer]["samples_per_s"])
+            o, q = result["overall"]["ours"], result["overall"][peer]
+            if "tokens_per_s_median" in o and "tokens_per_s_median" in q:
+                result["overall"][f"tokens_per_s_ratio_ours_to_{peer}"] = (o["tokens_per_s_median"]
+                                                                           / q["tokens_per_s_median"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["overall"], indent=2))
