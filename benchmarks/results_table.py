@@ -104,7 +104,7 @@ def _outcome(v: dict[str, Any]) -> str:
     if v.get("outcome") is not None:
         return f"exact match {v['outcome']:.3f} at step {v.get('outcome_step') or 0:.0f}; run {v.get('wall_s') or 0:.0f} s"
     if v.get("samples_s") is not None:
-        return f"{v['samples_s']:.1f} samples/s"
+        return f"{v['samples_s']:.1f} samples/s" + (f"; {v['outcome_text']}" if v.get("outcome_text") else "")
     return str(v.get("outcome_text") or "")
 
 

@@ -31,7 +31,10 @@ colocated layout (trainer and engine share the GPU, weights over CUDA IPC, the e
 mode keeps it: ``placement.colocatedSleep: false``), TRL with ``vllm_mode="colocate"`` and its defaults
 otherwise. TRL 1.16.0 supports vLLM 0.22-0.31 and the runtime vLLM >= 0.28, so the GPU comparison runs on a
 vLLM in 0.28-0.31, e.g. 0.31.0 (staged with ``hack/gpu-stage.py --vllm 0.31.0 --with trl==1.16.0``). The
-comparison of 2026-11-24 in benchmarks/results/learning/README.md ran on vLLM 0.24, which the runtime no longer supports::
+comparison of 2026-11-24 in benchmarks/results/learning/README.md ran on vLLM 0.24, which the runtime no longer supports.
+At a realistic size (``--prompt-tokens``, ``--sleep``, ``--gradient-checkpointing``, ``--compile``,
+``--cuda-graphs``; ``hack/gpu/loop-vs-trl.sh``) one round fits a device call: run it once per call with ``--order``
+alternating and pool the results with ``--merge``::
 
     . benchmarks/gpu_env.sh /tmp/site-0.31.0 && CUDA_VISIBLE_DEVICES=0 python3 benchmarks/trl_peer.py \
         --trl-python python3 --gpu qwen2-0.5b --kind nvidia-h200-x2 --out $OUT/trl_peer_gpu.json
@@ -142,8 +145,8 @@ def run_peer(peer: str, work: dict[str, Any], dirpath: Path, python: str, timeou
 def generated_tokens(step: dict[str, Any], samples: int) -> float | None:
     """The tokens a step generated: ours from its rollout rate and time, TRL's from its mean completion length."""
     tp = step.get("throughput")
-    if tp:
-        return tp.get("rollout_tokens_per_second", 0.0) * tp.get("rollout_seconds", 0.0) or None
+    if tp:  # the progress file's names
+        return tp.get("rolloutTokensPerSecond", 0.0) * tp.get("rolloutSeconds", 0.0) or None
     mean = (step.get("logs") or {}).get("completions/mean_length")
     return mean * samples if mean else None
 
@@ -160,6 +163,62 @@ def summary(run: dict[str, Any], warmup: int, samples: int) -> dict[str, Any] | 
         out.update(tokens_per_s_median=statistics.median(rates), tokens_per_s_min=min(rates),
                    tokens_per_s_max=max(rates))
     return out
+
+
+def pooled(rounds: list[dict[str, Any]], who: str, warmup: int, samples: int) -> dict[str, Any] | None:
+    """``who``'s steps after ``warmup`` over every round it ran in: median step (min-max), samples/s, tokens/s."""
+    runs = [r[who] for r in rounds if who in r and r[who]["ok"]]
+    steps = [s for run in runs for s in run["step_seconds"][warmup:]]
+    if not steps:
+        return None
+    med = statistics.median(steps)
+    out = {"median_step_s": med, "min_step_s": min(steps), "max_step_s": max(steps),
+           "samples_per_s": samples / med, "measured_steps": len(steps), "runs": len(runs)}
+    rates = [t / s for run in runs for st, s in zip(run.get("steps", [])[warmup:], run["step_seconds"][warmup:])
+             if (t := generated_tokens(st, samples))]
+    if rates:
+        out.update(tokens_per_s_median=statistics.median(rates), tokens_per_s_min=min(rates),
+                   tokens_per_s_max=max(rates))
+    tps = [st["throughput"] for run in runs for st in run.get("steps", [])[warmup:] if st.get("throughput")]
+    for key, name in (("rolloutSeconds", "rollout_s"), ("trainSeconds", "train_s"), ("weightSyncSeconds", "sync_s"),
+                      ("rolloutTokensPerSecond", "rollout_tokens_per_s"), ("mfu", "mfu")):
+        xs = [tp[key] for tp in tps if isinstance(tp.get(key), int | float)]
+        if xs:  # ours: the progress file's split of the step
+            out[f"{name}_median"] = statistics.median(xs)
+    return out
+
+
+def overall(rounds: list[dict[str, Any]], warmup: int, samples: int, peers: list[str]) -> dict[str, Any]:
+    """Every side pooled over ``rounds`` and the ratios ours / peer of samples/s and of generated tokens/s."""
+    out: dict[str, Any] = {who: pooled(rounds, who, warmup, samples) for who in ["ours", *peers]}
+    for peer in peers:
+        o, q = out["ours"], out[peer]
+        if o and q:
+            out[f"samples_per_s_ratio_ours_to_{peer}"] = o["samples_per_s"] / q["samples_per_s"]
+            if "tokens_per_s_median" in o and "tokens_per_s_median" in q:
+                out[f"tokens_per_s_ratio_ours_to_{peer}"] = o["tokens_per_s_median"] / q["tokens_per_s_median"]
+    return out
+
+
+def merge(files: list[str], out: str, warmup: int) -> int:
+    """One result from several runs of this script on the same work (one round per device call): their rounds in
+    the order given, pooled as one run's."""
+    docs = [json.loads(Path(f).read_text()) for f in files]
+    works = {json.dumps({k: v for k, v in d["work"].items() if k != "model"}, sort_keys=True) for d in docs}
+    if len(works) != 1:
+        raise SystemExit(f"the files ran different work: {sorted(works)}")
+    first = docs[0]
+    rounds = [r for d in docs for r in d["rounds"]]
+    peers = [p for p in PEERS if any(p in r for r in rounds)]
+    orders = [d["command"].split("--order ")[1].split()[0] for d in docs if "--order " in d["command"]]
+    result = {**first, "command": first["command"] + (f" (then again with --order {' / '.join(orders[1:])}: "
+                                                      f"{len(docs)} runs, merged by --merge)" if len(docs) > 1 else ""),
+              "commands": [d["command"] for d in docs], "dates": [d["date"] for d in docs],
+              "merged_from": [Path(f).name for f in files], "rounds": rounds,
+              "overall": overall(rounds, warmup, first["work"]["samples_per_step"], peers)}
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["overall"], indent=2))
+    return 0
 
 
 def main() -> int:
@@ -195,7 +254,11 @@ def main() -> int:
                    "weights) instead of the tiny CPU model")
     p.add_argument("--kind", default="cpu", help="the device kind, recorded in the results")
     p.add_argument("--timeout", type=float, help="seconds one system's run may take (then it failed)")
+    p.add_argument("--merge", nargs="+", metavar="RESULT", help="pool these results' rounds into --out (runs "
+                   "nothing)")
     a = p.parse_args()
+    if a.merge:
+        return merge(a.merge, a.out, a.warmup)
     pythons = {peer: py for peer, py in (("trl", a.trl_python), ("verl", a.verl_python)) if py}
     if not pythons:
         p.error("name at least one peer: --trl-python and/or --verl-python")
@@ -244,30 +307,7 @@ def main() -> int:
         if len(failed) == len(pythons):
             break
 
-    def pooled(who: str) -> dict[str, Any] | None:
-        runs = [r[who] for r in result["rounds"] if who in r and r[who]["ok"]]
-        steps = [s for run in runs for s in run["step_seconds"][a.warmup:]]
-        if not steps:
-            return None
-        med = statistics.median(steps)
-        out = {"median_step_s": med, "min_step_s": min(steps), "max_step_s": max(steps),
-               "samples_per_s": samples / med, "measured_steps": len(steps), "runs": len(runs)}
-        rates = [t / s for run in runs for st, s in zip(run.get("steps", [])[a.warmup:], run["step_seconds"][a.warmup:])
-                 if (t := generated_tokens(st, samples))]
-        if rates:
-            out.update(tokens_per_s_median=statistics.median(rates), tokens_per_s_min=min(rates),
-                       tokens_per_s_max=max(rates))
-        return out
-
-    result["overall"] = {who: pooled(who) for who in ["ours", *pythons]}
-    for peer in pythons:
-        if result["overall"]["ours"] and result["overall"][peer]:
-            result["overall"][f"samples_per_s_ratio_ours_to_{peer}"] = (result["overall"]["ours"]["samples_per_s"]
-                                                                        / result["overall"][peer]["samples_per_s"])
-            o, q = result["overall"]["ours"], result["overall"][peer]
-            if "tokens_per_s_median" in o and "tokens_per_s_median" in q:
-                result["overall"][f"tokens_per_s_ratio_ours_to_{peer}"] = (o["tokens_per_s_median"]
-                                                                           / q["tokens_per_s_median"])
+    result["overall"] = overall(result["rounds"], a.warmup, samples, list(pythons))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["overall"], indent=2))

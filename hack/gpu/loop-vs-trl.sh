@@ -28,4 +28,4 @@ python3 benchmarks/trl_peer.py --trl-python python3 --gpu qwen3-1.7b --kind "$(h
     --gradient-checkpointing --compile --cuda-graphs --timeout ${RUN_TIMEOUT:-280} > $OUT/run.log 2>&1
 echo "exit $?"
 tail -c 4000 $OUT/run.log
-tar czf $OUT/logs.tgz -C /tmp --exclude model rlhf-trl-peer-* 2>/dev/null
+tar czf $OUT/logs.tgz -C /tmp --exclude model $(cd /tmp && ls -d rlhf-trl-peer-*)
