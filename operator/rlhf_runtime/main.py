@@ -4,6 +4,7 @@ Invocation::
 
     python -m rlhf_runtime.driver --config /etc/rlhf/job.json      # or RLHF_JOB_CONFIG; console: rlhf-runtime
         [--local] [--num-cpus N]           # own local Ray instead of ray.init(address="auto")
+        [--address HOST:PORT]              # or join the Ray running on this machine there (ray start --head)
         [--kubeconfig PATH | --no-report]  # status reports (default: in-cluster config)
         [--validate]                       # validate the first weight sync (also spec.weightSync.validate)
         [--progress-file PATH] [--metrics-port PORT]   # or RLHF_PROGRESS_FILE / RLHF_METRICS_PORT (operator wiring)
@@ -64,6 +65,7 @@ class Options:
     config: str | None = None
     local: bool = False
     num_cpus: int | None = None
+    address: str | None = None
     kubeconfig: str | None = None
     report: bool = True
     validate: bool = False
@@ -76,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--config", default=os.environ.get(rc.CONFIG_ENV), help="RuntimeConfig JSON file")
     p.add_argument("--local", action="store_true", help="start a local Ray instead of joining a cluster")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray (default: one per actor + 1)")
+    p.add_argument("--address", help="run locally (as --local) in the Ray already running on this machine at "
+                   "HOST:PORT (`ray start --head` with the rlhf_* resources the job's bundles ask for) instead of "
+                   "starting one")
     p.add_argument("--kubeconfig", help="report through this kubeconfig instead of the in-cluster config")
     p.add_argument("--no-report", action="store_true", help="do not patch the RLHFJob status")
     p.add_argument("--validate", action="store_true",
@@ -83,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--progress-file", default=os.environ.get("RLHF_PROGRESS_FILE"))
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("RLHF_METRICS_PORT", "0")))
     a = p.parse_args(argv)
-    return Options(a.config, a.local, a.num_cpus, a.kubeconfig, not a.no_report, a.validate, a.progress_file,
-                   a.metrics_port)
+    return Options(a.config, a.local, a.num_cpus, a.address, a.kubeconfig, not a.no_report, a.validate,
+                   a.progress_file, a.metrics_port)
 
 
 def _report_bad_config(opts: Options, error: BaseException) -> int:
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None, classes: ActorClasses | None = None) -> 
     watchdog = Watchdog(lambda: runtime.progress_deadline if runtime else cfg.spec.progress_deadline_seconds,
                         expire)
     runtime = Runtime(cfg, reporter, watchdog, local=opts.local, num_cpus=opts.num_cpus, validate=opts.validate,
-                      classes=classes)
+                      classes=classes, address=opts.address)
     try:
         return run(runtime, reporter, watchdog)
     finally:

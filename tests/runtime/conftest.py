@@ -1,9 +1,11 @@
 """Shared fixtures of the runtime tier: a tiny model built once per session, job configs, driver runs.
 
-Every driver run is a real subprocess (``python -m rlhf_runtime.driver --local``) with its own local Ray, real
-vLLM (CPU) engines and the real ``gloo`` weight-transfer backend; nothing is mocked. ``hooks=True`` runs the
-same driver with the test hooks of ``rlhf_testing.driver`` (subclasses of the runtime's actors, handed in
-through its extension point).
+Every driver run is a real subprocess (``python -m rlhf_runtime.driver``) with real vLLM (CPU) engines and the
+real ``gloo`` weight-transfer backend; nothing is mocked. Its Ray is this pytest worker's (``shared_ray``: one
+``ray start --head`` per worker, joined with ``--address``), which spares every run Ray's own start; a run given an
+environment of its own (``env=``) starts a local Ray instead (``--local``), since only a Ray started by the driver
+passes the driver's environment on to the actors. ``hooks=True`` runs the same driver with the test hooks of
+``rlhf_testing.driver`` (subclasses of the runtime's actors, handed in through its extension point).
 """
 
 from __future__ import annotations
@@ -22,8 +24,49 @@ from typing import Any
 import pytest
 from rlhf_testing.tiny import tiny_job_spec
 
+from rlhf_api.groups import COLOCATED, ROLES, ROLLOUT, TRAINER, resource
 from rlhf_api.models import RuntimeConfig
 from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, free_port, wait_for
+
+#: Ray 2.60's `ray start --head` asks its clients for a token unless told otherwise: on loopback, no auth.
+SHARED_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+#: This worker's shared Ray, once ``shared_ray`` started it: its address.
+_SHARED_RAY: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray head on loopback for this pytest worker's driver runs, with every ``rlhf_*`` resource a test job's
+    bundles ask for (CPU jobs: one unit per pod, far below 64). In a process group of its own (``--block``): its
+    end ends every Ray process it started, and no other Ray on the machine."""
+    log = tmp_path_factory.mktemp("shared-ray") / "ray-start.log"
+    port = free_port()
+    resources = {resource(g): 64 for g in (TRAINER, ROLLOUT, COLOCATED, *ROLES)}
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
+           "--node-ip-address=127.0.0.1", "--num-cpus=4", f"--resources={json.dumps(resources)}",
+           "--include-dashboard=false", "--disable-usage-stats"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **LOADED_MACHINE_RAY_ENV, **SHARED_RAY_ENV})
+    try:
+        wait_for(lambda: proc.poll() is not None or "Ray runtime started" in log.read_text(), timeout=120,
+                 what="the shared Ray head to start")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        _SHARED_RAY.append(f"127.0.0.1:{port}")
+        yield _SHARED_RAY[-1]
+    finally:  # nothing in it outlives the session: no graceful stop (it waits out its processes' timeouts)
+        _SHARED_RAY.clear()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def ray_args(env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """How a driver run gets its Ray: this worker's shared one, or a local one where the run has an environment of
+    its own for its actors (``env``) or no shared Ray is up. The arguments and the environment to add."""
+    if env is None and _SHARED_RAY:
+        return ["--address", _SHARED_RAY[-1]], SHARED_RAY_ENV
+    return ["--local"], {}
 
 
 @pytest.fixture(scope="session")
@@ -152,16 +195,17 @@ RAY_DEATH_LINES = ("marked dead", "Health check failed", "Memory on the node", "
 
 def ray_record(driver_pid: int, per_kind: int = 3) -> str:
     """The lines of ``RAY_DEATH_LINES`` from the Ray session of the driver ``driver_pid`` (found by its core-worker
-    log's name) and from the kernel's log: the first ``per_kind`` of each kind with their count, or a line saying
-    there were none."""
+    log's name; in a shared Ray only those stamped from the driver's start on) and from the kernel's log: the first
+    ``per_kind`` of each kind with their count, or a line saying there were none."""
     lines: list[str] = []
     cores = sorted(Path("/tmp/ray").glob(f"session_*/logs/python-core-driver-*_{driver_pid}.log"),
                    key=lambda f: f.stat().st_mtime)
     for core in cores[-1:]:  # the newest: an older session's driver may have had the same pid
+        since = core.read_text(errors="replace")[:24]  # "[YYYY-MM-DD HH:MM:SS,mmm": Ray's stamps sort as text
         for name in ("gcs_server.out", "raylet.out"):
             f = core.parent / name
             if f.exists():
-                lines += [f"{name}: {ln}" for ln in f.read_text(errors="replace").splitlines()]
+                lines += [f"{name}: {ln}" for ln in f.read_text(errors="replace").splitlines() if ln[:24] >= since]
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         kernel = subprocess.run(["dmesg"], check=False, capture_output=True, text=True, timeout=10).stdout
         lines += [f"kernel: {ln}" for ln in kernel.splitlines()]
@@ -183,9 +227,11 @@ def start_driver(
     ``rlhf_testing.driver`` (``--skip-tensor``, ``--pause-after-tokens``)."""
     progress = tmp / f"{name}.progress.jsonl"
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **LOADED_MACHINE_RAY_ENV, **(env or {})}
+    ray, ray_env = ray_args(env)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **LOADED_MACHINE_RAY_ENV, **ray_env,
+           **(env or {})}
     module = "rlhf_testing.driver" if hooks else "rlhf_runtime.driver"
-    cmd = [sys.executable, "-m", module, "--config", str(config), "--local", "--no-report",
+    cmd = [sys.executable, "-m", module, "--config", str(config), *ray, "--no-report",
            "--progress-file", str(progress), *args]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -198,8 +244,10 @@ def start_reporting_driver(tmp: Path, config: Path, api: JobAPI, *args: str, nam
     """``start_driver`` that reports to ``api`` (``--kubeconfig``) instead of ``--no-report``."""
     progress = tmp / f"{name}.progress.jsonl"
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **LOADED_MACHINE_RAY_ENV, **(env or {})}
-    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), "--local",
+    ray, ray_env = ray_args(env)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", **LOADED_MACHINE_RAY_ENV, **ray_env,
+           **(env or {})}
+    cmd = [sys.executable, "-m", "rlhf_runtime.driver", "--config", str(config), *ray,
            "--kubeconfig", str(api.kubeconfig(tmp / "kubeconfig")), "--progress-file", str(progress), *args]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

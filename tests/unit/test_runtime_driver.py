@@ -429,3 +429,19 @@ def test_a_local_run_starts_a_ray_of_its_own_even_where_one_runs(cluster: Cluste
     rt.connect()
     assert [c["address"] for c in calls] == ["local"]
     assert calls[0]["resources"] == {k: v for k, v in rt.layout.totals().items() if k.startswith("rlhf_")}
+
+
+def test_a_run_given_an_address_joins_that_ray_and_stays_a_local_run(cluster: Cluster,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--address``: the Ray running at that address on this machine, joined without a Ray start of its own, and
+    still a local run (every actor here: the thread cap of a local run applies)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(sys.modules["ray"], "init", lambda **kw: calls.append(kw), raising=False)
+    cfg = RuntimeConfig(name="j", namespace="ns", spec={"model": {"name": "m"}, "image": "i",
+                                                        "data": {"prompts": ["p"]}, "reward": {"rule": "contains"}})
+    rt = Runtime(cfg, Reporter(), address="127.0.0.1:6379")
+    rt.connect()
+    assert [c["address"] for c in calls] == ["127.0.0.1:6379"]
+    assert "num_cpus" not in calls[0] and "resources" not in calls[0]
+    assert rt.local and rt.actors.thread_cap is not None
+    assert Runtime(cfg, Reporter()).actors.thread_cap is None

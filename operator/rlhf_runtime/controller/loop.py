@@ -63,13 +63,14 @@ def throughput(step_s: float, rollout_s: float, train_s: float, tokens: int, sam
 
 class Runtime:
     """One run. ``classes``: the actors' classes (``actors.ActorClasses``, the extension point for code
-    outside the package); ``local``: start a local Ray (``num_cpus``) instead of joining the cluster."""
+    outside the package); ``local``: every actor on this machine, in a Ray of its own (``num_cpus``) or, with
+    ``address``, in the Ray already running at that address on this machine, instead of joining the cluster."""
 
     def __init__(self, cfg: RuntimeConfig, reporter: Any, watchdog: Watchdog | None = None, *,
                  local: bool = False, num_cpus: int | None = None, validate: bool = False,
-                 classes: ActorClasses | None = None) -> None:
+                 classes: ActorClasses | None = None, address: str | None = None) -> None:
         self.cfg, self.spec, self.reporter = cfg, cfg.spec, reporter
-        self.local, self.num_cpus = local, num_cpus
+        self.local, self.num_cpus, self.address = local or address is not None, num_cpus, address
         # without a started watchdog (unit tests) nothing fires; the deadlines still bound every call
         self.watchdog = watchdog or Watchdog(lambda: self.progress_deadline, lambda message: None)
         self.total = self.spec.algorithm.steps  # live: spec.algorithm.steps (refresh_spec)
@@ -77,7 +78,7 @@ class Runtime:
         self.layout = compute_layout(self.spec)
         self.deadlines = Deadlines(float(self.spec.weight_sync.timeout_seconds), lambda: self.progress_deadline,
                                    self.watchdog)
-        self.actors = JobActors(cfg, self.layout, self.deadlines, classes, local)
+        self.actors = JobActors(cfg, self.layout, self.deadlines, classes, self.local)
         self.weights = WeightSync(self.spec, self.actors.trainers, self.actors.engines, self.actors.backend,
                                   lambda: self.actors.param_bytes)
         self.experience = Experience(self.spec, self.actors, self.recover_engines)
@@ -140,6 +141,9 @@ class Runtime:
         import ray
 
         env = {"env_vars": dict(self.actors.env)}
+        if self.address is not None:  # a running Ray (``ray start --head``) with the bundles' rlhf_* resources
+            ray.init(address=self.address, runtime_env=env, log_to_driver=True)
+            return
         if not self.local:
             try:
                 ray.init(address="auto", runtime_env=env, log_to_driver=True)
