@@ -19,7 +19,8 @@ others carry over into the next step's rollout and go on with whatever weights t
 ``maxStaleness`` is not trained: it is dropped, counted, and its prompt launched again as a fresh group, so every
 step still trains a full batch. A trajectory's oldest token is known once its first turn is back (``Oldest``), and
 later tokens are never older: a group still running whose oldest token is already past the bound is dropped then,
-its trajectories cancelled, instead of running its remaining turns for nothing.
+its trajectories cancelled (their engine calls too: the engines abort the turns' requests), instead of running
+its remaining turns for nothing.
 
 Pure Python.
 """

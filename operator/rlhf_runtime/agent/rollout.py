@@ -203,9 +203,12 @@ class AgentRollout:
         i = self.load.pick()
         self.load.start(i)
         sent = self.version()
+        call = self.engines[i].generate.remote([traj.ids()], {**self.sampling, "n": 1, "max_tokens": max_tokens})
         try:
-            out = await self.engines[i].generate.remote([traj.ids()], {**self.sampling, "n": 1,
-                                                                       "max_tokens": max_tokens})
+            out = await call
+        except asyncio.CancelledError:  # a dropped group's turn: the engine ends its request instead of finishing it
+            cancel_call(call)
+            raise
         finally:
             self.load.end(i)
         ids = list(out[0]["samples"][0])
@@ -264,3 +267,12 @@ class AgentRollout:
     def _slot(self) -> asyncio.Semaphore:
         assert self.sem is not None, "run() sets the concurrency bound"
         return self.sem
+
+
+def cancel_call(call: Any) -> None:
+    """Cancel an engine actor's call still running (a Ray ``ObjectRef``): the async actor's coroutine gets
+    ``CancelledError`` and the engine aborts the request (``requests_aborted`` counts them)."""
+    import ray
+
+    if isinstance(call, ray.ObjectRef):
+        ray.cancel(call)

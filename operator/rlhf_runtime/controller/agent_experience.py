@@ -224,7 +224,8 @@ class Group:
         return min((o.version for o in self.oldests if o.version is not None), default=None)
 
     def cancel(self) -> None:
-        """End the trajectories still running (their engines' turns in flight run out on their own)."""
+        """End the trajectories still running; a turn in flight is cancelled too and its engine aborts its request
+        (``agent.rollout.cancel_call``)."""
         for f in self.futures:
             f.cancel()
 

@@ -111,6 +111,11 @@ class PausableEngine(RolloutEngine, Protocol):
         """Continue the frozen requests (with the weights now in place)."""
         ...
 
+    def requests_aborted(self) -> int:
+        """How many requests ended unfinished because their ``generate`` call was cancelled (``ray.cancel``: a
+        partial rollout's dropped group), each aborted in vLLM at once rather than run to its end."""
+        ...
+
 
 @runtime_checkable
 class AdapterEngine(RolloutEngine, Protocol):

@@ -157,6 +157,12 @@ class AsyncEngineBase(EngineBase):
         super().__init__(options, build)
         self.version = 0  # bumped by resume() after a swap
         self._paused = False
+        self.aborted = 0  # requests ended unfinished because their caller cancelled the call
+
+    async def requests_aborted(self) -> int:
+        """How many requests this engine ended unfinished because their ``generate`` call was cancelled (a
+        partial rollout's dropped group)."""
+        return self.aborted
 
     async def _start_update(self) -> None:
         """vLLM's ``start_weight_update()`` on this engine."""

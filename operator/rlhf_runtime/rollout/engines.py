@@ -178,6 +178,8 @@ class AsyncEngine(AsyncEngineBase):
         await self.llm.start_weight_update()
 
     async def _one(self, prompt: list[int], sp: Any, rid: str) -> dict[str, Any]:
+        import asyncio
+
         latest: dict[int, Any] = {}  # sample index -> its newest (cumulative) output
         prompt_ids: list[int] = list(prompt)
         counts = self._live[rid] = [0] * sp.n
@@ -187,6 +189,9 @@ class AsyncEngine(AsyncEngineBase):
                 for c in out.outputs:
                     latest[c.index] = c
                     counts[c.index] = len(c.token_ids)
+        except asyncio.CancelledError:  # the call was cancelled (ray.cancel): AsyncLLM aborted the request
+            self.aborted += 1
+            raise
         finally:
             self._live.pop(rid, None)
             swap = self._swaps.pop(rid)

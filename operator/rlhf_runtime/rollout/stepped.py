@@ -31,12 +31,23 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from rlhf_runtime.rollout.base import AsyncEngineBase, llm_args, sampled_logprobs
 from rlhf_runtime.rollout.options import EngineOptions
 from rlhf_runtime.vllm import compat as vllm_compat
+
+
+def _settle(fut: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``fut`` unless its caller cancelled it meanwhile (then nobody waits for it)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class _Request:
@@ -156,12 +167,12 @@ class SteppedEngine(AsyncEngineBase):
                 req.counts[c.index] = len(c.token_ids)
             if out.finished:
                 del self._live[out.request_id]
-                req.future.set_result(req.result())
+                _settle(req.future, req.result())
 
     def _fail_live(self, error: BaseException) -> None:
         live, self._live = self._live, {}
         for req in live.values():
-            req.future.set_exception(error)
+            _settle(req.future, error=error)
         if self._pause_waiter is not None:
             self._pause_waiter[1].set_exception(error)
             self._pause_waiter = None
@@ -178,11 +189,11 @@ class SteppedEngine(AsyncEngineBase):
             self._drain()  # a batch still in flight holds (deferred) blocks
             self._stale_cache = not self.engine.reset_prefix_cache()
 
-    def _add(self, prompts: list[list[int]], sp: Any) -> list[Future[dict[str, Any]]]:
+    def _add(self, prompts: list[list[int]], sp: Any) -> list[tuple[str, Future[dict[str, Any]]]]:
         if self._error is not None:
             raise RuntimeError("the vLLM engine failed") from self._error
         self._maybe_reset_cache()  # never serve KV of the old weights to a prompt of the new ones
-        futures = []
+        added = []
         for prompt in prompts:
             rid = uuid.uuid4().hex
             req = self._live[rid] = _Request(list(prompt), sp.n)
@@ -191,8 +202,15 @@ class SteppedEngine(AsyncEngineBase):
             except BaseException:
                 del self._live[rid]
                 raise
-            futures.append(req.future)
-        return futures
+            added.append((rid, req.future))
+        return added
+
+    def _abort(self, rids: list[str]) -> None:
+        """End the requests ``rids`` still live (their caller cancelled the call): freed in the engine."""
+        gone = [rid for rid in rids if self._live.pop(rid, None) is not None]
+        if gone:
+            self.engine.abort_request(gone)
+            self.aborted += len(gone)
 
     def _check_pause(self) -> None:
         """Pause once the pending ``pause(after_tokens)`` condition holds (or nothing is live)."""
@@ -239,7 +257,7 @@ class SteppedEngine(AsyncEngineBase):
             live, self._live = self._live, {}
             self.engine.abort_request(list(live))
             for req in live.values():
-                req.future.set_result(req.result(abort=True))
+                _settle(req.future, req.result(abort=True))
         self._drain()
         self.llm.sleep(level=level)
 
@@ -263,8 +281,12 @@ class SteppedEngine(AsyncEngineBase):
         from vllm.sampling_params import RequestOutputKind
 
         sp = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sampling)
-        futures = await self._call(self._add, prompts, sp)
-        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        added = await self._call(self._add, prompts, sp)
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for _, f in added)))
+        except asyncio.CancelledError:  # the call was cancelled (ray.cancel): its requests end in the engine
+            self._submit(lambda: self._abort([rid for rid, _ in added]))
+            raise
 
     async def pause(self, after_tokens: int = 0) -> None:
         """Freeze in-flight requests; with ``after_tokens``, first let the engine step until some live sample
