@@ -40,6 +40,19 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def wait_generating(engine: int, trainer: int, timeout: float, window: float = 0.2) -> None:
+    """Until ``engine`` has burnt CPU through two windows of ``window`` s in a row in which ``trainer`` burnt none: the
+    rollout. In a weight sync both work (the trainer sends, the engine takes the weights in); in training only the
+    trainer does. CPU ticks, not wall time: what the machine's load does to the phases' lengths does not matter."""
+    deadline = time.monotonic() + timeout
+    in_a_row = 0
+    while in_a_row < 2:
+        assert time.monotonic() < deadline, f"engine {engine} never generated while the trainer idled for {timeout} s"
+        e, t = cpu_ticks(engine), cpu_ticks(trainer)
+        time.sleep(window)
+        in_a_row = in_a_row + 1 if cpu_ticks(engine) - e >= 3 and cpu_ticks(trainer) - t <= 1 else 0
+
+
 def signal_pid(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -143,12 +156,11 @@ def test_dead_engines_and_trainer_are_repaired_in_the_run_and_the_job_succeeds(t
         return [r["recovery"] for r in run.records() if "recovery" in r]
 
     try:
-        # 1. engine 1, mid-rollout: it has burnt CPU since the last step ended
+        # 1. engine 1, mid-rollout: generating while the trainer waits (not taking in a weight sync)
         wait_steps(run, 2, timeout=300, interval=0.05)
         first_pids = actors(run)[-1]
         victim1 = first_pids["engines"][1]
-        before = cpu_ticks(victim1)
-        wait_for(lambda: cpu_ticks(victim1) - before >= 20, timeout=60, what="engine 1 generating", interval=0.01)
+        wait_generating(victim1, first_pids["trainers"][0], timeout=120)
         os.kill(victim1, signal.SIGKILL)
         wait_for(lambda: len(recoveries()) >= 1, timeout=180, what="the first recovery", interval=0.05)
 
