@@ -1,7 +1,7 @@
-"""A cancelled ``generate`` call on the async engine actors (real Ray, real vLLM on CPU): ``ray.cancel`` on the call
-(what the multi-turn rollout does for a partial rollout's dropped group) ends its request in the engine, here while
-a pause for a weight sync holds it (so it cannot have finished first); the engine counts it and, resumed, serves the
-next call."""
+"""A cancelled ``generate`` call on the async engine actors (real Ray, real vLLM on CPU): ``cancel_call`` on the call
+(``ray.cancel``: what the multi-turn rollout does for a partial rollout's dropped group) ends its request in the
+engine, here while a pause for a weight sync holds it (so it cannot have finished first); the engine counts it and,
+resumed, serves the next call."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import json, sys, time
 import ray
 
 from rlhf_api.models import RLHFJobSpec
+from rlhf_runtime.agent.rollout import cancel_call
 from rlhf_runtime.infra import config as rc
 from rlhf_runtime.rollout.api import engine_class
 from rlhf_runtime.rollout.options import EngineOptions
@@ -38,7 +39,7 @@ def abort_one(name):
     ray.get(actor.ready.remote(), timeout=300)
     call = actor.generate.remote([[3, 4, 5]], {"n": 1, "max_tokens": 80, "temperature": 1.0, "seed": 0})
     ray.get(actor.pause.remote(after_tokens=2), timeout=120)  # the request live and frozen, as during a sync
-    ray.cancel(call)
+    cancel_call(call)  # what the multi-turn rollout does for a dropped group's turn
     try:
         ray.get(call, timeout=60)
         ended = "finished"
