@@ -28,7 +28,7 @@ from rlhf_api.groups import COLOCATED, ROLES, ROLLOUT, TRAINER, resource
 from rlhf_api.models import RuntimeConfig
 from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, free_port, wait_for
 
-#: Ray 2.60's `ray start --head` asks its clients for a token unless told otherwise: on loopback, no auth.
+#: Ray 2.60's `ray start --head` asks its clients for a token unless told otherwise: this worker's own head, no auth.
 SHARED_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 #: This worker's shared Ray, once ``shared_ray`` started it: its address.
 _SHARED_RAY: list[str] = []
@@ -36,14 +36,14 @@ _SHARED_RAY: list[str] = []
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray head on loopback for this pytest worker's driver runs, with every ``rlhf_*`` resource a test job's
+    """A Ray head on this machine for this pytest worker's driver runs, with every ``rlhf_*`` resource a test job's
     bundles ask for (CPU jobs: one unit per pod, far below 64). In a process group of its own (``--block``): its
     end ends every Ray process it started, and no other Ray on the machine."""
     log = tmp_path_factory.mktemp("shared-ray") / "ray-start.log"
     port = free_port()
     resources = {resource(g): 64 for g in (TRAINER, ROLLOUT, COLOCATED, *ROLES)}
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-           "--node-ip-address=127.0.0.1", "--num-cpus=4", f"--resources={json.dumps(resources)}",
+           "--num-cpus=4", f"--resources={json.dumps(resources)}",
            "--include-dashboard=false", "--disable-usage-stats"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
