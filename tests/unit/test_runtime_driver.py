@@ -445,3 +445,18 @@ def test_a_run_given_an_address_joins_that_ray_and_stays_a_local_run(cluster: Cl
     assert "num_cpus" not in calls[0] and "resources" not in calls[0]
     assert rt.local and rt.actors.thread_cap is not None
     assert Runtime(cfg, Reporter()).actors.thread_cap is None
+
+
+def test_rendezvous_ports_come_from_below_the_kernels_ephemeral_range() -> None:
+    """Rank 0's port is checked free, then listened on seconds later (after its imports): drawn from below the
+    ephemeral range, no outgoing connection on the node can take it meanwhile."""
+    from rlhf_runtime.controller.actors import node_address, port_range
+
+    assert port_range(1, (32768, 60999)) == (20000, 32767)
+    assert port_range(3, (32768, 60999)) == (20000, 32765)  # the run of consecutive ports stays below it too
+    assert port_range(1, (20500, 60999)) == (20000, 59999)  # too little room below: the whole span
+    assert port_range(1, None) == (20000, 59999)
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    first, last = port_range(2, (lo, hi))
+    _, base = node_address(2)
+    assert first <= base <= last and not lo <= base + 1 <= hi

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlhf_runtime.controller.deadlines import Deadlines
@@ -40,15 +41,35 @@ class ActorClasses:
     engine: type | None = None
 
 
+def port_range(ports: int, ephemeral: tuple[int, int] | None) -> tuple[int, int]:
+    """The first ports ``node_address`` may return: 20000 up to the kernel's ephemeral range (``ephemeral``, from
+    ``ip_local_port_range``), from which any outgoing connection on the node may take a port between the check and
+    the rank's listen; 20000-60000 where that range leaves too little room below it or is unknown."""
+    lo, hi = 20000, 60000 - ports
+    if ephemeral is not None and ephemeral[0] - ports - lo >= 1000:
+        return lo, ephemeral[0] - ports
+    return lo, hi
+
+
+def _ephemeral_ports() -> tuple[int, int] | None:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return None
+    return lo, hi
+
+
 def node_address(ports: int = 1) -> tuple[str, int]:
-    """(Ray task) This node's IP and the first of ``ports`` consecutive TCP ports that are free on it."""
+    """(Ray task) This node's IP and the first of ``ports`` consecutive TCP ports that are free on it
+    (``port_range``)."""
     import random
     import socket
 
     from ray.util import get_node_ip_address
 
+    first, last = port_range(ports, _ephemeral_ports())
     for _ in range(200):
-        base = random.randint(20000, 60000 - ports)
+        base = random.randint(first, last)
         socks = []
         try:
             for p in range(base, base + ports):
