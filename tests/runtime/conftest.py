@@ -113,6 +113,36 @@ def job_config(model: Path, **over: Any) -> dict[str, Any]:
     return spec
 
 
+#: The start of a script run by ``engine_script``: the job spec (argv[1]) as the runtime reads it, its engine's
+#: keyword arguments and actor environment (``kw``, ``env``) and a local Ray of one CPU for the engine actors.
+ENGINE_SCRIPT_SETUP = r"""
+import json, sys, time
+
+import ray
+
+from rlhf_api.models import RLHFJobSpec
+from rlhf_runtime.infra import config as rc
+from rlhf_runtime.rollout.options import EngineOptions
+
+spec = RLHFJobSpec.model_validate(json.loads(sys.argv[1]))
+kw = rc.engine_kwargs(spec, spec.model.name, "gloo", "uni", gpu=False)
+env = rc.actor_env(spec, gpu=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+"""
+
+
+def engine_script(body: str, spec: dict[str, Any]) -> Any:
+    """Run ``ENGINE_SCRIPT_SETUP`` + ``body`` on ``spec`` in a process of its own (torch and vLLM stay out of pytest);
+    the JSON the script printed after ``RESULT ``. The actors' log lines reach its stdout too (Ray's
+    log_to_driver), also after the result at times: the last such line counts."""
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT_SETUP + body, json.dumps(spec)], capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def rank_results(worker: str, world: int, tmp: Path, args: str) -> list[Any]:
     """Run the code ``worker`` as ``world`` rank processes (``python -c worker <rank> <world> <port> <tmp>
     <args>``, one free rendezvous port) and return each rank's result: the JSON of its last stdout line; a rank that

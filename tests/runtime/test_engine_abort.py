@@ -5,32 +5,17 @@ resumed, serves the next call."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import job_config
+from tests.runtime.conftest import engine_script, job_config
 
 pytestmark = pytest.mark.runtime
 
 SCRIPT = r"""
-import json, sys, time
-
-import ray
-
-from rlhf_api.models import RLHFJobSpec
 from rlhf_runtime.agent.rollout import cancel_call
-from rlhf_runtime.infra import config as rc
 from rlhf_runtime.rollout.api import engine_class
-from rlhf_runtime.rollout.options import EngineOptions
-
-spec = RLHFJobSpec.model_validate(json.loads(sys.argv[1]))
-kw = rc.engine_kwargs(spec, spec.model.name, "gloo", "uni", gpu=False)
-env = rc.actor_env(spec, gpu=False)
-ray.init(address="local", num_cpus=1, include_dashboard=False)
 
 
 def abort_one(name):
@@ -66,12 +51,7 @@ finally:
 
 def test_a_cancelled_generate_is_aborted_in_the_engine_which_serves_on(tiny_model: Path) -> None:
     spec = job_config(tiny_model, rollout={"kvCacheMemoryGiB": 0.125})
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, (proc.stdout[-2000:], proc.stderr[-4000:])
-    results = json.loads(lines[-1][len("RESULT "):])
+    results = engine_script(SCRIPT, spec)
     for engine in ("asyncllm", "stepped"):  # engines.AsyncEngine (AsyncLLM), stepped.SteppedEngine (in-process)
         out = results[engine]
         assert out["ended"] == "cancelled" and out["aborted"] == 1, (engine, out)

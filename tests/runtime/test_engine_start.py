@@ -6,30 +6,17 @@ engine, which sizes its KV cache from the GPU memory it sees free, is built only
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import job_config
+from tests.runtime.conftest import engine_script, job_config
 
 pytestmark = pytest.mark.runtime
 
 SCRIPT = r"""
-import json, sys
-
-import ray
-
-from rlhf_api.models import RLHFJobSpec
-from rlhf_runtime.infra import config as rc
 from rlhf_runtime.rollout.engines import Engine
-from rlhf_runtime.rollout.options import EngineOptions
 
-spec = RLHFJobSpec.model_validate(json.loads(sys.argv[1]))
-kw = rc.engine_kwargs(spec, spec.model.name, "gloo", "uni", gpu=False)
-env = rc.actor_env(spec, gpu=False)
-ray.init(address="local", num_cpus=1, include_dashboard=False)
 try:
     actor = ray.remote(Engine).options(num_cpus=0, runtime_env={"env_vars": env}).remote(EngineOptions(kw, env), build=False)
     def probe(self):
@@ -56,13 +43,7 @@ finally:
 def test_an_engine_made_without_build_imports_vllm_and_builds_on_request(tiny_model: Path) -> None:
     # with rollout.kvCacheMemoryGiB (which lets a colocated GPU engine build beside the trainers): that KV cache
     spec = job_config(tiny_model, rollout={"kvCacheMemoryGiB": 0.125})
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    # the actor's own log lines reach this stdout too (Ray's log_to_driver), also after the result at times
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, (proc.stdout[-2000:], proc.stderr[-4000:])
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = engine_script(SCRIPT, spec)
     # made: vLLM imported in the actor's process, no engine yet
     assert out["before"]["vllm_imported"] and not out["before"]["has_llm"], out
     assert out["before"]["import_seconds"] > 0 and out["ready_before"] == 0.0, out
