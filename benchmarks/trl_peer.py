@@ -152,17 +152,8 @@ def generated_tokens(step: dict[str, Any], samples: int) -> float | None:
 
 
 def summary(run: dict[str, Any], warmup: int, samples: int) -> dict[str, Any] | None:
-    steps = run["step_seconds"][warmup:]
-    if not run["ok"] or not steps:
-        return None
-    med = statistics.median(steps)
-    out = {"measured_steps": len(steps), "median_step_s": med, "samples_per_s": samples / med}
-    rates = [t / s for st, s in zip(run.get("steps", [])[warmup:], steps)
-             if (t := generated_tokens(st, samples))]
-    if rates:  # one GPU: tokens/s is tokens/s/GPU
-        out.update(tokens_per_s_median=statistics.median(rates), tokens_per_s_min=min(rates),
-                   tokens_per_s_max=max(rates))
-    return out
+    """One run's steps after ``warmup`` (``pooled`` over this run alone)."""
+    return pooled([{"run": run}], "run", warmup, samples)
 
 
 def pooled(rounds: list[dict[str, Any]], who: str, warmup: int, samples: int) -> dict[str, Any] | None:
