@@ -6,9 +6,10 @@ colocated placement with sleeping engines, float32 master weights, gradient chec
 ``--prompts`` prompts x 8 samples of up to ``maxTokens`` tokens (a random model rarely samples its end token, so
 nearly every sample runs to the limit). A variant is ``NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]`` (OFFLOAD: the
 ``trainer.offloadDuringRollout`` value; FLAGS, comma-separated: ``graphs`` for CUDA graphs in the engine instead of
-``enforceEager``, ``compile`` for ``trainer.compile``). Per run it keeps the exit code, the Failed message, the memory plan (the
-progress file's actors record), and per step the step / rollout / train / sync seconds, rollout tokens/s, the
-trainer's memory (peak allocated in the step, allocated and reserved after it) and the offload's seconds and GiB.
+``enforceEager``, ``compile`` for ``trainer.compile``, ``fp8kv`` for ``rollout.kvCacheDtype: fp8``). Per run it
+keeps the exit code, the Failed message, the memory plan (the progress file's actors record), and per step the
+step / rollout / train / sync seconds, rollout tokens/s, the trainer's memory (peak allocated in the step,
+allocated and reserved after it) and the offload's seconds and GiB.
 
 Writes ``<out>/colocated_memory.json`` and prints a table.
 
@@ -50,7 +51,7 @@ def job(model: Path, name: str, util: float, offload: str, max_tokens: int, step
                     "maxTokensPerMicroBatch": 32768 if gpu else 256, "offloadDuringRollout": offload,
                     "compile": "compile" in flags, "resources": {"memory": "100Gi"}},
         "rollout": {"engines": 1, "gpuMemoryUtilization": util, "enforceEager": "graphs" not in flags,
-                    "maxModelLen": max_tokens + 256,
+                    "kvCacheDtype": "fp8" if "fp8kv" in flags else "auto", "maxModelLen": max_tokens + 256,
                     "sampling": {"temperature": 1.0, "maxTokens": max_tokens, "samplesPerPrompt": 8}},
         "placement": {"mode": "colocated" if gpu else "separate"},
         "weightSync": {"backend": "ipc" if gpu else "nccl"},
@@ -67,6 +68,9 @@ TRAIN_KEYS = ("gpu_peak_allocated_gib", "gpu_allocated_gib", "gpu_reserved_gib",
               "offload_gib", "reload_s", "train_s")
 
 
+FLAGS = frozenset({"graphs", "compile", "fp8kv"})
+
+
 def snake(k: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in k)
 
@@ -75,8 +79,8 @@ def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[
     """One driver run of ``variant`` (NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]); what its progress file recorded."""
     name, util, offload, max_tokens, steps, *rest = variant.split(":")
     flags = frozenset(f for f in (rest[0] if rest else "").split(",") if f)
-    if flags - {"graphs", "compile"}:
-        raise SystemExit(f"unknown flags {sorted(flags - {'graphs', 'compile'})} in {variant}: graphs, compile")
+    if flags - FLAGS:
+        raise SystemExit(f"unknown flags {sorted(flags - FLAGS)} in {variant}: {', '.join(sorted(FLAGS))}")
     spec = job(model, name, float(util), offload, int(max_tokens), int(steps), args.prompts, not args.cpu, flags)
     ran, records = harness.run_driver(spec, tmp, name=name, timeout=args.run_timeout)
     rc, wall, log = ran["exit"], ran["seconds"], ran["log"]
@@ -96,6 +100,25 @@ def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[
             result["steps"].append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
     result["log_tail"] = log.read_text(errors="replace").splitlines()[-30:] if rc else []
     return result
+
+
+def decode_read_floor(config: dict[str, Any], plan: dict[str, Any], prompt_tokens: int, max_tokens: int,
+                      fp8_kv: bool, read_write_bytes_per_s: float) -> dict[str, Any]:
+    """The least time the rollout's decode can take on this GPU when every sample runs to ``max_tokens``: each
+    decode step reads the engine's bfloat16 weights once and the keys and values of every live sequence's context
+    (its prompt and the tokens so far), in ``batch / sequences_at_once`` waves; those bytes over the bandwidth of a
+    device copy (read and write) on the same GPU. Prefill and the sampler are left out, so the floor is low."""
+    from rlhf_api.memory_plan import ModelShape
+
+    shape = ModelShape.from_config(config)
+    kv_tok = shape.kv_bytes_per_token(1 if fp8_kv else 2)
+    batch, at_once = plan["batch_sequences"], max(1, plan["sequences_at_once"])
+    waves = -(-batch // at_once)
+    context = max_tokens * prompt_tokens + max_tokens * (max_tokens - 1) // 2  # one sequence's reads, in tokens
+    kv = batch * context * kv_tok
+    weights = waves * max_tokens * 2 * shape.params
+    return {"kv_read_bytes": kv, "weight_read_bytes": weights, "waves": waves,
+            "seconds": round((kv + weights) / read_write_bytes_per_s, 2)}
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -132,7 +155,12 @@ def main() -> int:
     if args.build_only:  # in a process of its own: no CUDA context of this process stays on the GPU
         t0 = time.perf_counter()
         built = build_model(args.model_dir, not args.cpu)
-        print(json.dumps({"model": {**built, "seconds": round(time.perf_counter() - t0, 1)}, "device": device()}))
+        facts = {"model": {**built, "seconds": round(time.perf_counter() - t0, 1)}, "device": device()}
+        if not args.cpu:
+            from sync_floors import copy_floor
+
+            facts["device_copy"] = {k: v for k, v in copy_floor(4 * 2**30).items() if k != "samples"}
+        print(json.dumps(facts))
         return 0
     build = subprocess.run([sys.executable, __file__, "--build-only", "--out", str(args.out), "--model-dir",
                             str(args.model_dir)] + (["--cpu"] if args.cpu else []),
@@ -143,10 +171,27 @@ def main() -> int:
                               **json.loads(build.stdout.strip().splitlines()[-1]), "runs": []}
     for v in args.variants:
         result["runs"].append(run(args, tmp, args.model_dir, v))
+        with_floor(result, args.model_dir, v)
         harness.write_result(out, result)  # a cut run keeps what finished
         print(f"{v}: exit {result['runs'][-1]['exit_code']} in {result['runs'][-1]['wall_seconds']} s", flush=True)
     print(table(result["runs"]))
     return 0
+
+
+def with_floor(result: dict[str, Any], model: Path, variant: str) -> None:
+    """Adds the decode's read floor (``decode_read_floor``) to the last run, on a GPU, where its plan is known."""
+    run, copy = result["runs"][-1], result.get("device_copy")
+    if not copy or not run.get("memory_plan"):
+        return
+    from transformers import AutoTokenizer
+
+    name, _, _, max_tokens, _, *rest = variant.split(":")
+    prompt = job(model, name, 0.5, "never", 1, 1, 1, True)["data"]["prompts"][0]
+    prompt_tokens = len(AutoTokenizer.from_pretrained(str(model)).encode(prompt))
+    config = json.loads((model / "config.json").read_text())
+    run["decode_read_floor"] = {"prompt_tokens": prompt_tokens, **decode_read_floor(
+        config, run["memory_plan"], prompt_tokens, int(max_tokens), "fp8kv" in (rest[0] if rest else ""),
+        2 * copy["bytes"] / copy["copy_s"])}
 
 
 def device() -> dict[str, Any]:

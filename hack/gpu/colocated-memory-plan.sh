@@ -4,15 +4,17 @@
 #   python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages hack/gpu/image-freeze.txt --skip nvidia-cudnn-cu13 \
 #       --skip nvidia-cublas --skip nvidia-cusparselt-cu13 --out .stage/vllm-0.33.0-lean --kind nvidia-h100-x1
 # and its device commands (the last one installs into /tmp/site-0.33.0).
-# Usage, from the repository root: [RUN_TIMEOUT=seconds per driver run] bash hack/gpu/colocated-memory-plan.sh VARIANT...
-#   VARIANT: NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS (benchmarks/colocated_memory.py --variants)
+# Usage, from the repository root: [RUN_TIMEOUT=seconds per driver run] [SITE=/tmp/site-0.31.0 for a 0.31.0 staging]
+#     bash hack/gpu/colocated-memory-plan.sh VARIANT...
+#   VARIANT: NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS] (benchmarks/colocated_memory.py --variants)
 # Leaves colocated_memory.json, run.log, nvidia-smi.txt and the drivers' logs and progress files (logs.tgz) in $OUT.
 set -u
-. benchmarks/gpu_env.sh /tmp/site-0.33.0
+SITE=${SITE:-/tmp/site-0.33.0}
+. benchmarks/gpu_env.sh $SITE
 # The lean staging leaves cuDNN to the image (9.19; torch 2.14 is built against 9.24): torch's variable-length
 # attention asks cuDNN for its version and fails the trainer's first step. Take its FlashAttention path instead.
 sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' \
-    /tmp/site-0.33.0/torch/nn/attention/varlen.py
+    $SITE/torch/nn/attention/varlen.py
 export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
 python3 benchmarks/colocated_memory.py --out $OUT --run-timeout ${RUN_TIMEOUT:-540} --variants "$@" > $OUT/run.log 2>&1

@@ -307,7 +307,7 @@ def plan(spec: RLHFJobSpec, shape: ModelShape, gpu_total: int, measured: Measure
                 "trainer_process": TRAINER_PROCESS_BYTES, **({"gathered_params": state.gathered} if state.gathered
                                                               else {}),
                 **(asleep if sleeps else {**engine, "engine_process": ENGINE_PROCESS_BYTES})}
-    kv_tok = shape.kv_bytes_per_token(b, tp)
+    kv_tok = shape.kv_bytes_per_token(1 if r.kv_cache_dtype == "fp8" else b, tp)
     batch = spec.algorithm.prompts_per_step * r.sampling.samples_per_prompt
     per_engine = -(-batch // r.engines)
     seqs = min(per_engine, engine["kv_cache"] // max(1, kv_tok * r.sampling.max_tokens))

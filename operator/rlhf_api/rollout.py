@@ -58,6 +58,13 @@ class Rollout(Model):
         "the memory the trainer leaves); the trainer, the engine's weights, its activations and this cache must "
         "then fit each GPU. vLLM still checks at its start that gpuMemoryUtilization of the GPU is free.",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="The KV cache's element type (vLLM's kv_cache_dtype). auto: the model's dtype. fp8: 8-bit "
+        "keys and values (e4m3 on CUDA, unscaled): half the cache bytes per token, so twice the sequences fit and a "
+        "long decode reads half the attention bytes. The engine's log-probabilities then drift further from the "
+        "trainer's; algorithm.rolloutCorrection weighs that drift and every step reports it (mismatch_kl).",
+    )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
     expert_parallel: bool = Field(
         False,

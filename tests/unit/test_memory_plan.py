@@ -110,6 +110,14 @@ def test_the_recorded_trainer_after_step_1_refuses_075_and_accepts_055() -> None
     assert ok.fits and abs(ok.sequences_at_once - 85) <= 2 and ok.batch_sequences == 128
 
 
+def test_an_fp8_kv_cache_holds_twice_the_tokens_of_a_bfloat16_one() -> None:
+    m = Measured(H100, int(28.3e9) - int(1.5 * GIB), 12 * SHAPE.params)
+    bf16 = plan(job(0.55, 4096), SHAPE, H100, m)
+    fp8 = plan(job(0.55, 4096, rollout={"kvCacheDtype": "fp8"}), SHAPE, H100, m)
+    assert fp8.kv_cache == bf16.kv_cache and fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token
+    assert bf16.sequences_at_once < 128 and fp8.sequences_at_once == 128  # 85 of 128 in bfloat16 (above)
+
+
 def test_auto_offload_makes_075_fit_where_the_pods_memory_holds_the_state() -> None:
     p = plan(job(0.75, offload="auto"), SHAPE, H100)
     assert p.fits and p.offload

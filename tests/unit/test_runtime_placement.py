@@ -429,6 +429,13 @@ def test_colocated_roles_release_the_gpu_cache_only_on_gpus(monkeypatch: pytest.
     assert released == [True]
 
 
+def test_the_kv_cache_dtype_goes_to_vllm_only_where_it_is_not_the_models() -> None:
+    assert "kv_cache_dtype" not in engine_kwargs(spec(), "m", "nccl", "uni", True)
+    assert engine_kwargs(spec(rollout={"kvCacheDtype": "fp8"}), "m", "nccl", "uni", True)["kv_cache_dtype"] == "fp8"
+    with pytest.raises(ValueError, match="kvCacheDtype"):
+        spec(rollout={"kvCacheDtype": "int4"})
+
+
 def test_explicit_kv_cache_size_goes_to_vllm_and_lets_colocated_engines_build_beside_the_trainers() -> None:
     from rlhf_api.models import RuntimeConfig
     from rlhf_runtime.controller.deadlines import Deadlines

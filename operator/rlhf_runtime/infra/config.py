@@ -165,6 +165,8 @@ def engine_kwargs(
         kw["max_model_len"] = r.max_model_len
     if r.kv_cache_memory_gib is not None:
         kw["kv_cache_memory_bytes"] = int(r.kv_cache_memory_gib * 2**30)
+    if r.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = r.kv_cache_dtype
     if engines_sleep(spec, gpu):
         kw["enable_sleep_mode"] = True
     if r.expert_parallel:
