@@ -1,0 +1,47 @@
+"""``benchmarks/tool_learning.py``: the supervised trajectories are the runtime's chat rendering with the loss on the
+assistant's own tokens, the problem sets are disjoint, and the summary reads the last evals of finished runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import tool_learning as m
+
+
+def test_the_loss_mask_covers_each_assistant_turn_to_its_end_token_and_nothing_else(tmp_path: Path) -> None:
+    from rlhf_testing.tiny_chat import build_chat_tokenizer
+    from transformers import AutoTokenizer
+
+    build_chat_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    schema = [{"type": "function", "function": {k: m.PYTHON_TOOL[k] for k in ("name", "description", "parameters")}}]
+    ids, mask = m.encode(tok, m.conversation(48, 73, "tools", "{}\n"), schema)
+    kept = [i for i, k in zip(ids, mask) if k]
+    assert tok.decode(kept) == ('<tool_call>{"name": "python", "arguments": {"code": "print(48*73)"}}</tool_call>'
+                                "<|im_end|>3504<|im_end|>")
+    text = tok.decode(ids)
+    assert "Tools:" in text and "<tool_response>\n3504\n\n</tool_response>" in text  # schema and observation
+    ids, mask = m.encode(tok, m.conversation(48, 73, "single", "{}\n"), None)
+    assert tok.decode([i for i, k in zip(ids, mask) if k]) == "3504<|im_end|>" and "Tools:" not in tok.decode(ids)
+
+
+def test_problem_sets_are_disjoint_and_of_the_digits_asked() -> None:
+    held = m.problems(2, 1, 50)
+    train = m.problems(2, 2, 500, frozenset(held))
+    assert len(set(held)) == 50 and not set(held) & set(train)
+    assert all(10 <= x < 100 and 10 <= y < 100 for x, y in held + train)
+
+
+def test_the_summary_takes_finished_runs_last_evals_and_keeps_the_start_apart() -> None:
+    def run(arm: str, lr: float, acc: float, code: int = 0) -> dict:
+        return {"arm": arm, "learning_rate": lr, "exit_code": code, "eval": [{"step": 1, "accuracy": 0.0},
+                                                                              {"step": 9, "accuracy": acc}]}
+
+    s = m.summary([run("tools", 1e-12, 0.1), run("single", 1e-12, 0.02), run("tools", 2e-5, 0.6),
+                   run("tools", 2e-5, 0.5), run("single", 2e-5, 0.1), run("single", 2e-5, 0.9, code=1)], 9)
+    assert s["tools_accuracy"] == 0.55 and s["single_turn_accuracy"] == 0.1  # the failed run left out
+    assert s["tools_accuracy_at_start"] == 0.1 and s["single_turn_accuracy_at_start"] == 0.02
+    assert abs(s["tools_over_single_turn"] - 5.5) < 1e-9
