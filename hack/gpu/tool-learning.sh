@@ -1,0 +1,17 @@
+#!/bin/bash
+# Multi-turn GRPO with the builtin python tool against the same budget single-turn (benchmarks/tool_learning.py)
+# on one GPU, after staging vLLM (e.g. python3 hack/gpu-stage.py --vllm 0.31.0 ... --print-commands: the last
+# call installs into /tmp/site-0.31.0). From the repository root, in one device call:
+#     [SITE=/tmp/site-0.31.0] [SEEDS=0] [STEPS=30] bash hack/gpu/tool-learning.sh
+# Leaves tool_learning_<gpu>.json, run.log and nvidia-smi.txt in $OUT.
+set -u
+SITE=${SITE:-/tmp/site-0.31.0}
+. benchmarks/gpu_env.sh $SITE
+f=$SITE/torch/nn/attention/varlen.py  # the lean staging's cuDNN: take torch's FlashAttention path (loop-vs-trl.sh)
+[ -f $f ] && sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' $f
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
+python3 benchmarks/tool_learning.py --out $OUT --seeds ${SEEDS:-0} --grpo-steps ${STEPS:-30} --prompts 32 \
+    --run-timeout ${RUN_TIMEOUT:-240} > $OUT/run.log 2>&1
+echo "exit $?"
+grep -v "Writing\|Loading" $OUT/run.log | tail -40
