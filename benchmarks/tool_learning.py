@@ -81,14 +81,17 @@ def conversation(a: int, b: int, arm: str, tool_output: str) -> list[dict[str, A
 
 
 def tool_output_format() -> str:
-    """What the runtime's python tool answers to ``print(n)``, with ``{}`` for n: asked of the runtime's own
-    isolated run, so that the supervised trajectories hold exactly the observation tokens GRPO's will."""
-    from rlhf_runtime.agent import isolation
+    """What the runtime's python tool answers to ``print(n)``, with ``{}`` for n: asked of the runtime's own tools,
+    as a rollout calls them, so that the supervised trajectories hold exactly the observation tokens GRPO's will."""
+    from rlhf_api.environment import Environment
+    from rlhf_runtime.agent.calls import Call
+    from rlhf_runtime.agent.tools import Tools
 
-    res = asyncio.run(isolation.run_python("print(12*34)", isolation.Limits(timeout_s=30)))
-    if res.error or "408" not in res.output:
-        raise SystemExit(f"the python tool did not run here: {res}")
-    return res.output.replace("408", "{}")
+    tools = Tools(Environment.model_validate({"tools": [PYTHON_TOOL]}))
+    out = asyncio.run(tools.call(Call("python", {"code": "print(12*34)"})))
+    if out.error or "408" not in out.text:
+        raise SystemExit(f"the python tool did not run here: {out}")
+    return out.text.replace("408", "{}")
 
 
 def encode(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:

@@ -47,8 +47,10 @@ ALLOWED_IMPORTS: dict[str, str] = {
     "rlhf_runtime.roles.batches.pack": "train_step's padding check packs as the trainer does",
     "rlhf_runtime.roles.batches.token_logprobs": "train_step's output-layer check calls the trainer's own",
     "rlhf_runtime.roles.batches.plan": "train_step's length mix is planned into micro-batches as the trainer does",
-    "rlhf_runtime.agent.tools.Tools": "sandbox_claims calls the builtin tools in sandboxes as a rollout does",
-    "rlhf_runtime.agent.calls.Call": "sandbox_claims' tool calls, as the rollout's parser makes them",
+    "rlhf_runtime.agent.tools.Tools": "sandbox_claims calls the builtin tools in sandboxes as a rollout does; "
+                                      "tool_learning asks the python tool for its answer's format",
+    "rlhf_runtime.agent.calls.Call": "sandbox_claims' and tool_learning's tool calls, as the rollout's parser "
+                                     "makes them",
     "rlhf_runtime.agent.sandbox.SandboxPool": "sandbox_claims claims with the runtime's own claim code, its "
                                               "client given the benchmark's identity (it runs outside a pod)",
     "rlhf_runtime.weight_sync.direct": "bench_actors' timeline of the direct NCCL sync hooks its groups; "
