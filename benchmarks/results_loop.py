@@ -30,6 +30,8 @@ def read_learning(doc: Doc) -> list[Row]:
     into their medians."""
     if not (isinstance(doc.get("runs"), list) and doc.get("task") and isinstance(doc.get("args"), dict)):
         return []
+    if isinstance(doc.get("summary"), dict) and "tools_accuracy" in doc["summary"]:
+        return []  # tool_learning.py's: read_tool_learning
     kind = gpu_kind(doc.get("device"))
     steps = doc["args"].get("grpo_steps")
     model = f"{doc['args'].get('layers')}-layer decoder, hidden {doc['args'].get('hidden')}"
@@ -51,6 +53,31 @@ def read_learning(doc: Doc) -> list[Row]:
         key = ("learning", doc["task"], steps, kind, values["side"], vllm_version(doc))
         rows.append(Row("learning", key, str(doc.get("date", ""))[:10], values, str(doc.get("command", "")),
                         merge=True))
+    return rows
+
+
+def read_tool_learning(doc: Doc) -> list[Row]:
+    """``tool_learning.py``: per arm (the python tool, single turn) the held-out accuracy after the last step, the
+    median over seeds (the summary's ``tools_accuracy`` / ``single_turn_accuracy``)."""
+    s, args = doc.get("summary"), doc.get("args")
+    if not (isinstance(s, dict) and "tools_accuracy" in s and isinstance(args, dict) and doc.get("task")):
+        return []
+    kind, rows = gpu_kind(doc.get("device")), []
+    for arm, key, side in (("tools", "tools_accuracy", "runtime, python tool"),
+                           ("single", "single_turn_accuracy", "runtime, single turn")):
+        runs = [r for r in doc.get("runs") or [] if isinstance(r, dict) and r.get("arm") == arm
+                and (num(r.get("learning_rate")) or 0) > 1e-9 and r.get("exit_code") == 0]
+        if s.get(key) is None or not runs:
+            continue
+        values = {"work": f"{doc['task']}, {s.get('grpo_steps')} GRPO steps",
+                  "model": f"{args.get('layers')}-layer chat decoder, hidden {args.get('hidden')}", "gpus": 1,
+                  "kind": kind, "side": side, "outcome": s[key], "outcome_step": s.get("grpo_steps"),
+                  "step_s": median_of([st.get("step_seconds") for r in runs for st in r.get("steps") or []
+                                       if isinstance(st, dict)]),
+                  "wall_s": median_of([r.get("wall_seconds") for r in runs]), "vllm": vllm_version(doc)}
+        rows.append(Row("learning", ("tool_learning", doc["task"], s.get("grpo_steps"), kind, side,
+                                     vllm_version(doc)), str(doc.get("date", ""))[:10], values,
+                        str(doc.get("command", ""))))
     return rows
 
 
@@ -194,12 +221,17 @@ def _colocated_memory_row(doc: Doc, run: Doc, kind: str | None, model: str) -> R
     which = f"medians of steps {used[0].get('step')}-{used[-1].get('step')}" if later else "step 1 only (start-up in it)"
     kv = (f"; plan: KV cache {plan.get('kv_cache_gib')} GiB, {plan.get('sequences_at_once')} of "
           f"{plan.get('batch_sequences')} sequences at once") if plan else ""
+    floor = run.get("decode_read_floor") if isinstance(run.get("decode_read_floor"), dict) else {}
+    rollout_s = med("rollout_seconds")
+    if num(floor.get("seconds")) and rollout_s:
+        kv += f"; rollout {floor['seconds'] / rollout_s:.0%} of its read floor ({floor['seconds']:.1f} s)"
     values = {
         "work": f"GRPO, length reward, {prompts.group(1) if prompts else 16} prompts x 8 x {max_tokens} tokens",
         "model": model, "gpus": None if kind == "CPU" else 1, "kind": kind, "side": "runtime",
         "layout": (f"colocated, gpuMemoryUtilization {util}, offloadDuringRollout {offload}{moved}, "
                    f"{'CUDA graphs' if 'graphs' in flags else 'eager'} engine, "
-                   f"{'compiled' if 'compile' in flags else 'eager'} trainer"),
+                   f"{'compiled' if 'compile' in flags else 'eager'} trainer"
+                   + (", fp8 KV cache" if "fp8kv" in flags else "")),
         "step_s": med("step_seconds"), "split": _split(rollout=med("rollout_seconds"), train=med("train_seconds")),
         "sync_ms": sync_s * 1e3 if sync_s is not None else None, "rollout_tps": med("rollout_tokens_per_second"),
         "mfu": med("mfu"), "vllm": (doc.get("device") or {}).get("vllm"),

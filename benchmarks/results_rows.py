@@ -19,6 +19,7 @@ from results_loop import (
     read_peer,
     read_ppo,
     read_rendered,
+    read_tool_learning,
 )
 
 
@@ -258,6 +259,7 @@ def read_sandbox_claims(doc: Doc) -> list[Row]:
 
 Reader = Callable[[Doc], list[Row]]
 READERS: tuple[Reader, ...] = (
-    read_sync, read_async, read_train_step, read_train_arms, read_rollout, read_learning, read_peer,
-    read_cpu_runtime, read_ppo, read_rendered, read_colocated_memory, read_operator_scale, read_sandbox_claims,
+    read_sync, read_async, read_train_step, read_train_arms, read_rollout, read_learning, read_tool_learning,
+    read_peer, read_cpu_runtime, read_ppo, read_rendered, read_colocated_memory, read_operator_scale,
+    read_sandbox_claims,
 )

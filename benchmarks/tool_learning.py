@@ -317,6 +317,7 @@ def main() -> int:
     data = {"train": write_prompts(tmp / "train.jsonl", train), "eval": write_prompts(tmp / "eval.jsonl", eval_pairs)}
     result["runs"] = []
     gpus = prov["device"]["gpus"]
+    result.update(device=gpus[0] if gpus and not a.cpu else "cpu", vllm=prov["device"]["versions"].get("vllm"))
     slug = "cpu" if a.cpu or not gpus else gpus[0].lower().replace("nvidia ", "").replace(" ", "-")
     out = a.out / f"tool_learning_{slug}.json"
     for arm in ARMS:

@@ -121,3 +121,39 @@ def test_a_colocated_memory_run_is_a_loop_row_of_its_later_steps(tmp_path: Path)
                              "engine, compiled trainer")
     assert "medians of steps 2-3" in row["Outcome"] and "128 of 128" in row["Outcome"] and row["GPUs"] == "1x H100"
     assert "`cm/suite.json`" not in text and "a suite's summary" in text
+
+
+def test_an_fp8_kv_run_says_so_and_how_near_its_rollout_came_to_the_read_floor(tmp_path: Path) -> None:
+    step = {"step_seconds": 50.0, "rollout_seconds": 32.0, "train_seconds": 18.0, "mfu": 0.33}
+    doc = {"command": "python3 benchmarks/colocated_memory.py --prompts 16 --variants fp8", "date": "2026-12-07",
+           "device": {"name": "NVIDIA H100 80GB HBM3", "total_gib": 79.18, "vllm": "0.31.0"}, "model": {"config": {}},
+           "runs": [{"variant": "fp8:0.55:auto:4096:3:graphs,compile,fp8kv", "exit_code": 0,
+                     "decode_read_floor": {"seconds": 24.0},
+                     "steps": [{**step, "step": 1}, {**step, "step": 2}, {**step, "step": 3}]}]}
+    (tmp_path / "cm").mkdir()
+    (tmp_path / "cm" / "colocated_memory.json").write_text(json.dumps(doc))
+    (row,) = _cells(rt.render(tmp_path), "fp8 KV cache")
+    row = dict(zip([h for h, _ in rt.COLUMNS["learning"]], row))
+    assert row["Layout"].endswith("compiled trainer, fp8 KV cache")
+    assert "rollout 75% of its read floor (24.0 s)" in row["Outcome"]
+
+
+def test_a_tool_learning_run_is_a_row_per_arm_of_its_held_out_accuracy(tmp_path: Path) -> None:
+    def run(arm: str, lr: float, wall: float) -> dict:
+        return {"arm": arm, "seed": 0, "learning_rate": lr, "exit_code": 0, "wall_seconds": wall,
+                "eval": [{"step": 30, "accuracy": 0.5}], "steps": [{"step": 1, "step_seconds": 2.0}]}
+
+    doc = {"command": "python3 benchmarks/tool_learning.py --out x", "date": "2026-12-07", "device": "NVIDIA H100",
+           "vllm": "0.31.0", "task": "3-digit x 3-digit multiplication, exact match",
+           "args": {"layers": 4, "hidden": 256, "grpo_steps": 30},
+           "summary": {"tools_accuracy": 0.42, "single_turn_accuracy": 0.03, "grpo_steps": 30},
+           "runs": [run("tools", 1e-12, 30.0), run("single", 1e-12, 20.0), run("tools", 2e-5, 120.0),
+                    run("single", 2e-5, 90.0)]}
+    (tmp_path / "tl").mkdir()
+    (tmp_path / "tl" / "tool_learning_h100.json").write_text(json.dumps(doc))
+    rows = {r[4]: r for r in _cells(rt.render(tmp_path), "multiplication")}
+    assert set(rows) == {"runtime, python tool", "runtime, single turn"}  # read once, not as a gpu_learning run
+    tools = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows["runtime, python tool"]))
+    single = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows["runtime, single turn"]))
+    assert tools["Outcome"] == "exact match 0.420 at step 30; run 120 s" and tools["GPUs"] == "1x H100"
+    assert single["Outcome"] == "exact match 0.030 at step 30; run 90 s"
