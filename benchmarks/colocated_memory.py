@@ -107,7 +107,8 @@ def decode_read_floor(config: dict[str, Any], plan: dict[str, Any], prompt_token
     """The least time the rollout's decode can take on this GPU when every sample runs to ``max_tokens``: each
     decode step reads the engine's bfloat16 weights once and the keys and values of every live sequence's context
     (its prompt and the tokens so far), in ``batch / sequences_at_once`` waves; those bytes over the bandwidth of a
-    device copy (read and write) on the same GPU. Prefill and the sampler are left out, so the floor is low."""
+    device copy (read and write) on the same GPU. Prefill and the sampler are left out, which makes the floor
+    low; samples that end before ``max_tokens`` read less than it counts, which makes it high."""
     from rlhf_api.memory_plan import ModelShape
 
     shape = ModelShape.from_config(config)
