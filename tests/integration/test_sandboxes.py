@@ -102,8 +102,14 @@ def test_template_pool_policy_claims_release_and_cleanup(cluster, api, operator,
     cluster.install_agent_sandbox()
     custom = client.CustomObjectsApi(api)
     apply(cluster, sandbox_job("box", runtimeClassName=None), namespace)
-    template = wait_for(lambda: custom.get_namespaced_custom_object(EXT, V, namespace, "sandboxtemplates",
-                                                                    "box-sandbox"), 300, "the SandboxTemplate")
+    try:
+        template = wait_for(lambda: custom.get_namespaced_custom_object(EXT, V, namespace, "sandboxtemplates",
+                                                                        "box-sandbox"), 300, "the SandboxTemplate")
+    except AssertionError as e:  # what the operator did with the job, for the failure's reader
+        lines = [ln for ln in operator.log.read_text(errors="replace").splitlines() if namespace in ln]
+        job = custom.get_namespaced_custom_object("rlhf.dev", "v1alpha1", namespace, "rlhfjobs", "box")
+        raise AssertionError(f"{e}\njob status: {json.dumps(job.get('status'))[:3000]}\noperator log on "
+                             f"{namespace}:\n" + "\n".join(lines[-60:])) from e
     pool = wait_for(lambda: custom.get_namespaced_custom_object(EXT, V, namespace, "sandboxwarmpools",
                                                                 "box-sandbox"), 30, "the SandboxWarmPool")
     for obj in (template, pool):
