@@ -16,3 +16,11 @@ export PYTHONPATH=$_site:$PWD/operator:/tmp/rlhf-entry-points PYTHONUNBUFFERED=1
        TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_NO_USAGE_STATS=1 \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset _site _meta
+# lean_staging SITE: a lean staging (hack/gpu-stage.py --skip nvidia-cudnn-cu13 ...) leaves cuDNN to the image, older
+# than the one the staged torch is built against: torch's variable-length attention would ask cuDNN for its version
+# and fail the trainer's first step. Take its FlashAttention path instead, and skip torch's cuDNN version check.
+lean_staging() {
+  local f=$1/torch/nn/attention/varlen.py
+  [ -f "$f" ] && sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' "$f"
+  export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+}

@@ -11,11 +11,7 @@
 set -u
 SITE=${SITE:-/tmp/site-0.33.0}
 . benchmarks/gpu_env.sh $SITE
-# The lean staging leaves cuDNN to the image (9.19; torch 2.14 is built against 9.24): torch's variable-length
-# attention asks cuDNN for its version and fails the trainer's first step. Take its FlashAttention path instead.
-sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' \
-    $SITE/torch/nn/attention/varlen.py
-export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+lean_staging $SITE  # the image's cuDNN 9.19; torch 2.14 is built against 9.24
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
 python3 benchmarks/colocated_memory.py --out $OUT --run-timeout ${RUN_TIMEOUT:-540} --variants "$@" > $OUT/run.log 2>&1
 echo "exit $?"

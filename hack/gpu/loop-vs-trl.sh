@@ -15,11 +15,7 @@
 # Leaves trl_peer.json, run.log, nvidia-smi.txt and the runs' logs (logs.tgz) in $OUT.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
-# The lean staging leaves cuDNN to the image: take torch's FlashAttention path for variable-length attention
-# rather than asking cuDNN for a version it was not built against.
-f=/tmp/site-0.31.0/torch/nn/attention/varlen.py
-[ -f $f ] && sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' $f
-export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+lean_staging /tmp/site-0.31.0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
 python3 benchmarks/trl_peer.py --trl-python python3 --gpu qwen3-1.7b --kind "$(head -1 $OUT/nvidia-smi.txt)" \
     --out $OUT/trl_peer.json --rounds ${ROUNDS:-1} --order ${ORDER:-ours-first} --steps ${STEPS:-4} --warmup 1 \

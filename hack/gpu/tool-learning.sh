@@ -7,9 +7,7 @@
 set -u
 SITE=${SITE:-/tmp/site-0.31.0}
 . benchmarks/gpu_env.sh $SITE
-f=$SITE/torch/nn/attention/varlen.py  # the lean staging's cuDNN: take torch's FlashAttention path (loop-vs-trl.sh)
-[ -f $f ] && sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' $f
-export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
+lean_staging $SITE
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
 python3 benchmarks/tool_learning.py --out $OUT --seeds ${SEEDS:-0} --grpo-steps ${STEPS:-30} --prompts 32 \
     --run-timeout ${RUN_TIMEOUT:-240} > $OUT/run.log 2>&1
