@@ -75,13 +75,19 @@ def snake(k: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in k)
 
 
-def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[str, Any]:
-    """One driver run of ``variant`` (NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]); what its progress file recorded."""
+def parse_variant(variant: str) -> tuple[str, float, str, int, int, frozenset[str]]:
+    """NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS] as (name, util, offload, max_tokens, steps, flags)."""
     name, util, offload, max_tokens, steps, *rest = variant.split(":")
     flags = frozenset(f for f in (rest[0] if rest else "").split(",") if f)
     if flags - FLAGS:
         raise SystemExit(f"unknown flags {sorted(flags - FLAGS)} in {variant}: {', '.join(sorted(FLAGS))}")
-    spec = job(model, name, float(util), offload, int(max_tokens), int(steps), args.prompts, not args.cpu, flags)
+    return name, float(util), offload, int(max_tokens), int(steps), flags
+
+
+def run(args: argparse.Namespace, tmp: Path, model: Path, variant: str) -> dict[str, Any]:
+    """One driver run of ``variant`` (``parse_variant``); what its progress file recorded."""
+    name, util, offload, max_tokens, steps, flags = parse_variant(variant)
+    spec = job(model, name, util, offload, max_tokens, steps, args.prompts, not args.cpu, flags)
     ran, records = harness.run_driver(spec, tmp, name=name, timeout=args.run_timeout)
     rc, wall, log = ran["exit"], ran["seconds"], ran["log"]
     result: dict[str, Any] = {"variant": variant, "exit_code": rc, "wall_seconds": round(wall, 1), "steps": []}
@@ -186,13 +192,12 @@ def with_floor(result: dict[str, Any], model: Path, variant: str) -> None:
         return
     from transformers import AutoTokenizer
 
-    name, _, _, max_tokens, _, *rest = variant.split(":")
+    name, _, _, max_tokens, _, flags = parse_variant(variant)
     prompt = job(model, name, 0.5, "never", 1, 1, 1, True)["data"]["prompts"][0]
     prompt_tokens = len(AutoTokenizer.from_pretrained(str(model)).encode(prompt))
     config = json.loads((model / "config.json").read_text())
     run["decode_read_floor"] = {"prompt_tokens": prompt_tokens, **decode_read_floor(
-        config, run["memory_plan"], prompt_tokens, int(max_tokens), "fp8kv" in (rest[0] if rest else ""),
-        2 * copy["bytes"] / copy["copy_s"])}
+        config, run["memory_plan"], prompt_tokens, max_tokens, "fp8kv" in flags, 2 * copy["bytes"] / copy["copy_s"])}
 
 
 def device() -> dict[str, Any]:

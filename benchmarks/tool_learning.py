@@ -80,14 +80,20 @@ def conversation(a: int, b: int, arm: str, tool_output: str) -> list[dict[str, A
             {"role": "tool", "content": tool_output.format(a * b)}, answer]
 
 
-def tool_output_format() -> str:
-    """What the runtime's python tool answers to ``print(n)``, with ``{}`` for n: asked of the runtime's own tools,
-    as a rollout calls them, so that the supervised trajectories hold exactly the observation tokens GRPO's will."""
+def runtime_tools() -> Any:
+    """The runtime's ``Tools`` of the GRPO runs' environment (the python tool), as a rollout holds them."""
     from rlhf_api.environment import Environment
-    from rlhf_runtime.agent.calls import Call
     from rlhf_runtime.agent.tools import Tools
 
-    tools = Tools(Environment.model_validate({"tools": [PYTHON_TOOL]}))
+    return Tools(Environment.model_validate({"tools": [PYTHON_TOOL]}))
+
+
+def tool_output_format(tools: Any) -> str:
+    """What the runtime's python tool answers to ``print(n)``, with ``{}`` for n: asked of the runtime's own
+    ``tools`` as a rollout calls them, so that the supervised trajectories hold exactly the observation tokens
+    GRPO's will."""
+    from rlhf_runtime.agent.calls import Call
+
     out = asyncio.run(tools.call(Call("python", {"code": "print(12*34)"})))
     if out.error or "408" not in out.text:
         raise SystemExit(f"the python tool did not run here: {out}")
@@ -187,8 +193,8 @@ def checkpoints(a: argparse.Namespace, tmp: Path, splits: dict[str, list[tuple[i
 
     init = build_tiny_chat_model(tmp / "init", "chatml", hidden_size=a.hidden, layers=a.layers, seed=a.seed)
     tok = AutoTokenizer.from_pretrained(str(init))
-    fmt = tool_output_format()
-    schema = [{"type": "function", "function": {k: PYTHON_TOOL[k] for k in ("name", "description", "parameters")}}]
+    tools = runtime_tools()
+    fmt, schema = tool_output_format(tools), tools.schemas()  # the schemas the runtime gives the chat template
     out: dict[str, Any] = {"tool_output_format": fmt}
     steps = None
     for arm in ARMS:

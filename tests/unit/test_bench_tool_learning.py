@@ -17,8 +17,9 @@ def test_the_loss_mask_covers_each_assistant_turn_to_its_end_token_and_nothing_e
 
     build_chat_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    schema = [{"type": "function", "function": {k: m.PYTHON_TOOL[k] for k in ("name", "description", "parameters")}}]
-    ids, mask = m.encode(tok, m.conversation(48, 73, "tools", "{}\n"), schema)
+    tools = m.runtime_tools()
+    assert m.tool_output_format(tools) == "{}\n"  # the runtime's python tool prints the product and a newline
+    ids, mask = m.encode(tok, m.conversation(48, 73, "tools", "{}\n"), tools.schemas())
     kept = [i for i, k in zip(ids, mask) if k]
     assert tok.decode(kept) == ('<tool_call>{"name": "python", "arguments": {"code": "print(48*73)"}}</tool_call>'
                                 "<|im_end|>3504<|im_end|>")
