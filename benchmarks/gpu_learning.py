@@ -55,6 +55,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "operator"))
+sys.path.insert(0, str(ROOT))
+import harness
 
 VOCAB = 64  # the character tokenizer's size (rlhf_testing.tiny.build_tokenizer)
 EOS, PAD = 3, 0
@@ -156,17 +158,8 @@ def supervised(a: argparse.Namespace, path: Path, train: list[tuple[str, str]], 
     max_new = a.digits + 2
     while step < a.sft_max_steps:
         step += 1
-        for g in opt.param_groups:
-            g["lr"] = a.sft_lr * min(1.0, step / 100)
         ids, mask = encode(tok, rng.sample(train, a.sft_batch), device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=not a.cpu):
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
-        loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask).sum() \
-            / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = harness.masked_lm_step(model, opt, ids, mask, a.sft_lr * min(1.0, step / 100), not a.cpu)
         if step % a.sft_eval_every == 0:
             model.eval()
             acc = greedy_accuracy(model, tok, held, device, max_new)

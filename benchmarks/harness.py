@@ -155,6 +155,25 @@ def build_model(path: Path, name: str, gpu: bool, head: str = "ForCausalLM", see
             "param_bytes": params * dtype.itemsize, "dtype": str(dtype).split(".")[-1]}
 
 
+def masked_lm_step(model: Any, opt: Any, ids: Any, mask: Any, lr: float, bf16: bool) -> Any:
+    """One supervised step of ``model``: the cross-entropy of each next token ``ids[:, 1:]`` where ``mask`` is 1
+    (the mean over those tokens), under bfloat16 autocast with ``bf16``, gradients clipped to norm 1, ``opt`` at
+    learning rate ``lr``; returns the loss as a tensor (read it only where it is needed: reading syncs the GPU)."""
+    import torch
+
+    for g in opt.param_groups:
+        g["lr"] = lr
+    with torch.autocast(ids.device.type, torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
+    loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask).sum() \
+        / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
 def cached_model(path: Path, name: str, gpu: bool) -> dict[str, Any]:
     """``build_model`` at ``path`` unless a run on this machine built it there (its ``info.json``); the facts, with
     ``reused`` and ``build_s``."""

@@ -158,17 +158,8 @@ def supervised(a: argparse.Namespace, path: Path, arm: str, train: list[Any], he
     limit = steps if steps is not None else a.sft_max_steps
     while step < limit:
         step += 1
-        for g in opt.param_groups:
-            g["lr"] = a.sft_lr * min(1.0, step / 50)
         ids, mask = batch_tensors(rng.sample(train, a.sft_batch), device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=not a.cpu):
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
-        loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask
-                ).sum() / mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = harness.masked_lm_step(model, opt, ids, mask, a.sft_lr * min(1.0, step / 50), not a.cpu)
         if step % a.sft_eval_every == 0 or step == limit:
             model.eval()
             acc = forced_accuracy(model, held, device)

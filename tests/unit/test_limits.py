@@ -31,7 +31,6 @@ _STAGER = "stages GPU wheels from a package index, which no test here reaches; n
 
 #: Modules over ``MAX_MODULE_LINES``, repository-relative, with why.
 LONG_MODULES: dict[str, str] = {
-    "benchmarks/gpu_learning.py": _SCRIPT,
     "hack/localcluster.py": _HARNESS,
     "hack/realnodes.py": _HARNESS,
 }
