@@ -38,8 +38,12 @@ def sandbox_job(name: str, **sandbox) -> dict:
     return job
 
 
+def rlhf_job(api, ns: str, name: str) -> dict:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object("rlhf.dev", "v1alpha1", ns, "rlhfjobs", name)
+
+
 def condition(api, ns: str, name: str, ctype: str = "SandboxesReady") -> dict | None:
-    job = client.CustomObjectsApi(api).get_namespaced_custom_object("rlhf.dev", "v1alpha1", ns, "rlhfjobs", name)
+    job = rlhf_job(api, ns, name)
     return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == ctype), None)
 
 
@@ -107,7 +111,7 @@ def test_template_pool_policy_claims_release_and_cleanup(cluster, api, operator,
                                                                         "box-sandbox"), 300, "the SandboxTemplate")
     except AssertionError as e:  # what the operator did with the job, for the failure's reader
         lines = [ln for ln in operator.log.read_text(errors="replace").splitlines() if namespace in ln]
-        job = custom.get_namespaced_custom_object("rlhf.dev", "v1alpha1", namespace, "rlhfjobs", "box")
+        job = rlhf_job(api, namespace, "box")
         raise AssertionError(f"{e}\njob status: {json.dumps(job.get('status'))[:3000]}\noperator log on "
                              f"{namespace}:\n" + "\n".join(lines[-60:])) from e
     pool = wait_for(lambda: custom.get_namespaced_custom_object(EXT, V, namespace, "sandboxwarmpools",
@@ -133,7 +137,7 @@ def test_template_pool_policy_claims_release_and_cleanup(cluster, api, operator,
     cond = wait_for(lambda: (c := condition(api, namespace, "box")) and c["reason"] == "Unschedulable" and c, 120,
                     "SandboxesReady False, Unschedulable")
     assert cond["status"] == "False" and "ephemeral-storage" in cond["message"], cond
-    job = custom.get_namespaced_custom_object("rlhf.dev", "v1alpha1", namespace, "rlhfjobs", "box")
+    job = rlhf_job(api, namespace, "box")
     assert job["status"]["sandbox"]["warmPool"] == "box-sandbox" and job["status"]["sandbox"]["replicas"] == 2
     assert job["status"]["sandbox"]["failure"] == cond["message"] and job["status"]["sandbox"]["ready"] == 0
     wait_for(lambda: any(e.reason == "Unschedulable" and e.type == "Warning" and e.involved_object.name == "box"
