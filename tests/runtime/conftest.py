@@ -27,6 +27,7 @@ from rlhf_testing.tiny import tiny_job_spec
 from rlhf_api.groups import COLOCATED, ROLES, ROLLOUT, TRAINER, resource
 from rlhf_api.models import RuntimeConfig
 from tests.helpers import LOADED_MACHINE_RAY_ENV, JobAPI, MLflowServer, free_port, wait_for
+from tests.s3 import S3Server
 
 #: Ray 2.60's `ray start --head` asks its clients for a token unless told otherwise: this worker's own head, no auth.
 SHARED_RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
@@ -100,6 +101,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init tiny Qwen2 with a chat tokenizer and a ChatML template with Hermes tool calls."""
     return built(tmp_path_factory, "tiny-chat-model", "rlhf_testing.tiny_chat:build_tiny_chat_model")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """S3Proxy (``tests/s3.py``) with a bucket for checkpoints and exports."""
+    server = S3Server(tmp_path_factory.mktemp("s3proxy"), buckets=("ckpt",)).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def job_config(model: Path, **over: Any) -> dict[str, Any]:

@@ -23,9 +23,12 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def test_ppo_with_critic_and_reward_model_learns_and_exports(tiny_model: Path, reward_model: Path,
-                                                               tmp_path: Path) -> None:
-    out = tmp_path / "out"
+def test_ppo_with_critic_and_reward_model_learns_exports_and_resumes(tiny_model: Path, reward_model: Path,
+                                                                      tmp_path: Path) -> None:
+    """PPO learns against a reward model (separate) with a critic (colocated) and a reference (separate), exports
+    and checkpoints; a second run on the same checkpoint volume, its critic now FSDP2 over two workers in a group
+    of their own and the reward model colocated, resumes the policy and every critic rank at the same step."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     spec = job_config(
         tiny_model,
         algorithm={"name": "ppo", "steps": 16, "promptsPerStep": 8, "learningRate": 3e-3, "klCoef": 0.01,
@@ -38,10 +41,11 @@ def test_ppo_with_critic_and_reward_model_learns_and_exports(tiny_model: Path, r
         data={"prompts": ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"],
               "eval": {"prompts": ["abc", "go", "q"]}, "evalEveryNSteps": 8},
         output={"volume": "out", "path": str(out), "everyNSteps": 8},
-        volumes=[{"name": "out", "emptyDir": {}}],
+        checkpoint={"volume": "ckpt", "path": str(ckpt), "everyNSteps": 8},
+        volumes=[{"name": "out", "emptyDir": {}}, {"name": "ckpt", "emptyDir": {}}],
         weightSync={"validate": True},
     )
-    run = start_driver(tmp_path, write_config(tmp_path / "job.json", spec))
+    run = start_driver(tmp_path, write_config(tmp_path / "job.json", spec), name="first")
     assert run.wait(timeout=600) == 0, run.tail()
     records = run.records()
     steps = run.steps()
@@ -64,6 +68,18 @@ def test_ppo_with_critic_and_reward_model_learns_and_exports(tiny_model: Path, r
     evals = [r["eval"] for r in records if "eval" in r]
     assert [e["step"] for e in evals] == [8, 16] and all(e["prompts"] == 3 for e in evals), evals
     assert records[-1]["runtime"]["state"] == "Succeeded"
+    assert (ckpt / "critic" / "step-00000016" / "state.json").is_file()
+
+    spec = {**{k: v for k, v in spec.items() if k != "output"}, "algorithm": {**spec["algorithm"], "steps": 18},
+            "critic": {"placement": "separate", "replicas": 2},
+            "reward": {"model": {"name": str(reward_model), "placement": "colocated"}},
+            "data": {k: v for k, v in spec["data"].items() if k not in ("eval", "evalEveryNSteps")}}
+    second = start_driver(tmp_path, write_config(tmp_path / "job2.json", spec), name="second")
+    assert second.wait(timeout=400) == 0, second.tail()
+    roles = next(r["roles"] for r in second.records() if "roles" in r)
+    assert [c["resumed_from"] for c in roles["critic"]] == [16, 16], roles
+    assert [r["step"] for r in second.steps()] == [17, 18]
+    assert (ckpt / "critic" / "step-00000018" / "state.json").is_file()
 
 
 @pytest.mark.parametrize("name,extra", [
@@ -84,30 +100,3 @@ def test_critic_free_algorithms_train_ten_steps(tiny_model: Path, tmp_path: Path
         assert r["throughput"]["referenceSeconds"] > 0 and r["sync"]["bytes"] > 0, r
     rewards = [r["throughput"]["rewardMean"] for r in steps]
     assert _mean(rewards[-3:]) > _mean(rewards[:3]), rewards
-
-
-def test_ppo_critic_is_checkpointed_and_resumed_with_the_policy(tiny_model: Path, reward_model: Path,
-                                                                tmp_path: Path) -> None:
-    """A PPO run checkpoints its critic (FSDP2 over two CPU critic workers in a group of their own) beside the
-    policy; a second run on the same checkpoint volume resumes both at the same step."""
-    ckpt = tmp_path / "ckpt"
-    spec = job_config(
-        tiny_model,
-        algorithm={"name": "ppo", "steps": 3, "learningRate": 3e-3},
-        rollout={"engines": 1, "tensorParallelSize": 1, "gpuMemoryUtilization": 0.05, "maxModelLen": 96,
-                 "sampling": {"temperature": 1.0, "maxTokens": 4, "samplesPerPrompt": 2}},
-        reward={"model": {"name": str(reward_model), "placement": "colocated"}},
-        critic={"placement": "separate", "replicas": 2},
-        checkpoint={"volume": "ckpt", "path": str(ckpt), "everyNSteps": 3},
-        volumes=[{"name": "ckpt", "emptyDir": {}}],
-    )
-    first = start_driver(tmp_path, write_config(tmp_path / "job.json", spec), name="first")
-    assert first.wait(timeout=400) == 0, first.tail()
-    assert (ckpt / "critic" / "step-00000003" / "state.json").is_file()
-    spec["algorithm"]["steps"] = 5
-    second = start_driver(tmp_path, write_config(tmp_path / "job2.json", spec), name="second")
-    assert second.wait(timeout=400) == 0, second.tail()
-    roles = next(r["roles"] for r in second.records() if "roles" in r)
-    assert [c["resumed_from"] for c in roles["critic"]] == [3, 3], roles
-    assert [r["step"] for r in second.steps()] == [4, 5]
-    assert (ckpt / "critic" / "step-00000005" / "state.json").is_file()

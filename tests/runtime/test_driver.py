@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_runtime.infra import checkpoint as ckpt
+from rlhf_runtime.infra import storage
 from tests.helpers import JobAPI, MLflowServer, wait_for
 from tests.runtime.conftest import job_config, start_driver, start_reporting_driver, write_config
+from tests.s3 import S3Server
 
 pytestmark = pytest.mark.runtime
 
@@ -118,11 +119,13 @@ TRACKED = ("train/loss", "train/kl", "train/entropy", "train/clip_fraction", "tr
 
 
 def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(
-        tiny_model: Path, tmp_path: Path, mlflow_server: MLflowServer) -> None:
+        tiny_model: Path, tmp_path: Path, mlflow_server: MLflowServer, s3: S3Server) -> None:
     """A driver killed mid-run (SIGKILL: no report, no cleanup); the next run on the same config resumes from the
-    newest checkpoint. Both report to the job's API, as in a pod: a ``job.json`` written by a newer operator
-    (keys this runtime does not know) is read with a warning, and a live edit of ``algorithm.steps`` ends the run
-    at the new total, acknowledged with the edit's generation.
+    newest checkpoint in the bucket (``spec.checkpoint.uri``: the driver's environment carries the endpoint and
+    credentials to the actors, as a pod's does), its checkpoints go on there and its final export
+    (``spec.output.uri``) is published there. Both runs report to the job's API, as in a pod: a ``job.json``
+    written by a newer operator (keys this runtime does not know) is read with a warning, and a live edit of
+    ``algorithm.steps`` ends the run at the new total, acknowledged with the edit's generation.
 
     Both runs track to TensorBoard, a real MLflow server and W&B (offline) at once (``spec.tracking``): the
     resumed run continues the MLflow run the first put in ``status.tracking``, TensorBoard's reader sees every
@@ -133,7 +136,7 @@ def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(
 
     from tests.unit.test_runtime_tracking import scalars, wandb_history
 
-    _killed_and_resumed(tiny_model, tmp_path, mlflow_server.wait())
+    _killed_and_resumed(tiny_model, tmp_path, mlflow_server.wait(), s3)
     client = MlflowClient(mlflow_server.uri)
     (exp,) = [e for e in client.search_experiments() if e.name == "tiny-exp"]
     (run,) = client.search_runs([exp.experiment_id])
@@ -157,12 +160,12 @@ def test_killed_driver_resumes_from_newest_checkpoint_and_takes_a_live_edit(
     assert all(key in second[total] for key in TRACKED)
 
 
-def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> None:
+def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str, s3: S3Server) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     from mlflow import MlflowClient
 
-    ckpt_dir = tmp_path / "ckpt"
+    uri, export = "s3://ckpt/driver-run", "s3://ckpt/driver-export"
     runs = tmp_path / "runs"
     prompts = ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"]
     # the data as a Parquet file with its own column name, one row too long for maxModelLen 96 - maxTokens 16
@@ -172,8 +175,9 @@ def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> No
         data={"prompts": None, "path": str(tmp_path / "train.parquet"), "promptField": "question"},
         algorithm={"steps": 500, "promptsPerStep": 16},
         rollout={"sampling": {"temperature": 1.0, "maxTokens": 16, "samplesPerPrompt": 8}},
-        checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
-        volumes=[{"name": "ckpt", "emptyDir": {}}, {"name": "runs", "emptyDir": {}}],
+        checkpoint={"uri": uri, "everyNSteps": 2, "storage": {"endpoint": s3.endpoint}},
+        output={"uri": export, "storage": {"endpoint": s3.endpoint}},
+        volumes=[{"name": "runs", "emptyDir": {}}],
         tracking={"tensorboard": {"volume": "runs", "path": str(runs / "tb")},
                   "mlflow": {"trackingUri": mlflow_uri, "experiment": "tiny-exp"},
                   "wandb": {"project": "tiny", "mode": "offline", "volume": "runs", "path": str(runs / "wb")},
@@ -186,15 +190,16 @@ def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> No
     cfg.write_text(json.dumps(raw))
     api = JobAPI("tiny", "default", "uid-1", raw["spec"])
     try:
-        first = start_reporting_driver(tmp_path, cfg, api, name="first")
+        first = start_reporting_driver(tmp_path, cfg, api, name="first", env=s3.env())
         first.kill_after_steps(5, total=500)
         run_id = api.status["tracking"]["mlflowRunId"]
         assert api.status["tracking"]["tensorboardDir"] == str(runs / "tb" / "tiny")
-        newest = ckpt.latest(ckpt_dir)
-        assert newest is not None and newest[0] >= 4, newest
+        with s3.environ():  # this process reads the bucket too
+            newest = storage.latest(uri)
+        assert newest is not None and newest[0] >= 4, (newest, first.tail())
         resumed = newest[0]
 
-        second = start_reporting_driver(tmp_path, cfg, api, name="second")
+        second = start_reporting_driver(tmp_path, cfg, api, name="second", env=s3.env())
         try:
             wait_for(lambda: second.proc.poll() is not None or len(second.steps()) >= 2, timeout=240,
                      what="2 steps of the resumed run", interval=0.05)
@@ -212,7 +217,12 @@ def _killed_and_resumed(tiny_model: Path, tmp_path: Path, mlflow_uri: str) -> No
     assert any(r["runtime"].get("resumedFromStep") == resumed for r in records)
     steps = [r["step"] for r in second.steps()]
     assert steps == list(range(resumed + 1, total + 1)), steps  # the counter continues, nothing is repeated
-    assert ckpt.latest(ckpt_dir)[0] == total
+    with s3.environ():
+        assert storage.latest(uri)[0] == total
+        assert storage.steps(uri) == [total - 2, total]  # the newest two kept, nothing torn left behind
+        files = storage.published(f"{export}/final")
+    assert files and "config.json" in files and any(f.endswith(".safetensors") for f in files), files
+    assert any((r.get("output") or {}).get("path") == f"{export}/final" for r in records), records[-1]
     reports = api.runtime_reports()
     assert reports[-1]["state"] == "Succeeded" and reports[-1]["observedGeneration"] == gen, reports[-1]
     assert reports[-1]["message"] == f"completed {total} steps"

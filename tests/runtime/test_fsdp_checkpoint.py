@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,16 +168,6 @@ def test_fsdp2_trainer_killed_while_saving_resumes_every_rank_from_the_newest_co
     assert [(r["step"], r["resumed_from"]) for r in resumed] == [(newest[0], newest[0])] * 2, (resumed, newest)
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """S3Proxy (``tests/s3.py``) with a bucket for the checkpoints."""
-    server = S3Server(tmp_path_factory.mktemp("s3proxy"), buckets=("ckpt",)).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _partial_steps(uri: str) -> list[int]:
     """Steps with objects in the bucket but no marker (a save in progress, or one killed)."""
     b = storage.Bucket(uri)
@@ -222,37 +212,6 @@ def test_fsdp2_ranks_killed_while_uploading_resume_from_the_newest_step_in_the_b
     storage.commit(storage.download(newest[1], tmp_path / "again"), uri, torn[-1] + 1, {"base_model": "m"})
     storage.prune(uri, keep=2)
     assert storage.steps(uri) == [newest[0], torn[-1] + 1], storage.steps(uri)
-
-
-def test_killed_driver_resumes_from_the_bucket(tiny_model: Path, tmp_path: Path, s3: S3Server) -> None:
-    """The whole runtime (a local Ray, the trainer actor, a vLLM engine) with spec.checkpoint.uri: the driver's
-    environment carries the endpoint and credentials to the actors, as the pods' does; SIGKILLed mid-run, the next
-    run on the same job resumes from the newest step in the bucket and its checkpoints go on there; its final
-    export (spec.output.uri) is published there too."""
-    uri = "s3://ckpt/driver-run"
-    spec = job_config(tiny_model, algorithm={"steps": 500},
-                      checkpoint={"uri": uri, "everyNSteps": 2, "storage": {"endpoint": s3.endpoint}})
-    cfg = write_config(tmp_path / "job.json", spec)
-    env = s3.env()
-    first = start_driver(tmp_path, cfg, name="first", env=env)
-    first.kill_after_steps(5, total=500)
-    with s3.environ():  # this process reads the bucket too
-        newest = storage.latest(uri)
-        assert newest is not None and newest[0] >= 4, (newest, first.tail())
-        resumed, total = newest[0], newest[0] + 2
-        export = "s3://ckpt/driver-export"  # spec.output.uri too: the final model goes to the bucket
-        write_config(cfg, {**spec, "algorithm": {**spec["algorithm"], "steps": total},
-                           "output": {"uri": export, "storage": {"endpoint": s3.endpoint}}})
-        second = start_driver(tmp_path, cfg, name="second", env=env)
-        assert second.wait(timeout=240) == 0, second.tail()
-        assert any(r["runtime"].get("resumedFromStep") == resumed for r in second.records()), second.tail()
-        assert [r["step"] for r in second.steps()] == list(range(resumed + 1, total + 1))
-        assert storage.latest(uri)[0] == total
-        assert storage.steps(uri) == [total - 2, total]  # the newest two kept, nothing torn left behind
-        files = storage.published(f"{export}/final")
-        assert files and "config.json" in files and any(f.endswith(".safetensors") for f in files), files
-        assert any((r.get("output") or {}).get("path") == f"{export}/final" for r in second.records()), \
-            second.records()[-1]
 
 
 CRITIC = r"""
