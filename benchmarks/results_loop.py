@@ -58,20 +58,27 @@ def read_learning(doc: Doc) -> list[Row]:
 
 def read_tool_learning(doc: Doc) -> list[Row]:
     """``tool_learning.py``: per arm (the python tool, single turn) the held-out accuracy after the last step, the
-    median over seeds (the summary's ``tools_accuracy`` / ``single_turn_accuracy``)."""
+    median over seeds (the summary's ``tools_accuracy`` / ``single_turn_accuracy``); for an arm whose runs all
+    stopped early (their time limit), its last eval and the step it was taken at."""
     s, args = doc.get("summary"), doc.get("args")
     if not (isinstance(s, dict) and "tools_accuracy" in s and isinstance(args, dict) and doc.get("task")):
         return []
     kind, rows = gpu_kind(doc.get("device")), []
     for arm, key, side in (("tools", "tools_accuracy", "runtime, python tool"),
                            ("single", "single_turn_accuracy", "runtime, single turn")):
-        runs = [r for r in doc.get("runs") or [] if isinstance(r, dict) and r.get("arm") == arm
-                and (num(r.get("learning_rate")) or 0) > 1e-9 and r.get("exit_code") == 0]
-        if s.get(key) is None or not runs:
-            continue
+        trained = [r for r in doc.get("runs") or [] if isinstance(r, dict) and r.get("arm") == arm
+                   and (num(r.get("learning_rate")) or 0) > 1e-9]
+        runs = [r for r in trained if r.get("exit_code") == 0]
+        outcome, at = s.get(key), s.get("grpo_steps")
+        if outcome is None or not runs:
+            evals = [e for r in trained for e in r.get("eval") or [] if isinstance(e, dict)]
+            if not evals:
+                continue
+            runs, outcome, at = trained, evals[-1].get("accuracy"), evals[-1].get("step")
+            side += f" (stopped at step {max(len(r.get('steps') or []) for r in trained)}: its time limit)"
         values = {"work": f"{doc['task']}, {s.get('grpo_steps')} GRPO steps",
                   "model": f"{args.get('layers')}-layer chat decoder, hidden {args.get('hidden')}", "gpus": 1,
-                  "kind": kind, "side": side, "outcome": s[key], "outcome_step": s.get("grpo_steps"),
+                  "kind": kind, "side": side, "outcome": outcome, "outcome_step": at,
                   "step_s": median_of([st.get("step_seconds") for r in runs for st in r.get("steps") or []
                                        if isinstance(st, dict)]),
                   "wall_s": median_of([r.get("wall_seconds") for r in runs]), "vllm": vllm_version(doc)}

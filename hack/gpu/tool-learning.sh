@@ -2,14 +2,14 @@
 # Multi-turn GRPO with the builtin python tool against the same budget single-turn (benchmarks/tool_learning.py)
 # on one GPU, after staging vLLM (e.g. python3 hack/gpu-stage.py --vllm 0.31.0 ... --print-commands: the last
 # call installs into /tmp/site-0.31.0). From the repository root, in one device call:
-#     [SITE=/tmp/site-0.31.0] [SEEDS=0] [STEPS=30] bash hack/gpu/tool-learning.sh
+#     [SITE=/tmp/site-0.31.0] [SEEDS=0] [STEPS=20] bash hack/gpu/tool-learning.sh
 # Leaves tool_learning_<gpu>.json, run.log and nvidia-smi.txt in $OUT.
 set -u
 SITE=${SITE:-/tmp/site-0.31.0}
 . benchmarks/gpu_env.sh $SITE
 lean_staging $SITE
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
-python3 benchmarks/tool_learning.py --out $OUT --seeds ${SEEDS:-0} --grpo-steps ${STEPS:-30} --prompts 32 \
-    --run-timeout ${RUN_TIMEOUT:-240} > $OUT/run.log 2>&1
+python3 benchmarks/tool_learning.py --out $OUT --seeds ${SEEDS:-0} --grpo-steps ${STEPS:-20} --prompts 32 \
+    --run-timeout ${RUN_TIMEOUT:-360} > $OUT/run.log 2>&1
 echo "exit $?"
 grep -v "Writing\|Loading" $OUT/run.log | tail -40

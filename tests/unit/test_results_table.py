@@ -157,3 +157,22 @@ def test_a_tool_learning_run_is_a_row_per_arm_of_its_held_out_accuracy(tmp_path:
     single = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows["runtime, single turn"]))
     assert tools["Outcome"] == "exact match 0.420 at step 30; run 120 s" and tools["GPUs"] == "1x H100"
     assert single["Outcome"] == "exact match 0.030 at step 30; run 90 s"
+
+
+def test_a_tool_learning_arm_stopped_by_its_time_limit_shows_its_last_eval_and_where_it_stopped(tmp_path: Path) -> None:
+    steps = [{"step": k, "step_seconds": 10.0} for k in range(1, 13)]
+    doc = {"command": "python3 benchmarks/tool_learning.py --out x", "date": "2026-12-07", "device": "NVIDIA H100",
+           "vllm": "0.31.0", "task": "3-digit x 3-digit multiplication, exact match",
+           "args": {"layers": 4, "hidden": 256, "grpo_steps": 30},
+           "summary": {"tools_accuracy": None, "single_turn_accuracy": 0.0, "grpo_steps": 30},
+           "runs": [{"arm": "tools", "seed": 0, "learning_rate": 2e-5, "exit_code": 124, "wall_seconds": 240.0,
+                     "eval": [{"step": 10, "accuracy": 0.75}], "steps": steps},
+                    {"arm": "single", "seed": 0, "learning_rate": 2e-5, "exit_code": 0, "wall_seconds": 30.0,
+                     "eval": [{"step": 30, "accuracy": 0.0}], "steps": steps}]}
+    (tmp_path / "tl").mkdir()
+    (tmp_path / "tl" / "tool_learning_h100.json").write_text(json.dumps(doc))
+    rows = {r[4]: r for r in _cells(rt.render(tmp_path), "multiplication")}
+    assert set(rows) == {"runtime, python tool (stopped at step 12: its time limit)", "runtime, single turn"}
+    tools = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows["runtime, python tool (stopped at step 12: its "
+                                                                    "time limit)"]))
+    assert tools["Outcome"] == "exact match 0.750 at step 10; run 240 s"
