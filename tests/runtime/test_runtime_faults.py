@@ -53,6 +53,23 @@ def wait_generating(engine: int, trainer: int, timeout: float, window: float = 0
         in_a_row = in_a_row + 1 if cpu_ticks(engine) - e >= 3 and cpu_ticks(trainer) - t <= 1 else 0
 
 
+def stop_while_generating(engine: int, trainer: int, timeout: float, hold: float = 3.0) -> None:
+    """SIGSTOP ``engine`` in a rollout that waits for it: stopped once ``wait_generating`` sees the rollout, it stays
+    stopped only if ``trainer`` then burns no CPU for ``hold`` s (the rollout cannot end without it). Where the
+    trainer trains instead, the engine had already returned its share: it is continued, and the next rollout tried."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_generating(engine, trainer, timeout=max(1.0, deadline - time.monotonic()))
+        os.kill(engine, signal.SIGSTOP)
+        before, until = cpu_ticks(trainer), time.monotonic() + hold
+        while time.monotonic() < until and cpu_ticks(trainer) - before < 20:
+            time.sleep(0.05)
+        if cpu_ticks(trainer) - before < 20:
+            return
+        os.kill(engine, signal.SIGCONT)
+        assert time.monotonic() < deadline, f"engine {engine} was never stopped inside a rollout in {timeout} s"
+
+
 def signal_pid(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -156,11 +173,11 @@ def test_dead_engines_and_trainer_are_repaired_in_the_run_and_the_job_succeeds(t
         return [r["recovery"] for r in run.records() if "recovery" in r]
 
     try:
-        # 1. engine 1, mid-rollout: generating while the trainer waits (not taking in a weight sync)
+        # 1. engine 1, mid-rollout: stopped while generating, the trainer waiting on the rollout; then killed
         wait_steps(run, 2, timeout=300, interval=0.05)
         first_pids = actors(run)[-1]
         victim1 = first_pids["engines"][1]
-        wait_generating(victim1, first_pids["trainers"][0], timeout=120)
+        stop_while_generating(victim1, first_pids["trainers"][0], timeout=180)
         os.kill(victim1, signal.SIGKILL)
         wait_for(lambda: len(recoveries()) >= 1, timeout=180, what="the first recovery", interval=0.05)
 
