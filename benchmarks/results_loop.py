@@ -59,7 +59,7 @@ def read_learning(doc: Doc) -> list[Row]:
 def read_tool_learning(doc: Doc) -> list[Row]:
     """``tool_learning.py``: per arm (the python tool, single turn) the held-out accuracy after the last step, the
     median over seeds (the summary's ``tools_accuracy`` / ``single_turn_accuracy``); for an arm whose runs all
-    stopped early (their time limit), its last eval and the step it was taken at."""
+    stopped early (their time limit, exit 124, or a failure), its last eval, the step it was taken at and why."""
     s, args = doc.get("summary"), doc.get("args")
     if not (isinstance(s, dict) and "tools_accuracy" in s and isinstance(args, dict) and doc.get("task")):
         return []
@@ -75,7 +75,9 @@ def read_tool_learning(doc: Doc) -> list[Row]:
             if not evals:
                 continue
             runs, outcome, at = trained, evals[-1].get("accuracy"), evals[-1].get("step")
-            side += f" (stopped at step {max(len(r.get('steps') or []) for r in trained)}: its time limit)"
+            codes = sorted({r.get("exit_code") for r in trained}, key=str)
+            why = "its time limit" if codes == [124] else f"exit {', '.join(map(str, codes))}"
+            side += f" (stopped at step {max(len(r.get('steps') or []) for r in trained)}: {why})"
         values = {"work": f"{doc['task']}, {s.get('grpo_steps')} GRPO steps",
                   "model": f"{args.get('layers')}-layer chat decoder, hidden {args.get('hidden')}", "gpus": 1,
                   "kind": kind, "side": side, "outcome": outcome, "outcome_step": at,
