@@ -62,9 +62,11 @@ def stop_while_generating(engine: int, trainer: int, timeout: float, hold: float
         wait_generating(engine, trainer, timeout=max(1.0, deadline - time.monotonic()))
         os.kill(engine, signal.SIGSTOP)
         before, until = cpu_ticks(trainer), time.monotonic() + hold
-        while time.monotonic() < until and cpu_ticks(trainer) - before < 20:
+        while time.monotonic() < until:
+            if cpu_ticks(trainer) - before >= 20:
+                break
             time.sleep(0.05)
-        if cpu_ticks(trainer) - before < 20:
+        else:
             return
         os.kill(engine, signal.SIGCONT)
         assert time.monotonic() < deadline, f"engine {engine} was never stopped inside a rollout in {timeout} s"

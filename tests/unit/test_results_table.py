@@ -172,7 +172,7 @@ def test_a_tool_learning_arm_stopped_by_its_time_limit_shows_its_last_eval_and_w
     (tmp_path / "tl").mkdir()
     (tmp_path / "tl" / "tool_learning_h100.json").write_text(json.dumps(doc))
     rows = {r[4]: r for r in _cells(rt.render(tmp_path), "multiplication")}
-    assert set(rows) == {"runtime, python tool (stopped at step 12: its time limit)", "runtime, single turn"}
-    tools = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows["runtime, python tool (stopped at step 12: its "
-                                                                    "time limit)"]))
+    stopped = "runtime, python tool (stopped at step 12: its time limit)"
+    assert set(rows) == {stopped, "runtime, single turn"}
+    tools = dict(zip([h for h, _ in rt.COLUMNS["learning"]], rows[stopped]))
     assert tools["Outcome"] == "exact match 0.750 at step 10; run 240 s"
