@@ -243,8 +243,10 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, arm: str, data: dict[str
         tp = r.get("throughput")
         if tp and (r.get("runtime") or {}).get("state") == "Running":
             steps_out.append({"step": r.get("step"), "reward_mean": tp.get("rewardMean"),
-                              "step_seconds": tp.get("stepSeconds"), **({"agent": r["agent"]} if r.get("agent")
-                                                                         else {})})
+                              "step_seconds": tp.get("stepSeconds"), "rollout_seconds": tp.get("rolloutSeconds"),
+                              "train_seconds": tp.get("trainSeconds"),
+                              **({"agent": r["agent"]} if r.get("agent") else {}),
+                              **({"agent_rollout": r["agent_rollout"]} if r.get("agent_rollout") else {})})
     out = {"arm": arm, "seed": seed, "learning_rate": lr, "exit_code": ran["exit"],
            "wall_seconds": round(ran["seconds"], 1), "eval": [{"step": s, "accuracy": v}
                                                               for s, v in sorted(evals.items())], "steps": steps_out}

@@ -140,8 +140,8 @@ def diagnostics(cluster: localcluster.Cluster, ns: str) -> str:
     return "\n".join(parts)
 
 
-def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int) -> dict:
-    job = cpu_job(cluster, shared, name, steps)
+def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int, *, trainers: int = 1) -> dict:
+    job = cpu_job(cluster, shared, name, steps, trainers=trainers)
     ckpt = shared / "ckpt" / ns / name
     ckpt.mkdir(parents=True, mode=0o777)
     for p in (shared / "ckpt", shared / "ckpt" / ns, ckpt):

@@ -204,7 +204,7 @@ def varlen_against_sdpa(monkeypatch: pytest.MonkeyPatch,
             out.append(o.transpose(0, 1))
         return torch.cat(out)
 
-    monkeypatch.setattr(attention, "_kernel", lambda: segmentwise)
+    monkeypatch.setattr(attention, "_kernel", lambda *_: segmentwise)
     model = tiny_lm()
     prompts, completions = samples(4)
     m = pack(prompts, completions, [0, 1, 2, 3], "cpu")
@@ -223,6 +223,32 @@ def test_varlen_attention_gets_each_sequences_boundaries(monkeypatch: pytest.Mon
     calls, lens, got, want = varlen_against_sdpa(monkeypatch, contextlib.nullcontext())
     assert calls and calls[0][:4] == ([0, *torch.tensor(lens).cumsum(0).tolist()], max(lens), (-1, 0), True)
     assert torch.allclose(got, want, atol=2e-5)
+
+
+def test_cpu_segments_attention_equals_sdpa_with_its_mask() -> None:
+    """On a CPU, ``rlhf_varlen`` runs causal SDPA over each packed sequence (``attention.segments``): the
+    log-probabilities and the gradients of a packed row equal SDPA's with its block-diagonal mask, and a forward
+    without boundaries (one sequence) equals SDPA's causal one."""
+    from rlhf_runtime.roles import attention
+
+    prompts, completions = samples(4)
+    m = pack(prompts, completions, [0, 1, 2, 3], "cpu")
+    results = []
+    for varlen in (False, True):
+        model = tiny_lm()
+        if varlen:
+            assert attention.use_varlen(model, torch.device("cpu"), torch.float32)
+            assert model.config._attn_implementation == attention.NAME
+        lp = token_logprobs(model, m)[0]
+        lp.sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        with torch.no_grad():
+            whole = model(input_ids=m.ids, use_cache=False).logits
+        results.append((lp.detach(), grads, whole))
+    (want, want_g, want_whole), (got, got_g, got_whole) = results
+    assert torch.allclose(got, want, atol=2e-5)
+    assert float((got_g - want_g).norm() / want_g.norm()) < 1e-4
+    assert torch.allclose(got_whole, want_whole, atol=2e-5)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

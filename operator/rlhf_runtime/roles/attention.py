@@ -1,23 +1,26 @@
-"""Variable-length attention for packed micro-batches on GPUs: ``rlhf_varlen``, a Hugging Face attention function.
+"""Variable-length attention for packed micro-batches: ``rlhf_varlen``, a Hugging Face attention function.
 
 A packed micro-batch (``roles.batches.pack``) is one row of several sequences. Hugging Face's SDPA path keeps
 attention inside each sequence with a block-diagonal ``[L, L]`` mask, which PyTorch's SDPA cannot run in its
 FlashAttention kernel: it computes the whole ``L x L`` product, so many short sequences packed into one row cost
-as much attention as one sequence of the row's length. ``rlhf_varlen`` runs PyTorch's own variable-length
-FlashAttention (``torch.nn.attention.varlen``, causal) over the sequences' boundaries
-(``cu_seq_lens_q``/``max_length_q``, which ``Packed.attn_kwargs`` passes through the model's forward), so a
-micro-batch costs the sum of its sequences' squares, and no mask is built.
+as much attention as one sequence of the row's length. ``rlhf_varlen`` attends within each sequence only, over
+the sequences' boundaries (``cu_seq_lens_q``/``max_length_q``, which ``Packed.attn_kwargs`` passes through the
+model's forward), so a micro-batch costs the sum of its sequences' squares, and no mask is built:
 
-Used (``use_varlen``) on CUDA devices of compute capability 8.0 or later whose torch has the module, computing in
-bfloat16 or float16 (also under ``trainer.autocast``: float32 queries, keys and values are cast to the autocast
-dtype), for models without attention logit soft-capping or sliding-window layers (the others keep
-SDPA and its mask); CPU runs keep SDPA.
+- on CUDA devices of compute capability 8.0 or later whose torch has it, PyTorch's own variable-length
+  FlashAttention (``torch.nn.attention.varlen``, causal), computing in bfloat16 or float16 (also under
+  ``trainer.autocast``: float32 queries, keys and values are cast to the autocast dtype); other GPUs and dtypes
+  keep SDPA and its mask;
+- on CPUs, causal SDPA over each sequence in turn (``segments``), in any dtype.
+
+Models with attention logit soft-capping or sliding-window layers keep SDPA and its mask everywhere.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from typing import Any
 
 import torch
@@ -26,12 +29,34 @@ NAME = "rlhf_varlen"
 _registered = False
 
 
-def _kernel() -> Any:
+def _kernel(device_type: str = "cuda") -> Any:
+    """The variable-length kernel for ``device_type``: ``segments`` on CPUs, else FlashAttention's (None where
+    this torch has none)."""
+    if device_type == "cpu":
+        return segments
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
+
+
+@torch.compiler.disable  # data-dependent boundaries: eager inside a compiled decoder layer (trainer.compile)
+def segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+             max_q: int, max_k: int, *, scale: float | None = None, is_causal: bool = True,
+             enable_gqa: bool = False) -> torch.Tensor:
+    """FlashAttention's variable-length signature on any device: ``q``/``k``/``v`` ``[L, heads, head_dim]``,
+    causal SDPA over each sequence ``cu_q[i]:cu_q[i+1]`` in turn; ``[L, heads, head_dim]``."""
+    if not is_causal:
+        raise ValueError("segments computes causal attention only")
+    bounds = cu_q.tolist()
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                             enable_gqa=enable_gqa)
+        out.append(o.transpose(0, 1))
+    return torch.cat(out)
 
 
 def supports(config: Any) -> bool:
@@ -44,16 +69,17 @@ def supports(config: Any) -> bool:
 
 
 def use_varlen(model: Any, device: torch.device, compute: torch.dtype) -> bool:
-    """Switch ``model`` (a Hugging Face model computing in ``compute``) to ``rlhf_varlen`` when the device, torch,
-    the dtype (FlashAttention: bfloat16 or float16) and the model allow it (module docstring); returns whether it
-    did."""
-    if compute not in (torch.bfloat16, torch.float16):
-        return False
-    if device.type != "cuda" or _kernel() is None or torch.cuda.get_device_capability(device) < (8, 0):
-        return False
+    """Switch ``model`` (a Hugging Face model computing in ``compute``) to ``rlhf_varlen`` when the model, and on a
+    GPU the device, torch and the dtype (FlashAttention: bfloat16 or float16), allow it (module docstring);
+    returns whether it did."""
     config = getattr(model, "config", None)
     if config is None or not supports(config):
         return False
+    if device.type != "cpu":
+        if compute not in (torch.bfloat16, torch.float16):
+            return False
+        if device.type != "cuda" or _kernel() is None or torch.cuda.get_device_capability(device) < (8, 0):
+            return False
     register()
     model.set_attn_implementation(NAME)
     return True
@@ -123,5 +149,5 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         # FlashAttention takes the autocast dtype (as Hugging Face's own flash-attention path casts them)
         low = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(low), k.to(low), v.to(low)
-    out = _call(_kernel(), q, k, v, cu.to(torch.int32), max_len, scaling)
+    out = _call(_kernel(q.device.type), q, k, v, cu.to(torch.int32), max_len, scaling)
     return out[None], None
