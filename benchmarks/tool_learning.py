@@ -15,12 +15,12 @@ No hub download. The benchmark
 3. runs GRPO through the runtime's own driver (``python -m rlhf_runtime.driver --local``) once per arm and seed
    with the same steps, prompts, sampling and learning rate: *tools* with ``spec.environment`` (the builtin python
    tool, parser hermes, at most 3 turns), *single* without; reward ``exactMatch`` on the final answer; the same
-   held-out problems scored greedily every ``--eval-every`` steps (``status.eval``). A one-step run at a
-   learning rate of 1e-12 first scores each checkpoint as the runtime sees it (the runs' step 0).
+   held-out problems scored greedily before the first step (``data.evalOnStart``: each checkpoint as the
+   runtime sees it) and every ``--eval-every`` steps (``status.eval``).
 
 Writes ``<out>/tool_learning_<device>.json``: ``tools_accuracy`` and ``single_turn_accuracy`` (held-out, after the
 last step, median over seeds), every eval, every step's reward and the agent's figures (turns, tool calls,
-faults), the supervised histories; prints a table.
+faults, each step's rollout and train seconds), the supervised histories; prints a table.
 
     . benchmarks/gpu_env.sh && python3 benchmarks/tool_learning.py --out $OUT            # one GPU, colocated
     python3 benchmarks/tool_learning.py --cpu --out /tmp/tool-learning                   # smoke test on CPU
@@ -220,7 +220,7 @@ def job(a: argparse.Namespace, model: Path, arm: str, train: Path, evals: Path, 
         **({"weightSync": {"backend": "ipc"}} if gpu else {}),
         "algorithm": {"name": "grpo", "steps": steps, "promptsPerStep": a.prompts, "learningRate": lr, "seed": seed},
         "data": {"path": str(train), "eval": {"path": str(evals), "maxPrompts": a.eval_prompts},
-                 "evalEveryNSteps": a.eval_every if steps > 1 else 1},
+                 "evalEveryNSteps": a.eval_every, "evalOnStart": True},
         "reward": {"rule": "exactMatch"},
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }
@@ -261,14 +261,18 @@ def last_accuracy(run: dict[str, Any]) -> float | None:
     return run["eval"][-1]["accuracy"] if run["eval"] and run["exit_code"] == 0 else None
 
 
+def start_accuracy(run: dict[str, Any]) -> float | None:
+    """The eval before the first step (``data.evalOnStart``)."""
+    return next((e["accuracy"] for e in run["eval"] if e["step"] == 0), None)
+
+
 def summary(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """Held-out accuracy after the last step (median over seeds) per arm, the start (the 1e-12 runs), the ratio."""
+    """Held-out accuracy after the last step (median over seeds) per arm, before the first (each run's step-0
+    eval, also of runs that stopped early), the ratio."""
     out: dict[str, Any] = {}
     for arm, key in (("tools", "tools_accuracy"), ("single", "single_turn_accuracy")):
-        done = [x for r in runs if r["arm"] == arm and r["learning_rate"] > 1e-9
-                for x in [last_accuracy(r)] if x is not None]
-        start = [x for r in runs if r["arm"] == arm and r["learning_rate"] <= 1e-9
-                 for x in [last_accuracy(r)] if x is not None]
+        done = [x for r in runs if r["arm"] == arm for x in [last_accuracy(r)] if x is not None]
+        start = [x for r in runs if r["arm"] == arm for x in [start_accuracy(r)] if x is not None]
         out[key] = statistics.median(done) if done else None
         out[f"{key}_at_start"] = statistics.median(start) if start else None
         out[f"{key}_seeds"] = done
@@ -319,8 +323,6 @@ def main() -> int:
     result.update(device=gpus[0] if gpus and not a.cpu else "cpu", vllm=prov["device"]["versions"].get("vllm"))
     slug = "cpu" if a.cpu or not gpus else gpus[0].lower().replace("nvidia ", "").replace(" ", "-")
     out = a.out / f"tool_learning_{slug}.json"
-    for arm in ARMS:
-        result["runs"].append(grpo(a, tmp, tmp / arm, arm, data, 0, 1, 1e-12))
     for seed in (int(s) for s in a.seeds.split(",")):
         for arm in ARMS if seed % 2 == 0 else ARMS[::-1]:
             result["runs"].append(grpo(a, tmp, tmp / arm, arm, data, seed, a.grpo_steps, a.lr))

@@ -73,6 +73,9 @@ class Data(Model):
         "(one sample, temperature 0) by the synced engines and scored by spec.reward; the mean is status.eval.")
     eval_every_n_steps: int = Field(10, ge=1, le=1_000_000, description="Evaluate every N training steps (and "
                                     "after the last).")
+    eval_on_start: bool = Field(False, description="Also evaluate before the first step of a run that starts from "
+                                "step 0 (status.eval at step 0): the starting policy's score, the baseline of the "
+                                "later evals. A run resumed from a checkpoint keeps the every-N schedule.")
 
 
 class EvalData(Model):

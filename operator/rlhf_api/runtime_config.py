@@ -47,6 +47,7 @@ ADDED_AFTER_0_1: tuple[tuple[tuple[str, ...], Any], ...] = (
     (("data", "invalidSamples"), "drop"),
     (("trainer", "offloadDuringRollout"), "auto"),
     (("weightSync", "maxStaleness"), 1),
+    (("data", "evalOnStart"), False),
 )
 
 

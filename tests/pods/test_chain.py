@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test als
 class Watch:
     """Polls one RLHFJob: every distinct `kubectl get rlhfjobs` row (phase, step, tokens/s) and phase seen, and
     what the runtime's /metrics on the head pod (``spec.head.metricsPort``, read inside the pod) served while it
-    ran (the first three answers)."""
+    ran, until an answer holds a step's gauge."""
 
     def __init__(self, cluster, api, ns: str, name: str) -> None:
         self.cluster, self.api, self.ns, self.name = cluster, api, ns, name
@@ -40,7 +40,7 @@ class Watch:
             self.rows.append(row)
         if st.get("phase") and (not self.phases or self.phases[-1] != st["phase"]):
             self.phases.append(st["phase"])
-        if st.get("phase") == "Running" and len(self.scraped) < 3:
+        if st.get("phase") == "Running" and not any("rlhf_step{" in text for text in self.scraped):
             for p in pods(self.api, self.ns, "ray.io/node-type=head"):
                 if p.status.phase != "Running":
                     continue

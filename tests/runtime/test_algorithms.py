@@ -25,9 +25,10 @@ def _mean(xs: list[float]) -> float:
 
 def test_ppo_with_critic_and_reward_model_learns_exports_and_resumes(tiny_model: Path, reward_model: Path,
                                                                       tmp_path: Path) -> None:
-    """PPO learns against a reward model (separate) with a critic (colocated) and a reference (separate), exports
-    and checkpoints; a second run on the same checkpoint volume, its critic now FSDP2 over two workers in a group
-    of their own and the reward model colocated, resumes the policy and every critic rank at the same step."""
+    """PPO learns against a reward model (separate) with a critic (colocated) and a reference (separate), is
+    evaluated before its first step and every 8 steps, exports and checkpoints; a second run on the same
+    checkpoint volume, its critic now FSDP2 over two workers in a group of their own and the reward model
+    colocated, resumes the policy and every critic rank at the same step."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     spec = job_config(
         tiny_model,
@@ -39,7 +40,7 @@ def test_ppo_with_critic_and_reward_model_learns_exports_and_resumes(tiny_model:
         critic={"placement": "colocated"},
         reference={"placement": "separate"},
         data={"prompts": ["abc", "hello", "xyz", "12", "q", "say", "go", "rl"],
-              "eval": {"prompts": ["abc", "go", "q"]}, "evalEveryNSteps": 8},
+              "eval": {"prompts": ["abc", "go", "q"]}, "evalEveryNSteps": 8, "evalOnStart": True},
         output={"volume": "out", "path": str(out), "everyNSteps": 8},
         checkpoint={"volume": "ckpt", "path": str(ckpt), "everyNSteps": 8},
         volumes=[{"name": "out", "emptyDir": {}}, {"name": "ckpt", "emptyDir": {}}],
@@ -66,14 +67,14 @@ def test_ppo_with_critic_and_reward_model_learns_exports_and_resumes(tiny_model:
     exported = [r["export_validation"] for r in records if "export_validation" in r]
     assert exported and exported[0]["validated"] and exported[0]["synced"] == exported[0]["fresh"], exported
     evals = [r["eval"] for r in records if "eval" in r]
-    assert [e["step"] for e in evals] == [8, 16] and all(e["prompts"] == 3 for e in evals), evals
+    assert [e["step"] for e in evals] == [0, 8, 16] and all(e["prompts"] == 3 for e in evals), evals
     assert records[-1]["runtime"]["state"] == "Succeeded"
     assert (ckpt / "critic" / "step-00000016" / "state.json").is_file()
 
     spec = {**{k: v for k, v in spec.items() if k != "output"}, "algorithm": {**spec["algorithm"], "steps": 18},
             "critic": {"placement": "separate", "replicas": 2},
             "reward": {"model": {"name": str(reward_model), "placement": "colocated"}},
-            "data": {k: v for k, v in spec["data"].items() if k not in ("eval", "evalEveryNSteps")}}
+            "data": {k: v for k, v in spec["data"].items() if k not in ("eval", "evalEveryNSteps", "evalOnStart")}}
     second = start_driver(tmp_path, write_config(tmp_path / "job2.json", spec), name="second")
     assert second.wait(timeout=400) == 0, second.tail()
     roles = next(r["roles"] for r in second.records() if "roles" in r)

@@ -1,5 +1,6 @@
 """``benchmarks/tool_learning.py``: the supervised trajectories are the runtime's chat rendering with the loss on the
-assistant's own tokens, the problem sets are disjoint, and the summary reads the last evals of finished runs."""
+assistant's own tokens, the problem sets are disjoint, and the summary reads the last evals of finished runs and
+the first (step 0) of every run."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def test_problem_sets_are_disjoint_and_of_the_digits_asked() -> None:
     assert all(10 <= x < 100 and 10 <= y < 100 for x, y in held + train)
 
 
-def test_the_summary_takes_finished_runs_last_evals_and_keeps_the_start_apart() -> None:
-    def run(arm: str, lr: float, acc: float, code: int = 0) -> dict:
-        return {"arm": arm, "learning_rate": lr, "exit_code": code, "eval": [{"step": 1, "accuracy": 0.0},
-                                                                              {"step": 9, "accuracy": acc}]}
+def test_the_summary_takes_finished_runs_last_evals_and_the_start_of_every_run() -> None:
+    def run(arm: str, start: float, acc: float, code: int = 0) -> dict:
+        return {"arm": arm, "learning_rate": 2e-5, "exit_code": code,
+                "eval": [{"step": 0, "accuracy": start}, {"step": 9, "accuracy": acc}]}
 
-    s = m.summary([run("tools", 1e-12, 0.1), run("single", 1e-12, 0.02), run("tools", 2e-5, 0.6),
-                   run("tools", 2e-5, 0.5), run("single", 2e-5, 0.1), run("single", 2e-5, 0.9, code=1)], 9)
+    s = m.summary([run("tools", 0.1, 0.6), run("tools", 0.3, 0.5), run("single", 0.02, 0.1),
+                   run("single", 0.04, 0.9, code=1)], 9)
     assert s["tools_accuracy"] == 0.55 and s["single_turn_accuracy"] == 0.1  # the failed run left out
-    assert s["tools_accuracy_at_start"] == 0.1 and s["single_turn_accuracy_at_start"] == 0.02
+    assert s["tools_accuracy_at_start"] == 0.2 and s["single_turn_accuracy_at_start"] == 0.03  # its start kept
     assert abs(s["tools_over_single_turn"] - 5.5) < 1e-9

@@ -380,8 +380,9 @@ class Runtime:
             self.export(f"{out.location.rstrip('/')}/step-{done}")
 
     def maybe_evaluate(self, job: Inputs, done: int) -> None:
-        if (job.eval_samples and done and done % self.spec.data.eval_every_n_steps == 0
-                and self.weights.synced_at == done and (self.evaluation or {}).get("step") != done):
+        due = done % self.spec.data.eval_every_n_steps == 0 if done else self.spec.data.eval_on_start
+        if (job.eval_samples and due and self.weights.synced_at == done
+                and (self.evaluation or {}).get("step") != done):
             self.evaluate(job)
 
     def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None,
