@@ -24,3 +24,16 @@ lean_staging() {
   [ -f "$f" ] && sed -i 's/^    cudnn_version = torch.backends.cudnn.version()$/    return False  # lean staging/' "$f"
   export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 }
+# clear_device: end what an earlier device call left running (a call stopped at its time limit leaves its Ray and
+# benchmark processes holding GPU memory, and the next call's engines then find less free memory than they ask
+# for), then wait up to 60 s for the GPUs to have no process. The device machine runs nothing else of ours.
+clear_device() {
+  ray stop --force >/dev/null 2>&1
+  pkill -9 -f 'benchmarks/[a-z_]+\.py|rlhf_runtime\.driver' 2>/dev/null
+  for _ in $(seq 60); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    sleep 1
+  done
+  echo "clear_device: GPU processes still running after 60 s:" >&2
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >&2
+}

@@ -43,6 +43,8 @@ EXCLUDED: dict[str, str] = {
     "learning/vllm0.24/*": _OLD_PEERS,
     "learning/trl_peer_gpu*.json": _OLD_PEERS,
     "*/suite.json": "a suite's summary (`run.py`): its rows are read from its steps' own result files beside it",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-5-6/*": "rounds on a machine a killed call had left busy (round 5 "
+    "failed at start; round 6's TRL ran 26% slower than in rounds 1-4): not pooled (`results/learning/README.md`)",
 }
 
 _LIKE = ("against a bare `vllm.LLM` with the same settings the 1.7B rollout is -9.6% (-25.3 .. +3.8) over 9 rounds "

@@ -11,6 +11,7 @@
 set -u
 SITE=${SITE:-/tmp/site-0.33.0}
 . benchmarks/gpu_env.sh $SITE
+clear_device
 lean_staging $SITE  # the image's cuDNN 9.19; torch 2.14 is built against 9.24
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
 python3 benchmarks/colocated_memory.py --out $OUT --run-timeout ${RUN_TIMEOUT:-540} --variants "$@" > $OUT/run.log 2>&1

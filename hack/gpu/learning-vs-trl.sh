@@ -15,6 +15,7 @@
 # engine takes what gpuMemoryUtilization 0.25 leaves (~34 GiB on an H200). The size does not change the rollout here.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
+clear_device
 T0=${T0:-$(date +%s)}  # the call's start where the caller gives it (an install before this in the same call)
 KV=${KV:-1}
 # STEPS: the GRPO steps of every run (30 by default; more weigh the start-up less, e.g. STEPS=100: then one seed a

@@ -15,6 +15,7 @@
 # Leaves trl_peer.json, run.log, nvidia-smi.txt and the runs' logs (logs.tgz) in $OUT.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
+clear_device
 lean_staging /tmp/site-0.31.0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
 python3 benchmarks/trl_peer.py --trl-python python3 --gpu qwen3-1.7b --kind "$(head -1 $OUT/nvidia-smi.txt)" \

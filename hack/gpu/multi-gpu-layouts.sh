@@ -30,6 +30,7 @@ KIND=${KIND:-nvidia-h200-x4}   # the device kind recorded in the results (ipc-8b
 T0=${T0:-$(date +%s)}   # T0=<the call's start> when something ran before this part in the same call
 left() { echo $(( 560 - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
+clear_device
 set -o pipefail
 R=/tmp/gpu-layouts-$part
 mkdir -p $R

@@ -16,6 +16,7 @@ T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-570}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
+clear_device
 R=/tmp/one-gpu-arms/$part
 mkdir -p $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/nvidia-smi.txt

@@ -25,6 +25,7 @@ part=${1:?usage: T0=... bash hack/gpu/rollout-overhead.sh 8b|1.7b|watch}
 T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-560}
 . benchmarks/gpu_env.sh /tmp/site-0.33.0
+clear_device
 rm -f /tmp/ray/ray_current_cluster
 collect() {  # $1: the part; the run's JSON as it stands (complete or the rounds so far) and its log into $OUT
   cp /tmp/overhead-$1.json "$OUT/overhead-$1.json" 2>/dev/null || echo "no results yet"
