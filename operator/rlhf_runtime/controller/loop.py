@@ -381,8 +381,7 @@ class Runtime:
 
     def maybe_evaluate(self, job: Inputs, done: int) -> None:
         due = done % self.spec.data.eval_every_n_steps == 0 if done else self.spec.data.eval_on_start
-        if (job.eval_samples and due and self.weights.synced_at == done
-                and (self.evaluation or {}).get("step") != done):
+        if job.eval_samples and due and self.weights.synced_at == done != (self.evaluation or {}).get("step"):
             self.evaluate(job)
 
     def report_step(self, tp: dict[str, float], stats: dict[str, Any], batch: Samples, warning: str | None,
