@@ -4,8 +4,9 @@ The tiers wait on different things: the integration tier on an apiserver and con
 kubelets and containers, the runtime tier on Ray and vLLM, the unit tier on nothing. ``make test`` runs them side by
 side in worker processes. A tier that owns a cluster runs whole in one worker, in its file order, so that its
 package-scoped cluster is made once: the integration tier (a control plane with KWOK nodes) and the pods tier (real
-nodes: one such cluster per machine). Every other test goes to whichever worker is free. Ports: each worker hands out
-its own slice of ``localcluster.PORT_RANGE``.
+nodes: one such cluster per machine); so does a module whose tests share a costly module fixture (``WHOLE_MODULES``).
+Every other test goes to whichever worker is free. Ports: each worker hands out its own slice of
+``localcluster.PORT_RANGE``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ import pytest
 
 #: Tier folders whose tests run in one worker, one after the other.
 ONE_WORKER = ("integration", "pods")
+#: Modules whose tests share a module-scoped fixture that costs more than they do (the trainings they check, a
+#: model they build): one unit, so that only one worker makes it.
+WHOLE_MODULES = ("tests/runtime/test_trainer_precision.py", "tests/runtime/test_fsdp_lean_gathers.py")
 
 
 def tier_scope(nodeid: str) -> str:
-    """The unit of work a worker takes: a whole tier of ``ONE_WORKER``, else the test alone."""
+    """The unit of work a worker takes: a whole tier of ``ONE_WORKER``, a whole module of ``WHOLE_MODULES``, else
+    the test alone."""
     parts = nodeid.split("/", 2)
-    return f"tier:{parts[1]}" if len(parts) == 3 and parts[0] == "tests" and parts[1] in ONE_WORKER else nodeid
+    if len(parts) == 3 and parts[0] == "tests" and parts[1] in ONE_WORKER:
+        return f"tier:{parts[1]}"
+    module = nodeid.split("::", 1)[0]
+    return f"module:{module}" if module in WHOLE_MODULES else nodeid
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin (``-p no:xdist``) it is never called
