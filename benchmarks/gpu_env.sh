@@ -26,10 +26,15 @@ lean_staging() {
 }
 # clear_device: end what an earlier device call left running (a call stopped at its time limit leaves its Ray and
 # benchmark processes holding GPU memory, and the next call's engines then find less free memory than they ask
-# for), then wait up to 60 s for the GPUs to have no process. The device machine runs nothing else of ours.
+# for), then wait up to 60 s for the GPUs to have no process. The device machine runs nothing else of ours; this
+# shell and the ones that started it are spared (their command lines may name a benchmark too).
 clear_device() {
   ray stop --force >/dev/null 2>&1
-  pkill -9 -f 'benchmarks/[a-z_]+\.py|rlhf_runtime\.driver' 2>/dev/null
+  local mine=" $$ " p=$$ pid
+  while [ "${p:-1}" -gt 1 ]; do p=$(ps -o ppid= -p "$p" | tr -d ' '); mine="$mine$p "; done
+  for pid in $(pgrep -f 'benchmarks/[a-z_]+\.py|rlhf_runtime\.driver'); do
+    case "$mine" in *" $pid "*) ;; *) kill -9 "$pid" 2>/dev/null ;; esac
+  done
   for _ in $(seq 60); do
     [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
     sleep 1
