@@ -40,26 +40,27 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def wait_generating(engine: int, trainer: int, timeout: float, window: float = 0.2) -> None:
-    """Until ``engine`` has burnt CPU through two windows of ``window`` s in a row in which ``trainer`` burnt none: the
-    rollout. In a weight sync both work (the trainer sends, the engine takes the weights in); in training only the
-    trainer does. CPU ticks, not wall time: what the machine's load does to the phases' lengths does not matter."""
+def wait_alone(busy: int, idle: int, timeout: float, what: str, window: float = 0.2) -> None:
+    """Until ``busy`` has burnt CPU through two windows of ``window`` s in a row in which ``idle`` burnt none. With an
+    engine and a trainer: the engine alone is the rollout, the trainer alone its training; in a weight sync both
+    work (the trainer sends, the engine takes the weights in). CPU ticks, not wall time: what the machine's load
+    does to the phases' lengths does not matter."""
     deadline = time.monotonic() + timeout
     in_a_row = 0
     while in_a_row < 2:
-        assert time.monotonic() < deadline, f"engine {engine} never generated while the trainer idled for {timeout} s"
-        e, t = cpu_ticks(engine), cpu_ticks(trainer)
+        assert time.monotonic() < deadline, f"never saw {what} in {timeout} s"
+        b, i = cpu_ticks(busy), cpu_ticks(idle)
         time.sleep(window)
-        in_a_row = in_a_row + 1 if cpu_ticks(engine) - e >= 3 and cpu_ticks(trainer) - t <= 1 else 0
+        in_a_row = in_a_row + 1 if cpu_ticks(busy) - b >= 3 and cpu_ticks(idle) - i <= 1 else 0
 
 
 def stop_while_generating(engine: int, trainer: int, timeout: float, hold: float = 3.0) -> None:
-    """SIGSTOP ``engine`` in a rollout that waits for it: stopped once ``wait_generating`` sees the rollout, it stays
+    """SIGSTOP ``engine`` in a rollout that waits for it: stopped once ``wait_alone`` sees the rollout, it stays
     stopped only if ``trainer`` then burns no CPU for ``hold`` s (the rollout cannot end without it). Where the
     trainer trains instead, the engine had already returned its share: it is continued, and the next rollout tried."""
     deadline = time.monotonic() + timeout
     while True:
-        wait_generating(engine, trainer, timeout=max(1.0, deadline - time.monotonic()))
+        wait_alone(engine, trainer, max(1.0, deadline - time.monotonic()), f"engine {engine} generating alone")
         os.kill(engine, signal.SIGSTOP)
         before, until = cpu_ticks(trainer), time.monotonic() + hold
         while time.monotonic() < until:
@@ -80,8 +81,9 @@ def signal_pid(pid: int, sig: int) -> None:
 
 
 def test_stopped_engine_fails_the_weight_sync_within_its_timeout(tiny_model: Path, tmp_path: Path) -> None:
-    # Long training steps (many epochs), short rollouts: the stop lands right after a step, in or before the
-    # next sync, which then waits on an engine that never answers.
+    # Long training steps (many epochs), short rollouts. The engine is stopped while the trainer trains (the
+    # engine idle, its rollout done): the sync after that step then waits on an engine that never answers. (A stop
+    # right after a step could land after the next sync, in the rollout, which waits for the progress deadline.)
     spec = job_config(tiny_model, algorithm={"steps": 200, "epochsPerStep": 8},
                       weightSync={"timeoutSeconds": 20}, progressDeadlineSeconds=600)
     cfg = write_config(tmp_path / "job.json", spec)
@@ -90,12 +92,16 @@ def test_stopped_engine_fails_the_weight_sync_within_its_timeout(tiny_model: Pat
     try:
         wait_steps(run, 2, timeout=240, interval=0.01)
         n = len(run.steps())
-        wait_for(lambda: len(run.steps()) > n, timeout=60, what="the next step", interval=0.005)
-        pid = actors(run)[-1]["engines"][0]
+        wait_for(lambda: len(run.steps()) > n, timeout=120, what="the next step", interval=0.005)
+        n, first = len(run.steps()), actors(run)[-1]
+        pid, trainer = first["engines"][0], first["trainers"][0]
+        wait_alone(trainer, pid, 120, "the trainer training alone")  # after the next sync and rollout
         os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
+        wait_for(lambda: len(run.steps()) > n or run.proc.poll() is not None, timeout=300,
+                 what="the step in training to end", interval=0.005)
+        synced = time.monotonic()  # the next sync starts
         code = run.proc.wait(timeout=20 + 90)
-        failed_after = time.monotonic() - stopped
+        failed_after = time.monotonic() - synced
     finally:
         if pid:
             signal_pid(pid, signal.SIGKILL)

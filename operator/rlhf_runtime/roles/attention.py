@@ -11,7 +11,8 @@ model's forward), so a micro-batch costs the sum of its sequences' squares, and 
   FlashAttention (``torch.nn.attention.varlen``, causal), computing in bfloat16 or float16 (also under
   ``trainer.autocast``: float32 queries, keys and values are cast to the autocast dtype); other GPUs and dtypes
   keep SDPA and its mask;
-- on CPUs, causal SDPA over each sequence in turn (``segments``), in any dtype.
+- on CPUs, causal SDPA over the sequences as one batch, each padded at its end to the longest (``segments``), in
+  any dtype.
 
 Models with attention logit soft-capping or sliding-window layers keep SDPA and its mask everywhere.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 from typing import Any
 
 import torch
@@ -45,18 +45,25 @@ def _kernel(device_type: str = "cuda") -> Any:
 def segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
              max_q: int, max_k: int, *, scale: float | None = None, is_causal: bool = True,
              enable_gqa: bool = False) -> torch.Tensor:
-    """FlashAttention's variable-length signature on any device: ``q``/``k``/``v`` ``[L, heads, head_dim]``,
-    causal SDPA over each sequence ``cu_q[i]:cu_q[i+1]`` in turn; ``[L, heads, head_dim]``."""
+    """FlashAttention's variable-length signature on any device: ``q``/``k``/``v`` ``[L, heads, head_dim]`` of the
+    sequences ``cu_q[i]:cu_q[i+1]``; ``[L, heads, head_dim]``. The sequences go as one batch, each padded at its
+    end to the longest: under the causal mask a sequence's own positions never see its padding (which comes after
+    them), and the padding's rows are dropped. It costs the number of sequences times the longest's square."""
     if not is_causal:
         raise ValueError("segments computes causal attention only")
-    bounds = cu_q.tolist()
-    out = []
-    for a, b in itertools.pairwise(bounds):
-        qq, kk, vv = (x[a:b].transpose(0, 1) for x in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
-                                                             enable_gqa=enable_gqa)
-        out.append(o.transpose(0, 1))
-    return torch.cat(out)
+    starts, lens = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long()
+    longest = int(lens.max())
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)  # each token's sequence
+    pos = torch.arange(q.shape[0], device=q.device) - starts[seq]  # and its position in it
+
+    def batch(x: torch.Tensor) -> torch.Tensor:  # [L, h, d] -> [n, h, longest, d]
+        out = x.new_zeros(len(lens), longest, *x.shape[1:])
+        out[seq, pos] = x
+        return out.transpose(1, 2)
+
+    o = torch.nn.functional.scaled_dot_product_attention(batch(q), batch(k), batch(v), is_causal=True, scale=scale,
+                                                         enable_gqa=enable_gqa)
+    return o.transpose(1, 2)[seq, pos]
 
 
 def supports(config: Any) -> bool:
