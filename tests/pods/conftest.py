@@ -140,12 +140,18 @@ def diagnostics(cluster: localcluster.Cluster, ns: str) -> str:
     return "\n".join(parts)
 
 
+def writable_dir(shared: Path, *parts: str) -> Path:
+    """``shared/<parts...>``, made with every level writable by the pods' users (which are not this test's)."""
+    path = shared.joinpath(*parts)
+    path.mkdir(parents=True, mode=0o777)
+    for k in range(1, len(parts) + 1):
+        shared.joinpath(*parts[:k]).chmod(0o777)
+    return path
+
+
 def checkpointed_job(cluster, shared, ns: str, name: str, steps: int, retries: int, *, trainers: int = 1) -> dict:
     job = cpu_job(cluster, shared, name, steps, trainers=trainers)
-    ckpt = shared / "ckpt" / ns / name
-    ckpt.mkdir(parents=True, mode=0o777)
-    for p in (shared / "ckpt", shared / "ckpt" / ns, ckpt):
-        p.chmod(0o777)
+    writable_dir(shared, "ckpt", ns, name)
     job["spec"]["checkpoint"] = {"volume": "shared", "path": f"/shared/ckpt/{ns}/{name}", "everyNSteps": 3}
     job["spec"]["backoffLimit"] = retries
     # these tests are about a run lost with its pod and KubeRay's retry on a new cluster; repairs inside a run

@@ -16,7 +16,16 @@ import time
 import pytest
 
 from tests.helpers import wait_for
-from tests.pods.conftest import SYSTEM_NS, _wait, apply, checkpointed_job, diagnostics, pods, status
+from tests.pods.conftest import (
+    SYSTEM_NS,
+    _wait,
+    apply,
+    checkpointed_job,
+    diagnostics,
+    pods,
+    status,
+    writable_dir,
+)
 from tests.pods.test_faults import _events
 
 pytestmark = [pytest.mark.pods, pytest.mark.timeout(2400)]  # the first test also waits for the cluster
@@ -85,10 +94,7 @@ def test_fsdp2_over_two_trainer_pods_validates_suspends_and_resumes_from_the_new
     # the head pod (the driver) writes TensorBoard event files to the shared hostPath volume (spec.tracking)
     job["spec"]["tracking"] = {"tensorboard": {"volume": "shared", "path": "/shared/tb"}}
     # an eval set and an export: status.eval and status.output pass the real apiserver's status schema
-    out = shared_dir / "out" / ns
-    out.mkdir(parents=True, mode=0o777)
-    for d in (shared_dir / "out", out):
-        d.chmod(0o777)
+    out = writable_dir(shared_dir, "out", ns)
     job["spec"]["data"] = {**job["spec"]["data"], "eval": {"prompts": ["abc", "go"]}, "evalEveryNSteps": 3}
     job["spec"]["output"] = {"volume": "shared", "path": f"/shared/out/{ns}"}
     apply(real_cluster, job, ns)
@@ -101,10 +107,10 @@ def test_fsdp2_over_two_trainer_pods_validates_suspends_and_resumes_from_the_new
     job["spec"]["suspend"] = True
     apply(real_cluster, job, ns)
     t0 = time.monotonic()
-    watch.until("Suspended with no Ray pod left",
-                lambda st: st.get("phase") == "Suspended" and not pods(rapi, ns, "ray.io/cluster"), 300)
+    st = watch.until("Suspended with no Ray pod left",
+                     lambda st: st.get("phase") == "Suspended" and not pods(rapi, ns, "ray.io/cluster"), 300)
     suspended_s = time.monotonic() - t0
-    at = status(rapi, ns, "fsdp").get("step") or 0
+    at = st.get("step") or 0
     # resume with a few steps left (a live edit, allowed while suspended)
     steps = at + 3
     job["spec"]["suspend"] = False

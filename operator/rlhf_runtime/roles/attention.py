@@ -51,8 +51,7 @@ def segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tens
     them), and the padding's rows are dropped. It costs the number of sequences times the longest's square."""
     if not is_causal:
         raise ValueError("segments computes causal attention only")
-    starts, lens = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long()
-    longest = int(lens.max())
+    starts, lens, longest = cu_q[:-1].long(), (cu_q[1:] - cu_q[:-1]).long(), int(max_q)
     seq = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)  # each token's sequence
     pos = torch.arange(q.shape[0], device=q.device) - starts[seq]  # and its position in it
 
