@@ -30,6 +30,7 @@ arm is the one the runtime built for the job); its figures are ``metrics.Counter
   its planned turns; where the text was not UTF-8, whether the observation carries U+FFFD instead.
 
     .venv/bin/python benchmarks/agent_rollout.py --out benchmarks/results/rollout/agent_rollout_cpu.json
+    . benchmarks/gpu_env.sh && python3 benchmarks/agent_rollout.py --gpu --out $OUT/agent_rollout_gpu.json
 """
 
 from __future__ import annotations
@@ -192,12 +193,17 @@ def environments(server_url: str, trajectories: int) -> dict[str, dict[str, Any]
     }
 
 
-def job_spec(model: Path, prompts: list[str], environment: dict[str, Any]) -> dict[str, Any]:
+def job_spec(model: Path, prompts: list[str], environment: dict[str, Any], gpu: bool = False) -> dict[str, Any]:
+    """The tiny job on CPU; with ``gpu`` the trainer and the engine share one GPU (colocated, IPC sync)."""
     from rlhf_testing.tiny import tiny_job_spec
 
     spec = tiny_job_spec(model, steps=1)
     spec["rollout"] = {**spec["rollout"], "maxModelLen": 4096,
                        "sampling": {"temperature": 1.0, "maxTokens": 160, "samplesPerPrompt": 2}}
+    if gpu:
+        spec["trainer"] = {**spec["trainer"], "gpusPerReplica": 1}
+        spec["rollout"].update(gpuMemoryUtilization=0.3, enforceEager=True)
+        spec.update(placement={"mode": "colocated"}, weightSync={"backend": "ipc"})
     spec.update(algorithm={**spec["algorithm"], "promptsPerStep": 2}, data={"prompts": prompts}, reward={},
                 environment=environment, progressDeadlineSeconds=3600)
     return spec
@@ -384,11 +390,16 @@ def targets(perf: dict[str, Any], fuzz: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, Any]:
+def machine(gpu: bool = False) -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return {"cpu_model": cpu, "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": platform.python_version()}
+    out = {"cpu_model": cpu, "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+           "platform": platform.platform(), "python": platform.python_version()}
+    if gpu:
+        from harness import gpu_facts
+
+        out["gpu"] = gpu_facts()
+    return out
 
 
 def git(*args: str) -> str:
@@ -405,6 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fuzz-prompts", type=int, default=16, help="prompts of each fuzz rollout (class, http)")
     p.add_argument("--fuzz-samples", type=int, default=2, help="trajectories per fuzz prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpu", action="store_true", help="the engine and the trainer on one GPU (colocated)")
     return p.parse_args(argv)
 
 
@@ -418,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "command": shlex.join([".venv/bin/python", "benchmarks/agent_rollout.py", *(argv or sys.argv[1:])]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": git("rev-parse", "HEAD"),
-        "machine": machine(), "load_average_start": os.getloadavg(), "args": vars(a),
+        "machine": machine(a.gpu), "load_average_start": os.getloadavg(), "args": vars(a),
     }
     work = Path(tempfile.mkdtemp(prefix="rlhf-agent-rollout-"))
     model = long_context(build_tiny_chat_model(work / "model"), 4096)
@@ -428,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     script = {**perf, **{p: t for plan in plans.values() for p, t in fuzz_script(plan).items()}}
     server = FaultServer()
     envs = environments(server.url, a.trajectories)
-    bench = Bench(work, job_spec(model, list(perf) + [p for pl in plans.values() for p in pl], envs["continuous"]),
-                  script)
+    bench = Bench(work, job_spec(model, list(perf) + [p for pl in plans.values() for p in pl], envs["continuous"],
+                                 a.gpu), script)
     try:
         bench.start(envs)
         result["start_seconds"] = bench.start_seconds
