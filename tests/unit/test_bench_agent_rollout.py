@@ -151,3 +151,14 @@ def test_fault_server_fails_the_turns_that_ask() -> None:
         assert server.answer("/reset", {"episode_id": "f"})[0] == 503
     finally:
         server.close()
+
+
+def test_job_spec_is_a_valid_job_on_cpu_and_on_one_gpu(tmp_path: Path) -> None:
+    from rlhf_api.models import RLHFJobSpec
+
+    envs = ar.environments("http://127.0.0.1:1", 8)
+    cpu, gpu = (RLHFJobSpec.model_validate(ar.job_spec(tmp_path, ["a", "b"], envs["continuous"], g))
+                for g in (False, True))
+    assert cpu.cpu_only() and cpu.trainer.gpus_per_replica == 0
+    assert not gpu.cpu_only() and gpu.trainer.gpus_per_replica == 1 and gpu.placement.mode == "colocated"
+    assert gpu.weight_sync.backend == "ipc" and gpu.environment == cpu.environment
