@@ -120,19 +120,39 @@ class Snapshot:
         return list(self.pods_by_cluster.get(cluster or "", []))
 
 
+#: Kinds of optional CRDs (Kueue's, agent-sandbox's), cached from their watch events by ``Caches.put`` instead
+#: of a Kopf index: Kopf holds every handler until each index's watch has listed, and the watches of a CRD
+#: installed while the operator runs start in every watched namespace at once; one in a namespace being deleted
+#: can end before its listing, and the hold is never released. Index name -> the kind's index key.
+EVENT_INDEXES: dict[str, str] = {"Workload": "rlhf_workloads", "SandboxWarmPool": "rlhf_sandbox_pools"}
+
+
 class Caches:
-    """The Kopf indexes (bound at startup) and the writes remembered on top of them. Event-loop thread only."""
+    """The Kopf indexes (bound at startup), the event-fed indexes of ``EVENT_INDEXES`` and the writes remembered on
+    top of them. Event-loop thread only."""
 
     def __init__(self) -> None:
         self.indexes: Mapping[str, Any] = {}
+        self._fed: dict[str, dict[Hashable, dict[str, dict[str, Any]]]] = {i: {} for i in EVENT_INDEXES.values()}
         self._overlay: dict[tuple[str, Hashable], tuple[float, dict[str, Any]]] = {}
         self._last: dict[tuple[str, Hashable], int] = {}  # a digest of each watched object's last projection
 
     def bind(self, indexes: Mapping[str, Any]) -> None:
         self.indexes = indexes
 
+    def put(self, kind: str, key: Hashable, name: str, projection: dict[str, Any] | None) -> None:
+        """A watch event of an ``EVENT_INDEXES`` kind: its projection under index key ``key`` (None: deleted)."""
+        store = self._fed[EVENT_INDEXES[kind]]
+        if projection is not None:
+            store.setdefault(key, {})[name] = projection
+        elif name in store.get(key, {}):
+            del store[key][name]
+            if not store[key]:
+                del store[key]
+
     def _values(self, index: str, key: Hashable) -> list[dict[str, Any]]:
-        store = (self.indexes.get(index) or {}).get(key)
+        fed = self._fed.get(index)
+        store = fed.get(key, {}).values() if fed is not None else (self.indexes.get(index) or {}).get(key)
         return list(store) if store is not None else []
 
     # ---- writes we made, until the watch shows them

@@ -138,17 +138,6 @@ rlhf_rbac_binding = kopf.index("rbac.authorization.k8s.io", "v1", "rolebindings"
                                labels={naming.LABEL_JOB: kopf.PRESENT})(_rbac_index)
 
 
-@kopf.index(kube.KUEUE_GROUP, "workloads")
-def rlhf_workloads(body: kopf.Body, namespace: str, **_: Any) -> dict[Any, Any]:
-    owner = cache.owner_name(body, "RayJob")
-    return {(namespace, owner): cache.workload(body)} if owner else {}
-
-
-@kopf.index(sandboxes.GROUP, sandboxes.VERSION, sandboxes.POOLS, labels={naming.LABEL_JOB: kopf.PRESENT})
-def rlhf_sandbox_pools(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> dict[Any, Any]:
-    return {(namespace, labels[naming.LABEL_JOB]): sandboxes.pool(body)}
-
-
 # ------------------------------------------------------------------------------------- triggers (events)
 @kopf.on.event(m.GROUP, m.VERSION, m.PLURAL)
 async def rlhfjob_event(type: str | None, body: kopf.Body, namespace: str, name: str, **_: Any) -> None:
@@ -180,8 +169,13 @@ def _child_event(kind: str) -> Any:
                        **_: Any) -> None:
         deleted = type == "DELETED"
         echo = CACHE.seen(kind, (namespace, name), body, deleted=deleted)
-        changed = CACHE.changed(kind, (namespace, name), None if deleted else project(body))
+        projection = None if deleted else project(body)
+        changed = CACHE.changed(kind, (namespace, name), projection)
         job = labels.get(naming.LABEL_JOB) or cache.owner_name(body, "RayJob")
+        if kind in cache.EVENT_INDEXES:  # a Workload under its RayJob's name, a pool under its job's
+            owner = cache.owner_name(body, "RayJob") if kind == "Workload" else labels.get(naming.LABEL_JOB)
+            if owner:
+                CACHE.put(kind, (namespace, owner), name, projection)
         # Only a change the reconcile can see wakes it: a pod's status update outside its phase and scheduling,
         # a RayJob's copy of its cluster's status, or our own write coming back change nothing it reads. A listing
         # (type None: the start, or watches resumed after a peering pause) always does: timers dropped while

@@ -353,3 +353,43 @@ def test_only_changes_a_reconcile_can_see_and_not_our_own_echo_wake_it() -> None
     c.remember("job", ("ns", "a"), {"metadata": {"resourceVersion": "12"}})
     assert c.seen("job", ("ns", "a"), {"metadata": {"resourceVersion": "13"}}) is False
     assert c.seen("job", ("ns", "b"), {"metadata": {"resourceVersion": "1"}}) is False  # nothing remembered
+
+
+def test_optional_crd_kinds_are_cached_from_their_events_not_kopf_indexes(monkeypatch) -> None:
+    """Kopf holds every handler until each index's watch has listed; the watches of a CRD installed while the
+    operator runs start in every watched namespace, so the kinds of optional CRDs must not be Kopf indexes."""
+    import kopf
+
+    from rlhf_operator import handlers, sandboxes
+
+    indexed = {(h.selector.group, h.selector.any_name or h.selector.plural)
+               for h in kopf.get_default_registry()._indexing.get_all_handlers()}
+    assert ("rlhf.dev", "rlhfjobs") in indexed and ("ray.io", "rayjobs") in indexed
+    assert not indexed & {("kueue.x-k8s.io", "workloads"), (sandboxes.GROUP, sandboxes.POOLS)}, indexed
+
+    c = cache.Caches()
+    monkeypatch.setattr(handlers, "CACHE", c)
+    workload, pool = handlers._child_event("Workload"), handlers._child_event("SandboxWarmPool")
+
+    def wl(name: str, rv: str) -> dict:
+        return {"kind": "Workload", "metadata": {
+            "name": name, "namespace": "ns", "resourceVersion": rv, "creationTimestamp": stamp(int(rv)),
+            "ownerReferences": [{"kind": "RayJob", "name": naming.child_names("j").ray_job}]}, "spec": {"active": True}}
+
+    def run(handler, type_, body: dict) -> None:
+        meta = body["metadata"]
+        asyncio.run(handler(type=type_, body=body, namespace="ns", name=meta["name"], labels=meta.get("labels") or {}))
+
+    run(workload, None, wl("w1", "5"))
+    run(workload, "ADDED", wl("w2", "6"))
+    assert sorted(w["metadata"]["name"] for w in c.snapshot("ns", "j").workloads) == ["w1", "w2"]
+    run(workload, "DELETED", wl("w1", "7"))
+    assert [w["metadata"]["name"] for w in c.snapshot("ns", "j").workloads] == ["w2"]
+
+    box = {"kind": "SandboxWarmPool", "metadata": {"name": "j-sandbox", "namespace": "ns", "resourceVersion": "3",
+                                                   "labels": {naming.LABEL_JOB: "j"}},
+           "spec": {"replicas": 2}, "status": {"readyReplicas": 1}}
+    run(pool, "ADDED", box)
+    assert c.snapshot("ns", "j").sandbox_pool["spec"]["replicas"] == 2 and c.snapshot("ns", "k").sandbox_pool is None
+    run(pool, "DELETED", box)
+    assert c.snapshot("ns", "j").sandbox_pool is None
