@@ -123,7 +123,7 @@ class Snapshot:
 #: Kinds of optional CRDs (Kueue's, agent-sandbox's), cached from their watch events by ``Caches.put`` instead
 #: of a Kopf index: Kopf holds every handler until each index's watch has listed, and the watches of a CRD
 #: installed while the operator runs start in every watched namespace at once; one in a namespace being deleted
-#: can end before its listing, and the hold is never released. Index name -> the kind's index key.
+#: can end before its listing, and the hold is never released. Kind -> the index name the snapshot reads.
 EVENT_INDEXES: dict[str, str] = {"Workload": "rlhf_workloads", "SandboxWarmPool": "rlhf_sandbox_pools"}
 
 
