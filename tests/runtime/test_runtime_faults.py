@@ -35,8 +35,11 @@ def wait_steps(run: Run, n: int, timeout: float, interval: float = 0.05) -> None
 
 
 def cpu_ticks(pid: int) -> int:
-    """utime + stime of ``pid`` in clock ticks (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """utime + stime of ``pid`` in clock ticks (/proc/<pid>/stat); fails naming the pid once it has exited."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        raise AssertionError(f"process {pid} has exited (the run ended before the fault?)") from None
     return int(fields[11]) + int(fields[12])
 
 
@@ -165,10 +168,12 @@ def test_dead_engines_and_trainer_are_repaired_in_the_run_and_the_job_succeeds(t
     3. the trainer killed: every rank restarts from the newest checkpoint and the step counter continues from it.
     """
     ckpt_dir = tmp_path / "ckpt"
-    # Two engines, long samples: a rollout (~1.5 s) takes far longer than a sync, so the first kill lands while
-    # generating; training on them takes seconds too, so the second lands while the trainer trains.
+    # Two engines, long samples: a rollout (0.5-1.5 s) takes far longer than a sync, so the first kill lands while
+    # generating; training on them takes a while too, so the second lands while the trainer trains. 20 steps: on a
+    # quiet machine a step takes about 1 s, and the first kill may need several rollouts to land in.
+    steps = 20
     spec = job_config(
-        tiny_model, algorithm={"steps": 10, "promptsPerStep": 8}, rollout={
+        tiny_model, algorithm={"steps": steps, "promptsPerStep": 8}, rollout={
             "engines": 2, "maxModelLen": 200,
             "sampling": {"temperature": 1.0, "maxTokens": 150, "samplesPerPrompt": 8}},
         checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
@@ -245,7 +250,7 @@ def test_dead_engines_and_trainer_are_repaired_in_the_run_and_the_job_succeeds(t
     before_t = [r["step"] for r in records[:at_t] if "throughput" in r and r["runtime"]["state"] == "Running"]
     after_t = [r["step"] for r in records[at_t + 1:] if "throughput" in r and r["runtime"]["state"] == "Running"]
     assert before_t == list(range(1, len(before_t) + 1)) and before_t[-1] >= newest[0], before_t
-    assert after_t == list(range(newest[0] + 1, 11)), after_t  # the counter continues from the checkpoint
+    assert after_t == list(range(newest[0] + 1, steps + 1)), after_t  # the counter continues from the checkpoint
     assert actors(run)[-1]["trainers"][0] != victim_t
     secs = ", ".join(f"{r['seconds']:.1f}s" for r in recs)
     print(f"repairs: engine 1 mid-rollout, engine 0 (and stuck engine 1) at a sync, the trainer from step "
