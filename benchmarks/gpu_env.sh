@@ -42,3 +42,10 @@ clear_device() {
   echo "clear_device: GPU processes still running after 60 s:" >&2
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader >&2
 }
+# one_gpu_call SITE DIR: the start of a call that runs on a lean staging: clear_device, lean_staging SITE, and the
+# GPU's name, memory and driver into DIR/nvidia-smi.txt (and on the output).
+one_gpu_call() {
+  clear_device
+  lean_staging "$1"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$2/nvidia-smi.txt"
+}

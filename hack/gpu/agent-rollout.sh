@@ -8,9 +8,7 @@
 set -u
 SITE=${SITE:-/tmp/site-0.31.0}
 . benchmarks/gpu_env.sh $SITE
-clear_device
-lean_staging $SITE
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
+one_gpu_call $SITE $OUT
 timeout ${RUN_TIMEOUT:-420} python3 benchmarks/agent_rollout.py --gpu --rounds ${ROUNDS:-5} \
     --out $OUT/agent_rollout_gpu.json > $OUT/run.log 2>&1
 echo "exit $?"

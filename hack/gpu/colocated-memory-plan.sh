@@ -11,9 +11,7 @@
 set -u
 SITE=${SITE:-/tmp/site-0.33.0}
 . benchmarks/gpu_env.sh $SITE
-clear_device
-lean_staging $SITE  # the image's cuDNN 9.19; torch 2.14 is built against 9.24
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
+one_gpu_call $SITE $OUT  # lean_staging: the image's cuDNN 9.19; torch 2.14 is built against 9.24
 python3 benchmarks/colocated_memory.py --out $OUT --run-timeout ${RUN_TIMEOUT:-540} --variants "$@" > $OUT/run.log 2>&1
 echo "exit $?"
 tail -c 6000 $OUT/run.log

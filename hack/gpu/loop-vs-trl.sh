@@ -15,9 +15,7 @@
 # Leaves trl_peer.json, run.log, nvidia-smi.txt and the runs' logs (logs.tgz) in $OUT.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
-clear_device
-lean_staging /tmp/site-0.31.0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
+one_gpu_call /tmp/site-0.31.0 $OUT
 python3 benchmarks/trl_peer.py --trl-python python3 --gpu qwen3-1.7b --kind "$(head -1 $OUT/nvidia-smi.txt)" \
     --out $OUT/trl_peer.json --rounds ${ROUNDS:-1} --order ${ORDER:-ours-first} --steps ${STEPS:-4} --warmup 1 \
     --prompts 64 --prompts-per-step 16 --samples-per-prompt 8 --prompt-tokens 512 --max-tokens ${MAX_TOKENS:-1024} \

@@ -7,9 +7,7 @@
 set -u
 SITE=${SITE:-/tmp/site-0.31.0}
 . benchmarks/gpu_env.sh $SITE
-clear_device
-lean_staging $SITE
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/nvidia-smi.txt
+one_gpu_call $SITE $OUT
 python3 benchmarks/tool_learning.py --out $OUT --seeds ${SEEDS:-0} --grpo-steps ${STEPS:-20} --prompts 32 \
     --run-timeout ${RUN_TIMEOUT:-400} > $OUT/run.log 2>&1
 echo "exit $?"
