@@ -292,7 +292,8 @@ def main() -> int:
     p.add_argument("--sft-batch", type=int, default=64)
     p.add_argument("--sft-target", type=float, default=0.2, help="the tools arm's held-out forced accuracy to stop at")
     p.add_argument("--sft-max-steps", type=int, default=5000)
-    p.add_argument("--sft-eval-every", type=int, default=25)
+    p.add_argument("--sft-eval-every", type=int, default=5,
+                   help="supervised steps between held-out evals (the tools arm stops at the first at its target)")
     p.add_argument("--grpo-steps", type=int, default=40)
     p.add_argument("--prompts", type=int, default=64, help="algorithm.promptsPerStep")
     p.add_argument("--samples", type=int, default=8, help="rollout.sampling.samplesPerPrompt")
