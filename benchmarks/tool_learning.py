@@ -278,6 +278,8 @@ def summary(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         out[f"{key}_seeds"] = done
     t, s = out["tools_accuracy"], out["single_turn_accuracy"]
     out["tools_over_single_turn"] = (t / s if s else None) if t is not None and s is not None else None
+    # the target (tools >= 2x single-turn and above 0), also where the single-turn arm scored 0 and the ratio is None
+    out["tools_at_least_2x_single_turn"] = t > 0 and t >= 2 * s if t is not None and s is not None else None
     out["grpo_steps"] = steps
     return out
 

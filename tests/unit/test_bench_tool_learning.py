@@ -47,3 +47,8 @@ def test_the_summary_takes_finished_runs_last_evals_and_the_start_of_every_run()
     assert s["tools_accuracy"] == 0.55 and s["single_turn_accuracy"] == 0.1  # the failed run left out
     assert s["tools_accuracy_at_start"] == 0.2 and s["single_turn_accuracy_at_start"] == 0.03  # its start kept
     assert abs(s["tools_over_single_turn"] - 5.5) < 1e-9
+    assert s["tools_at_least_2x_single_turn"] is True
+    zero = m.summary([run("tools", 0.1, 0.4), run("single", 0.0, 0.0)], 9)
+    assert zero["tools_over_single_turn"] is None and zero["tools_at_least_2x_single_turn"] is True
+    assert m.summary([run("tools", 0.1, 0.0), run("single", 0.0, 0.0)], 9)["tools_at_least_2x_single_turn"] is False
+    assert m.summary([run("tools", 0.1, 0.3), run("single", 0.0, 0.2)], 9)["tools_at_least_2x_single_turn"] is False
