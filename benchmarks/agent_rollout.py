@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_testing.tiny_chat import build_tiny_chat_model
 
     result: dict[str, Any] = {
-        "command": shlex.join([".venv/bin/python", "benchmarks/agent_rollout.py", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python3" if a.gpu else ".venv/bin/python", "benchmarks/agent_rollout.py",
+                                *(argv or sys.argv[1:])]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "commit": git("rev-parse", "HEAD"),
         "machine": machine(a.gpu), "load_average_start": os.getloadavg(), "args": vars(a),
     }

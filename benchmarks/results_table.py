@@ -45,6 +45,10 @@ EXCLUDED: dict[str, str] = {
     "*/suite.json": "a suite's summary (`run.py`): its rows are read from its steps' own result files beside it",
     "learning/h100-2026-12-07-loop-vs-trl-rounds-5-6/*": "rounds on a machine a killed call had left busy (round 5 "
     "failed at start; round 6's TRL ran 26% slower than in rounds 1-4): not pooled (`results/learning/README.md`)",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-7-9/round*/*": "one round each: pooled in that folder's "
+    "`pooled_rounds_1-4_7-9.json`",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-7-9/trl_peer.json": "rounds 7-9 alone: pooled with rounds 1-4 in "
+    "`pooled_rounds_1-4_7-9.json` beside it",
 }
 
 _LIKE = ("against a bare `vllm.LLM` with the same settings the 1.7B rollout is -9.6% (-25.3 .. +3.8) over 9 rounds "

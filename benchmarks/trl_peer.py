@@ -201,10 +201,12 @@ def merge(files: list[str], out: str, warmup: int) -> int:
     first = docs[0]
     rounds = [r for d in docs for r in d["rounds"]]
     peers = [p for p in PEERS if any(p in r for r in rounds)]
-    orders = [d["command"].split("--order ")[1].split()[0] for d in docs if "--order " in d["command"]]
-    result = {**first, "command": first["command"] + (f" (then again with --order {' / '.join(orders[1:])}: "
-                                                      f"{len(docs)} runs, merged by --merge)" if len(docs) > 1 else ""),
-              "commands": [d["command"] for d in docs], "dates": [d["date"] for d in docs],
+    commands = [c for d in docs for c in d.get("commands", [d["command"]])]  # a merged file: its runs' own
+    dates = [t for d in docs for t in d.get("dates", [d["date"]])]
+    orders = [c.split("--order ")[1].split()[0] for c in commands if "--order " in c]
+    result = {**first, "command": commands[0] + (f" (then again with --order {' / '.join(orders[1:])}: "
+                                                 f"{len(commands)} runs, merged by --merge)" if len(commands) > 1 else ""),
+              "date": dates[-1], "commands": commands, "dates": dates,
               "merged_from": [Path(f).name for f in files], "rounds": rounds,
               "overall": overall(rounds, warmup, first["work"]["samples_per_step"], peers)}
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
