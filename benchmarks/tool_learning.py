@@ -16,14 +16,20 @@ No hub download. The benchmark
    with the same steps, prompts, sampling and learning rate: *tools* with ``spec.environment`` (the builtin python
    tool, parser hermes, at most 3 turns), *single* without; reward ``exactMatch`` on the final answer; the same
    held-out problems scored greedily before the first step (``data.evalOnStart``: each checkpoint as the
-   runtime sees it) and every ``--eval-every`` steps (``status.eval``).
+   runtime sees it) and every ``--eval-every`` steps (``status.eval``);
+4. with ``--trl-python``, the peer: TRL's GRPOTrainer with the same python tool from the same tools checkpoint, on
+   the same prompts in the same order, steps, sampling, batch, turns and trajectory budget
+   (``trl_tool_learning_run.py``: how TRL is configured); the checkpoints it saves every ``--eval-every`` steps
+   are scored by the runtime's evaluation above (a one-step run from each: its step-0 eval).
 
 Writes ``<out>/tool_learning_<device>.json``: ``tools_accuracy`` and ``single_turn_accuracy`` (held-out, after the
-last step, median over seeds), every eval, every step's reward and the agent's figures (turns, tool calls,
-faults, each step's rollout and train seconds), the supervised histories; prints a table.
+last step, median over seeds), with TRL ``trl_tools_accuracy`` and both sides' step times
+(``tools_step_speedup_vs_trl``: TRL's median step over the runtime's), every eval, every step's reward and the
+agent's figures (turns, tool calls, faults, each step's rollout and train seconds), the supervised histories.
 
-    . benchmarks/gpu_env.sh && python3 benchmarks/tool_learning.py --out $OUT            # one GPU, colocated
-    python3 benchmarks/tool_learning.py --cpu --out /tmp/tool-learning                   # smoke test on CPU
+    . benchmarks/gpu_env.sh && python3 benchmarks/tool_learning.py --out $OUT [--trl-python python3]  # one GPU
+    python3 benchmarks/tool_learning.py --cpu --out /tmp/tool-learning \
+        [--trl-python /tmp/trl-venv/bin/python --trl-no-vllm]                                  # smoke test on CPU
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,8 +52,13 @@ sys.path.insert(0, str(ROOT.parent / "operator"))
 sys.path.insert(0, str(ROOT))
 import harness
 
+#: The schema transformers makes of ``trl_tool_learning_run.python``'s signature and docstring, keys in its order
+#: (the chat template writes them as they come), so TRL's prompts are the runtime's tokens.
 PYTHON_TOOL = {"name": "python", "builtin": "python", "description": "Run Python code and see what it prints.",
-               "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}
+               "parameters": {"type": "object", "properties": {
+                   "code": {"type": "string", "description": "The Python code to run."}}, "required": ["code"]}}
+#: The tools arm's ``spec.environment`` limits, which the TRL arm gets too.
+MAX_TURNS, MAX_TRAJECTORY_TOKENS = 3, 600
 ARMS = ("tools", "single")
 
 
@@ -225,15 +238,16 @@ def job(a: argparse.Namespace, model: Path, arm: str, train: Path, evals: Path, 
         "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"}],
     }
     if arm == "tools":
-        spec["environment"] = {"tools": [PYTHON_TOOL], "toolParser": "hermes", "maxTurns": 3, "maxTokens": 600,
+        spec["environment"] = {"tools": [PYTHON_TOOL], "toolParser": "hermes", "maxTurns": MAX_TURNS,
+                               "maxTokens": MAX_TRAJECTORY_TOKENS,
                                "python": {"timeoutSeconds": 5}}
     return spec
 
 
 def grpo(a: argparse.Namespace, tmp: Path, model: Path, arm: str, data: dict[str, Path], seed: int,
-         steps: int, lr: float) -> dict[str, Any]:
+         steps: int, lr: float, name: str | None = None) -> dict[str, Any]:
     """One driver run; its evals, its steps' rewards and agent figures."""
-    name = f"{arm}-seed{seed}-{steps}steps"
+    name = name or f"{arm}-seed{seed}-{steps}steps"
     ran, records = harness.run_driver(job(a, model, arm, data["train"], data["eval"], seed, steps, lr), tmp,
                                       name=name, timeout=a.run_timeout)
     evals, steps_out = {}, []
@@ -255,6 +269,62 @@ def grpo(a: argparse.Namespace, tmp: Path, model: Path, arm: str, data: dict[str
     print(f"{name}: exit {ran['exit']} in {ran['seconds']:.0f}s; eval "
           + " ".join(f"{e['step']}:{e['accuracy']:.3f}" for e in out["eval"]), flush=True)
     return out
+
+
+def trl(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], seed: int) -> dict[str, Any]:
+    """One run of TRL's GRPOTrainer with the python tool (``trl_tool_learning_run.py`` under ``--trl-python``) from
+    the tools checkpoint, on the prompts in the order the driver takes them for ``seed``; each checkpoint it saves
+    scored by the runtime's own evaluation (``score``)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_runtime.algo.data import step_batch
+
+    rows = [json.loads(line) for line in data["train"].read_text().splitlines()]
+    order = [(rows[i]["messages"][0]["content"], rows[i]["answer"]) for step in range(a.grpo_steps)
+             for i in step_batch(list(range(len(rows))), step, a.prompts, seed)]
+    tok, schema = AutoTokenizer.from_pretrained(str(model)), runtime_tools().schemas()
+    prompt = max(len(tok.apply_chat_template([{"role": "user", "content": q}], tools=schema,
+                                             add_generation_prompt=True, tokenize=True)) for q, _ in order)
+    name = f"trl-tools-seed{seed}"
+    work_file, out_file, log = tmp / f"{name}.work.json", tmp / f"{name}.json", tmp / f"{name}.log"
+    launched = time.time()
+    work_file.write_text(json.dumps({
+        "model": str(model), "train": order, "steps": a.grpo_steps, "prompts_per_step": a.prompts,
+        "samples_per_prompt": a.samples, "max_turns": MAX_TURNS, "max_completion_tokens": MAX_TRAJECTORY_TOKENS - prompt,
+        "tool_schema": schema[0], "temperature": 1.0, "learning_rate": a.lr, "clip": 0.2,
+        "gpu_memory_utilization": 0.3, "max_model_len": 640, "micro_batch": a.trl_micro_batch,
+        "device": "cpu" if a.cpu else "cuda", "use_vllm": not a.trl_no_vllm, "seed": seed,
+        "eval_every": a.eval_every, "launched": launched}))
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        try:
+            rc = subprocess.run([a.trl_python, str(ROOT / "trl_tool_learning_run.py"), str(work_file), str(out_file)],
+                                check=False, stdout=out, stderr=subprocess.STDOUT, timeout=a.run_timeout,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+    wall = time.perf_counter() - t0
+    got = json.loads(out_file.read_text()) if out_file.exists() else {}
+    res: dict[str, Any] = {
+        "arm": "trl-tools", "seed": seed, "learning_rate": a.lr, "exit_code": rc, "wall_seconds": round(wall, 1),
+        "use_vllm": not a.trl_no_vllm, "max_completion_tokens": MAX_TRAJECTORY_TOKENS - prompt,
+        "versions": got.get("versions"), "steps": got.get("steps", []),
+        **{k: got[k] for k in ("imported_at", "trainer_ready", "train_begin", "train_seconds", "finished", "error",
+                               "traceback") if k in got}}
+    if rc != 0:
+        res["log_tail"] = log.read_text(errors="replace").splitlines()[-60:]
+    res["eval"] = [{"step": c["step"], "accuracy": score(a, tmp, Path(c["path"]), data, seed)}
+                   for c in got.get("checkpoints", [])]
+    print(f"{name}: exit {rc} in {wall:.0f}s; eval " + " ".join(f"{e['step']}:{e['accuracy']}" for e in res["eval"])
+          + (f"; error {res['error'][:300]}" if "error" in res else ""), flush=True)
+    return res
+
+
+def score(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], seed: int) -> float | None:
+    """``model``'s held-out accuracy as the runtime scores its own runs: the tools arm's job from that checkpoint,
+    its eval before the first step (``data.evalOnStart``; one step, whose update is not scored)."""
+    ran = grpo(a, tmp, model, "tools", data, seed, 1, a.lr, name=f"score-{model.name}")
+    return start_accuracy(ran)
 
 
 def last_accuracy(run: dict[str, Any]) -> float | None:
@@ -280,8 +350,27 @@ def summary(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     out["tools_over_single_turn"] = (t / s if s else None) if t is not None and s is not None else None
     # the target (tools >= 2x single-turn and above 0), also where the single-turn arm scored 0 and the ratio is None
     out["tools_at_least_2x_single_turn"] = t > 0 and t >= 2 * s if t is not None and s is not None else None
+    trl_runs = [r for r in runs if r["arm"] == "trl-tools"]
+    if trl_runs:  # the peer from the same tools checkpoint, scored by the same evaluation
+        done = [x for r in trl_runs for x in [last_accuracy(r)] if x is not None]
+        out["trl_tools_accuracy"], out["trl_tools_accuracy_seeds"] = statistics.median(done) if done else None, done
+        for arm in ("tools", "trl-tools"):
+            out[f"{arm.replace('-', '_')}_step_seconds"] = step_seconds(
+                [r for r in runs if r["arm"] == arm and r["exit_code"] == 0])
+        ours, peer = out["tools_step_seconds"], out["trl_tools_step_seconds"]
+        out["tools_step_speedup_vs_trl"] = peer["median"] / ours["median"] if ours and peer else None
     out["grpo_steps"] = steps
     return out
+
+
+def step_seconds(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Median (min, max) of the runs' step times after the first step (which includes warm-up), and the whole
+    loop's seconds per run (every step's, evaluations not included)."""
+    times = [s["step_seconds"] for r in runs for s in r["steps"][1:] if s.get("step_seconds") is not None]
+    if not times:
+        return None
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times),
+            "loop_seconds": [round(sum(s.get("step_seconds") or 0.0 for s in r["steps"]), 2) for r in runs]}
 
 
 def main() -> int:
@@ -304,6 +393,10 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--seeds", default="0,1", help="algorithm.seed of the GRPO runs, interleaved by arm")
     p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--trl-python", help="also run TRL's GRPOTrainer with the python tool from the tools checkpoint "
+                   "under this Python (one that has TRL: trl_tool_learning_run.py)")
+    p.add_argument("--trl-no-vllm", action="store_true", help="TRL generates with transformers (a CPU smoke run)")
+    p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
     p.add_argument("--cpu", action="store_true", help="smoke run on CPU (a smaller model, fewer steps)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
@@ -329,6 +422,10 @@ def main() -> int:
     for seed in (int(s) for s in a.seeds.split(",")):
         for arm in ARMS if seed % 2 == 0 else ARMS[::-1]:
             result["runs"].append(grpo(a, tmp, tmp / arm, arm, data, seed, a.grpo_steps, a.lr))
+            result["summary"] = summary(result["runs"], a.grpo_steps)
+            harness.write_result(out, result)
+        if a.trl_python:
+            result["runs"].append(trl(a, tmp, tmp / "tools", data, seed))
             result["summary"] = summary(result["runs"], a.grpo_steps)
             harness.write_result(out, result)
     print(json.dumps(result["summary"], indent=1))

@@ -52,3 +52,34 @@ def test_the_summary_takes_finished_runs_last_evals_and_the_start_of_every_run()
     assert zero["tools_over_single_turn"] is None and zero["tools_at_least_2x_single_turn"] is True
     assert m.summary([run("tools", 0.1, 0.0), run("single", 0.0, 0.0)], 9)["tools_at_least_2x_single_turn"] is False
     assert m.summary([run("tools", 0.1, 0.3), run("single", 0.0, 0.2)], 9)["tools_at_least_2x_single_turn"] is False
+
+
+def test_the_summary_sets_trl_beside_the_runtime_from_the_same_checkpoint_and_times_steps_after_the_first() -> None:
+    def run(arm: str, acc: float, steps: list[float], code: int = 0) -> dict:
+        return {"arm": arm, "exit_code": code, "eval": [{"step": 0, "accuracy": 0.5}, {"step": 2, "accuracy": acc}],
+                "steps": [{"step": i + 1, "step_seconds": t} for i, t in enumerate(steps)]}
+
+    s = m.summary([run("tools", 0.7, [9.0, 2.0, 4.0]), run("single", 0.0, [1.0, 0.5, 0.5]),
+                   run("trl-tools", 0.6, [30.0, 8.0, 6.0])], 3)
+    assert s["trl_tools_accuracy"] == 0.6 and s["tools_accuracy"] == 0.7
+    assert s["tools_step_seconds"]["median"] == 3.0 and s["tools_step_seconds"]["n"] == 2  # step 1 left out
+    assert s["tools_step_seconds"]["loop_seconds"] == [15.0]
+    assert s["trl_tools_step_seconds"]["median"] == 7.0 and abs(s["tools_step_speedup_vs_trl"] - 7 / 3) < 1e-9
+    failed = m.summary([run("tools", 0.7, [9.0, 2.0]), run("trl-tools", 0.6, [30.0, 8.0], code=1)], 2)
+    assert failed["trl_tools_accuracy"] is None and failed["tools_step_speedup_vs_trl"] is None
+    assert "trl_tools_accuracy" not in m.summary([run("tools", 0.7, [9.0, 2.0])], 2)
+
+
+def test_the_trl_arm_gets_the_runtime_s_tool_schema_and_reads_the_final_answer_of_a_conversation() -> None:
+    import json
+
+    import trl_tool_learning_run as trl_run
+    from transformers.utils import get_json_schema
+
+    tools = m.runtime_tools()
+    assert json.dumps(get_json_schema(trl_run.python_tool(tools))) == json.dumps(tools.schemas()[0])
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function"}]}
+    tool = {"role": "tool", "name": "python", "content": "372586\n"}
+    assert trl_run.last_answer([call, tool, {"role": "assistant", "content": " 372586 "}]) == " 372586 "
+    assert trl_run.last_answer([call, tool]) == ""  # the turns ran out on a call: no answer
+    assert trl_run.last_answer([tool]) == "" and trl_run.last_answer("42") == "42"
