@@ -393,6 +393,8 @@ def main() -> int:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--seeds", default="0,1", help="algorithm.seed of the GRPO runs, interleaved by arm")
     p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--arms", default="tools,single", help="the runtime's GRPO runs to make (both checkpoints are "
+                   "trained either way); e.g. tools with --trl-python for the peer comparison alone")
     p.add_argument("--trl-python", help="also run TRL's GRPOTrainer with the python tool from the tools checkpoint "
                    "under this Python (one that has TRL: trl_tool_learning_run.py)")
     p.add_argument("--trl-no-vllm", action="store_true", help="TRL generates with transformers (a CPU smoke run)")
@@ -420,7 +422,8 @@ def main() -> int:
     slug = "cpu" if a.cpu or not gpus else gpus[0].lower().replace("nvidia ", "").replace(" ", "-")
     out = a.out / f"tool_learning_{slug}.json"
     for seed in (int(s) for s in a.seeds.split(",")):
-        for arm in ARMS if seed % 2 == 0 else ARMS[::-1]:
+        arms = [arm for arm in ARMS if arm in a.arms.split(",")]
+        for arm in arms if seed % 2 == 0 else arms[::-1]:
             result["runs"].append(grpo(a, tmp, tmp / arm, arm, data, seed, a.grpo_steps, a.lr))
             result["summary"] = summary(result["runs"], a.grpo_steps)
             harness.write_result(out, result)
