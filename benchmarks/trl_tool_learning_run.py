@@ -28,7 +28,9 @@ multi-turn evaluation, as it scores its own runs, so both sides are scored by on
 
 Writes OUT.json: per step the seconds since the parent launched this process (``work["launched"]``, epoch),
 TRL's step time (callback step begin -> step end: generation with the tool calls, weight sync, reward, the
-update), its logged reward and tool-call figures; the saved checkpoints; versions; or the error.
+update), its logged reward and tool-call figures, how the calls that reached the tool ended (``tool_runs``: TRL
+counts a call whose name or arguments do not fit the function as a failure without running it); the saved
+checkpoints; versions; or the error.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ def python_tool(tools):
             code: The Python code to run.
         """
         out = await tools.call(Call("python", {"code": code}))
+        python.runs[out.error or "ok"] = python.runs.get(out.error or "ok", 0) + 1
         return out.text
 
+    python.runs = {}  # how the calls that reached the tool ended, by the runtime's kinds (TRL counts the others)
     return python
 
 
@@ -73,120 +77,146 @@ def last_answer(completion) -> str:
     return next((m.get("content") or "" for m in reversed(completion) if m.get("role") == "assistant"), "")
 
 
-def main() -> int:
-    work = json.loads(Path(sys.argv[1]).read_text())
-    out = Path(sys.argv[2])
-    launched = work.get("launched", time.time())
-    result: dict = {"work": {k: v for k, v in work.items() if k != "train"}, "steps": [], "checkpoints": []}
+class Run:
+    """The result file and the clock of one run."""
 
-    def since() -> float:
-        return round(time.time() - launched, 2)
+    def __init__(self, work: dict, out: Path) -> None:
+        self.work, self.out = work, out
+        self.launched = work.get("launched", time.time())
+        self.result: dict = {"work": {k: v for k, v in work.items() if k != "train"}, "steps": [], "checkpoints": []}
 
-    def save() -> None:
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    def since(self) -> float:
+        return round(time.time() - self.launched, 2)
 
-    try:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL reaches into the engine's worker
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    def save(self) -> None:
+        self.out.write_text(json.dumps(self.result, indent=1) + "\n")
+
+    def checkpoint(self, model, tok, step: int) -> None:
+        """A bfloat16 copy of ``model`` (what the runtime's engine serves; the float32 weights train on unchanged)."""
         import torch
-        import transformers
-        import trl
-        from datasets import Dataset
-        from tool_learning import runtime_tools
-        from transformers import AutoTokenizer, TrainerCallback
-        from transformers.utils import get_json_schema
-        from trl import GRPOConfig, GRPOTrainer
-        from trl.chat_template_utils import qwen3_template
 
-        result["versions"] = {"trl": trl.__version__, "torch": torch.__version__,
-                              "transformers": transformers.__version__}
-        if work["use_vllm"]:
-            import vllm
-            result["versions"]["vllm"] = vllm.__version__
-        result["imported_at"] = since()
-        cpu = work["device"] == "cpu"
-        tok = AutoTokenizer.from_pretrained(work["model"])
-        # the tiny chat template is Qwen2.5's ChatML shape with Hermes tool calls: TRL's Qwen3 response template
-        # parses it (TRL sets it itself only for chat templates it recognises verbatim)
-        tok.response_template = qwen3_template
-        tool = python_tool(runtime_tools())
-        if json.dumps(get_json_schema(tool)) != json.dumps(work["tool_schema"]):  # in order: the template keeps it
-            raise SystemExit(f"TRL's schema of the tool {get_json_schema(tool)} is not the runtime's "
-                             f"{work['tool_schema']}: the prompts would differ")
-
-        def exact_match(completions, answer, **_):
-            return [float(last_answer(c).strip() == a.strip()) for c, a in zip(completions, answer)]
-
-        def checkpoint(model, step: int) -> None:
-            path = out.parent / f"{out.stem}-step{step}"
-            t = time.perf_counter()
-            # a bfloat16 copy (what the runtime's engine serves); the float32 weights train on unchanged
-            model.save_pretrained(str(path), state_dict={k: v.detach().to(torch.bfloat16)
-                                                         for k, v in model.state_dict().items()})
-            tok.save_pretrained(str(path))
-            result["checkpoints"].append({"step": step, "path": str(path), "seconds": since(),
-                                          "save_seconds": round(time.perf_counter() - t, 3)})
-
-        class Record(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kw):
-                result["train_begin"] = since()
-                save()
-
-            def on_step_begin(self, args, state, control, **kw):
-                self.t = time.perf_counter()
-
-            def on_step_end(self, args, state, control, model=None, **kw):
-                took = time.perf_counter() - self.t
-                step = state.global_step
-                result["steps"].append({"step": step, "seconds": since(), "step_seconds": round(took, 4)})
-                if step % work["eval_every"] == 0 or step == work["steps"]:
-                    checkpoint(model, step)
-                save()
-
-            def on_log(self, args, state, control, logs=None, **kw):
-                # the log of step N arrives after on_step_end of step N: attach it then
-                if logs and result["steps"] and result["steps"][-1]["step"] == state.global_step:
-                    for k in LOGGED:
-                        if k in logs:
-                            result["steps"][-1][k] = logs[k]
-
-        samples = work["prompts_per_step"] * work["samples_per_prompt"]
-        micro = min(work.get("micro_batch", 64), samples)
-        accumulation = samples // micro
-        config = GRPOConfig(
-            output_dir=str(out.parent / f"trl-out-{out.stem}"), max_steps=work["steps"],
-            learning_rate=work["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-            per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-            steps_per_generation=accumulation, num_generations=work["samples_per_prompt"],
-            max_completion_length=work["max_completion_tokens"], max_tool_calling_iterations=work["max_turns"] - 1,
-            temperature=work["temperature"], top_p=1.0,
-            beta=0.0, epsilon=work["clip"], num_iterations=1, loss_type="dapo", scale_rewards="group",
-            shuffle_dataset=False,
-            use_vllm=work["use_vllm"], vllm_mode="colocate",
-            vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
-            vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-            vllm_importance_sampling_clip_max=2.0,
-            use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
-            model_init_kwargs={"dtype": "float32"}, logging_steps=1, report_to=[], save_strategy="no",
-            seed=work["seed"], data_seed=work["seed"], dataloader_num_workers=0, disable_tqdm=True,
-        )
-        dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}], "answer": a}
-                                     for q, a in work["train"]])
-        trainer = GRPOTrainer(model=work["model"], reward_funcs=exact_match, args=config, train_dataset=dataset,
-                              processing_class=tok, tools=[tool], callbacks=[Record()])
-        result["trainer_ready"] = since()
+        path = self.out.parent / f"{self.out.stem}-step{step}"
         t = time.perf_counter()
-        trainer.train()
-        result["train_seconds"] = round(time.perf_counter() - t, 2)
-        result["ok"] = True
+        model.save_pretrained(str(path), state_dict={k: v.detach().to(torch.bfloat16)
+                                                     for k, v in model.state_dict().items()})
+        tok.save_pretrained(str(path))
+        self.result["checkpoints"].append({"step": step, "path": str(path), "seconds": self.since(),
+                                           "save_seconds": round(time.perf_counter() - t, 3)})
+
+
+def recorder(run: Run, tok, tool):
+    """A TrainerCallback recording each step (time, TRL's log, the tool's runs) and saving the checkpoints."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            run.result["train_begin"] = run.since()
+            run.save()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            took, step = time.perf_counter() - self.t, state.global_step
+            run.result["steps"].append({"step": step, "seconds": run.since(), "step_seconds": round(took, 4),
+                                        "tool_runs": dict(tool.runs)})
+            tool.runs.clear()
+            if step % run.work["eval_every"] == 0 or step == run.work["steps"]:
+                run.checkpoint(model, tok, step)
+            run.save()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            # the log of step N arrives after on_step_end of step N: attach it then
+            steps = run.result["steps"]
+            if logs and steps and steps[-1]["step"] == state.global_step:
+                steps[-1].update({k: logs[k] for k in LOGGED if k in logs})
+
+    return Record()
+
+
+def grpo_config(work: dict, out: Path):
+    """TRL's configuration of the runtime's run (the module's docstring)."""
+    from trl import GRPOConfig
+
+    cpu = work["device"] == "cpu"
+    samples = work["prompts_per_step"] * work["samples_per_prompt"]
+    micro = min(work.get("micro_batch", 64), samples)
+    accumulation = samples // micro
+    return GRPOConfig(
+        output_dir=str(out.parent / f"trl-out-{out.stem}"), max_steps=work["steps"],
+        learning_rate=work["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=work["samples_per_prompt"],
+        max_completion_length=work["max_completion_tokens"], max_tool_calling_iterations=work["max_turns"] - 1,
+        temperature=work["temperature"], top_p=1.0,
+        beta=0.0, epsilon=work["clip"], num_iterations=1, loss_type="dapo", scale_rewards="group",
+        shuffle_dataset=False,
+        use_vllm=work["use_vllm"], vllm_mode="colocate",
+        vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=2.0,
+        use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"}, logging_steps=1, report_to=[], save_strategy="no",
+        seed=work["seed"], data_seed=work["seed"], dataloader_num_workers=0, disable_tqdm=True,
+    )
+
+
+def exact_match(completions, answer, **_):
+    """The runtime's ``exactMatch`` on the final answer."""
+    return [float(last_answer(c).strip() == a.strip()) for c, a in zip(completions, answer)]
+
+
+def train(run: Run) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # TRL reaches into the engine's worker
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from tool_learning import runtime_tools
+    from transformers import AutoTokenizer
+    from transformers.utils import get_json_schema
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    work = run.work
+    run.result["versions"] = {"trl": trl.__version__, "torch": torch.__version__,
+                              "transformers": transformers.__version__}
+    if work["use_vllm"]:
+        import vllm
+        run.result["versions"]["vllm"] = vllm.__version__
+    run.result["imported_at"] = run.since()
+    tok = AutoTokenizer.from_pretrained(work["model"])
+    # the tiny chat template is Qwen2.5's ChatML shape with Hermes tool calls: TRL's Qwen3 response template
+    # parses it (TRL sets it itself only for chat templates it recognises verbatim)
+    tok.response_template = qwen3_template
+    tool = python_tool(runtime_tools())
+    if json.dumps(get_json_schema(tool)) != json.dumps(work["tool_schema"]):  # in order: the template keeps it
+        raise SystemExit(f"TRL's schema of the tool {get_json_schema(tool)} is not the runtime's "
+                         f"{work['tool_schema']}: the prompts would differ")
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in work["train"]])
+    trainer = GRPOTrainer(model=work["model"], reward_funcs=exact_match, args=grpo_config(work, run.out),
+                          train_dataset=dataset, processing_class=tok, tools=[tool],
+                          callbacks=[recorder(run, tok, tool)])
+    run.result["trainer_ready"] = run.since()
+    t = time.perf_counter()
+    trainer.train()
+    run.result["train_seconds"] = round(time.perf_counter() - t, 2)
+
+
+def main() -> int:
+    run = Run(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+    try:
+        train(run)
+        run.result["ok"] = True
     except BaseException as e:  # noqa: BLE001 - the error is the result (SystemExit included)
-        result["ok"] = False
-        result["error"] = f"{type(e).__name__}: {e}"[:4000]
-        result["traceback"] = traceback.format_exc()[-8000:]
-    result["finished"] = since()
-    save()
-    return 0 if result["ok"] else 1
+        run.result["ok"] = False
+        run.result["error"] = f"{type(e).__name__}: {e}"[:4000]
+        run.result["traceback"] = traceback.format_exc()[-8000:]
+    run.result["finished"] = run.since()
+    run.save()
+    return 0 if run.result["ok"] else 1
 
 
 if __name__ == "__main__":
