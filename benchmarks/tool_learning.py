@@ -29,7 +29,10 @@ agent's figures (turns, tool calls, faults, each step's rollout and train second
 
     . benchmarks/gpu_env.sh && python3 benchmarks/tool_learning.py --out $OUT [--trl-python python3]  # one GPU
     python3 benchmarks/tool_learning.py --cpu --out /tmp/tool-learning \
-        [--trl-python /tmp/trl-venv/bin/python --trl-no-vllm]                                  # smoke test on CPU
+        [--trl-python /opt/trl-venv/bin/python --trl-no-vllm]                                  # smoke test on CPU
+
+(A TRL venv as ``trl_peer.py`` describes, outside the temp directory: the python tool's sandbox mounts an empty
+tmpfs there, which would hide the interpreter the tool runs.)
 """
 
 from __future__ import annotations
@@ -282,16 +285,14 @@ def trl(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], se
     rows = [json.loads(line) for line in data["train"].read_text().splitlines()]
     order = [(rows[i]["messages"][0]["content"], rows[i]["answer"]) for step in range(a.grpo_steps)
              for i in step_batch(list(range(len(rows))), step, a.prompts, seed)]
-    tok, schema = AutoTokenizer.from_pretrained(str(model)), runtime_tools().schemas()
-    prompt = max(len(tok.apply_chat_template([{"role": "user", "content": q}], tools=schema,
-                                             add_generation_prompt=True, tokenize=True)) for q, _ in order)
+    budget = completion_budget(AutoTokenizer.from_pretrained(str(model)), [q for q, _ in order])
     name = f"trl-tools-seed{seed}"
     work_file, out_file, log = tmp / f"{name}.work.json", tmp / f"{name}.json", tmp / f"{name}.log"
     launched = time.time()
     work_file.write_text(json.dumps({
         "model": str(model), "train": order, "steps": a.grpo_steps, "prompts_per_step": a.prompts,
-        "samples_per_prompt": a.samples, "max_turns": MAX_TURNS, "max_completion_tokens": MAX_TRAJECTORY_TOKENS - prompt,
-        "tool_schema": schema[0], "temperature": 1.0, "learning_rate": a.lr, "clip": 0.2,
+        "samples_per_prompt": a.samples, "max_turns": MAX_TURNS, "max_completion_tokens": budget,
+        "tool_schema": runtime_tools().schemas()[0], "temperature": 1.0, "learning_rate": a.lr, "clip": 0.2,
         "gpu_memory_utilization": 0.3, "max_model_len": 640, "micro_batch": a.trl_micro_batch,
         "device": "cpu" if a.cpu else "cuda", "use_vllm": not a.trl_no_vllm, "seed": seed,
         "eval_every": a.eval_every, "launched": launched}))
@@ -307,7 +308,7 @@ def trl(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], se
     got = json.loads(out_file.read_text()) if out_file.exists() else {}
     res: dict[str, Any] = {
         "arm": "trl-tools", "seed": seed, "learning_rate": a.lr, "exit_code": rc, "wall_seconds": round(wall, 1),
-        "use_vllm": not a.trl_no_vllm, "max_completion_tokens": MAX_TRAJECTORY_TOKENS - prompt,
+        "use_vllm": not a.trl_no_vllm, "max_completion_tokens": budget,
         "versions": got.get("versions"), "steps": got.get("steps", []),
         **{k: got[k] for k in ("imported_at", "trainer_ready", "train_begin", "train_seconds", "finished", "error",
                                "traceback") if k in got}}
@@ -318,6 +319,16 @@ def trl(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], se
     print(f"{name}: exit {rc} in {wall:.0f}s; eval " + " ".join(f"{e['step']}:{e['accuracy']}" for e in res["eval"])
           + (f"; error {res['error'][:300]}" if "error" in res else ""), flush=True)
     return res
+
+
+def completion_budget(tok: Any, questions: list[str]) -> int:
+    """TRL's ``max_completion_length`` for the runtime's trajectory budget (``maxTokens``: the prompt, turns and
+    observations): what that budget leaves after the longest first prompt, rendered with the tool as both sides
+    render it."""
+    schema = runtime_tools().schemas()
+    texts = (tok.apply_chat_template([{"role": "user", "content": q}], tools=schema, add_generation_prompt=True,
+                                     tokenize=False) for q in set(questions))
+    return MAX_TRAJECTORY_TOKENS - max(len(tok.encode(t, add_special_tokens=False)) for t in texts)
 
 
 def score(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], seed: int) -> float | None:

@@ -83,3 +83,19 @@ def test_the_trl_arm_gets_the_runtime_s_tool_schema_and_reads_the_final_answer_o
     assert trl_run.last_answer([call, tool, {"role": "assistant", "content": " 372586 "}]) == " 372586 "
     assert trl_run.last_answer([call, tool]) == ""  # the turns ran out on a call: no answer
     assert trl_run.last_answer([tool]) == "" and trl_run.last_answer("42") == "42"
+
+
+def test_trl_gets_the_trajectory_budget_left_after_the_longest_prompt_with_the_tool(tmp_path: Path) -> None:
+    from rlhf_testing.tiny_chat import build_chat_tokenizer
+    from transformers import AutoTokenizer
+
+    build_chat_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    short, long = m.question(12, 34), m.question(123, 456)
+    text = tok.apply_chat_template([{"role": "user", "content": long}], tools=m.runtime_tools().schemas(),
+                                   add_generation_prompt=True, tokenize=False)
+    assert "The Python code to run." in text and text.endswith("<|im_start|>assistant\n")
+    prompt = len(tok.encode(text, add_special_tokens=False))
+    assert prompt > 200  # the tool's schema is in it, one token per byte
+    assert m.completion_budget(tok, [short, long, short]) == m.MAX_TRAJECTORY_TOKENS - prompt
+    assert m.completion_budget(tok, [short]) == m.MAX_TRAJECTORY_TOKENS - prompt + 2  # two digits shorter
