@@ -43,7 +43,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -296,15 +295,9 @@ def trl(a: argparse.Namespace, tmp: Path, model: Path, data: dict[str, Path], se
         "gpu_memory_utilization": 0.3, "max_model_len": 640, "micro_batch": a.trl_micro_batch,
         "device": "cpu" if a.cpu else "cuda", "use_vllm": not a.trl_no_vllm, "seed": seed,
         "eval_every": a.eval_every, "launched": launched}))
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        try:
-            rc = subprocess.run([a.trl_python, str(ROOT / "trl_tool_learning_run.py"), str(work_file), str(out_file)],
-                                check=False, stdout=out, stderr=subprocess.STDOUT, timeout=a.run_timeout,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-        except subprocess.TimeoutExpired:
-            rc = -9
-    wall = time.perf_counter() - t0
+    ran = harness.run_logged([a.trl_python, str(ROOT / "trl_tool_learning_run.py"), str(work_file), str(out_file)],
+                             log, a.run_timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    rc, wall = ran["exit"], ran["seconds"]
     got = json.loads(out_file.read_text()) if out_file.exists() else {}
     res: dict[str, Any] = {
         "arm": "trl-tools", "seed": seed, "learning_rate": a.lr, "exit_code": rc, "wall_seconds": round(wall, 1),

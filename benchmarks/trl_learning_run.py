@@ -46,6 +46,34 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 
+def grpo_config(work: dict, out: Path, **extra):
+    """TRL's ``GRPOConfig`` for the runtime's run described by ``work`` (the module's docstring), with ``extra``
+    (e.g. ``max_completion_length``) on top."""
+    from trl import GRPOConfig
+
+    cpu = work["device"] == "cpu"
+    samples = work["prompts_per_step"] * work["samples_per_prompt"]
+    micro = min(work.get("micro_batch", 64), samples)
+    accumulation = samples // micro
+    return GRPOConfig(
+        output_dir=str(out.parent / f"trl-out-{out.stem}"), max_steps=work["steps"],
+        learning_rate=work["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation, num_generations=work["samples_per_prompt"],
+        temperature=work["temperature"], top_p=1.0,
+        beta=0.0, epsilon=work["clip"], num_iterations=1, loss_type="dapo", scale_rewards="group",
+        shuffle_dataset=False,
+        use_vllm=work["use_vllm"], vllm_mode="colocate",
+        vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
+        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=2.0,
+        use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
+        model_init_kwargs={"dtype": "float32"}, logging_steps=1, report_to=[], save_strategy="no",
+        seed=work["seed"], data_seed=work["seed"], dataloader_num_workers=0, disable_tqdm=True, **extra,
+    )
+
+
 def main() -> int:
     work = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -66,7 +94,7 @@ def main() -> int:
         from datasets import Dataset
         from gpu_learning import greedy_accuracy
         from transformers import AutoTokenizer, TrainerCallback
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOTrainer
 
         result["versions"] = {"trl": trl.__version__, "torch": torch.__version__,
                               "transformers": transformers.__version__}
@@ -122,26 +150,7 @@ def main() -> int:
                         if k in logs:
                             result["steps"][-1][k] = logs[k]
 
-        samples = work["prompts_per_step"] * work["samples_per_prompt"]
-        micro = min(work.get("micro_batch", 64), samples)
-        accumulation = samples // micro
-        config = GRPOConfig(
-            output_dir=str(out.parent / f"trl-out-{out.stem}"), max_steps=work["steps"],
-            learning_rate=work["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-            per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-            steps_per_generation=accumulation, num_generations=work["samples_per_prompt"],
-            max_completion_length=work["max_tokens"], temperature=work["temperature"], top_p=1.0,
-            beta=0.0, epsilon=work["clip"], num_iterations=1, loss_type="dapo", scale_rewards="group",
-            shuffle_dataset=False,
-            use_vllm=work["use_vllm"], vllm_mode="colocate",
-            vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
-            vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-            vllm_importance_sampling_clip_max=2.0,
-            use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
-            model_init_kwargs={"dtype": "float32"}, logging_steps=1, report_to=[], save_strategy="no",
-            seed=work["seed"], data_seed=work["seed"], dataloader_num_workers=0, disable_tqdm=True,
-        )
+        config = grpo_config(work, out, max_completion_length=work["max_tokens"])
         dataset = Dataset.from_list([{"prompt": p, "answer": a} for p, a in work["train"]])
         trainer = GRPOTrainer(model=work["model"], reward_funcs=exact_match, args=config, train_dataset=dataset,
                               processing_class=tok, callbacks=[Record()])

@@ -7,8 +7,8 @@ has TRL).
 answers **in the order the runtime's driver takes them** (``rlhf_runtime.algo.data.step_batch`` for the run's
 seed), and the hyperparameters of the runtime's run beside it. TRL is configured per its own documentation for
 tool use (``GRPOTrainer(tools=[...])``, a plain function with type hints and a Google-style docstring; the
-tokenizer's response template set by hand, as TRL asks for a chat template it does not know) and otherwise as
-``trl_learning_run.py`` configures it for the runtime's work:
+tokenizer's response template set by hand, as TRL asks for a chat template it does not know) and otherwise by
+``trl_learning_run.grpo_config``, as for the runtime's work there:
 
 * the tool: ``python(code)``, a coroutine that runs the code through the runtime's own builtin python tool
   (``rlhf_runtime.agent.tools.Tools``: the same isolated process, limits and answer text, errors included), so
@@ -134,34 +134,6 @@ def recorder(run: Run, tok, tool):
     return Record()
 
 
-def grpo_config(work: dict, out: Path):
-    """TRL's configuration of the runtime's run (the module's docstring)."""
-    from trl import GRPOConfig
-
-    cpu = work["device"] == "cpu"
-    samples = work["prompts_per_step"] * work["samples_per_prompt"]
-    micro = min(work.get("micro_batch", 64), samples)
-    accumulation = samples // micro
-    return GRPOConfig(
-        output_dir=str(out.parent / f"trl-out-{out.stem}"), max_steps=work["steps"],
-        learning_rate=work["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
-        steps_per_generation=accumulation, num_generations=work["samples_per_prompt"],
-        max_completion_length=work["max_completion_tokens"], max_tool_calling_iterations=work["max_turns"] - 1,
-        temperature=work["temperature"], top_p=1.0,
-        beta=0.0, epsilon=work["clip"], num_iterations=1, loss_type="dapo", scale_rewards="group",
-        shuffle_dataset=False,
-        use_vllm=work["use_vllm"], vllm_mode="colocate",
-        vllm_gpu_memory_utilization=work["gpu_memory_utilization"], vllm_max_model_length=work["max_model_len"],
-        vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
-        vllm_importance_sampling_clip_max=2.0,
-        use_cpu=cpu, bf16=not cpu, fp16=False, gradient_checkpointing=False,
-        model_init_kwargs={"dtype": "float32"}, logging_steps=1, report_to=[], save_strategy="no",
-        seed=work["seed"], data_seed=work["seed"], dataloader_num_workers=0, disable_tqdm=True,
-    )
-
-
 def exact_match(completions, answer, **_):
     """The runtime's ``exactMatch`` on the final answer."""
     return [float(last_answer(c).strip() == a.strip()) for c, a in zip(completions, answer)]
@@ -179,6 +151,7 @@ def train(run: Run) -> None:
     from transformers.utils import get_json_schema
     from trl import GRPOTrainer
     from trl.chat_template_utils import qwen3_template
+    from trl_learning_run import grpo_config
 
     work = run.work
     run.result["versions"] = {"trl": trl.__version__, "torch": torch.__version__,
@@ -196,7 +169,9 @@ def train(run: Run) -> None:
         raise SystemExit(f"TRL's schema of the tool {get_json_schema(tool)} is not the runtime's "
                          f"{work['tool_schema']}: the prompts would differ")
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in work["train"]])
-    trainer = GRPOTrainer(model=work["model"], reward_funcs=exact_match, args=grpo_config(work, run.out),
+    trainer = GRPOTrainer(model=work["model"], reward_funcs=exact_match, args=grpo_config(
+                              work, run.out, max_completion_length=work["max_completion_tokens"],
+                              max_tool_calling_iterations=work["max_turns"] - 1),
                           train_dataset=dataset, processing_class=tok, tools=[tool],
                           callbacks=[recorder(run, tok, tool)])
     run.result["trainer_ready"] = run.since()
