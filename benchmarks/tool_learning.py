@@ -340,6 +340,32 @@ def start_accuracy(run: dict[str, Any]) -> float | None:
     return next((e["accuracy"] for e in run["eval"] if e["step"] == 0), None)
 
 
+#: The settings a resumed call must share with the calls whose checkpoints and runs it keeps.
+SAME = ("digits", "hidden", "layers", "seed", "sft_lr", "sft_batch", "sft_target", "sft_max_steps", "sft_eval_every",
+        "grpo_steps", "prompts", "samples", "lr", "eval_prompts", "eval_every", "cpu", "trl_micro_batch")
+
+
+def keep(a: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
+    """What a later call with ``--work`` resumes from: the settings, the supervised phase, the runs made so far."""
+    dates = (resumed(a, work) or {}).get("dates", [])
+    (work / "kept.json").write_text(json.dumps({
+        "settings": {k: getattr(a, k) for k in SAME}, "supervised": result["supervised"], "runs": result["runs"],
+        "dates": sorted(set(dates + [result["date"]]))}, indent=1))
+
+
+def resumed(a: argparse.Namespace, work: Path) -> dict[str, Any] | None:
+    """What ``keep`` left in ``work``, if anything; an error if it was made with other settings."""
+    path = work / "kept.json"
+    if not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    if kept["settings"] != {k: getattr(a, k) for k in SAME}:
+        differ = sorted(k for k in SAME if kept["settings"].get(k) != getattr(a, k))
+        raise SystemExit(f"--work {work} holds runs made with other settings ({', '.join(differ)}): "
+                         "use another directory or the same settings")
+    return kept
+
+
 def summary(runs: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """Held-out accuracy after the last step (median over seeds) per arm, before the first (each run's step-0
     eval, also of runs that stopped early), the ratio."""
@@ -377,7 +403,7 @@ def step_seconds(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
             "loop_seconds": [round(sum(s.get("step_seconds") or 0.0 for s in r["steps"]), 2) for r in runs]}
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--digits", type=int, default=3, help="digits of each operand")
     p.add_argument("--hidden", type=int, default=256)
@@ -404,12 +430,20 @@ def main() -> int:
     p.add_argument("--trl-no-vllm", action="store_true", help="TRL generates with transformers (a CPU smoke run)")
     p.add_argument("--trl-micro-batch", type=int, default=64, help="TRL's per_device_train_batch_size")
     p.add_argument("--cpu", action="store_true", help="smoke run on CPU (a smaller model, fewer steps)")
+    p.add_argument("--work", type=Path, help="keep the checkpoints and runs here; a later call with the same settings "
+                   "reuses them and makes only the runs still missing (a comparison spread over several calls)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
     if a.cpu:
         a.digits, a.hidden, a.layers, a.sft_max_steps, a.sft_target, a.sft_batch = 2, 64, 2, 150, 0.05, 16
         a.grpo_steps, a.prompts, a.samples, a.eval_prompts, a.eval_every = min(a.grpo_steps, 4), 8, 4, 32, 2
-    tmp = Path(tempfile.mkdtemp(prefix="tool-learning-"))
+    return a
+
+
+def main() -> int:
+    a = arguments()
+    tmp = a.work or Path(tempfile.mkdtemp(prefix="tool-learning-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     eval_pairs = problems(a.digits, 1, a.eval_prompts)
     sft_held = problems(a.digits, 2, 256, frozenset(eval_pairs))
     train = problems(a.digits, 3, 2048, frozenset(eval_pairs + sft_held))
@@ -418,23 +452,28 @@ def main() -> int:
     result: dict[str, Any] = {"command": prov["command"], "date": prov["date"], "provenance": prov,
                               "task": f"{a.digits}-digit x {a.digits}-digit multiplication, exact match",
                               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}}
-    result["supervised"] = checkpoints(a, tmp, {"sft": sft, "sft_held": sft_held})
+    kept = resumed(a, tmp)
+    result["supervised"] = kept["supervised"] if kept else checkpoints(a, tmp, {"sft": sft, "sft_held": sft_held})
     data = {"train": write_prompts(tmp / "train.jsonl", train), "eval": write_prompts(tmp / "eval.jsonl", eval_pairs)}
-    result["runs"] = []
+    result["runs"] = kept["runs"] if kept else []
+    if kept:
+        result["resumed"] = {"from": str(tmp), "runs_kept": len(kept["runs"]), "dates": kept.get("dates", [])}
     gpus = prov["device"]["gpus"]
     result.update(device=gpus[0] if gpus and not a.cpu else "cpu", vllm=prov["device"]["versions"].get("vllm"))
     slug = "cpu" if a.cpu or not gpus else gpus[0].lower().replace("nvidia ", "").replace(" ", "-")
     out = a.out / f"tool_learning_{slug}.json"
     for seed in (int(s) for s in a.seeds.split(",")):
         arms = [arm for arm in ARMS if arm in a.arms.split(",")]
-        for arm in arms if seed % 2 == 0 else arms[::-1]:
-            result["runs"].append(grpo(a, tmp, tmp / arm, arm, data, seed, a.grpo_steps, a.lr))
+        todo = [arm for arm in (arms if seed % 2 == 0 else arms[::-1]) + (["trl-tools"] if a.trl_python else [])
+                if not any(r["arm"] == arm and r["seed"] == seed and r["exit_code"] == 0 for r in result["runs"])]
+        for arm in todo:
+            ran = trl(a, tmp, tmp / "tools", data, seed) if arm == "trl-tools" else \
+                grpo(a, tmp, tmp / arm, arm, data, seed, a.grpo_steps, a.lr)
+            result["runs"].append(ran)
             result["summary"] = summary(result["runs"], a.grpo_steps)
             harness.write_result(out, result)
-        if a.trl_python:
-            result["runs"].append(trl(a, tmp, tmp / "tools", data, seed))
-            result["summary"] = summary(result["runs"], a.grpo_steps)
-            harness.write_result(out, result)
+            if a.work:
+                keep(a, tmp, result)
     print(json.dumps(result["summary"], indent=1))
     return 0 if all(r["exit_code"] == 0 for r in result["runs"]) else 1
 
