@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import tool_learning as m
@@ -99,3 +101,19 @@ def test_trl_gets_the_trajectory_budget_left_after_the_longest_prompt_with_the_t
     assert prompt > 200  # the tool's schema is in it, one token per byte
     assert m.completion_budget(tok, [short, long, short]) == m.MAX_TRAJECTORY_TOKENS - prompt
     assert m.completion_budget(tok, [short]) == m.MAX_TRAJECTORY_TOKENS - prompt + 2  # two digits shorter
+
+
+def test_work_keeps_the_runs_for_a_later_call_with_the_same_settings_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["tool_learning.py", "--out", str(tmp_path), "--work", str(tmp_path / "w"),
+                                      "--grpo-steps", "20"])
+    a = m.arguments()
+    assert m.resumed(a, tmp_path) is None  # nothing kept yet
+    run = {"arm": "tools", "seed": 0, "exit_code": 0, "eval": [], "steps": []}
+    m.keep(a, tmp_path, {"supervised": {"tools": {"steps": 5}}, "runs": [run], "date": "2026-12-07T19:00:00"})
+    m.keep(a, tmp_path, {"supervised": {"tools": {"steps": 5}}, "runs": [run], "date": "2026-12-07T20:00:00"})
+    kept = m.resumed(a, tmp_path)
+    assert kept["runs"] == [run] and kept["supervised"]["tools"]["steps"] == 5
+    assert kept["dates"] == ["2026-12-07T19:00:00", "2026-12-07T20:00:00"]  # every call that added to it
+    a.grpo_steps, a.lr = 40, 1e-5
+    with pytest.raises(SystemExit, match=r"other settings \(grpo_steps, lr\)"):
+        m.resumed(a, tmp_path)
