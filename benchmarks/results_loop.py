@@ -57,15 +57,20 @@ def read_learning(doc: Doc) -> list[Row]:
 
 
 def read_tool_learning(doc: Doc) -> list[Row]:
-    """``tool_learning.py``: per arm (the python tool, single turn) the held-out accuracy after the last step, the
-    median over seeds (the summary's ``tools_accuracy`` / ``single_turn_accuracy``); for an arm whose runs all
-    stopped early (their time limit, exit 124, or a failure), its last eval, the step it was taken at and why."""
+    """``tool_learning.py``: per arm (the python tool, single turn, TRL's GRPOTrainer with the tool) the held-out
+    accuracy after the last step, the median over seeds (the summary's ``tools_accuracy`` /
+    ``single_turn_accuracy`` / ``trl_tools_accuracy``); for an arm whose runs all stopped early (their time limit,
+    exit 124, or a failure), its last eval, the step it was taken at and why. The tools checkpoint's accuracy
+    before the first step is part of the configuration (runs from another checkpoint are another row)."""
     s, args = doc.get("summary"), doc.get("args")
     if not (isinstance(s, dict) and "tools_accuracy" in s and isinstance(args, dict) and doc.get("task")):
         return []
-    kind, rows = gpu_kind(doc.get("device")), []
+    kind, rows, start = gpu_kind(doc.get("device")), [], num(s.get("tools_accuracy_at_start"))
+    work = f"{doc['task']}, {s.get('grpo_steps')} GRPO steps" + (
+        f" from a tools checkpoint at {start:.3f}" if start is not None else "")
     for arm, key, side in (("tools", "tools_accuracy", "runtime, python tool"),
-                           ("single", "single_turn_accuracy", "runtime, single turn")):
+                           ("single", "single_turn_accuracy", "runtime, single turn"),
+                           ("trl-tools", "trl_tools_accuracy", "TRL GRPOTrainer, python tool")):
         trained = [r for r in doc.get("runs") or [] if isinstance(r, dict) and r.get("arm") == arm
                    and (num(r.get("learning_rate")) or 0) > 1e-9]
         runs = [r for r in trained if r.get("exit_code") == 0]
@@ -78,14 +83,13 @@ def read_tool_learning(doc: Doc) -> list[Row]:
             codes = sorted({r.get("exit_code") for r in trained}, key=str)
             why = "its time limit" if codes == [124] else f"exit {', '.join(map(str, codes))}"
             side += f" (stopped at step {max(len(r.get('steps') or []) for r in trained)}: {why})"
-        values = {"work": f"{doc['task']}, {s.get('grpo_steps')} GRPO steps",
+        values = {"work": work,
                   "model": f"{args.get('layers')}-layer chat decoder, hidden {args.get('hidden')}", "gpus": 1,
                   "kind": kind, "side": side, "outcome": outcome, "outcome_step": at,
                   "step_s": median_of([st.get("step_seconds") for r in runs for st in r.get("steps") or []
                                        if isinstance(st, dict)]),
                   "wall_s": median_of([r.get("wall_seconds") for r in runs]), "vllm": vllm_version(doc)}
-        rows.append(Row("learning", ("tool_learning", doc["task"], s.get("grpo_steps"), kind, side,
-                                     vllm_version(doc)), str(doc.get("date", ""))[:10], values,
+        rows.append(Row("learning", ("tool_learning", work, kind, side, vllm_version(doc)), str(doc.get("date", ""))[:10], values,
                         str(doc.get("command", ""))))
     return rows
 
