@@ -23,6 +23,10 @@ def abort_one(name):
     actor = ray.remote(cls).options(num_cpus=0, runtime_env={"env_vars": env}).remote(EngineOptions(kw, env))
     ray.get(actor.ready.remote(), timeout=300)
     call = actor.generate.remote([[3, 4, 5]], {"n": 1, "max_tokens": 80, "temperature": 1.0, "seed": 0})
+    deadline = time.monotonic() + 60  # the engine has taken the request (Ray may start an async actor's calls
+    while ray.get(actor.requests_live.remote(), timeout=30) < 1:  # out of order: pause could come first)
+        assert time.monotonic() < deadline, "the generate call's request never reached the engine"
+        time.sleep(0.01)
     ray.get(actor.pause.remote(after_tokens=2), timeout=120)  # the request live and frozen, as during a sync
     cancel_call(call)  # what the multi-turn rollout does for a dropped group's turn
     try:

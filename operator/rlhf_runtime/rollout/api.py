@@ -116,6 +116,10 @@ class PausableEngine(RolloutEngine, Protocol):
         partial rollout's dropped group), each aborted in vLLM at once rather than run to its end."""
         ...
 
+    def requests_live(self) -> int:
+        """How many requests the engine has taken and not yet ended (running, queued or paused)."""
+        ...
+
 
 @runtime_checkable
 class AdapterEngine(RolloutEngine, Protocol):

@@ -164,6 +164,10 @@ class AsyncEngineBase(EngineBase):
         partial rollout's dropped group)."""
         return self.aborted
 
+    async def requests_live(self) -> int:
+        """How many requests this engine has taken and not yet ended (running, queued or paused)."""
+        return len(self._live)
+
     async def _start_update(self) -> None:
         """vLLM's ``start_weight_update()`` on this engine."""
         raise NotImplementedError

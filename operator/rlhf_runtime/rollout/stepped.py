@@ -281,11 +281,17 @@ class SteppedEngine(AsyncEngineBase):
         from vllm.sampling_params import RequestOutputKind
 
         sp = SamplingParams(detokenize=False, output_kind=RequestOutputKind.CUMULATIVE, **sampling)
-        added = await self._call(self._add, prompts, sp)
+        add = self._submit(lambda: self._add(prompts, sp))
+
+        def abort_added() -> None:  # on the engine thread, after the add (commands run in order)
+            if add.exception() is None:
+                self._abort([rid for rid, _ in add.result()])
+
         try:
+            added = await asyncio.shield(asyncio.wrap_future(add))
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for _, f in added)))
-        except asyncio.CancelledError:  # the call was cancelled (ray.cancel): its requests end in the engine
-            self._submit(lambda: self._abort([rid for rid, _ in added]))
+        except asyncio.CancelledError:  # the call was cancelled (ray.cancel): its requests end in the engine,
+            self._submit(abort_added)  # also where the cancel came while the add was still queued or running
             raise
 
     async def pause(self, after_tokens: int = 0) -> None:
