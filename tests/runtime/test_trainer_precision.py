@@ -33,6 +33,7 @@ pytestmark = pytest.mark.runtime
 WORKER = r"""
 import json, sys
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from rlhf_runtime.roles.options import TrainerOptions
 from rlhf_runtime.roles.policy import Trainer
 from rlhf_testing.ranks import exit_rank
@@ -95,6 +96,9 @@ for i, (name, cfg, steps) in enumerate(runs):
                      "masters": len(t.master.pairs) if t.master is not None else None,
                      "export": export, "loaded": loaded,
                      "compiled": [getattr(l, "_compiled_call_impl", None) is not None for l in t.decoder_layers()],
+                     # compiled versions of the decoder layer's forward after micro-batches of several shapes
+                     "variants": len(_debug_get_cache_entry_list(type(t.decoder_layers()[0]).forward.__code__))
+                     if t.options.trainer.compile else None,
                      # FSDP2 re-shards a layer after its forward unless reshard_after_forward is false
                      "kept": [l._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
                               for l in t.decoder_layers()] if world == 2 else None}
@@ -178,11 +182,15 @@ def test_bfloat16_with_master_weights_updates_like_float32(trained: dict) -> Non
 
 def test_compiled_layers_under_fsdp2_update_like_one_eager_worker(trained: dict) -> None:
     """``trainer.compile``: the decoder layers through torch.compile (Inductor, CPU here; compiled before FSDP2
-    wraps them) make the same update as one eager worker, on two FSDP2 ranks with unequal shares. (One compiled
+    wraps them, once for every micro-batch shape) make the same update as one eager worker, on two FSDP2 ranks with unequal shares. (One compiled
     GPU worker: the same losses as eager in ``benchmarks/train_step.py``.)"""
     ranks = trained["ranks"]
     assert all(r["two-compiled"]["compiled"] == [True, True] and r["two"]["compiled"] == [False, False]
                for r in ranks), ranks
+    # micro-batches of several lengths and sequence counts, compiled once with gradients (training) and once
+    # without (the log-probabilities): no recompilation per shape
+    assert all(r["two-compiled"]["micro"] > 1 and r["two-compiled"]["variants"] == 2 for r in ranks), \
+        [(r["two-compiled"]["micro"], r["two-compiled"]["variants"]) for r in ranks]
     u = trained["updates"]
     assert float(u["one"].abs().max()) > 1e-4
     rel = float((u["two-compiled"] - u["one"]).norm() / u["one"].norm())

@@ -244,13 +244,15 @@ class FSDPWorker(offload.StateOnHost):
 
     def shard(self) -> None:
         """``trainer.compile``: each decoder layer through ``torch.compile`` first (per block, before FSDP2 wraps
-        it, as torchtitan does). FSDP2 over several workers: ``fully_shard`` of each decoder layer (kept gathered
+        it, as torchtitan does; with dynamic shapes). FSDP2 over several workers: ``fully_shard`` of each decoder layer (kept gathered
         from forward to backward with ``trainer.reshardAfterForward`` false), then of ``fsdp_root``; with master
         weights, computing in ``model.dtype`` over float32 shards
         (``precision.fsdp_policy``)."""
         if self.options.trainer.compile:
             for layer in self.decoder_layers():
-                layer.compile()
+                # for any packed length and sequence count at once: compiled for the first micro-batch's shapes,
+                # each new one would recompile (seconds each, and past torch's recompile limit the layer runs eager)
+                layer.compile(dynamic=True)
         if self.world_size == 1:
             return
         from torch.distributed.fsdp import fully_shard
