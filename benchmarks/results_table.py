@@ -49,6 +49,10 @@ EXCLUDED: dict[str, str] = {
     "`pooled_rounds_1-4_7-9.json`",
     "learning/h100-2026-12-07-loop-vs-trl-rounds-7-9/trl_peer.json": "rounds 7-9 alone: pooled with rounds 1-4 in "
     "`pooled_rounds_1-4_7-9.json` beside it",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-7-9/pooled_rounds_1-4_7-9.json": "pooled again with round 10 in "
+    "`../h100-2026-12-07-loop-vs-trl-round-10/pooled_rounds_1-4_7-10.json`",
+    "learning/h100-2026-12-07-loop-vs-trl-round-10/trl_peer.json": "round 10 alone: pooled with rounds 1-4 and 7-9 "
+    "in `pooled_rounds_1-4_7-10.json` beside it",
 }
 
 _LIKE = ("against a bare `vllm.LLM` with the same settings the 1.7B rollout is -9.6% (-25.3 .. +3.8) over 9 rounds "
