@@ -148,9 +148,7 @@ def varlen_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     length = query.shape[2]
     if cu is None:
         cu = torch.tensor([0, length], dtype=torch.int32, device=query.device)
-    max_len = kwargs.get("max_length_q")  # not int(): under trainer.compile that would fix the graph to one value
-    if max_len is None:
-        max_len = length
+    max_len = int(kwargs.get("max_length_q") or length)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [L, heads, head_dim]
     if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
         # trainer.autocast: float32 weights and residual stream, so the rotary embedding left q and k in float32;

@@ -251,7 +251,7 @@ class FSDPWorker(offload.StateOnHost):
         if self.options.trainer.compile:
             for layer in self.decoder_layers():
                 # for any packed length and sequence count at once: compiled for the first micro-batch's shapes,
-                # each new one would recompile (seconds each, and past torch's recompile limit the layer runs eager)
+                # each input that later varies (length, sequence count, longest sequence) recompiles, seconds each
                 layer.compile(dynamic=True)
         if self.world_size == 1:
             return
