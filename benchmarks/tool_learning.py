@@ -28,6 +28,7 @@ last step, median over seeds), with TRL ``trl_tools_accuracy`` and both sides' s
 agent's figures (turns, tool calls, faults, each step's rollout and train seconds), the supervised histories.
 
     . benchmarks/gpu_env.sh && python3 benchmarks/tool_learning.py --out $OUT [--trl-python python3]  # one GPU
+        [--work DIR]  # keeps checkpoints and runs there: a later call with the same settings adds what is missing
     python3 benchmarks/tool_learning.py --cpu --out /tmp/tool-learning \
         [--trl-python /opt/trl-venv/bin/python --trl-no-vllm]                                  # smoke test on CPU
 
