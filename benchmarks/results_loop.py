@@ -89,8 +89,8 @@ def read_tool_learning(doc: Doc) -> list[Row]:
                   "step_s": median_of([st.get("step_seconds") for r in runs for st in r.get("steps") or []
                                        if isinstance(st, dict)]),
                   "wall_s": median_of([r.get("wall_seconds") for r in runs]), "vllm": vllm_version(doc)}
-        rows.append(Row("learning", ("tool_learning", work, kind, side, vllm_version(doc)), str(doc.get("date", ""))[:10], values,
-                        str(doc.get("command", ""))))
+        rows.append(Row("learning", ("tool_learning", work, kind, side, vllm_version(doc)),
+                        str(doc.get("date", ""))[:10], values, str(doc.get("command", ""))))
     return rows
 
 

@@ -182,8 +182,8 @@ def test_bfloat16_with_master_weights_updates_like_float32(trained: dict) -> Non
 
 def test_compiled_layers_under_fsdp2_update_like_one_eager_worker(trained: dict) -> None:
     """``trainer.compile``: the decoder layers through torch.compile (Inductor, CPU here; compiled before FSDP2
-    wraps them, once for every micro-batch shape) make the same update as one eager worker, on two FSDP2 ranks with unequal shares. (One compiled
-    GPU worker: the same losses as eager in ``benchmarks/train_step.py``.)"""
+    wraps them, once for every micro-batch shape) make the same update as one eager worker, on two FSDP2 ranks
+    with unequal shares. (One compiled GPU worker: the same losses as eager in ``benchmarks/train_step.py``.)"""
     ranks = trained["ranks"]
     assert all(r["two-compiled"]["compiled"] == [True, True] and r["two"]["compiled"] == [False, False]
                for r in ranks), ranks

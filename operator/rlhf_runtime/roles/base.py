@@ -244,9 +244,9 @@ class FSDPWorker(offload.StateOnHost):
 
     def shard(self) -> None:
         """``trainer.compile``: each decoder layer through ``torch.compile`` first (per block, before FSDP2 wraps
-        it, as torchtitan does; with dynamic shapes). FSDP2 over several workers: ``fully_shard`` of each decoder layer (kept gathered
-        from forward to backward with ``trainer.reshardAfterForward`` false), then of ``fsdp_root``; with master
-        weights, computing in ``model.dtype`` over float32 shards
+        it, as torchtitan does; with dynamic shapes). FSDP2 over several workers: ``fully_shard`` of each decoder
+        layer (kept gathered from forward to backward with ``trainer.reshardAfterForward`` false), then of
+        ``fsdp_root``; with master weights, computing in ``model.dtype`` over float32 shards
         (``precision.fsdp_policy``)."""
         if self.options.trainer.compile:
             for layer in self.decoder_layers():
