@@ -348,7 +348,7 @@ SAME = ("digits", "hidden", "layers", "seed", "sft_lr", "sft_batch", "sft_target
 
 def keep(a: argparse.Namespace, work: Path, result: dict[str, Any]) -> None:
     """What a later call with ``--work`` resumes from: the settings, the supervised phase, the runs made so far."""
-    dates = (resumed(a, work) or {}).get("dates", [])
+    dates = result.get("resumed", {}).get("dates", [])  # the earlier calls', as this call read them at its start
     (work / "kept.json").write_text(json.dumps({
         "settings": {k: getattr(a, k) for k in SAME}, "supervised": result["supervised"], "runs": result["runs"],
         "dates": sorted(set(dates + [result["date"]]))}, indent=1))

@@ -110,7 +110,9 @@ def test_work_keeps_the_runs_for_a_later_call_with_the_same_settings_only(tmp_pa
     assert m.resumed(a, tmp_path) is None  # nothing kept yet
     run = {"arm": "tools", "seed": 0, "exit_code": 0, "eval": [], "steps": []}
     m.keep(a, tmp_path, {"supervised": {"tools": {"steps": 5}}, "runs": [run], "date": "2026-12-07T19:00:00"})
-    m.keep(a, tmp_path, {"supervised": {"tools": {"steps": 5}}, "runs": [run], "date": "2026-12-07T20:00:00"})
+    first = m.resumed(a, tmp_path)  # a second call, as main() resumes it
+    m.keep(a, tmp_path, {"supervised": first["supervised"], "runs": first["runs"], "date": "2026-12-07T20:00:00",
+                         "resumed": {"dates": first["dates"]}})
     kept = m.resumed(a, tmp_path)
     assert kept["runs"] == [run] and kept["supervised"]["tools"]["steps"] == 5
     assert kept["dates"] == ["2026-12-07T19:00:00", "2026-12-07T20:00:00"]  # every call that added to it

@@ -250,8 +250,8 @@ class FSDPWorker(offload.StateOnHost):
         (``precision.fsdp_policy``)."""
         if self.options.trainer.compile:
             for layer in self.decoder_layers():
-                # for any packed length and sequence count at once: compiled for the first micro-batch's shapes,
-                # each input that later varies (length, sequence count, longest sequence) recompiles, seconds each
+                # packed rows vary in length, sequence count and longest sequence: compiled for fixed shapes, a
+                # layer would recompile (seconds each) the first time each of them changes
                 layer.compile(dynamic=True)
         if self.world_size == 1:
             return
