@@ -6,7 +6,8 @@ colocated placement with sleeping engines, float32 master weights, gradient chec
 ``--prompts`` prompts x 8 samples of up to ``maxTokens`` tokens (a random model rarely samples its end token, so
 nearly every sample runs to the limit). A variant is ``NAME:UTIL:OFFLOAD:MAX_TOKENS:STEPS[:FLAGS]`` (OFFLOAD: the
 ``trainer.offloadDuringRollout`` value; FLAGS, comma-separated: ``graphs`` for CUDA graphs in the engine instead of
-``enforceEager``, ``compile`` for ``trainer.compile``, ``fp8kv`` for ``rollout.kvCacheDtype: fp8``). Per run it
+``enforceEager``, ``compile`` for ``trainer.compile``, ``fp8kv`` for ``rollout.kvCacheDtype: fp8``, ``nockpt`` for
+no gradient checkpointing at 16k-token micro-batches). Per run it
 keeps the exit code, the Failed message, the memory plan (the progress file's actors record), and per step the
 step / rollout / train / sync seconds, rollout tokens/s, the trainer's memory (peak allocated in the step,
 allocated and reserved after it) and the offload's seconds and GiB.
@@ -47,8 +48,9 @@ def job(model: Path, name: str, util: float, offload: str, max_tokens: int, step
     return {
         "model": {"name": str(model), "dtype": "bfloat16" if gpu else "float32"},
         "image": "local",
-        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "gradientCheckpointing": True,
-                    "maxTokensPerMicroBatch": 32768 if gpu else 256, "offloadDuringRollout": offload,
+        "trainer": {"replicas": 1, "gpusPerReplica": 1 if gpu else 0, "gradientCheckpointing": "nockpt" not in flags,
+                    "maxTokensPerMicroBatch": (16384 if "nockpt" in flags else 32768) if gpu else 256,
+                    "offloadDuringRollout": offload,
                     "compile": "compile" in flags, "resources": {"memory": "100Gi"}},
         "rollout": {"engines": 1, "gpuMemoryUtilization": util, "enforceEager": "graphs" not in flags,
                     "kvCacheDtype": "fp8" if "fp8kv" in flags else "auto", "maxModelLen": max_tokens + 256,
@@ -68,7 +70,7 @@ TRAIN_KEYS = ("gpu_peak_allocated_gib", "gpu_allocated_gib", "gpu_reserved_gib",
               "offload_gib", "reload_s", "train_s")
 
 
-FLAGS = frozenset({"graphs", "compile", "fp8kv"})
+FLAGS = frozenset({"graphs", "compile", "fp8kv", "nockpt"})
 
 
 def snake(k: str) -> str:

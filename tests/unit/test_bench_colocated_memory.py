@@ -32,8 +32,12 @@ def test_the_decode_floor_reads_every_live_context_once_a_step_and_the_weights_o
 
 
 def test_a_variant_with_an_unknown_flag_is_refused_with_the_flags_it_knows(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="unknown flags \\['fp4'\\].*compile, fp8kv, graphs"):
+    with pytest.raises(SystemExit, match="unknown flags \\['fp4'\\].*compile, fp8kv, graphs, nockpt"):
         m.run(SimpleNamespace(), tmp_path, tmp_path, "x:0.5:never:1024:3:graphs,fp4")
     spec = m.job(tmp_path, "x", 0.5, "never", 1024, 3, 16, True, frozenset({"fp8kv"}))
     assert spec["rollout"]["kvCacheDtype"] == "fp8"
     assert m.job(tmp_path, "x", 0.5, "never", 1024, 3, 16, True)["rollout"]["kvCacheDtype"] == "auto"
+    plain = m.job(tmp_path, "x", 0.5, "never", 1024, 3, 16, True)["trainer"]
+    nockpt = m.job(tmp_path, "x", 0.5, "never", 1024, 3, 16, True, frozenset({"nockpt"}))["trainer"]
+    assert (plain["gradientCheckpointing"], plain["maxTokensPerMicroBatch"]) == (True, 32768)
+    assert (nockpt["gradientCheckpointing"], nockpt["maxTokensPerMicroBatch"]) == (False, 16384)
