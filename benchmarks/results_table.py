@@ -53,6 +53,14 @@ EXCLUDED: dict[str, str] = {
     "`../h100-2026-12-07-loop-vs-trl-round-10/pooled_rounds_1-4_7-10.json`",
     "learning/h100-2026-12-07-loop-vs-trl-round-10/trl_peer.json": "round 10 alone: pooled with rounds 1-4 and 7-9 "
     "in `pooled_rounds_1-4_7-10.json` beside it",
+    "learning/h100-2026-12-07-loop-vs-trl-round-10/pooled_rounds_1-4_7-10.json": "pooled again with rounds 11-12 in "
+    "`../h100-2026-12-07-loop-vs-trl-rounds-11-12/pooled_rounds_1-4_7-12.json`",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-11-12/round*/*": "one round each: merged in that folder's "
+    "`trl_peer.json`",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-11-12/trl_peer.json": "rounds 11-12 alone (2 rounds): pooled "
+    "with rounds 1-4 and 7-10 in `pooled_rounds_1-4_7-12.json` beside it",
+    "learning/h100-2026-12-07-loop-vs-trl-rounds-11-12/cold-call/*": "a call whose runs were killed at its 190 s "
+    "limit on a fresh machine (no step measured on either side)",
 }
 
 _LIKE = ("against a bare `vllm.LLM` with the same settings the 1.7B rollout is -9.6% (-25.3 .. +3.8) over 9 rounds "
@@ -65,6 +73,9 @@ NOTES: list[tuple[str, str | None, str]] = [
     ("rollout/vllm0.33/h200-2026-11-29-overhead/overhead-8b*.json", "`vllm.LLM`, vLLM's defaults",
      ("Against vLLM's defaults (its engine core in a process of its own); no 8B run against the runtime's own "
      "settings in a plain process was made.")),
+    ("learning/h100-2026-12-07-loop-vs-trl-rounds-11-12/pooled_rounds_1-4_7-12.json", None,
+     "10 interleaved rounds on three H100 machines; rounds 1-4 and 7-10 ran the trainer compiled for the first "
+     "shapes (recompiled for new ones), rounds 11-12 with dynamic shapes."),
     ("trainer/h100-2026-12-06-suite/train_arms_compile.json", None,
      ("Peak GiB is not the step's peak: the trainer resets the allocator's peak at the end of its step, so "
       "`train_arms.py` read what stays allocated after it (the state, 22.5 GiB); the step's own peak at this shape "
