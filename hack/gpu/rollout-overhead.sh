@@ -3,7 +3,8 @@
 # one GPU (nvidia-h200) after staging vLLM 0.33 (python3 hack/gpu-stage.py --vllm 0.33.0 --image-packages
 # hack/gpu/image-freeze.txt --kind nvidia-h200 --print-commands: the calls to make, the last one installs). Usage,
 # from the repository root, one part per device call:
-#     T0=<the call's start, Unix seconds> [LIMIT=560] [WAYS=...] bash hack/gpu/rollout-overhead.sh PART  # 8b | 1.7b
+#     T0=<the call's start, Unix seconds> [LIMIT=560] [WAYS=...] [SITE=...] bash hack/gpu/rollout-overhead.sh PART
+# (PART: 8b | 1.7b | 1.7b-4k; SITE: where the staging installed vLLM, default /tmp/site-0.33.0)
 # (WAYS: the part's other ways instead of its own, e.g. WAYS=bare_default for the most rounds of that comparison)
 # Both parts: layout colocated-ipc-resident (trainer and engine on the one GPU, the engine awake), CUDA graphs (the
 # API's default), the benchmark's batch (64 prompts x 8 samples x 128 tokens, temperature 1), rounds until
@@ -13,6 +14,9 @@
 #         engine and the bare one both get 0.3 of the GPU: the same KV cache.
 #   1.7b: the Qwen3-1.7B shape: ways runtime, in_actor, bare (the runtime's engine settings in a plain process:
 #         the like-for-like comparison), bare_default; every engine at 0.2 of the GPU.
+#   1.7b-4k: the same shape at the loop's lengths (16 prompts x 8 samples of up to 4,096 tokens): ways runtime and
+#         bare, both engines at 0.25 of the GPU and the trainer without float32 masters (the same KV cache each:
+#         the batch runs in waves where the share holds fewer than 128 sequences). A round is ~2 minutes.
 # Writes $OUT/overhead-PART.json and $OUT/overhead-PART.log.gz (the rounds so far where the run has not ended).
 # Every engine's compile before the rounds takes 60-120 s, so a call holds 10-35 rounds. One run can last a whole
 # session instead (one start, ~160 rounds at 8B in 1,450 s):
@@ -24,7 +28,7 @@ set -u
 part=${1:?usage: T0=... bash hack/gpu/rollout-overhead.sh 8b|1.7b|watch}
 T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-560}
-. benchmarks/gpu_env.sh /tmp/site-0.33.0
+. benchmarks/gpu_env.sh ${SITE:-/tmp/site-0.33.0}
 clear_device
 rm -f /tmp/ray/ray_current_cluster
 collect() {  # $1: the part; the run's JSON as it stands (complete or the rounds so far) and its log into $OUT
@@ -48,6 +52,9 @@ case $part in
             --spec-json '{"trainer": {"masterWeights": "none"}}') ;;
   1.7b) args=(--model qwen3-1.7b --ways ${WAYS:-in_actor,bare,bare_default} --bare-memory 0.2
               --spec-json '{"rollout": {"gpuMemoryUtilization": 0.2}}') ;;
+  1.7b-4k) args=(--model qwen3-1.7b --ways ${WAYS:-bare} --bare-memory 0.25 --prompts 16 --max-tokens 4096
+                 --spec-json '{"rollout": {"gpuMemoryUtilization": 0.25, "maxModelLen": 4160},
+                             "trainer": {"masterWeights": "none"}}') ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 # BACKGROUND=<seconds after T0>: one run that outlives this call (its own process session), rounds until T0 +
@@ -56,7 +63,8 @@ esac
 end=$(( T0 + ${BACKGROUND:-$LIMIT} - 45 ))
 rm -f /tmp/overhead-$part.rc /tmp/overhead-$part.json
 echo "part $part: rounds until $(( end - $(date +%s) )) s from now"
-cmd=(python3 benchmarks/rollout_overhead.py --kind nvidia-h200 --layout colocated-ipc-resident --graphs
+kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+cmd=(python3 benchmarks/rollout_overhead.py --kind "$kind" --layout colocated-ipc-resident --graphs
      --rounds 1000 --until $end --timeout 300 --write-every-round "${args[@]}" --out /tmp/overhead-$part.json)
 if [ -n "${BACKGROUND:-}" ]; then
   setsid bash -c 'timeout -k 10 $(( $1 + 35 - $(date +%s) )) "${@:3}" > /tmp/overhead-$2.log 2>&1; echo $? > /tmp/overhead-$2.rc' \
