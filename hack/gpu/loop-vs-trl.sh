@@ -12,7 +12,8 @@
 #         --kind nvidia-h100-x1 --print-commands
 # then, from the repository root, one device call per round (the first after the install, in the same call):
 #     ORDER=ours-first bash hack/gpu/loop-vs-trl.sh      # then ORDER=peers-first, ...
-# Leaves trl_peer.json, run.log, nvidia-smi.txt and the runs' logs (logs.tgz) in $OUT.
+# RUN_TIMEOUT (default 280): seconds a side may run; on a fresh machine (empty compile caches) each side's first run
+# needs more than 190 s. Leaves trl_peer.json, run.log, nvidia-smi.txt and the runs' logs (logs.tgz) in $OUT.
 set -u
 . benchmarks/gpu_env.sh /tmp/site-0.31.0
 one_gpu_call /tmp/site-0.31.0 $OUT
