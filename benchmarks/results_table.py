@@ -74,8 +74,8 @@ NOTES: list[tuple[str, str | None, str]] = [
      ("Against vLLM's defaults (its engine core in a process of its own); no 8B run against the runtime's own "
      "settings in a plain process was made.")),
     ("learning/h100-2026-12-07-loop-vs-trl-rounds-11-12/pooled_rounds_1-4_7-12.json", None,
-     "10 interleaved rounds on three H100 machines; rounds 1-4 and 7-10 ran the trainer compiled for the first "
-     "shapes (recompiled for new ones), rounds 11-12 with dynamic shapes."),
+     ("10 interleaved rounds on three H100 machines; rounds 1-4 and 7-10 ran the trainer compiled for the first "
+      "shapes (recompiled for new ones), rounds 11-12 with dynamic shapes.")),
     ("trainer/h100-2026-12-06-suite/train_arms_compile.json", None,
      ("Peak GiB is not the step's peak: the trainer resets the allocator's peak at the end of its step, so "
       "`train_arms.py` read what stays allocated after it (the state, 22.5 GiB); the step's own peak at this shape "

@@ -166,21 +166,23 @@ def test_dead_engines_and_trainer_are_repaired_in_the_run_and_the_job_succeeds(t
     2. engine 0 killed while the trainer trains: the next weight sync finds it dead; it is replaced, and so is
        engine 1, stuck in that sync's collective; the step runs again from its sync (no rollout lost);
     3. the trainer killed: every rank restarts from the newest checkpoint and the step counter continues from it.
+
+    The job asks for more steps than the faults can take; once the third repair has run a step, a live edit of
+    ``algorithm.steps`` ends the run a few steps later (the first kill may need many rollouts to land in).
     """
     ckpt_dir = tmp_path / "ckpt"
     # Two engines, long samples: a rollout (0.5-1.5 s) takes far longer than a sync, so the first kill lands while
-    # generating; training on them takes a while too, so the second lands while the trainer trains. 20 steps: on a
-    # quiet machine a step takes about 1 s, and the first kill may need several rollouts to land in.
-    steps = 20
+    # generating; training on them takes a while too, so the second lands while the trainer trains.
     spec = job_config(
-        tiny_model, algorithm={"steps": steps, "promptsPerStep": 8}, rollout={
+        tiny_model, algorithm={"steps": 500, "promptsPerStep": 8}, rollout={
             "engines": 2, "maxModelLen": 200,
             "sampling": {"temperature": 1.0, "maxTokens": 150, "samplesPerPrompt": 8}},
         checkpoint={"volume": "ckpt", "path": str(ckpt_dir), "everyNSteps": 2},
         volumes=[{"name": "ckpt", "emptyDir": {}}],
     )
     cfg = write_config(tmp_path / "job.json", spec)
-    run = start_driver(tmp_path, cfg)
+    api = JobAPI("tiny", "default", "uid-1", served_spec(cfg))
+    run = start_reporting_driver(tmp_path, cfg, api)
 
     def recoveries() -> list[dict[str, Any]]:
         return [r["recovery"] for r in run.records() if "recovery" in r]
@@ -213,9 +215,14 @@ def test_dead_engines_and_trainer_are_repaired_in_the_run_and_the_job_succeeds(t
         os.kill(victim_t, signal.SIGKILL)
         newest = ckpt.latest(ckpt_dir)
         assert newest is not None
+        wait_for(lambda: len(recoveries()) >= 3, timeout=180, what="the third recovery", interval=0.05)
+        wait_steps(run, len(run.steps()) + 1, timeout=120)
+        steps = run.steps()[-1]["step"] + 4  # adopted at the driver's next step boundary
+        api.edit(algorithm={"steps": steps})
         assert run.wait(timeout=300) == 0, run.tail()
     finally:
         run.kill_group()
+        api.close()
     records = run.records()
     recs = [r["recovery"] for r in records if "recovery" in r]
     assert len(recs) == 3, recs
