@@ -6,7 +6,7 @@
 #     T0=<the call's start, Unix seconds> [LIMIT=560] [WAYS=...] [SITE=...] bash hack/gpu/rollout-overhead.sh PART
 # (PART: 8b | 1.7b | 1.7b-4k; SITE: where the staging installed vLLM, default /tmp/site-0.33.0)
 # (WAYS: the part's other ways instead of its own, e.g. WAYS=bare_default for the most rounds of that comparison)
-# Both parts: layout colocated-ipc-resident (trainer and engine on the one GPU, the engine awake), CUDA graphs (the
+# Every part: layout colocated-ipc-resident (trainer and engine on the one GPU, the engine awake), CUDA graphs (the
 # API's default), the benchmark's batch (64 prompts x 8 samples x 128 tokens, temperature 1), rounds until
 # T0 + LIMIT - 45 s (the rest for the teardown and the results), every bare engine compiling its own model.
 #   8b:   the Qwen3-8B shape: ways runtime, in_actor, bare_default (vLLM as a user builds it: its engine core in a
@@ -16,7 +16,7 @@
 #         the like-for-like comparison), bare_default; every engine at 0.2 of the GPU.
 #   1.7b-4k: the same shape at the loop's lengths (16 prompts x 8 samples of up to 4,096 tokens): ways runtime and
 #         bare, both engines at 0.25 of the GPU and the trainer without float32 masters (the same KV cache each:
-#         the batch runs in waves where the share holds fewer than 128 sequences). A round is ~2 minutes.
+#         the batch runs in waves where the share holds fewer than 128 sequences): minutes a round.
 # Writes $OUT/overhead-PART.json and $OUT/overhead-PART.log.gz (the rounds so far where the run has not ended).
 # Every engine's compile before the rounds takes 60-120 s, so a call holds 10-35 rounds. One run can last a whole
 # session instead (one start, ~160 rounds at 8B in 1,450 s):
@@ -25,7 +25,7 @@
 # (the run is started in its own process session, which the device keeps while the machine is held; every call
 # brings back the JSON as it stands, rewritten after each round).
 set -u
-part=${1:?usage: T0=... bash hack/gpu/rollout-overhead.sh 8b|1.7b|watch}
+part=${1:?usage: T0=... bash hack/gpu/rollout-overhead.sh 8b|1.7b|1.7b-4k|watch}
 T0=${T0:-$(date +%s)}
 LIMIT=${LIMIT:-560}
 . benchmarks/gpu_env.sh ${SITE:-/tmp/site-0.33.0}
