@@ -7,7 +7,7 @@
 # (PART: 8b | 1.7b | 1.7b-4k; SITE: where the staging installed vLLM, default /tmp/site-0.33.0)
 # (WAYS: the part's other ways instead of its own, e.g. WAYS=bare_default for the most rounds of that comparison)
 # Every part: layout colocated-ipc-resident (trainer and engine on the one GPU, the engine awake), CUDA graphs (the
-# API's default), the benchmark's batch (64 prompts x 8 samples x 128 tokens, temperature 1), rounds until
+# API's default), the batch (64 prompts x 8 samples x 128 tokens, temperature 1, but 1.7b-4k's), rounds until
 # T0 + LIMIT - 45 s (the rest for the teardown and the results), every bare engine compiling its own model.
 #   8b:   the Qwen3-8B shape: ways runtime, in_actor, bare_default (vLLM as a user builds it: its engine core in a
 #         process of its own); the trainer without float32 masters (a rollout does not use them) so that the
