@@ -118,6 +118,10 @@ def read_peer(doc: Doc) -> list[Row]:
             "outcome_text": (f"{res.get('measured_steps')} steps over {res.get('runs')} interleaved runs; step "
                         f"{res.get('min_step_s'):.2f}-{res.get('max_step_s'):.2f} s" if res.get("runs") else None),
         }
+        by_round = overall.get(f"tokens_per_s_ratio_ours_to_{side}_by_round")
+        if isinstance(by_round, dict) and values["outcome_text"]:  # on the peer's row: ours / it, round by round
+            values["outcome_text"] += (f"; ours / {label} tokens/s by round {by_round['median']:.2f}x "
+                                       f"({by_round['min']:.2f}-{by_round['max']:.2f}x, {by_round['rounds']} rounds)")
         key = ("peer", model, kind, label, work.get("samples_per_step"), work.get("max_tokens"))
         rows.append(Row("learning", key, str(doc.get("date", "")), values, str(doc.get("command", ""))))
     return rows

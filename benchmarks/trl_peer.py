@@ -180,7 +180,8 @@ def pooled(rounds: list[dict[str, Any]], who: str, warmup: int, samples: int) ->
 
 
 def overall(rounds: list[dict[str, Any]], warmup: int, samples: int, peers: list[str]) -> dict[str, Any]:
-    """Every side pooled over ``rounds`` and the ratios ours / peer of samples/s and of generated tokens/s."""
+    """Every side pooled over ``rounds`` and the ratios ours / peer of samples/s and of generated tokens/s; beside
+    the pooled ratio, each round's own (both sides on the same machine in the same call): median, min, max."""
     out: dict[str, Any] = {who: pooled(rounds, who, warmup, samples) for who in ["ours", *peers]}
     for peer in peers:
         o, q = out["ours"], out[peer]
@@ -188,6 +189,12 @@ def overall(rounds: list[dict[str, Any]], warmup: int, samples: int, peers: list
             out[f"samples_per_s_ratio_ours_to_{peer}"] = o["samples_per_s"] / q["samples_per_s"]
             if "tokens_per_s_median" in o and "tokens_per_s_median" in q:
                 out[f"tokens_per_s_ratio_ours_to_{peer}"] = o["tokens_per_s_median"] / q["tokens_per_s_median"]
+        ratios = [a["tokens_per_s_median"] / b["tokens_per_s_median"] for r in rounds
+                  if (a := pooled([r], "ours", warmup, samples)) and (b := pooled([r], peer, warmup, samples))
+                  and "tokens_per_s_median" in a and "tokens_per_s_median" in b]
+        if ratios:
+            out[f"tokens_per_s_ratio_ours_to_{peer}_by_round"] = {
+                "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": len(ratios)}
     return out
 
 

@@ -28,3 +28,13 @@ def test_merging_a_merged_file_keeps_its_runs_commands_and_dates(tmp_path: Path)
     assert pooled["dates"][:4] == first["dates"] and pooled["date"] == pooled["dates"][-1]
     assert len(pooled["rounds"]) == len(first["rounds"]) + 3
     assert pooled["overall"]["ours"]["measured_steps"] == 3 * 7
+
+
+def test_the_ratio_of_each_round_is_kept_beside_the_pooled_one(tmp_path: Path) -> None:
+    rounds = [LEARNING / "h100-2026-12-07-loop-vs-trl-rounds-7-9" / f"round{i}" / "trl_peer.json" for i in (7, 8, 9)]
+    out = tmp_path / "pooled.json"
+    assert trl_peer.merge(list(map(str, rounds)), str(out), 1) == 0
+    by_round = json.loads(out.read_text())["overall"]["tokens_per_s_ratio_ours_to_trl_by_round"]
+    alone = [json.loads(r.read_text())["overall"]["tokens_per_s_ratio_ours_to_trl"] for r in rounds]
+    assert by_round["rounds"] == 3 and by_round["min"] == min(alone) and by_round["max"] == max(alone)
+    assert by_round["median"] == sorted(alone)[1] and by_round["min"] < by_round["max"]
